@@ -1,0 +1,120 @@
+"""Process-group set-up and collective helpers that are no-ops on one rank.
+
+Under `torchrun` the env vars RANK/WORLD_SIZE/MASTER_ADDR are set and we join a
+process group (nccl on CUDA, gloo on CPU), always with a timeout so a dead rank
+cannot hang the others forever. In a plain process (a notebook) nothing is
+initialised and every helper below acts on the single local rank.
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def is_dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if is_dist() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_dist() else 1
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def env_world_size() -> int:
+    """World size the launcher asked for (before the group exists)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def pick_device(requested: str = "auto") -> torch.device:
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
+    if requested == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def init(device: str = "auto", timeout_s: int = 300) -> torch.device:
+    """Join the launcher's process group if there is one; idempotent. Returns this rank's device."""
+    dev = pick_device(device)
+    if env_world_size() > 1 and not is_dist():
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    elif dev.type == "cuda" and not is_dist():
+        # A single GPU process (a notebook) still gets a 1-rank group, so bf16 mixed
+        # precision goes through the same FSDP2 path as a multi-GPU run.
+        torch.cuda.set_device(dev)
+        dist.init_process_group(backend="nccl", init_method=f"tcp://127.0.0.1:{free_port()}",
+                                rank=0, world_size=1, timeout=timedelta(seconds=timeout_s))
+    if dev.type == "cpu" and is_dist():
+        # torchrun sets OMP_NUM_THREADS=1; several ranks share the cores anyway.
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    return dev
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shutdown() -> None:
+    if is_dist():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if is_dist():
+        dist.barrier()
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks, in place and returned; identity on one rank."""
+    if is_dist():
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
+
+
+def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    if is_dist():
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x
+
+
+def all_gather_cat(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate equal-shaped tensors from all ranks along dim 0, in rank order."""
+    if not is_dist():
+        return x
+    parts = [torch.empty_like(x) for _ in range(world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=0)
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    if not is_dist():
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    if not is_dist():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

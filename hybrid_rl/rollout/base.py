@@ -1,0 +1,83 @@
+"""The rollout-engine contract, shared by every engine.
+
+An engine turns prompt token ids into completions and knows how to take fresh
+weights and give its memory back between rollouts. Engines are looked up by
+name and imported lazily, so GPU-only engines cost nothing where they are absent.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol, Sequence
+
+import torch
+
+TAGS = ("weights", "kv_cache")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    stop_token_ids: tuple[int, ...] = ()  # EOS is always a stop token
+    greedy: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}; use greedy=True for argmax decoding")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class Completion:
+    """One sampled continuation.
+
+    token_ids include the stop token when one was produced. logprobs[i] is the
+    log-probability of token_ids[i] under log_softmax(logits / temperature), before
+    top-k / top-p filtering (SGLang's convention).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+    prompt_index: int = -1
+    meta: dict = field(default_factory=dict)
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Completion]: ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def release(self, tags: Sequence[str]) -> None: ...
+
+    def resume(self, tags: Sequence[str]) -> None: ...
+
+
+_ENGINES = {
+    "native": "hybrid_rl.rollout.native:NativeEngine",
+}
+
+
+def engine_class(name: str) -> type:
+    """Resolve an engine by name, importing its module only now."""
+    if name not in _ENGINES:
+        raise ValueError(f"unknown rollout engine {name!r}; valid: {sorted(_ENGINES)}")
+    module, cls = _ENGINES[name].split(":")
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except ImportError as err:
+        raise ImportError(f"rollout engine {name!r} is not available here ({err}); "
+                          "install the GPU extra: pip install 'hybrid_rl[gpu]'") from err
+
+
+def check_tags(tags: Sequence[str]) -> None:
+    bad = [t for t in tags if t not in TAGS]
+    if bad:
+        raise ValueError(f"unknown memory tag(s) {bad}; valid: {list(TAGS)}")

@@ -1,0 +1,114 @@
+"""One policy update over a rollout batch: epochs x mini-batches x micro-batches.
+
+Legend: N sequences on this rank, L = P + T tokens (P prompt, T response).
+
+The loss normaliser of a mini-batch is global (summed over its micro-batches and
+over ranks) so gradient accumulation and data parallelism give the gradient of
+one big batch. FSDP2 averages gradients over ranks; the loss is multiplied by the
+world size to turn that average back into the sum the normaliser expects.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybrid_rl import distributed as D
+from hybrid_rl.algorithms.aggregation import aggregate_loss, normalizer_count
+from hybrid_rl.algorithms.kl import kl_estimate
+from hybrid_rl.algorithms.losses import compute_policy_loss
+from hybrid_rl.config import AlgorithmConfig
+from hybrid_rl.metrics import MeanAccumulator
+from hybrid_rl.models.logprobs import response_logprobs
+
+
+@dataclass
+class RolloutBatch:
+    """This rank's sequences with everything the loss needs (all on the compute device)."""
+
+    ids_NL: torch.Tensor
+    attn_NL: torch.Tensor
+    mask_NT: torch.Tensor  # float, 1 = response token in the loss
+    P: int
+    old_logp_NT: torch.Tensor
+    adv_N: torch.Tensor
+    ref_logp_NT: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.ids_NL.shape[0]
+
+
+def trimmed(b: RolloutBatch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of the batch cut to their longest response (padding columns cost compute)."""
+    mask = b.mask_NT[rows]
+    T = int(mask.sum(0).nonzero().max().item()) + 1 if mask.any() else 1
+    return b.ids_NL[rows, :b.P + T], b.attn_NL[rows, :b.P + T], mask[:, :T]
+
+
+@torch.no_grad()
+def score_logprobs(model: torch.nn.Module, ids_NL: torch.Tensor, attn_NL: torch.Tensor, P: int,
+                   temperature: float, micro_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logp_NT, entropy_NT of the response tokens, micro-batched; no gradients."""
+    logps, ents = [], []
+    for s in range(0, ids_NL.shape[0], micro_batch_size):
+        lp, ent = response_logprobs(model, ids_NL[s:s + micro_batch_size], attn_NL[s:s + micro_batch_size], P, temperature)
+        logps.append(lp)
+        ents.append(ent)
+    return torch.cat(logps), torch.cat(ents)
+
+
+def policy_update(
+    policy: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    batch: RolloutBatch,
+    algo: AlgorithmConfig,
+    temperature: float,
+    micro_batch_size: int,
+    grad_clip: float,
+    norm_length: int,
+    seed: int,
+) -> dict[str, float]:
+    W = D.world_size()
+    n_global = len(batch) * W
+    mb_local = (algo.mini_batch_size or n_global) // W
+    acc = MeanAccumulator()
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(algo.ppo_epochs):
+        order = torch.randperm(len(batch), generator=gen) if (algo.ppo_epochs > 1 or mb_local < len(batch)) else torch.arange(len(batch))
+        for m0 in range(0, len(batch), mb_local):
+            mini = order[m0:m0 + mb_local].to(batch.ids_NL.device)
+            local_norm = normalizer_count(batch.mask_NT[mini], algo.loss_agg)
+            denom = D.all_reduce_sum(torch.tensor([local_norm], dtype=torch.float64)).item()
+            mini_loss = 0.0
+            for u0 in range(0, len(mini), micro_batch_size):
+                rows = mini[u0:u0 + micro_batch_size]
+                ids, attn, mask = trimmed(batch, rows)
+                T = mask.shape[1]
+                logp, ent = response_logprobs(policy, ids, attn, batch.P, temperature)
+                loss_NT, pm = compute_policy_loss(
+                    algo.policy_loss, logp, batch.old_logp_NT[rows, :T], batch.adv_N[rows], mask,
+                    clip_ratio_low=algo.clip_ratio_low, clip_ratio_high=algo.clip_ratio_high, clip_ratio_c=algo.clip_ratio_c)
+                if algo.kl_coef > 0:
+                    kl_NT = kl_estimate(logp, batch.ref_logp_NT[rows, :T], algo.kl_estimator)
+                    loss_NT = loss_NT + algo.kl_coef * kl_NT
+                if algo.entropy_coef > 0:
+                    loss_NT = loss_NT - algo.entropy_coef * ent
+                loss = aggregate_loss(loss_NT, mask, algo.loss_agg, denom, norm_length=norm_length)
+                (loss * W).backward()
+                mini_loss += loss.item()
+                n_tok = float(mask.sum().item())
+                for k, v in pm.items():
+                    acc.add(f"actor/{k}", float(v) * n_tok, n_tok)
+            acc.add("actor/loss", mini_loss * W)  # every rank adds W x its share: the mean is the total
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
+            if not torch.isfinite(grad_norm):
+                raise FloatingPointError(f"gradient norm is {grad_norm.item()}; lower optim.lr or check the reward scale")
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            acc.add("actor/grad_norm", grad_norm.item())
+            acc.add("actor/lr", scheduler.get_last_lr()[0])
+    return acc.reduce()

@@ -1,0 +1,34 @@
+"""Packaging for hybrid_rl.
+
+torch is pinned in the set-up scripts (Makefile, .ci/run) *before* this package is
+installed, so the loose `torch>=2.6` below is already satisfied and never pulls a
+CUDA build on a CPU machine.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="hybrid_rl",
+    version="0.1.0",
+    description="Colocated hybrid-engine RL post-training (GRPO and relatives) for LLMs",
+    python_requires=">=3.10",
+    packages=find_packages(include=["hybrid_rl", "hybrid_rl.*"]) + ["hybrid_rl.kernels"],
+    # `kernels` is a top-level folder but must not be importable as `kernels`:
+    # transformers probes for the Hugging Face package of that name.
+    package_dir={"hybrid_rl.kernels": "kernels"},
+    install_requires=[
+        "torch>=2.6",
+        "transformers>=4.51",
+        "safetensors>=0.4",
+        "tokenizers>=0.21",
+        "omegaconf>=2.3",
+        "numpy>=1.26",
+        "tqdm>=4.66",
+        "matplotlib>=3.8",
+    ],
+    extras_require={
+        # sglang 0.5.21 pins torch==2.13.0, the torch we test with (0.5.23 moved to 2.14.1).
+        "gpu": ["sglang==0.5.21", "flash-attn>=2.7", "triton>=3.3"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "triton>=3.3"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "triton>=3.3", "ruff>=0.6"],
+    },
+)
