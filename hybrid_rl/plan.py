@@ -1,0 +1,198 @@
+"""Memory-planner CLI: ``python -m hybrid_rl.plan``.
+
+Examples::
+
+    python -m hybrid_rl.plan --model Qwen2.5-7B --gpus 8 --batch 256 --context 4096 \\
+        --gpu-mem-gb 80 --offload optimizer,ref
+    python -m hybrid_rl.plan --model path/to/config.json --gpus 8 --batch 64 --context 8192
+    python -m hybrid_rl.plan --params 70e9 --gpus 8 --batch 64 --context 4096 \\
+        [--layers 80 --kv-heads 8 --head-dim 128]
+
+Prints a table of roles x phases (GB = 1e9 bytes per GPU, and totals over all
+GPUs), whether each phase fits, a suggested offload line, and a JSON object as
+the last line.  Accounting rules: see ``hybrid_rl.planner``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Sequence
+
+from hybrid_rl.planner import (BUILTIN_ARCHS, DTYPE_BYTES, GB, OFFLOAD_FLAGS, PHASES, RESIDENCY, ROLES,
+                               MemoryPlan, ModelArch, load_arch, plan_memory, suggest_offload)
+
+
+def _pos_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {s!r}")
+    return v
+
+
+def _nonneg_int(s: str) -> int:
+    return 0 if s.strip() == "0" else _pos_int(s)
+
+
+def _pos_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {s!r}")
+    return v
+
+
+def _param_count(s: str) -> int:
+    v = _pos_float(s)
+    if v != int(v):
+        raise argparse.ArgumentTypeError(f"parameter count must be a whole number, got {s!r}")
+    return int(v)
+
+
+def _offload(s: str) -> dict[str, bool]:
+    names = [x.strip() for x in s.split(",") if x.strip()]
+    if names in ([], ["none"]):
+        return {}
+    if names == ["all"]:
+        return {f: True for f in OFFLOAD_FLAGS}
+    bad = [x for x in names if x not in OFFLOAD_FLAGS]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"unknown offload flag(s) {', '.join(bad)}; choose from {', '.join(OFFLOAD_FLAGS)}, 'all' or 'none'")
+    return {x: True for x in names}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m hybrid_rl.plan",
+        description="Per-GPU memory bill per role and phase for colocated GRPO training.",
+        epilog="built-in models: " + ", ".join(BUILTIN_ARCHS))
+    p.add_argument("--model", help="built-in name, path to a HF config.json, or a directory containing one")
+    p.add_argument("--params", type=_param_count,
+                   help="parameter count (e.g. 70e9); overrides the count of --model if both are given")
+    p.add_argument("--layers", type=_pos_int, help="layers (for the KV cache with --params)")
+    p.add_argument("--kv-heads", type=_pos_int, help="KV heads (for the KV cache with --params)")
+    p.add_argument("--head-dim", type=_pos_int, help="head dim (for the KV cache with --params)")
+    p.add_argument("--gpus", type=_pos_int, required=True, help="number of GPUs (FSDP shards over all)")
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
+    p.add_argument("--batch", type=_pos_int, required=True, help="sequences resident in the KV cache at once (all GPUs)")
+    p.add_argument("--context", type=_pos_int, required=True, help="prompt + response tokens per sequence")
+    p.add_argument("--gpu-mem-gb", type=_pos_float, default=80.0, help="GPU memory in GiB (default 80)")
+    p.add_argument("--tp", type=_pos_int, default=1, help="rollout tensor-parallel size (default 1)")
+    p.add_argument("--offload", type=_offload, default={},
+                   help=f"comma list of {','.join(OFFLOAD_FLAGS)} (or 'all' / 'none')")
+    p.add_argument("--reward-model", help="reward model: built-in name or HF config path")
+    p.add_argument("--reward-params", type=_param_count, help="reward model parameter count (instead of --reward-model)")
+    p.add_argument("--train-micro-batch", type=_nonneg_int, default=0,
+                   help="sequences per GPU per training micro-step; adds an activation ESTIMATE to train (0: off)")
+    return p
+
+
+def _gb(x: int) -> str:
+    return f"{x / GB:,.2f}"
+
+
+def _arch_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[ModelArch, ModelArch | None]:
+    if not args.model and args.params is None:
+        parser.error("give --model (name or config.json) or --params")
+    if args.model:
+        arch = load_arch(args.model)
+        if args.params is not None:
+            arch = dataclasses.replace(arch, num_params=args.params)
+    else:
+        arch = ModelArch(name=f"{args.params / 1e9:g}B params", num_params=args.params)
+    kv = {"num_hidden_layers": args.layers, "num_key_value_heads": args.kv_heads, "head_dim_": args.head_dim}
+    kv = {k: v for k, v in kv.items() if v is not None}
+    if kv:
+        if "num_key_value_heads" in kv and not arch.num_attention_heads:
+            kv["num_attention_heads"] = kv["num_key_value_heads"]
+        arch = dataclasses.replace(arch, **kv)
+    if args.reward_model and args.reward_params is not None:
+        parser.error("give either --reward-model or --reward-params, not both")
+    rm = load_arch(args.reward_model) if args.reward_model else None
+    if args.reward_params is not None:
+        rm = ModelArch(name="reward model", num_params=args.reward_params)
+    return arch, rm
+
+
+def format_plan(plan: MemoryPlan, suggestion: dict) -> str:
+    lines = []
+    n = plan.n_params
+    lines.append(f"model {plan.model}: N = {n:,} params ({n / 1e9:.2f} B), dtype {plan.dtype}"
+                 + (f"; reward model N = {plan.reward_params:,}" if plan.reward_params else ""))
+    dp = plan.n_gpus // plan.tp_size
+    lines.append(f"GPUs {plan.n_gpus}, rollout tp {plan.tp_size} x dp {dp}; batch {plan.batch} seqs x context "
+                 f"{plan.context} tokens; GPU memory {plan.gpu_mem_bytes / 2**30:g} GiB = {_gb(plan.gpu_mem_bytes)} GB")
+    lines.append("offload: " + (", ".join(f for f in OFFLOAD_FLAGS if plan.offload[f]) or "none"))
+    b = plan.bill
+    lines.append(f"bill (whole model): learner 16N = {_gb(b['learner'])} GB, reference = {_gb(b['ref'])} GB, "
+                 f"inference copy = {_gb(b['engine_copy'])} GB (x{b['engine_replicas']} replicas on the GPUs = "
+                 f"{_gb(plan.total['engine_weights'])} GB)"
+                 + (f", reward model = {_gb(b['reward_model'])} GB" if plan.reward_params else ""))
+    lines.append("")
+    w = 22
+    head = f"{'role':<{w}}{'per GPU':>10}{'total':>11} |" + "".join(f"{p:>10}" for p in PHASES)
+    lines.append(head + "   (GB)")
+    lines.append("-" * len(head))
+    rows = list(ROLES) + (["activations_estimate"] if plan.activations_estimate else [])
+    for role in rows:
+        if role == "activations_estimate":
+            pg, tot = plan.activations_estimate, plan.activations_estimate * plan.n_gpus
+        else:
+            pg, tot = plan.per_gpu[role], plan.total[role]
+        cells = []
+        for p in PHASES:
+            if role == "reward_model" and not plan.reward_params:
+                cells.append("-")
+            elif role in plan.phases[p]:
+                cells.append(_gb(plan.phases[p][role]))
+            else:
+                flag = RESIDENCY.get(role, (None, None))[1]
+                cells.append("cpu" if flag and plan.offload.get(flag) else "-")
+        lines.append(f"{role:<{w}}{_gb(pg):>10}{_gb(tot):>11} |" + "".join(f"{c:>10}" for c in cells))
+    lines.append("-" * len(head))
+    lines.append(f"{'phase total per GPU':<{w + 21}} |" + "".join(f"{_gb(plan.phase_totals[p]):>10}" for p in PHASES))
+    lines.append("")
+    for p in PHASES:
+        used = plan.phase_totals[p]
+        verdict = (f"fits ({_gb(plan.gpu_mem_bytes - used)} GB free)" if plan.fits[p]
+                   else f"does NOT fit (short by {_gb(plan.shortfall[p])} GB)")
+        lines.append(f"{p:<8} {_gb(used):>8} / {_gb(plan.gpu_mem_bytes)} GB per GPU: {verdict}")
+    for note in plan.notes:
+        lines.append(f"note: {note}")
+    if plan.activations_estimate:
+        lines.append("note: activations_estimate is a rough estimate (gradient checkpointing assumed)")
+    if suggestion["fits"]:
+        flags = [f for f in OFFLOAD_FLAGS if suggestion["offload"][f]]
+        given = [f for f in OFFLOAD_FLAGS if plan.offload[f]]
+        extra = f" (adds {', '.join(suggestion['added'])} to --offload)" if given and suggestion["added"] else ""
+        lines.append(f"suggested offload: {','.join(flags) or 'none needed'}{extra}")
+    else:
+        lines.append(f"suggested offload: {suggestion['message']}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        arch, rm = _arch_from_args(args, parser)
+        kw = dict(tp_size=args.tp, reward_arch=rm, gpu_mem_gib=args.gpu_mem_gb,
+                  train_micro_batch=args.train_micro_batch)
+        plan = plan_memory(arch, args.gpus, args.dtype, args.batch, args.context, args.offload, **kw)
+        suggestion = suggest_offload(arch, args.gpus, args.dtype, args.batch, args.context, args.offload, **kw)
+    except ValueError as e:
+        parser.error(str(e))
+    print(format_plan(plan, suggestion))
+    print(json.dumps({**plan.to_dict(), "suggestion": suggestion}, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,395 @@
+"""Memory planner for colocated RL post-training (pure functions, no torch import).
+
+Given a model architecture, the number of GPUs, the dtype, the rollout batch and
+context length and the offload flags, it bills each memory *role* per GPU and
+sums the roles resident in each *phase*, so that a run can be sized before it
+starts and the runtime memory ledger (same role names) can be compared with it.
+
+Parameter count N (``count_parameters``): exact, from the architecture:
+  embeddings V*h; per layer q h*(H*d) [+H*d bias], k and v h*(K*d) [+K*d bias]
+  each (GQA: K kv heads), o (H*d)*h [+h bias], MLP gate/up/down 3*h*I
+  [+2I+h bias], two RMSNorm weights 2h [+ q/k norms 2d for Qwen3]; final norm h;
+  lm_head V*h unless tie_word_embeddings.  (h hidden, I intermediate, V vocab,
+  H heads, d head_dim.)  Qwen2 has q/k/v bias; Llama has none unless
+  ``attention_bias``/``mlp_bias``.  ``ModelArch.num_params`` overrides the count
+  (``--params 70e9``).
+
+Bytes per role (b = dtype bytes: 2 for bf16/fp16, 4 for fp32; G GPUs; tp
+rollout tensor-parallel size; R = G/tp rollout data-parallel ranks):
+
+  role            whole model              per GPU
+  policy_weights  6N (b=2: bf16 2N +       /G  (FSDP shards all learner state)
+                  fp32 master 4N); 4N fp32
+  grads           2N (b=2); 4N fp32        /G
+  optimizer       8N (Adam m + v, fp32)    /G      -> learner = 16N either way
+  ref             b*N                      /G
+  reward_model    b*N_rm (second model)    /G
+  engine_weights  b*N (one copy; R copies  /tp (each rank holds a TP slice)
+                  on the node)
+  kv_cache        2*L*K*d*b per token      * ceil(batch/R)*context tokens,
+                                           * ceil(K/tp)/K (heads split over tp)
+
+"total" = per GPU x G (memory used on all GPUs together).  The "bill" is the
+whole-model view: learner 16N, reference b*N, inference copy b*N (one copy);
+for a 70e9-param bf16 policy that is 1120 GB, 140 GB and 140 GB.
+
+Phase residency (a role is on the GPU in a phase if the phase uses it, or if it
+is not offloaded; grads and the engine's weights and KV cache are freed outside
+the phase that uses them):
+
+  role            train  rollout  score   offload flag that parks it on CPU
+  policy_weights  yes    flag     yes     params
+  grads           yes    -        -       (freed after the optimizer step)
+  optimizer       yes    flag     flag    optimizer
+  engine_weights  -      yes      -       (engine sleeps / is released)
+  kv_cache        -      yes      -       (engine sleeps / is released)
+  ref             flag   flag     yes     ref
+  reward_model    flag   flag     yes     reward_model
+
+("flag": resident unless that offload flag is set.)  Optionally the train phase
+also holds ``activations_estimate`` (an ESTIMATE, gradient checkpointing
+assumed; see ``activation_estimate``).  Sizes are decimal GB (1e9 bytes) in
+printed output; GPU capacity is given in GiB (80 GiB default).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+ROLES = ("policy_weights", "grads", "optimizer", "engine_weights", "kv_cache", "ref", "reward_model")
+PHASES = ("train", "rollout", "score")
+OFFLOAD_FLAGS = ("optimizer", "ref", "reward_model", "params")  # also the suggestion order
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+GB = 10**9
+GIB = 2**30
+
+# role -> (phases that use it, offload flag that parks it on CPU otherwise; None = freed)
+RESIDENCY: dict[str, tuple[frozenset, str | None]] = {
+    "policy_weights": (frozenset({"train", "score"}), "params"),
+    "grads": (frozenset({"train"}), None),
+    "optimizer": (frozenset({"train"}), "optimizer"),
+    "engine_weights": (frozenset({"rollout"}), None),
+    "kv_cache": (frozenset({"rollout"}), None),
+    "ref": (frozenset({"score"}), "ref"),
+    "reward_model": (frozenset({"score"}), "reward_model"),
+}
+
+_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """Decoder-only (Llama/Qwen2/Qwen3-style) architecture numbers.
+
+    All fields may be 0 when ``num_params`` is given (a bare parameter count);
+    the KV cache then needs num_hidden_layers, num_key_value_heads, head_dim."""
+
+    name: str = "custom"
+    hidden_size: int = 0
+    intermediate_size: int = 0
+    num_hidden_layers: int = 0
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    vocab_size: int = 0
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2: bias on q/k/v
+    o_bias: bool = False  # Llama attention_bias=True: bias on o as well
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm on q and k (head_dim weights each)
+    head_dim_: int = 0  # explicit head_dim (0: hidden_size // num_attention_heads)
+    max_position_embeddings: int = 0
+    num_params: int | None = None  # overrides count_parameters
+
+    @property
+    def head_dim(self) -> int:
+        if self.head_dim_:
+            return self.head_dim_
+        return self.hidden_size // self.num_attention_heads if self.num_attention_heads else 0
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def has_kv_dims(self) -> bool:
+        return self.num_hidden_layers > 0 and self.kv_heads > 0 and self.head_dim > 0
+
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping[str, Any] | str | os.PathLike, name: str | None = None) -> "ModelArch":
+        """Build from a HF config dict, a config.json path, or a directory holding one."""
+        source = "<dict>"
+        if not isinstance(cfg, Mapping):
+            path = os.fspath(cfg)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            if not os.path.isfile(path):
+                raise ValueError(f"config file not found: {path}")
+            with open(path) as f:
+                try:
+                    cfg = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path} is not valid JSON: {e}") from None
+            source = path
+            name = name or os.path.basename(os.path.dirname(os.path.abspath(path))) or "custom"
+        d = dict(cfg)
+        if "text_config" in d and "hidden_size" not in d:  # multimodal wrappers
+            d = dict(d["text_config"])
+        missing = [k for k in _REQUIRED if d.get(k) in (None, "")]
+        if missing:
+            raise ValueError(f"HF config {source} is missing required key(s): {', '.join(missing)}")
+        mtype = str(d.get("model_type", "")).lower()
+        attn_bias = bool(d.get("attention_bias", False))
+        return cls(
+            name=name or d.get("_name_or_path") or mtype or "custom",
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=int(d["num_attention_heads"]),
+            num_key_value_heads=int(d.get("num_key_value_heads") or d["num_attention_heads"]),
+            vocab_size=int(d["vocab_size"]),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=(mtype == "qwen2") or attn_bias,
+            o_bias=attn_bias and mtype != "qwen2",
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            qk_norm=mtype.startswith("qwen3"),
+            head_dim_=int(d.get("head_dim") or 0),
+            max_position_embeddings=int(d.get("max_position_embeddings") or 0),
+        )
+
+
+def _qwen2(name, h, i, layers, heads, kv, vocab, tie, maxpos=32768):
+    return ModelArch(name, h, i, layers, heads, kv, vocab, tie, qkv_bias=True, max_position_embeddings=maxpos)
+
+
+def _llama(name, h, i, layers, heads, kv, vocab=128256, maxpos=8192):
+    return ModelArch(name, h, i, layers, heads, kv, vocab, False, max_position_embeddings=maxpos)
+
+
+BUILTIN_ARCHS: dict[str, ModelArch] = {
+    a.name: a
+    for a in (
+        _qwen2("Qwen2.5-0.5B", 896, 4864, 24, 14, 2, 151936, True),
+        _qwen2("Qwen2.5-1.5B", 1536, 8960, 28, 12, 2, 151936, True),
+        _qwen2("Qwen2.5-3B", 2048, 11008, 36, 16, 2, 151936, True),
+        _qwen2("Qwen2.5-7B", 3584, 18944, 28, 28, 4, 152064, False),
+        _qwen2("Qwen2.5-14B", 5120, 13824, 48, 40, 8, 152064, False),
+        _qwen2("Qwen2.5-32B", 5120, 27648, 64, 40, 8, 152064, False),
+        _qwen2("Qwen2.5-72B", 8192, 29568, 80, 64, 8, 152064, False),
+        _llama("Llama-3-8B", 4096, 14336, 32, 32, 8),
+        _llama("Llama-3-70B", 8192, 28672, 80, 64, 8),
+    )
+}
+
+
+def builtin_arch(name: str) -> ModelArch:
+    """Built-in architecture by name (case-insensitive, "-Instruct" suffix ignored)."""
+    key = name.strip().lower().removesuffix("-instruct").split("/")[-1]
+    for k, a in BUILTIN_ARCHS.items():
+        if k.lower() == key:
+            return a
+    raise ValueError(f"unknown built-in model {name!r}; built-in names: {', '.join(BUILTIN_ARCHS)}"
+                     " (or pass a path to a HF config.json / model directory)")
+
+
+def load_arch(spec: str) -> ModelArch:
+    """A built-in name, a config.json path, or a directory containing config.json."""
+    if os.path.exists(spec):
+        return ModelArch.from_hf_config(spec)
+    return builtin_arch(spec)
+
+
+def count_parameters(arch: ModelArch) -> int:
+    """Exact parameter count of the architecture (see module docstring)."""
+    if arch.num_params is not None:
+        return int(arch.num_params)
+    missing = [k for k in _REQUIRED if not getattr(arch, k)]
+    if missing:
+        raise ValueError(f"architecture {arch.name!r} lacks {', '.join(missing)}; cannot count parameters")
+    h, i, v, d = arch.hidden_size, arch.intermediate_size, arch.vocab_size, arch.head_dim
+    q, kv = arch.num_attention_heads * d, arch.kv_heads * d
+    attn = h * q + 2 * h * kv + q * h
+    if arch.qkv_bias:
+        attn += q + 2 * kv
+    if arch.o_bias:
+        attn += h
+    mlp = 3 * h * i + ((2 * i + h) if arch.mlp_bias else 0)
+    norms = 2 * h + (2 * d if arch.qk_norm else 0)
+    layer = attn + mlp + norms
+    embed = v * h
+    return embed + arch.num_hidden_layers * layer + h + (0 if arch.tie_word_embeddings else embed)
+
+
+def dtype_bytes(dtype: str) -> int:
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+    return DTYPE_BYTES[dtype]
+
+
+def kv_cache_bytes(arch: ModelArch, dtype: str, batch: int, context: int, n_gpus: int = 1, tp_size: int = 1) -> int:
+    """KV-cache bytes per GPU: 2*L*K*d*b per token, ceil(batch/R)*context tokens per
+    rollout DP rank (R = n_gpus/tp), KV heads split over tp (replicated when tp > K)."""
+    _positive(batch=batch, context=context, n_gpus=n_gpus, tp_size=tp_size)
+    if not arch.has_kv_dims:
+        return 0
+    dp = n_gpus // tp_size
+    tokens = math.ceil(batch / dp) * context
+    return 2 * arch.num_hidden_layers * math.ceil(arch.kv_heads / tp_size) * arch.head_dim * tokens * dtype_bytes(dtype)
+
+
+def activation_estimate(arch: ModelArch, dtype: str, micro_batch: int, context: int) -> int:
+    """ESTIMATE of training activations per GPU for `micro_batch` sequences with
+    gradient checkpointing: one saved hidden state per layer (L*h*b per token),
+    one layer's recompute working set ((6h + 3I)*b per token) and fp32 logits plus
+    their gradient (8V per token).  0 when micro_batch is 0 or dims are unknown."""
+    if micro_batch <= 0 or not arch.hidden_size:
+        return 0
+    b, h = dtype_bytes(dtype), arch.hidden_size
+    per_token = arch.num_hidden_layers * h * b + (6 * h + 3 * arch.intermediate_size) * b + 8 * arch.vocab_size
+    return micro_batch * context * per_token
+
+
+def phase_residency(per_gpu: Mapping[str, int], offload: Mapping[str, bool]) -> dict[str, dict[str, int]]:
+    """phase -> {role: bytes} of the roles on the GPU in that phase (RESIDENCY rules)."""
+    out: dict[str, dict[str, int]] = {}
+    for phase in PHASES:
+        out[phase] = {}
+        for role in ROLES:
+            used_in, flag = RESIDENCY[role]
+            if phase in used_in or (flag is not None and not offload.get(flag, False)):
+                out[phase][role] = int(per_gpu.get(role, 0))
+    return out
+
+
+def _positive(**kw: float) -> None:
+    for k, v in kw.items():
+        if v is None or v <= 0:
+            raise ValueError(f"{k} must be a positive number, got {v!r}")
+
+
+def normalize_offload(offload: Mapping[str, bool] | None) -> dict[str, bool]:
+    offload = dict(offload or {})
+    unknown = sorted(set(offload) - set(OFFLOAD_FLAGS))
+    if unknown:
+        raise ValueError(f"unknown offload flag(s) {', '.join(unknown)}; valid: {', '.join(OFFLOAD_FLAGS)}")
+    return {k: bool(offload.get(k, False)) for k in OFFLOAD_FLAGS}
+
+
+@dataclass
+class MemoryPlan:
+    model: str
+    n_params: int
+    reward_params: int
+    n_gpus: int
+    tp_size: int
+    dtype: str
+    batch: int
+    context: int
+    gpu_mem_bytes: int
+    offload: dict[str, bool]
+    per_gpu: dict[str, int]  # role -> bytes on each GPU
+    total: dict[str, int]  # role -> bytes summed over all GPUs
+    phases: dict[str, dict[str, int]]  # phase -> role -> resident bytes per GPU
+    phase_totals: dict[str, int]
+    fits: dict[str, bool]
+    shortfall: dict[str, int]  # phase -> bytes missing (0 if it fits)
+    bill: dict[str, int]  # whole-model view: learner, ref, engine_copy, reward_model, engine_replicas
+    activations_estimate: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits_all(self) -> bool:
+        return all(self.fits.values())
+
+    def worst_phase(self) -> str:
+        return max(PHASES, key=lambda p: self.phase_totals[p] - self.gpu_mem_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["fits_all"] = self.fits_all
+        return d
+
+
+def plan_memory(arch: ModelArch, n_gpus: int, dtype: str, batch: int, context: int,
+                offload: Mapping[str, bool] | None = None, tp_size: int = 1,
+                reward_arch: ModelArch | None = None, gpu_mem_gib: float = 80.0,
+                train_micro_batch: int = 0) -> MemoryPlan:
+    """Per-role bytes per GPU, per-phase residency and fit flags (module docstring)."""
+    _positive(n_gpus=n_gpus, batch=batch, context=context, gpu_mem_gib=gpu_mem_gib, tp_size=tp_size)
+    for k, v in (("n_gpus", n_gpus), ("batch", batch), ("context", context), ("tp_size", tp_size)):
+        if int(v) != v:
+            raise ValueError(f"{k} must be an integer, got {v!r}")
+    if n_gpus % tp_size:
+        raise ValueError(f"tp_size={tp_size} must divide n_gpus={n_gpus}")
+    if train_micro_batch < 0:
+        raise ValueError(f"train_micro_batch must be >= 0, got {train_micro_batch}")
+    off = normalize_offload(offload)
+    b = dtype_bytes(dtype)
+    n = count_parameters(arch)
+    n_rm = count_parameters(reward_arch) if reward_arch is not None else 0
+    mixed = b == 2
+    whole = {
+        "policy_weights": (6 if mixed else 4) * n,
+        "grads": b * n,
+        "optimizer": 8 * n,
+        "ref": b * n,
+        "reward_model": b * n_rm,
+    }
+    per_gpu = {r: math.ceil(v / n_gpus) for r, v in whole.items()}
+    per_gpu["engine_weights"] = math.ceil(b * n / tp_size)
+    per_gpu["kv_cache"] = kv_cache_bytes(arch, dtype, batch, context, n_gpus, tp_size)
+    per_gpu = {r: per_gpu[r] for r in ROLES}
+    phases = phase_residency(per_gpu, off)
+    act = activation_estimate(arch, dtype, train_micro_batch, context)
+    if act:
+        phases["train"]["activations_estimate"] = act
+    cap = int(gpu_mem_gib * GIB)
+    totals = {p: sum(phases[p].values()) for p in PHASES}
+    notes = []
+    if not arch.has_kv_dims:
+        notes.append("kv_cache not computed: give the layer count, KV heads and head_dim (--layers --kv-heads --head-dim)")
+    if arch.max_position_embeddings and context > arch.max_position_embeddings:
+        notes.append(f"context {context} exceeds max_position_embeddings {arch.max_position_embeddings}")
+    if tp_size > arch.kv_heads > 0:
+        notes.append(f"tp_size {tp_size} > {arch.kv_heads} KV heads: KV heads are replicated across TP ranks")
+    return MemoryPlan(
+        model=arch.name, n_params=n, reward_params=n_rm, n_gpus=n_gpus, tp_size=tp_size, dtype=dtype,
+        batch=batch, context=context, gpu_mem_bytes=cap, offload=off, per_gpu=per_gpu,
+        total={r: v * n_gpus for r, v in per_gpu.items()}, phases=phases, phase_totals=totals,
+        fits={p: totals[p] <= cap for p in PHASES},
+        shortfall={p: max(0, totals[p] - cap) for p in PHASES},
+        bill={"learner": 16 * n, "ref": b * n, "engine_copy": b * n, "reward_model": b * n_rm,
+              "engine_replicas": n_gpus // tp_size},
+        activations_estimate=act, notes=notes)
+
+
+def suggest_offload(arch: ModelArch, n_gpus: int, dtype: str, batch: int, context: int,
+                    offload: Mapping[str, bool] | None = None, **kw: Any) -> dict[str, Any]:
+    """Smallest set of extra offload flags (ties broken in the order optimizer, ref,
+    reward_model, params) on top of `offload` that makes every phase fit.
+
+    Returns {"fits", "offload" (full flags), "added" (list), "phase", "shortfall_bytes",
+    "message"}; when nothing fits, "phase"/"shortfall_bytes" name the worst phase
+    with every flag set."""
+    base = normalize_offload(offload)
+    has_rm = kw.get("reward_arch") is not None
+    cands = [f for f in OFFLOAD_FLAGS if not base[f] and (f != "reward_model" or has_rm)]
+    subsets = sorted((tuple(f for j, f in enumerate(cands) if m >> j & 1) for m in range(1 << len(cands))),
+                     key=lambda s: (len(s), [OFFLOAD_FLAGS.index(f) for f in s]))
+    plan = None
+    for s in subsets:
+        flags = {**base, **{f: True for f in s}}
+        plan = plan_memory(arch, n_gpus, dtype, batch, context, flags, **kw)
+        if plan.fits_all:
+            msg = "no offload needed" if not s and not any(base.values()) else (
+                "offload " + ", ".join(f for f in OFFLOAD_FLAGS if flags[f]))
+            return {"fits": True, "offload": flags, "added": list(s), "phase": None,
+                    "shortfall_bytes": 0, "message": msg}
+    assert plan is not None  # the last subset sets every flag
+    phase = plan.worst_phase()
+    short = plan.shortfall[phase]
+    return {"fits": False, "offload": plan.offload, "added": [], "phase": phase, "shortfall_bytes": short,
+            "message": f"nothing fits: {phase} is short by {short / GB:.2f} GB per GPU even with every "
+                       "offload flag set; use more GPUs, a larger tp_size, a smaller batch or context"}

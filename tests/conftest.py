@@ -1,0 +1,73 @@
+"""Shared fixtures: one tiny random-weight Hugging Face model directory per session.
+
+The directory is built once with `hybrid_rl.models.tiny.build_tiny_model_dir` over
+the digits-task vocabulary (`<pad>`=0, `<eos>`=1, `<bos>`=2, `<unk>`=3, then
+"0".."9", "="), so it goes through exactly the loading path a real checkpoint takes.
+
+    tiny_model_dir          str path of that directory (session; treat as read-only)
+    tiny_tokenizer          its tokenizer via `load_tokenizer` (session; do not mutate)
+    tiny_model              a fresh fp32 copy of the model in eval mode (per test: mutate freely)
+    tiny_trainer_overrides  small `key=value` overrides for a fast `Trainer` in one process
+    torch_one_thread        module-scoped: torch intra-op threads = 1 while the module runs
+                            (a 64-wide model is all overhead; extra threads only contend for
+                            cores, several times slower on a loaded machine). Opt in with
+                            `pytestmark = pytest.mark.usefixtures("torch_one_thread")`.
+"""
+from __future__ import annotations
+
+import pytest
+
+TINY_HIDDEN = 64
+TINY_LAYERS = 2
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    from hybrid_rl.models.tiny import build_tiny_model_dir
+    from hybrid_rl.rewards.toy import DIGIT_WORDS
+
+    root = tmp_path_factory.mktemp("tiny_model")
+    return build_tiny_model_dir(str(root / "model"), DIGIT_WORDS, hidden_size=TINY_HIDDEN, num_layers=TINY_LAYERS)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir):
+    from hybrid_rl.models.loading import load_tokenizer
+
+    return load_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture
+def tiny_model(tiny_model_dir):
+    import torch
+
+    from hybrid_rl.models.loading import load_causal_lm
+
+    return load_causal_lm(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def tiny_trainer_overrides(tiny_model_dir, tmp_path) -> list[str]:
+    """Dotlist overrides for a `Trainer` that builds in about a second on CPU (append your own)."""
+    return [
+        f"model.path={tiny_model_dir}",
+        "data.batch_size=4",
+        "rollout.n=2",
+        "rollout.max_new_tokens=4",
+        "trainer.total_steps=1",
+        f"trainer.out_dir={tmp_path / 'run'}",
+        "trainer.progress_bar=false",
+        "trainer.device=cpu",
+    ]
+
+
+@pytest.fixture(scope="module")
+def torch_one_thread():
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

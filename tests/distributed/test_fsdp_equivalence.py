@@ -1,0 +1,78 @@
+"""FSDP2 over 2 gloo ranks trains exactly like one plain process on the same batch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.launch import run_ranks
+
+pytestmark = pytest.mark.slow
+
+
+def _batch(model_dir: str):
+    """A fixed global batch of 8 sequences: prompt lengths 2..5, response lengths 1..6."""
+    from hybrid_rl.models.logprobs import build_sequences
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 15, (2 + i % 4,), generator=g).tolist() for i in range(8)]
+    responses = [torch.randint(4, 15, (1 + (i * 5) % 6,), generator=g).tolist() for i in range(8)]
+    ids, attn, mask, P = build_sequences(prompts, responses, pad_id=0)
+    adv = torch.randn(8, generator=g)
+    return ids, attn, mask.float(), P, adv
+
+
+def _train(model_dir: str, rows: slice, steps: int, loss_agg: str):
+    from hybrid_rl import distributed as D
+    from hybrid_rl.config import AlgorithmConfig
+    from hybrid_rl.models.fsdp import shard_model
+    from hybrid_rl.models.loading import load_causal_lm
+    from hybrid_rl.update import RolloutBatch, policy_update, score_logprobs
+
+    dev = D.init("cpu", timeout_s=60)
+    torch.manual_seed(0)
+    model = shard_model(load_causal_lm(model_dir), dev, mixed_precision=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    ids, attn, mask, P, adv = _batch(model_dir)
+    # Shift the old policy a little so the clipped ratio is not identically 1.
+    shift = 0.1 * torch.sin(torch.arange(mask.numel(), dtype=torch.float32)).view_as(mask)
+    ids, attn, mask, adv, shift = ids[rows], attn[rows], mask[rows], adv[rows], shift[rows]
+    algo = AlgorithmConfig(loss_agg=loss_agg, kl_coef=0.0)
+    losses = []
+    for step in range(steps):
+        old, _ = score_logprobs(model, ids, attn, P, 1.0, micro_batch_size=3)
+        old = old + shift
+        m = policy_update(model, opt, sched, RolloutBatch(ids, attn, mask, P, old, adv), algo, temperature=1.0,
+                          micro_batch_size=3, grad_clip=1.0, norm_length=6, seed=step)
+        losses.append(m["actor/loss"])
+    full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
+    return full, losses
+
+
+def _rank_fn(rank: int, model_dir: str, loss_agg: str):
+    return _train(model_dir, slice(rank * 4, rank * 4 + 4), steps=3, loss_agg=loss_agg)
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
+def test_two_rank_fsdp_matches_one_process(tiny_model_dir, loss_agg):
+    (w0, l0), (w1, l1) = run_ranks(_rank_fn, world=2, args=(tiny_model_dir, loss_agg))
+    ref_w, ref_l = _train(tiny_model_dir, slice(0, 8), steps=3, loss_agg=loss_agg)
+    assert l0 == pytest.approx(l1, abs=1e-6), "both ranks must report the same global loss"
+    assert l0 == pytest.approx(ref_l, rel=1e-4, abs=1e-6)
+    moved = 0.0
+    for name, ref in ref_w.items():
+        torch.testing.assert_close(w0[name], ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(w1[name], w0[name], rtol=0, atol=0)
+        moved = max(moved, (ref - load_initial(tiny_model_dir)[name]).abs().max().item())
+    assert moved > 1e-3, "training must actually change the weights for the comparison to mean anything"
+
+
+_INITIAL: dict = {}
+
+
+def load_initial(model_dir: str) -> dict:
+    if model_dir not in _INITIAL:
+        from hybrid_rl.models.loading import load_causal_lm
+
+        _INITIAL[model_dir] = {n: p.detach() for n, p in load_causal_lm(model_dir).named_parameters()}
+    return _INITIAL[model_dir]

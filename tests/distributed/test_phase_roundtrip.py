@@ -1,0 +1,111 @@
+"""The phase switch: legal order only, and a full round trip changes nothing."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.launch import run_ranks
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
+
+
+def _snapshot(model, opt) -> tuple[dict, list]:
+    params = {n: _local(p) for n, p in model.named_parameters()}
+    state = [(k, _local(v)) for s in opt.state.values() for k, v in sorted(s.items()) if isinstance(v, torch.Tensor)]
+    return params, state
+
+
+def _setup(model_dir: str, offload_optimizer: bool, with_ref: bool):
+    import copy
+
+    from hybrid_rl import distributed as D
+    from hybrid_rl.hybrid.phases import PhaseManager
+    from hybrid_rl.models.fsdp import shard_model
+    from hybrid_rl.models.loading import load_causal_lm
+    from hybrid_rl.rollout.native import NativeEngine
+
+    dev = D.init("cpu", timeout_s=60)
+    base = load_causal_lm(model_dir)
+    ref = shard_model(copy.deepcopy(base).requires_grad_(False), dev, False) if with_ref else None
+    model = shard_model(base, dev, False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # One real step so the optimizer has state to move.
+    ids = torch.randint(4, 15, (2, 6), generator=torch.Generator().manual_seed(D.rank()))
+    model(input_ids=ids).logits.square().mean().backward()
+    opt.step()
+    model(input_ids=ids).logits.square().mean().backward()  # leave grads behind: the switch must drop them
+    engine = NativeEngine(model, pad_id=0, eos_id=1)
+    pm = PhaseManager(model, opt, engine, dev, ref=ref, offload_optimizer=offload_optimizer, offload_ref=True)
+    return model, opt, pm
+
+
+def _roundtrip(model_dir: str, offload_optimizer: bool) -> bool:
+    from hybrid_rl.rollout.base import SamplingParams
+
+    model, opt, pm = _setup(model_dir, offload_optimizer, with_ref=True)
+    before = _snapshot(model, opt)
+    with pm.rollout() as engine:
+        full = [p for p in model.parameters()]
+        out = engine.generate([[4, 5, 6], [7]], SamplingParams(max_new_tokens=4, seed=1))
+        assert len(out) == 2
+    with pm.score() as ref:
+        assert ref is not None
+    with pm.train():
+        pass
+    after = _snapshot(model, opt)
+    assert all(p.grad is None for p in model.parameters()), "entering rollout must free gradients"
+    for n in before[0]:
+        assert torch.equal(before[0][n], after[0][n]), f"parameter {n} changed"
+        assert after[0][n].numel() == before[0][n].numel(), "weights must be sharded again after rollout"
+    assert len(before[1]) == len(after[1]) > 0
+    for (k0, v0), (k1, v1) in zip(before[1], after[1]):
+        assert k0 == k1 and torch.equal(v0, v1), f"optimizer state {k0} changed"
+    stats = pm.pop_stats()
+    expected = {"zero_grad", "resume_weights", "resume_kv", "release_engine", "onload_ref", "offload_ref"}
+    if offload_optimizer:
+        expected |= {"offload_optimizer", "onload_optimizer"}
+    assert expected <= set(stats.seconds), f"missing stage timings: {expected - set(stats.seconds)}"
+    del full
+    return True
+
+
+def _rank_fn(rank: int, model_dir: str, offload_optimizer: bool) -> bool:
+    return _roundtrip(model_dir, offload_optimizer)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("offload_optimizer", [False, True])
+def test_roundtrip_bit_identical_two_ranks(tiny_model_dir, offload_optimizer):
+    assert run_ranks(_rank_fn, world=2, args=(tiny_model_dir, offload_optimizer)) == [True, True]
+
+
+@pytest.mark.parametrize("offload_optimizer", [False, True])
+def test_roundtrip_bit_identical_one_process(tiny_model_dir, offload_optimizer):
+    assert _roundtrip(tiny_model_dir, offload_optimizer)
+
+
+def test_illegal_transitions_raise(tiny_model_dir):
+    from hybrid_rl.hybrid.phases import Phase, PhaseError
+
+    _, _, pm = _setup(tiny_model_dir, offload_optimizer=False, with_ref=False)
+    assert pm.phase is Phase.TRAIN
+    with pytest.raises(PhaseError, match="cannot go from train to score"):
+        with pm.score():
+            pass
+    with pytest.raises(PhaseError, match="cannot go from train to train"):
+        with pm.train():
+            pass
+    with pm.rollout():
+        with pytest.raises(PhaseError, match="while inside rollout"):
+            with pm.score():
+                pass
+    with pytest.raises(PhaseError, match="cannot go from rollout to rollout"):
+        with pm.rollout():
+            pass
+    with pm.score():
+        pass
+    with pm.train():
+        pass
+    assert pm.phase is Phase.TRAIN

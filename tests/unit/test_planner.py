@@ -1,0 +1,214 @@
+"""Tests for the memory planner (hybrid_rl.planner) and its CLI (hybrid_rl.plan)."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hybrid_rl.planner import (GB, GIB, PHASES, ROLES, ModelArch, builtin_arch, count_parameters,
+                               kv_cache_bytes, plan_memory, suggest_offload)
+
+TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _hf_count(config) -> tuple[int, dict]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters()), config.to_dict()
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "llama_bias", "qwen3"])
+def test_count_parameters_matches_transformers(kind, tie):
+    import transformers
+
+    if kind == "qwen2":
+        cfg = transformers.Qwen2Config(**TINY, tie_word_embeddings=tie)
+    elif kind == "llama":
+        cfg = transformers.LlamaConfig(**TINY, tie_word_embeddings=tie)
+    elif kind == "llama_bias":
+        cfg = transformers.LlamaConfig(**TINY, tie_word_embeddings=tie, attention_bias=True, mlp_bias=True)
+    else:
+        cfg = transformers.Qwen3Config(**TINY, head_dim=16, tie_word_embeddings=tie)
+    expected, d = _hf_count(cfg)
+    arch = ModelArch.from_hf_config(d)
+    assert count_parameters(arch) == expected
+
+
+def test_from_hf_config_path_and_dir(tmp_path):
+    import transformers
+
+    cfg = transformers.Qwen2Config(**TINY, tie_word_embeddings=False)
+    cfg.save_pretrained(tmp_path)
+    a_dir = ModelArch.from_hf_config(tmp_path)
+    a_file = ModelArch.from_hf_config(str(tmp_path / "config.json"))
+    assert count_parameters(a_dir) == count_parameters(a_file) == count_parameters(ModelArch.from_hf_config(cfg.to_dict()))
+    assert a_dir.qkv_bias and a_dir.kv_heads == 2 and a_dir.head_dim == 8
+
+
+@pytest.mark.parametrize("name,n", [
+    ("Qwen2.5-0.5B", 494_032_768), ("Qwen2.5-1.5B", 1_543_714_304), ("Qwen2.5-7B", 7_615_616_512),
+    ("Qwen2.5-32B", 32_763_876_352), ("Llama-3-8B", 8_030_261_248), ("Llama-3-70B", 70_553_706_496),
+])
+def test_builtin_counts_match_published(name, n):
+    assert count_parameters(builtin_arch(name)) == n
+    assert builtin_arch(name.lower() + "-Instruct").name == name
+
+
+def test_70b_bill():
+    plan = plan_memory(ModelArch(num_params=int(70e9)), n_gpus=8, dtype="bf16", batch=64, context=4096)
+    assert plan.bill["learner"] == 1120 * GB
+    assert plan.bill["ref"] == 140 * GB
+    assert plan.bill["engine_copy"] == 140 * GB
+    learner = sum(plan.total[r] for r in ("policy_weights", "grads", "optimizer"))
+    assert learner == 1120 * GB and plan.total["ref"] == 140 * GB
+    assert plan.per_gpu["policy_weights"] == 6 * 70e9 / 8 and plan.per_gpu["grads"] == 2 * 70e9 / 8
+    assert plan.per_gpu["optimizer"] == 8 * 70e9 / 8 and plan.per_gpu["engine_weights"] == 140 * GB
+    assert plan.per_gpu["kv_cache"] == 0 and plan.notes  # no KV dims: said so
+    # fp32: 4 + 4 + 8 = 16N as well
+    p32 = plan_memory(ModelArch(num_params=10**9), 4, "fp32", 1, 1)
+    assert p32.bill["learner"] == 16 * 10**9 and p32.per_gpu["policy_weights"] == 10**9
+    assert p32.per_gpu["grads"] == 10**9 and p32.per_gpu["ref"] == 10**9
+
+
+def test_kv_cache_hand_computation():
+    a = builtin_arch("Qwen2.5-7B")  # 28 layers, 4 KV heads, head_dim 128
+    per_token = 2 * 28 * 4 * 128 * 2
+    assert per_token == 57_344
+    # 256 seqs over 8 DP ranks = 32 seqs x 4096 tokens each
+    assert kv_cache_bytes(a, "bf16", 256, 4096, n_gpus=8) == 32 * 4096 * 57_344 == 7_516_192_768
+    # tp=2: 4 DP ranks -> 64 seqs each, heads split in 2
+    assert kv_cache_bytes(a, "bf16", 256, 4096, n_gpus=8, tp_size=2) == 64 * 4096 * 57_344 // 2
+    # ragged batch rounds up per rank; tp above KV heads replicates heads
+    assert kv_cache_bytes(a, "fp32", 9, 10, n_gpus=8) == 2 * 10 * 2 * 28 * 4 * 128 * 4
+    # tp=8 > 4 KV heads: 1 DP rank holds all 8 seqs, one (replicated) KV head per GPU
+    assert kv_cache_bytes(a, "bf16", 8, 10, n_gpus=8, tp_size=8) == 8 * 10 * 2 * 28 * 1 * 128 * 2
+    plan = plan_memory(a, 8, "bf16", 256, 4096)
+    assert plan.per_gpu["kv_cache"] == 7_516_192_768
+    # --params with explicit KV dims
+    arch = ModelArch(num_params=int(70e9), num_hidden_layers=80, num_key_value_heads=8, head_dim_=128)
+    assert kv_cache_bytes(arch, "bf16", 64, 4096, n_gpus=8) == 8 * 4096 * 2 * 80 * 8 * 128 * 2
+
+
+def test_phase_rules_with_offload_flags():
+    a = builtin_arch("Qwen2.5-1.5B")
+    rm = builtin_arch("Qwen2.5-0.5B")
+    none = plan_memory(a, 4, "bf16", 16, 1024, {}, reward_arch=rm)
+    assert set(none.phases["train"]) == {"policy_weights", "grads", "optimizer", "ref", "reward_model"}
+    assert set(none.phases["rollout"]) == {"engine_weights", "kv_cache", "policy_weights", "optimizer", "ref",
+                                           "reward_model"}
+    assert set(none.phases["score"]) == {"policy_weights", "optimizer", "ref", "reward_model"}
+    for p in PHASES:
+        assert none.phase_totals[p] == sum(none.phases[p].values())
+        assert none.fits[p]
+    assert set(none.per_gpu) == set(ROLES)
+    assert none.per_gpu["reward_model"] == -(-2 * count_parameters(rm) // 4)
+
+    allf = plan_memory(a, 4, "bf16", 16, 1024, {"optimizer": True, "params": True, "ref": True,
+                                                 "reward_model": True}, reward_arch=rm)
+    assert set(allf.phases["train"]) == {"policy_weights", "grads", "optimizer"}
+    assert set(allf.phases["rollout"]) == {"engine_weights", "kv_cache"}
+    assert set(allf.phases["score"]) == {"policy_weights", "ref", "reward_model"}
+
+    opt = plan_memory(a, 4, "bf16", 16, 1024, {"optimizer": True}, reward_arch=rm)
+    assert "optimizer" not in opt.phases["rollout"] and "optimizer" not in opt.phases["score"]
+    assert "optimizer" in opt.phases["train"] and "ref" in opt.phases["train"]
+    assert opt.phase_totals["rollout"] == none.phase_totals["rollout"] - none.per_gpu["optimizer"]
+
+
+def test_activation_estimate_only_in_train():
+    a = builtin_arch("Qwen2.5-0.5B")
+    p = plan_memory(a, 2, "bf16", 8, 512, train_micro_batch=2)
+    assert p.activations_estimate > 0
+    assert p.phases["train"]["activations_estimate"] == p.activations_estimate
+    assert "activations_estimate" not in p.phases["rollout"]
+
+
+def test_suggest_offload_makes_7b_fit():
+    a = builtin_arch("Qwen2.5-7B")
+    args = (a, 8, "bf16", 1024, 8192)
+    plan = plan_memory(*args, {}, gpu_mem_gib=80)
+    assert not plan.fits["rollout"] and plan.fits["train"] and plan.shortfall["rollout"] > 0
+    s = suggest_offload(*args, {}, gpu_mem_gib=80)
+    assert s["fits"] and s["added"] == ["optimizer"]
+    assert plan_memory(*args, s["offload"], gpu_mem_gib=80).fits_all
+    # fits without anything: empty suggestion
+    s0 = suggest_offload(a, 8, "bf16", 256, 4096, {})
+    assert s0["fits"] and s0["added"] == [] and not any(s0["offload"].values())
+    # user flags are kept
+    s1 = suggest_offload(*args, {"ref": True}, gpu_mem_gib=80)
+    assert s1["offload"]["ref"] and s1["offload"]["optimizer"]
+
+
+def test_suggest_offload_nothing_fits():
+    s = suggest_offload(builtin_arch("Llama-3-70B"), 8, "bf16", 64, 4096, {})
+    assert not s["fits"] and s["phase"] in PHASES and s["shortfall_bytes"] > 0
+    assert s["phase"] in s["message"] and "GB" in s["message"]
+
+
+@pytest.mark.parametrize("kw,word", [
+    (dict(n_gpus=0), "n_gpus"), (dict(batch=-1), "batch"), (dict(context=0), "context"),
+    (dict(gpu_mem_gib=0), "gpu_mem_gib"), (dict(dtype="int8"), "dtype"), (dict(tp_size=3), "tp_size"),
+    (dict(offload={"weights": True}), "weights"),
+])
+def test_bad_inputs(kw, word):
+    args = dict(arch=builtin_arch("Qwen2.5-0.5B"), n_gpus=4, dtype="bf16", batch=8, context=128)
+    args.update(kw)
+    with pytest.raises(ValueError, match=word):
+        plan_memory(**args)
+
+
+def test_bad_configs(tmp_path):
+    with pytest.raises(ValueError, match="Qwen2.5-7B"):
+        builtin_arch("Qwen9-1T")
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8, "vocab_size": 10}))
+    with pytest.raises(ValueError) as e:
+        ModelArch.from_hf_config(tmp_path)
+    msg = str(e.value)
+    assert "intermediate_size" in msg and "num_hidden_layers" in msg and "config.json" in msg
+    with pytest.raises(ValueError, match="not found"):
+        ModelArch.from_hf_config(tmp_path / "nope.json")
+    with pytest.raises(ValueError, match="hidden_size"):
+        count_parameters(ModelArch())
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "hybrid_rl.plan", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_cli_json_last_line_and_errors(tmp_path):
+    r = _cli("--model", "Qwen2.5-7B", "--gpus", "8", "--batch", "256", "--context", "4096",
+             "--gpu-mem-gb", "80", "--offload", "optimizer,ref")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    d = json.loads(lines[-1])
+    assert d["n_params"] == 7_615_616_512 and d["fits_all"] and d["offload"]["optimizer"]
+    assert d["gpu_mem_bytes"] == 80 * GIB and d["per_gpu"]["kv_cache"] == 7_516_192_768
+    assert "policy_weights" in r.stdout and "suggested offload" in r.stdout and "fits" in r.stdout
+
+    r = _cli("--params", "70e9", "--gpus", "8", "--batch", "64", "--context", "4096",
+             "--layers", "80", "--kv-heads", "8", "--head-dim", "128")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    assert d["bill"] == {"learner": 1120 * GB, "ref": 140 * GB, "engine_copy": 140 * GB, "reward_model": 0,
+                         "engine_replicas": 8}
+    assert "1,120.00 GB" in r.stdout and "does NOT fit (short by" in r.stdout
+    assert d["per_gpu"]["kv_cache"] == 8 * 4096 * 2 * 80 * 8 * 128 * 2
+
+    import transformers
+    transformers.LlamaConfig(**TINY).save_pretrained(tmp_path)
+    r = _cli("--model", str(tmp_path / "config.json"), "--gpus", "2", "--batch", "4", "--context", "64")
+    assert r.returncode == 0, r.stderr
+    json.loads(r.stdout.strip().splitlines()[-1])
+
+    for bad, word in [(["--model", "Qwen2.5-7B", "--gpus", "0", "--batch", "1", "--context", "1"], "--gpus"),
+                      (["--model", "nosuch", "--gpus", "1", "--batch", "1", "--context", "1"], "built-in names"),
+                      (["--model", "Qwen2.5-7B", "--gpus", "1", "--batch", "1", "--context", "1",
+                        "--offload", "weights"], "weights"),
+                      (["--gpus", "1", "--batch", "1", "--context", "1"], "--params")]:
+        r = _cli(*bad)
+        assert r.returncode != 0 and word in r.stderr, (bad, r.stderr)
