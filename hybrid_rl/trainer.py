@@ -63,9 +63,11 @@ class Trainer:
         warm = o.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
         engine_cls = engine_class(cfg.rollout.engine)
-        self.engine = engine_cls(self.policy, pad_id=self.tokenizer.pad_token_id, eos_id=self.tokenizer.eos_token_id)
+        self.engine = engine_cls(self.policy, pad_id=self.tokenizer.pad_token_id, eos_id=self.tokenizer.eos_token_id,
+                                 weights_dtype=torch.bfloat16 if mixed else None)
         self.phases = PhaseManager(self.policy, self.optimizer, self.engine, self.device, ref=self.ref,
-                                   offload_optimizer=cfg.offload.optimizer, offload_ref=cfg.offload.ref)
+                                   offload_optimizer=cfg.offload.optimizer, offload_ref=cfg.offload.ref,
+                                   offload_params=cfg.offload.params)
         self.step_idx = 0
         self.history: list[dict] = []
         self.out_dir = cfg.trainer.out_dir

@@ -76,7 +76,7 @@ def overlong_penalty(lengths_N: Tensor, max_new_tokens: int, buffer_len: int, pe
         ramp_N = (expected - length_N) / buffer_len * penalty_factor
     else:
         ramp_N = torch.zeros_like(length_N)
-    penalty_N = torch.where(length_N < expected, torch.zeros_like(length_N), ramp_N)
+    penalty_N = torch.where(length_N <= expected, torch.zeros_like(length_N), ramp_N)
     penalty_N = torch.where(length_N > max_new_tokens, torch.full_like(length_N, -penalty_factor), penalty_N)
     return penalty_N.to(torch.float32)
 

@@ -19,7 +19,8 @@ clamped to [-20, 20] before exp (as verl does), which only matters for
 ratios beyond e^20.
 
 A clip bound of None disables that side. Metrics (0-d float32 tensors,
-masked means over valid tokens, 0 / 1.0 when there is no valid token):
+masked means over valid tokens; with no valid token the fractions and
+approx_kl are 0 and the ratio statistics 1.0):
     clip_frac_low / clip_frac_high / clip_frac: fraction of valid tokens where
         the lower / upper / either bound is active (see each loss for "active");
     approx_kl: mean k3 estimate of KL(pi_old || pi), exp(d) - 1 - d with
@@ -52,7 +53,9 @@ def _prepare(logp_NT, old_logp_NT, adv, mask_NT, weight_NT, low, high, name):
             f"{name}: advantages must be (N,) = {shape[:1]} or (N, T) = {shape}, got {getattr(adv, 'shape', None)}"
         )
     if weight_NT is not None and (not isinstance(weight_NT, Tensor) or tuple(weight_NT.shape) != shape):
-        raise ValueError(f"{name}: weight_NT must have the shape of logp_NT {shape}, got {getattr(weight_NT, 'shape', None)}")
+        raise ValueError(
+            f"{name}: weight_NT must have the shape of logp_NT {shape}, got {getattr(weight_NT, 'shape', None)}"
+        )
     for what, v in (("clip_ratio_low", low), ("clip_ratio_high", high)):
         if v is not None and v < 0:
             raise ValueError(f"{name}: {what} must be >= 0 or None (disabled), got {v}")
@@ -87,17 +90,22 @@ def _metrics(ratio_NT, d_NT, valid_NT, low_NT, high_NT) -> dict[str, Tensor]:
     n = valid_NT.sum().clamp(min=1)
     r = ratio_NT.detach()
     d = d_NT.detach()
-    has_valid = bool(valid_NT.any())
     k3_NT = torch.where(valid_NT, torch.expm1(d) - d, torch.zeros_like(d))
-    one = torch.ones((), dtype=torch.float32, device=r.device)
+    # max/min via +-inf fill instead of boolean indexing: no host-device sync.
+    inf = torch.full((), float("inf"), dtype=r.dtype, device=r.device)
+    r_max = torch.where(valid_NT, r, -inf).max() if r.numel() else -inf
+    r_min = torch.where(valid_NT, r, inf).min() if r.numel() else inf
+    one = torch.ones((), dtype=r.dtype, device=r.device)
     return {
         "clip_frac_low": _frac(low_NT, valid_NT),
         "clip_frac_high": _frac(high_NT, valid_NT),
         "clip_frac": _frac(low_NT | high_NT, valid_NT),
         "approx_kl": (k3_NT.sum() / n).float(),
-        "ratio_mean": (torch.where(valid_NT, r, torch.zeros_like(r)).sum() / n).float(),
-        "ratio_max": r[valid_NT].max().float() if has_valid else one,
-        "ratio_min": r[valid_NT].min().float() if has_valid else one,
+        "ratio_mean": torch.where(
+            valid_NT.any(), torch.where(valid_NT, r, torch.zeros_like(r)).sum() / n, one
+        ).float(),
+        "ratio_max": torch.where(torch.isfinite(r_max), r_max, one).float(),
+        "ratio_min": torch.where(torch.isfinite(r_min), r_min, one).float(),
     }
 
 

@@ -8,23 +8,29 @@ States and the only legal moves (one training step goes round the cycle):
 to ROLLOUT: zero grads (set_to_none) -> offload optimizer state (if configured) ->
             engine.resume(["weights"]) -> sync weights (skipped when the engine runs
             the policy module itself) -> engine.resume(["kv_cache"])
-leaving ROLLOUT: engine.release(["kv_cache", "weights"])
+            (+ offload policy shards, offload.params, for engines with their own copy)
+leaving ROLLOUT: engine.release(["kv_cache", "weights"]) (+ onload policy shards)
 to SCORE:   onload the reference model; leaving SCORE: offload it (if configured)
 to TRAIN:   onload optimizer state
 
-Every stage is timed and its bytes counted into `self.stats` (drained per step).
+Every stage is timed and its bytes counted into `self.stats` (drained per step), and
+the memory ledger records the bytes per role at each boundary:
+rollout:ready, rollout:generated, score:ready, train:ready, train:end.
 """
 from __future__ import annotations
 
 import contextlib
 import enum
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 import torch
 
+from hybrid_rl.hybrid import memory
 from hybrid_rl.hybrid import offload as O
+from hybrid_rl.hybrid.memory import MemoryLedger
 from hybrid_rl.hybrid.weights import iter_weight_buckets
 
 
@@ -56,7 +62,10 @@ class SwitchStats:
 
 
 class PhaseManager:
-    """Owns the residency of policy, optimizer state, reference model and engine memory."""
+    """Owns the residency of policy, optimizer state, reference model and engine memory.
+
+    always_copy: on CPU, run the offload copies anyway (tests, the CPU benchmark).
+    """
 
     def __init__(
         self,
@@ -67,20 +76,29 @@ class PhaseManager:
         ref: Optional[torch.nn.Module] = None,
         offload_optimizer: bool = False,
         offload_ref: bool = True,
+        offload_params: bool = False,
         bucket_bytes: int = 256 << 20,
+        always_copy: bool = False,
     ):
         self.policy, self.optimizer, self.engine, self.ref = policy, optimizer, engine, ref
         self.device = device
-        self.offload_optimizer, self.offload_ref = offload_optimizer, offload_ref
         self.bucket_bytes = bucket_bytes
-        self.host = torch.device("cpu")
         self.phase = Phase.TRAIN
         self.inside: Optional[Phase] = None
         self.stats = SwitchStats()
+        self.ledger = MemoryLedger(device)
+        self.step = 0  # counts rollouts; labels ledger snapshots
         # The native engine bound to the policy module reads its weights in place.
         self.zero_copy = getattr(engine, "model", None) is policy
-        if ref is not None and offload_ref:
-            O.move_module(ref, self.host)
+        if offload_params and self.zero_copy:
+            warnings.warn("offload.params ignored: the native engine decodes with the policy's own weights")
+            offload_params = False
+        self.opt_offload = O.OptimizerOffloader(optimizer, device, always_copy) if offload_optimizer else None
+        self.param_offload = O.ModuleOffloader(policy, device, always_copy) if offload_params else None
+        self.ref_offload = O.ModuleOffloader(ref, device, always_copy) if ref is not None and offload_ref else None
+        self._policy_bytes = memory.module_bytes(policy, device)  # sharded: 1/world of the weights
+        if self.ref_offload is not None:
+            self.ref_offload.offload()
 
     # -- bookkeeping ----------------------------------------------------------
     def _transition(self, target: Phase) -> None:
@@ -103,15 +121,32 @@ class PhaseManager:
         stats, self.stats = self.stats, SwitchStats()
         return stats
 
+    def resident(self) -> dict[str, int]:
+        """Bytes on the compute device per role, right now (kv_cache: peak of the last rollout)."""
+        params_here = self.param_offload is None or self.param_offload.on_device
+        engine = self.engine.memory_bytes() if hasattr(self.engine, "memory_bytes") else {}
+        return {
+            "policy_weights": self._policy_bytes if params_here else 0,
+            "grads": memory.grad_bytes(self.policy, self.device),
+            "optimizer": memory.optimizer_bytes(self.optimizer, self.device),
+            "engine_weights": engine.get("engine_weights", 0),
+            "kv_cache": engine.get("kv_cache", 0) if self.inside is Phase.ROLLOUT else 0,
+            "ref": memory.module_bytes(self.ref, self.device) if self.ref is not None else 0,
+        }
+
+    def snapshot(self, label: str) -> None:
+        self.ledger.record(label, self.step, self.resident())
+
     # -- phases ---------------------------------------------------------------
     @contextlib.contextmanager
     def rollout(self) -> Iterator[object]:
         self._transition(Phase.ROLLOUT)
+        self.step += 1
         with self._stage("zero_grad"):
             self.optimizer.zero_grad(set_to_none=True)
-        if self.offload_optimizer:
+        if self.opt_offload is not None:
             with self._stage("offload_optimizer") as moved:
-                moved[0] = O.move_optimizer_state(self.optimizer, self.host, non_blocking=True)
+                moved[0] = self.opt_offload.offload()
         with self._stage("resume_weights"):
             self.engine.resume(["weights"])
         if not self.zero_copy:
@@ -120,39 +155,50 @@ class PhaseManager:
                     self.engine.update_weights(bucket)
                     moved[0] += sum(t.numel() * t.element_size() for _, t in bucket)
                     del bucket  # peak extra memory: one bucket
+            if self.param_offload is not None:
+                with self._stage("offload_params") as moved:
+                    moved[0] = self.param_offload.offload()
         with self._stage("resume_kv"):
             self.engine.resume(["kv_cache"])
         self.phase, self.inside = Phase.ROLLOUT, Phase.ROLLOUT
+        self.snapshot("rollout:ready")
         try:
             yield self.engine
+            self.snapshot("rollout:generated")
         finally:
             with self._stage("release_engine"):
                 self.engine.release(["kv_cache", "weights"])
+            if self.param_offload is not None:
+                with self._stage("onload_params") as moved:
+                    moved[0] = self.param_offload.onload()
             self.inside = None
 
     @contextlib.contextmanager
     def score(self) -> Iterator[Optional[torch.nn.Module]]:
         self._transition(Phase.SCORE)
-        if self.ref is not None:
+        if self.ref_offload is not None:
             with self._stage("onload_ref") as moved:
-                moved[0] = O.move_module(self.ref, self.device)
+                moved[0] = self.ref_offload.onload()
         self.phase, self.inside = Phase.SCORE, Phase.SCORE
+        self.snapshot("score:ready")
         try:
             yield self.ref
         finally:
-            if self.ref is not None and self.offload_ref:
+            if self.ref_offload is not None:
                 with self._stage("offload_ref") as moved:
-                    moved[0] = O.move_module(self.ref, self.host)
+                    moved[0] = self.ref_offload.offload()
             self.inside = None
 
     @contextlib.contextmanager
     def train(self) -> Iterator[torch.optim.Optimizer]:
         self._transition(Phase.TRAIN)
-        if self.offload_optimizer:
+        if self.opt_offload is not None:
             with self._stage("onload_optimizer") as moved:
-                moved[0] = O.move_optimizer_state(self.optimizer, self.device, non_blocking=True)
+                moved[0] = self.opt_offload.onload()
         self.phase, self.inside = Phase.TRAIN, Phase.TRAIN
+        self.snapshot("train:ready")
         try:
             yield self.optimizer
+            self.snapshot("train:end")
         finally:
             self.inside = None

@@ -47,7 +47,8 @@ def kv_cache_bytes(cache) -> int:
 class NativeEngine:
     """RolloutEngine over a torch causal LM (`model`), typically the policy itself."""
 
-    def __init__(self, model: torch.nn.Module, pad_id: int, eos_id: int, max_batch_size: int = 0):
+    def __init__(self, model: torch.nn.Module, pad_id: int, eos_id: int, max_batch_size: int = 0,
+                 weights_dtype: torch.dtype | None = None):
         self.model = model
         self.pad_id = pad_id
         self.eos_id = eos_id
@@ -56,6 +57,13 @@ class NativeEngine:
         self._weights_ready = not self._sharded
         self._kv_ready = True
         self.last_kv_bytes = 0  # KV cache size of the last generate call
+        # Gathered (unsharded) weights are an extra full copy only when the module is sharded;
+        # numel() of a DTensor is the global size. Mixed precision gathers in weights_dtype.
+        self._full_bytes = sum(p.numel() * (weights_dtype or p.dtype).itemsize for p in model.parameters()) if self._sharded else 0
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Engine-owned bytes: the gathered weights (while resumed) and the last rollout's KV cache."""
+        return {"engine_weights": self._full_bytes if self._weights_ready else 0, "kv_cache": self.last_kv_bytes}
 
     # -- memory ---------------------------------------------------------------
     def resume(self, tags: Sequence[str]) -> None:

@@ -37,7 +37,9 @@ def _setup(model_dir: str, offload_optimizer: bool, with_ref: bool):
     opt.step()
     model(input_ids=ids).logits.square().mean().backward()  # leave grads behind: the switch must drop them
     engine = NativeEngine(model, pad_id=0, eos_id=1)
-    pm = PhaseManager(model, opt, engine, dev, ref=ref, offload_optimizer=offload_optimizer, offload_ref=True)
+    # always_copy: on CPU the offload copies really run (into host buffers and back).
+    pm = PhaseManager(model, opt, engine, dev, ref=ref, offload_optimizer=offload_optimizer, offload_ref=True,
+                      always_copy=True)
     return model, opt, pm
 
 
@@ -62,7 +64,12 @@ def _roundtrip(model_dir: str, offload_optimizer: bool) -> bool:
     assert len(before[1]) == len(after[1]) > 0
     for (k0, v0), (k1, v1) in zip(before[1], after[1]):
         assert k0 == k1 and torch.equal(v0, v1), f"optimizer state {k0} changed"
+    if offload_optimizer:
+        assert pm.opt_offload.host_bytes() == sum(v.numel() * v.element_size() for _, v in before[1] if v.dim() > 0)
     stats = pm.pop_stats()
+    if offload_optimizer:
+        assert stats.bytes["offload_optimizer"] == stats.bytes["onload_optimizer"] > 0
+    assert stats.bytes["onload_ref"] == stats.bytes["offload_ref"] > 0
     expected = {"zero_grad", "resume_weights", "resume_kv", "release_engine", "onload_ref", "offload_ref"}
     if offload_optimizer:
         expected |= {"offload_optimizer", "onload_optimizer"}

@@ -149,7 +149,8 @@ def test_sequence_log_ratio():
     ],
 )
 def test_bad_inputs_raise(kwargs, match):
-    args = dict(old_logp_NT=torch.zeros(2, 3), engine_logp_NT=torch.zeros(2, 3), mask_NT=torch.ones(2, 3), mode="tis_token")
+    args = dict(old_logp_NT=torch.zeros(2, 3), engine_logp_NT=torch.zeros(2, 3), mask_NT=torch.ones(2, 3),
+                mode="tis_token")
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         rollout_correction(**args)

@@ -86,7 +86,7 @@ def naive(name, logp, old, adv, mask, low, high, c=None):
         "clip_frac_high": cnt["high"] / v,
         "clip_frac": (cnt["low"] + cnt["high"]) / v,
         "approx_kl": kl_sum / v,
-        "ratio_mean": sum(ratios) / v,
+        "ratio_mean": sum(ratios) / v if ratios else 1.0,
         "ratio_max": max(ratios) if ratios else 1.0,
         "ratio_min": min(ratios) if ratios else 1.0,
     }
@@ -194,7 +194,8 @@ def test_all_masked_batch(name):
     logp, old, adv, _ = _batch(2, 3, 4)
     loss_NT, m = compute_policy_loss(name, logp, old, adv, torch.zeros(3, 4, dtype=torch.bool))
     assert torch.equal(loss_NT, torch.zeros(3, 4, dtype=torch.float64))
-    assert m["clip_frac"].item() == 0 and m["ratio_max"].item() == 1.0
+    assert m["clip_frac"].item() == 0 and m["approx_kl"].item() == 0
+    assert m["ratio_max"].item() == m["ratio_min"].item() == m["ratio_mean"].item() == 1.0
 
 
 @pytest.mark.parametrize("name", sorted(POLICY_LOSSES))

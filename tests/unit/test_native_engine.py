@@ -338,3 +338,9 @@ def test_update_weights_copies_into_engine_model(tiny_model, sharp_model):
         assert torch.equal(a, b), n
     with pytest.raises(KeyError, match="nope"):
         eng.update_weights([("nope", torch.zeros(1))])
+
+
+def test_prompt_constants_match_the_tiny_tokenizer(tiny_tokenizer):
+    assert (tiny_tokenizer.pad_token_id, tiny_tokenizer.eos_token_id) == (PAD, EOS)
+    texts = ["1 2 3 =", "4 =", "7 8 9 0 1 2 =", "5 5 ="]
+    assert [tiny_tokenizer(t, add_special_tokens=False).input_ids for t in texts] == PROMPTS

@@ -1,0 +1,124 @@
+"""The memory ledger: bytes resident on the compute device per role, at every phase boundary.
+
+Counts come from the tensors themselves (so they work on CPU and match the planner's
+formulas), and on CUDA also from the allocator (`memory_allocated` and the peak
+since the previous boundary). Role names are the planner's (`hybrid_rl.planner.ROLES`).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from hybrid_rl.hybrid.offload import local_bytes, optimizer_tensors
+
+ROLES = ("policy_weights", "grads", "optimizer", "engine_weights", "kv_cache", "ref", "reward_model")
+
+
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.device.type == device.type
+
+
+def module_bytes(module: Optional[torch.nn.Module], device: torch.device) -> int:
+    if module is None:
+        return 0
+    return sum(local_bytes(p) for p in module.parameters() if _on(p, device))
+
+
+def grad_bytes(module: torch.nn.Module, device: torch.device) -> int:
+    return sum(local_bytes(p.grad) for p in module.parameters() if p.grad is not None and _on(p.grad, device))
+
+
+def optimizer_bytes(opt: torch.optim.Optimizer, device: torch.device) -> int:
+    return sum(local_bytes(v) for _, _, v in optimizer_tensors(opt) if _on(v, device))
+
+
+@dataclass
+class Snapshot:
+    label: str  # "<phase>:<moment>", e.g. "rollout:generated"
+    step: int
+    roles: dict[str, int]
+    allocated: Optional[int] = None  # CUDA allocator, bytes
+    peak: Optional[int] = None  # CUDA peak since the previous snapshot
+
+    @property
+    def total(self) -> int:
+        return sum(self.roles.values())
+
+
+@dataclass
+class MemoryLedger:
+    device: torch.device
+    snapshots: list[Snapshot] = field(default_factory=list)
+    keep_steps: int = 2  # older steps are dropped so a long run does not grow the ledger
+
+    def record(self, label: str, step: int, roles: dict[str, int]) -> Snapshot:
+        unknown = set(roles) - set(ROLES)
+        if unknown:
+            raise ValueError(f"unknown memory roles {sorted(unknown)}; valid: {list(ROLES)}")
+        snap = Snapshot(label, step, {r: int(roles.get(r, 0)) for r in ROLES})
+        if self.device.type == "cuda":
+            snap.allocated = torch.cuda.memory_allocated(self.device)
+            snap.peak = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.snapshots.append(snap)
+        if self.snapshots[0].step < step - self.keep_steps + 1:
+            self.snapshots = [s for s in self.snapshots if s.step > step - self.keep_steps]
+        return snap
+
+    def step_snapshots(self, step: int) -> list[Snapshot]:
+        return [s for s in self.snapshots if s.step == step]
+
+    def step_metrics(self, step: int) -> dict[str, float]:
+        """Per-role peak over the step's boundaries, and the peak total, in bytes."""
+        snaps = self.step_snapshots(step)
+        out: dict[str, float] = {}
+        for r in ROLES:
+            out[f"memory/{r}_peak"] = float(max((s.roles[r] for s in snaps), default=0))
+        out["memory/total_peak"] = float(max((s.total for s in snaps), default=0))
+        if snaps and snaps[-1].allocated is not None:
+            out["memory/cuda_allocated"] = float(snaps[-1].allocated)
+            out["memory/cuda_peak"] = float(max(s.peak or 0 for s in snaps))
+        return out
+
+    def table(self, step: int) -> str:
+        snaps = self.step_snapshots(step)
+        head = f"{'boundary':<22}" + "".join(f"{r:>16}" for r in ROLES) + f"{'total':>12}   (MB)"
+        rows = [head]
+        for s in snaps:
+            rows.append(f"{s.label:<22}" + "".join(f"{s.roles[r] / 1e6:>16.2f}" for r in ROLES) + f"{s.total / 1e6:>12.2f}")
+        return "\n".join(rows)
+
+    def plot(self, step: int, path: str) -> None:
+        """Memory timeline of one step: one lane per role, one column per phase boundary."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        snaps = self.step_snapshots(step)
+        if not snaps:
+            raise ValueError(f"no memory snapshots recorded for step {step}")
+        scale = max(max(s.roles[r] for s in snaps for r in ROLES), 1)
+        fig, ax = plt.subplots(figsize=(1.4 * len(snaps) + 3, 0.55 * len(ROLES) + 1.5))
+        cmap = plt.get_cmap("tab10")
+        for lane, role in enumerate(ROLES):
+            for x, s in enumerate(snaps):
+                b = s.roles[role]
+                if b:
+                    h = 0.15 + 0.7 * b / scale
+                    ax.add_patch(plt.Rectangle((x, lane - h / 2), 1, h, color=cmap(lane), alpha=0.8))
+                    ax.text(x + 0.5, lane, f"{b / 1e6:.1f}", ha="center", va="center", fontsize=7)
+        ax.set_xlim(0, len(snaps))
+        ax.set_ylim(-0.6, len(ROLES) - 0.4)
+        ax.set_yticks(range(len(ROLES)), ROLES)
+        ax.set_xticks([x + 0.5 for x in range(len(snaps))], [s.label for s in snaps], rotation=30, ha="right", fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title(f"device memory per role at each phase boundary, step {step} (MB; bar height ~ bytes)")
+        fig.tight_layout()
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
