@@ -6,6 +6,7 @@ directory without weights, a tokenizer without an EOS or pad token.
 from __future__ import annotations
 
 import glob
+import json
 import os
 
 import torch
@@ -23,21 +24,47 @@ def _require_model_dir(path: str) -> None:
         )
 
 
+def _model_vocab_size(path: str) -> int | None:
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        return None
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    return cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+
+
 def load_tokenizer(path: str):
-    """Load the tokenizer and check the tokens the trainer depends on."""
+    """Load the tokenizer and check the tokens the trainer depends on.
+
+    Some tokenizer classes invent a default special token when the config has none
+    (Qwen2's adds '<|endoftext|>'); an id outside the model's vocabulary counts as
+    missing, since the model could never embed or emit it.
+    """
     from transformers import AutoTokenizer
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model directory {path!r} does not exist (config key 'model.path')")
     tok = AutoTokenizer.from_pretrained(path)
-    if tok.eos_token_id is None:
+    vocab = _model_vocab_size(path)
+
+    def missing(name: str) -> str | None:
+        tid = getattr(tok, f"{name}_id")
+        if tid is None:
+            return ""
+        if vocab is not None and tid >= vocab:
+            return f" (only a class default {getattr(tok, name)!r}, id {tid}, outside the model's vocab_size {vocab})"
+        return None
+
+    why = missing("eos_token")
+    if why is not None:
         raise ValueError(
-            f"tokenizer in {path!r} has no EOS token: generation could never stop. "
+            f"tokenizer in {path!r} has no EOS token{why}: generation could never stop. "
             "Set `eos_token` in its tokenizer_config.json"
         )
-    if tok.pad_token_id is None:
+    why = missing("pad_token")
+    if why is not None:
         raise ValueError(
-            f"tokenizer in {path!r} has no pad token: batches cannot be padded. "
+            f"tokenizer in {path!r} has no pad token{why}: batches cannot be padded. "
             "Set `pad_token` in its tokenizer_config.json (many recipes reuse an unused special token)"
         )
     return tok
