@@ -124,9 +124,13 @@ class OptimConfig:
 
 @dataclass
 class OffloadConfig:
+    """What leaves the compute device outside the phase that uses it (hybrid/offload.py)."""
+
     optimizer: bool = False  # optimizer state on host outside TRAIN
     ref: bool = True  # reference model on host outside SCORE
-    params: bool = False  # policy parameter shards on host during ROLLOUT (non-native engines)
+    params: bool = False  # policy parameter shards on host during ROLLOUT (engines with their own copy)
+    reward_model: bool = False  # reward model on host outside its phase (warns if the run has none)
+    auto: bool = False  # ignore the flags above and take the planner's advice (python -m hybrid_rl.plan)
 
 
 @dataclass

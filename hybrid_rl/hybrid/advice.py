@@ -1,0 +1,55 @@
+"""Resolve the offload settings of a run: explicit flags, or the planner's advice (`offload.auto`).
+
+Called once before the model is built, so a run that cannot fit says so up front.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from hybrid_rl import planner
+
+# Role flags the runtime can act on today; the planner knows one more (reward_model).
+FLAGS = ("optimizer", "ref", "params")
+
+
+@dataclass
+class OffloadDecision:
+    optimizer: bool
+    ref: bool
+    params: bool
+    message: str
+
+
+def decide_offload(offload, model_path: str, device: torch.device, world_size: int, mixed_precision: bool,
+                   sequences: int, context: int, has_ref: bool, has_reward_model: bool = False) -> OffloadDecision:
+    """Turn `cfg.offload` into the flags the phase switch uses.
+
+    sequences: rollout sequences per step over all ranks (batch x samples); context:
+    prompt + response tokens per sequence. Warnings, not errors, for flags that name a
+    role the run does not have.
+    """
+    if offload.reward_model and not has_reward_model:
+        warnings.warn("offload.reward_model is set but this run has no reward model (rule rewards); ignored")
+    ref = offload.ref
+    if offload.ref and not has_ref and not offload.auto:
+        ref = False  # nothing to move; the default is on, so no warning
+    if not offload.auto:
+        return OffloadDecision(offload.optimizer, ref, offload.params, "offload: as configured")
+    if device.type != "cuda":
+        return OffloadDecision(False, False, False,
+                               "offload.auto: on CPU the device is the host memory, so nothing is offloaded")
+    arch = planner.ModelArch.from_hf_config(os.path.join(model_path, "config.json"))
+    gib = torch.cuda.get_device_properties(device).total_memory / planner.GIB
+    # Roles this run does not have are treated as already "offloaded" (they hold nothing).
+    base = {"ref": not has_ref, "reward_model": not has_reward_model}
+    advice = planner.suggest_offload(arch, world_size, "bf16" if mixed_precision else "fp32", sequences, context,
+                                     offload=base, gpu_mem_gib=gib)
+    flags = advice["offload"]
+    if not advice["fits"]:
+        warnings.warn(f"offload.auto: {advice['message']}")
+    return OffloadDecision(flags["optimizer"], has_ref and flags["ref"], flags["params"],
+                           f"offload.auto ({gib:.0f} GiB per GPU): {advice['message']}")
