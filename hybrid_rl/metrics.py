@@ -62,3 +62,26 @@ def plot_curve(history: Sequence[dict], path: str, key: str = "reward/mean") -> 
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+# Wall-clock buckets of one step, in the order they happen.
+PHASE_TIMES = {"rollout": ("time/rollout", "time/reward"), "scoring": ("time/score",), "training": ("time/train",),
+               "switching": ("time/switch",)}
+
+
+def time_split(m: dict) -> dict[str, float]:
+    return {name: sum(m.get(k, 0.0) for k in keys) for name, keys in PHASE_TIMES.items()}
+
+
+def bottleneck(m: dict) -> str:
+    """The phase that took most of the step: 'rollout-bound', 'training-bound', ..."""
+    split = time_split(m)
+    return max(split, key=split.get) + "-bound"
+
+
+def split_summary(history: Sequence[dict]) -> str:
+    """One line: share of wall clock per phase over a run, and the dominant phase."""
+    totals = {name: sum(time_split(h)[name] for h in history) for name in PHASE_TIMES}
+    whole = sum(totals.values()) or 1.0
+    parts = " | ".join(f"{name} {100 * t / whole:.0f}%" for name, t in totals.items())
+    return f"time split over {len(history)} steps: {parts} -> {max(totals, key=totals.get)}-bound"
