@@ -117,6 +117,9 @@ class ModuleOffloader:
         return [*self.module.parameters(), *self.module.buffers()]
 
     def offload(self) -> int:
+        from hybrid_rl.models.fsdp import reshard
+
+        reshard(self.module)  # move shards, never gathered copies
         return self._move(torch.device("cpu"), on_device=False)
 
     def onload(self) -> int:

@@ -32,6 +32,7 @@ from hybrid_rl.hybrid import memory
 from hybrid_rl.hybrid import offload as O
 from hybrid_rl.hybrid.memory import MemoryLedger
 from hybrid_rl.hybrid.weights import iter_weight_buckets
+from hybrid_rl.models.fsdp import reshard
 
 
 class Phase(enum.Enum):
@@ -121,17 +122,26 @@ class PhaseManager:
         stats, self.stats = self.stats, SwitchStats()
         return stats
 
+    def _engine_bytes(self) -> dict[str, int]:
+        return self.engine.memory_bytes() if hasattr(self.engine, "memory_bytes") else {}
+
     def resident(self) -> dict[str, int]:
-        """Bytes on the compute device per role, right now (kv_cache: peak of the last rollout)."""
-        params_here = self.param_offload is None or self.param_offload.on_device
-        engine = self.engine.memory_bytes() if hasattr(self.engine, "memory_bytes") else {}
+        """Bytes on the compute device per role, right now (kv_cache: peak of this rollout so far).
+
+        An offloaded role counts as absent even on CPU, where host and device are the
+        same memory: the ledger shows what the switch decided, the planner's view.
+        """
+        def here(offloader) -> bool:
+            return offloader is None or offloader.on_device
+
+        engine = self._engine_bytes()
         return {
-            "policy_weights": self._policy_bytes if params_here else 0,
+            "policy_weights": self._policy_bytes if here(self.param_offload) else 0,
             "grads": memory.grad_bytes(self.policy, self.device),
-            "optimizer": memory.optimizer_bytes(self.optimizer, self.device),
+            "optimizer": memory.optimizer_bytes(self.optimizer, self.device) if here(self.opt_offload) else 0,
             "engine_weights": engine.get("engine_weights", 0),
             "kv_cache": engine.get("kv_cache", 0) if self.inside is Phase.ROLLOUT else 0,
-            "ref": memory.module_bytes(self.ref, self.device) if self.ref is not None else 0,
+            "ref": memory.module_bytes(self.ref, self.device) if self.ref is not None and here(self.ref_offload) else 0,
         }
 
     def snapshot(self, label: str) -> None:
@@ -147,8 +157,9 @@ class PhaseManager:
         if self.opt_offload is not None:
             with self._stage("offload_optimizer") as moved:
                 moved[0] = self.opt_offload.offload()
-        with self._stage("resume_weights"):
+        with self._stage("resume_weights") as moved:
             self.engine.resume(["weights"])
+            moved[0] = self._engine_bytes().get("engine_weights", 0)
         if not self.zero_copy:
             with self._stage("sync_weights") as moved:
                 for bucket in iter_weight_buckets(self.policy, self.bucket_bytes):
@@ -184,6 +195,11 @@ class PhaseManager:
         try:
             yield self.ref
         finally:
+            # FSDP2 keeps the root module's parameters gathered after a forward (it expects a
+            # backward next); scoring has none, so free those gathered copies here.
+            reshard(self.policy)
+            if self.ref is not None:
+                reshard(self.ref)
             if self.ref_offload is not None:
                 with self._stage("offload_ref") as moved:
                     moved[0] = self.ref_offload.offload()

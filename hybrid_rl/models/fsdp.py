@@ -52,3 +52,9 @@ def release_full_weights(model: torch.nn.Module) -> None:
     for m in fsdp_modules(model):
         m.reshard()
         m.set_reshard_after_forward(True, recurse=False)
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free any gathered parameters of an FSDP2 module (no-op if none, or if not sharded)."""
+    for m in fsdp_modules(model):
+        m.reshard()

@@ -48,8 +48,13 @@ class NativeEngine:
     """RolloutEngine over a torch causal LM (`model`), typically the policy itself."""
 
     def __init__(self, model: torch.nn.Module, pad_id: int, eos_id: int, max_batch_size: int = 0,
-                 weights_dtype: torch.dtype | None = None):
+                 weights_dtype: torch.dtype | None = None, own_weights: bool = False):
+        """own_weights: `model` is the engine's private copy (not the policy); releasing its
+        weights frees their memory, and their contents, until the next update_weights,
+        the way SGLang's memory saver does."""
         self.model = model
+        self.own_weights = own_weights
+        self._shapes = {n: (p.shape, p.dtype, p.device) for n, p in model.named_parameters()} if own_weights else {}
         self.pad_id = pad_id
         self.eos_id = eos_id
         self.max_batch_size = max_batch_size  # 0: all prompts in one batch
@@ -59,7 +64,8 @@ class NativeEngine:
         self.last_kv_bytes = 0  # KV cache size of the last generate call
         # Gathered (unsharded) weights are an extra full copy only when the module is sharded;
         # numel() of a DTensor is the global size. Mixed precision gathers in weights_dtype.
-        self._full_bytes = sum(p.numel() * (weights_dtype or p.dtype).itemsize for p in model.parameters()) if self._sharded else 0
+        counted = self._sharded or own_weights
+        self._full_bytes = sum(p.numel() * (weights_dtype or p.dtype).itemsize for p in model.parameters()) if counted else 0
 
     def memory_bytes(self) -> dict[str, int]:
         """Engine-owned bytes: the gathered weights (while resumed) and the last rollout's KV cache."""
@@ -69,10 +75,16 @@ class NativeEngine:
     def resume(self, tags: Sequence[str]) -> None:
         check_tags(tags)
         if "weights" in tags and not self._weights_ready:
-            gather_full_weights(self.model, keep_resident=True)
+            if self.own_weights:
+                for name, p in self.model.named_parameters():
+                    shape, dtype, device = self._shapes[name]
+                    p.data = torch.empty(shape, dtype=dtype, device=device)  # filled by the next sync
+            else:
+                gather_full_weights(self.model, keep_resident=True)
             self._weights_ready = True
         if "kv_cache" in tags:
             self._kv_ready = True
+            self.last_kv_bytes = 0
 
     def release(self, tags: Sequence[str]) -> None:
         check_tags(tags)
@@ -81,8 +93,12 @@ class NativeEngine:
             self._kv_ready = False
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        if "weights" in tags and self._sharded and self._weights_ready:
-            release_full_weights(self.model)
+        if "weights" in tags and self._weights_ready and (self._sharded or self.own_weights):
+            if self.own_weights:
+                for p in self.model.parameters():
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            else:
+                release_full_weights(self.model)
             self._weights_ready = False
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
