@@ -42,7 +42,7 @@ import torch
 from hybrid_rl import distributed as D
 from hybrid_rl.hybrid import memory
 from hybrid_rl.hybrid.phases import PhaseManager
-from hybrid_rl.models.fsdp import fsdp_modules, shard_model
+from hybrid_rl.models.fsdp import shard_model
 from hybrid_rl.rollout.base import SamplingParams
 from hybrid_rl.rollout.native import NativeEngine
 
@@ -221,7 +221,7 @@ def run_engine(mode: str, args, dev, policy, opt, ref, engine_module, train_ids,
     """Warm-up + k cycles with one engine; returns per-stage samples and the last ledger.
     shared["copyref"]: the reference-copy buffers, kept across engines (first touch is slow)."""
     engine = NativeEngine(policy if mode == "zero-copy" else engine_module, pad_id=0, eos_id=-1,
-                          weights_dtype=torch.bfloat16 if args.mixed else None)
+                          weights_dtype=torch.bfloat16 if args.mixed else None, own_weights=mode == "copy")
     pm = PhaseManager(policy, opt, engine, dev, ref=ref, offload_optimizer=args.offload_optimizer, offload_ref=True,
                       bucket_bytes=int(args.bucket_mb * (1 << 20)), always_copy=dev.type == "cpu")
     assert pm.zero_copy == (mode == "zero-copy")
@@ -236,10 +236,6 @@ def run_engine(mode: str, args, dev, policy, opt, ref, engine_module, train_ids,
             if r is not None:
                 with torch.no_grad():
                     r(input_ids=train_ids).logits.float().mean().item()
-                # FSDP2 keeps the ROOT's parameters gathered after a forward (it expects a backward);
-                # the offloader would then see full tensors where it keeps shards. Reshard first.
-                for fm in fsdp_modules(r):
-                    fm.reshard()
             sync(dev)
             gen["score_s"] = time.perf_counter() - t0
         with pm.train() as o:
@@ -253,7 +249,6 @@ def run_engine(mode: str, args, dev, policy, opt, ref, engine_module, train_ids,
         secs, nbytes, freed = dict(st.seconds), dict(st.bytes), {}
         secs["kv_prefill"] = gen["prefill_s"]
         nbytes["kv_prefill"] = snaps["rollout:generated"]["kv_cache"]
-        nbytes["resume_weights"] = snaps["rollout:ready"]["engine_weights"]  # gathered bytes (0 on one rank)
         freed["zero_grad"] = grads
         freed["release_engine"] = snaps["rollout:ready"]["engine_weights"] + snaps["rollout:generated"]["kv_cache"]
         if cycle < args.warmup:
