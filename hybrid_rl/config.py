@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -74,17 +74,42 @@ class RolloutConfig:
         _check(self.max_new_tokens > 0, "rollout.max_new_tokens", f"must be > 0, got {self.max_new_tokens}")
 
 
+ClipBound = Optional[Union[int, float, str]]  # a number, null (that side off) or "auto"
+
+
 @dataclass
 class AlgorithmConfig:
+    """What is optimised: advantage, loss, KL, entropy, rollout correction, DAPO tricks.
+
+    `preset` names a published method (hybrid_rl/algorithms/presets.py); `load_config`
+    expands it to its keys in the layer that names it, so explicit keys still win.
+    Built in Python, use `AlgorithmConfig.from_preset(name, **overrides)`; the
+    constructor itself only records the name.
+    """
+
+    preset: str = ""  # "" (none) | grpo | drgrpo | dapo | gspo
     advantage: str = "grpo"
     policy_loss: str = "ppo_clip"
     loss_agg: str = "token-mean"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: Optional[float] = None  # dual clip for negative advantages
-    kl_coef: float = 0.0  # k-estimator KL to the reference, as a loss term
+    # "auto": the policy loss's own bounds (ppo_clip 0.2/0.2, gspo 3e-4/4e-4, cispo null/0.2); null: no bound.
+    clip_ratio_low: ClipBound = "auto"
+    clip_ratio_high: ClipBound = "auto"
+    clip_ratio_c: Optional[float] = None  # dual clip for negative advantages (ppo_clip)
+    kl_placement: str = "loss"  # loss: a term in the loss | reward: penalty on the reward | none
+    kl_coef: float = 0.0  # KL to the reference model; 0 = no KL and no reference model
     kl_estimator: str = "k3"
-    entropy_coef: float = 0.0
+    kl_controller: str = "fixed"  # fixed | adaptive (Ziegler et al. 2019: coef tracks target_kl; either placement)
+    target_kl: float = 0.1  # adaptive controller: the per-token KL to hold
+    kl_horizon: int = 10000  # adaptive controller: horizon in sequences
+    entropy_coef: float = 0.0  # entropy bonus in the loss
+    rollout_correction: str = "none"  # engine/trainer mismatch: none | tis_token | tis_seq | mis_token | mis_seq
+    correction_cap: float = 2.0  # upper bound on the importance ratio
+    correction_lower: Optional[float] = None  # lower bound; null: 1/cap for MIS, none for TIS
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, sample more prompts
+    max_sampling_rounds: int = 3  # generation rounds per step at most, the first included
+    overlong_filter: bool = False  # DAPO: truncated completions leave the loss
+    overlong_penalty_factor: float = 0.0  # DAPO soft overlong penalty; 0 = off
+    overlong_buffer_len: Optional[int] = None  # tokens before max_new_tokens where it ramps; null = a fifth
     ppo_epochs: int = 1
     mini_batch_size: int = 0  # sequences per optimizer step over all ranks; 0 = the whole batch
     adv_eps: float = 1e-6
@@ -92,18 +117,72 @@ class AlgorithmConfig:
     def __post_init__(self) -> None:
         from hybrid_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS
         from hybrid_rl.algorithms.aggregation import LOSS_AGG_MODES
+        from hybrid_rl.algorithms.correction import CORRECTION_MODES
+        from hybrid_rl.algorithms.kl import KL_ESTIMATORS
         from hybrid_rl.algorithms.losses import POLICY_LOSSES
+        from hybrid_rl.algorithms.presets import PRESETS
 
+        _one_of(self.preset, "algorithm.preset", ["", *sorted(PRESETS)])
         _one_of(self.advantage, "algorithm.advantage", sorted(ADVANTAGE_ESTIMATORS))
         _one_of(self.policy_loss, "algorithm.policy_loss", sorted(POLICY_LOSSES))
         _one_of(self.loss_agg, "algorithm.loss_agg", LOSS_AGG_MODES)
-        _one_of(self.kl_estimator, "algorithm.kl_estimator", ["k1", "k2", "k3"])
-        _check(self.clip_ratio_low >= 0, "algorithm.clip_ratio_low", "must be >= 0")
-        _check(self.clip_ratio_high >= 0, "algorithm.clip_ratio_high", "must be >= 0")
+        # "auto" stays in the config (the schema's own default instance must not bake in one loss's
+        # bounds); clip_bounds() resolves it.
+        self.clip_ratio_low = _clip_bound(self.clip_ratio_low, "algorithm.clip_ratio_low")
+        self.clip_ratio_high = _clip_bound(self.clip_ratio_high, "algorithm.clip_ratio_high")
         _check(self.clip_ratio_c is None or self.clip_ratio_c > 1, "algorithm.clip_ratio_c", "must be > 1 (or null)")
+        _one_of(self.kl_placement, "algorithm.kl_placement", ["loss", "reward", "none"])
         _check(self.kl_coef >= 0, "algorithm.kl_coef", "must be >= 0")
+        _one_of(self.kl_estimator, "algorithm.kl_estimator", list(KL_ESTIMATORS))
+        _one_of(self.kl_controller, "algorithm.kl_controller", ["fixed", "adaptive"])
+        _check(self.target_kl > 0, "algorithm.target_kl", f"must be > 0, got {self.target_kl}")
+        _check(self.kl_horizon > 0, "algorithm.kl_horizon", f"must be > 0 (sequences), got {self.kl_horizon}")
+        _check(self.entropy_coef >= 0, "algorithm.entropy_coef", "must be >= 0 (a bonus: the loss subtracts it)")
+        _one_of(self.rollout_correction, "algorithm.rollout_correction", list(CORRECTION_MODES))
+        _check(self.correction_cap > 0, "algorithm.correction_cap", f"must be > 0, got {self.correction_cap}")
+        _check(self.correction_lower is None or 0 < self.correction_lower < self.correction_cap,
+               "algorithm.correction_lower", f"must be in (0, correction_cap={self.correction_cap}) or null")
+        _check(self.max_sampling_rounds >= 1, "algorithm.max_sampling_rounds",
+               f"must be >= 1 (1 = filter only, never sample again), got {self.max_sampling_rounds}")
+        _check(self.overlong_penalty_factor >= 0, "algorithm.overlong_penalty_factor", "must be >= 0 (0 = off)")
+        _check(self.overlong_buffer_len is None or self.overlong_buffer_len >= 0, "algorithm.overlong_buffer_len",
+               "must be >= 0 or null (a fifth of rollout.max_new_tokens)")
         _check(self.ppo_epochs >= 1, "algorithm.ppo_epochs", "must be >= 1")
         _check(self.mini_batch_size >= 0, "algorithm.mini_batch_size", "must be >= 0 (0 = whole batch)")
+
+    def clip_bounds(self) -> tuple[Optional[float], Optional[float]]:
+        """(low, high) clip ratios for the policy loss; "auto" is that loss's own default, None no bound."""
+        from hybrid_rl.algorithms.presets import LOSS_CLIP_DEFAULTS
+
+        default_low, default_high = LOSS_CLIP_DEFAULTS.get(self.policy_loss, (0.2, 0.2))
+        low = default_low if self.clip_ratio_low == "auto" else self.clip_ratio_low
+        high = default_high if self.clip_ratio_high == "auto" else self.clip_ratio_high
+        return low, high
+
+    @property
+    def needs_ref_model(self) -> bool:
+        """A reference model is built (and scored) only when a KL term will use it."""
+        return self.kl_placement != "none" and self.kl_coef > 0
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> "AlgorithmConfig":
+        """The preset's values, then `overrides` (the Python form of `algorithm.preset=name`)."""
+        from hybrid_rl.algorithms.presets import preset_values
+
+        try:
+            values = preset_values(name)
+        except ValueError as err:
+            raise ValueError(f"config key 'algorithm.preset': {err}") from None
+        return cls(**{**values, "preset": name, **overrides})
+
+
+def _clip_bound(value: Any, key: str) -> Union[float, str, None]:
+    """A number >= 0 (as float), null (no bound) or "auto" (the loss's default, see clip_bounds)."""
+    if value is None or value == "auto":
+        return value
+    _check(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0, key,
+           f"got {value!r}; expected a number >= 0, null (no bound on that side) or 'auto' (the loss's default)")
+    return float(value)
 
 
 @dataclass
@@ -193,19 +272,43 @@ def _schema_error(err: OmegaConfBaseException) -> ValueError:
     return ValueError(f"config key '{key}': {err.msg if hasattr(err, 'msg') else err}".strip())
 
 
+def _with_preset(layer: Any) -> list:
+    """A layer that names `algorithm.preset` gets the preset's keys right below it.
+
+    So the preset beats the layers before it (the schema, a YAML under a command-line
+    preset) and every key written in the same layer or a later one beats the preset.
+    """
+    name = OmegaConf.select(layer, "algorithm.preset", default=None)
+    if not name:
+        return [layer]
+    from hybrid_rl.algorithms.presets import preset_values
+
+    try:
+        values = preset_values(name)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"config key 'algorithm.preset': {err}") from None
+    return [OmegaConf.create({"algorithm": values}), layer]
+
+
 def load_config(yaml_path: Optional[str] = None, overrides: Sequence[str] = (), base: Optional[Config] = None) -> Config:
-    """Build a validated `Config` from (base dataclass) <- YAML <- `key.sub=value` overrides."""
+    """Build a validated `Config` from (base dataclass) <- YAML <- `key.sub=value` overrides.
+
+    `algorithm.preset=NAME` in the YAML or the overrides expands, in that layer, to the
+    preset's algorithm keys (hybrid_rl/algorithms/presets.py); explicit keys in the same or a
+    later layer override them. A `base` config counts as already resolved: its preset is
+    not expanded again.
+    """
     schema = OmegaConf.structured(base if base is not None else Config)
     try:
         layers = [schema]
         if yaml_path:
             if not os.path.isfile(yaml_path):
                 raise FileNotFoundError(f"config file {yaml_path!r} does not exist")
-            layers.append(OmegaConf.load(yaml_path))
+            layers += _with_preset(OmegaConf.load(yaml_path))
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ValueError(f"command-line override {bad[0]!r} is not of the form key.sub=value")
-        layers.append(OmegaConf.from_dotlist(list(overrides)))
+        layers += _with_preset(OmegaConf.from_dotlist(list(overrides)))
         merged = OmegaConf.merge(*layers)
         return OmegaConf.to_object(merged)  # runs every __post_init__
     except OmegaConfBaseException as err:

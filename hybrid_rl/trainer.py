@@ -1,10 +1,14 @@
 """The GRPO loop, one `Trainer.step()` at a time:
 
-    ROLLOUT  engine.generate(B/W prompts x G samples) on this rank
-    REWARD   rule reward on CPU
-    SCORE    old-policy logprobs (+ reference logprobs)
+    ROLLOUT  engine.generate(B/W prompts x G samples) on this rank, rule rewards on CPU
+             (+ DAPO soft overlong penalty); with dynamic sampling, groups whose
+             scores are all equal are dropped and more prompts generated (sampling.py)
+    SCORE    old-policy logprobs (+ reference logprobs when a KL term needs them)
+    SHAPE    overlong filter and rollout correction (loss mask, TIS weights);
+             KL as a reward penalty (kl_placement=reward), KL controller update
     ADVANTAGE  over the whole global batch
-    TRAIN    epochs x mini-batches x micro-batches; optimizer step
+    TRAIN    epochs x mini-batches x micro-batches; optimizer step (update.py:
+             policy loss, KL in the loss, entropy bonus)
 
 Works under `torchrun` (one process per device) and in a plain process.
 Legend: B prompts per step (global), G samples per prompt, N sequences, T tokens.
@@ -21,7 +25,9 @@ import torch
 from hybrid_rl import distributed as D
 from hybrid_rl.algorithms.advantages import compute_advantages
 from hybrid_rl.algorithms.aggregation import masked_mean
-from hybrid_rl.algorithms.kl import kl_estimate
+from hybrid_rl.algorithms.correction import rollout_correction
+from hybrid_rl.algorithms.dapo import overlong_penalty, truncation_mask
+from hybrid_rl.algorithms.kl import AdaptiveKLController, FixedKLController, kl_estimate, kl_penalty_rewards
 from hybrid_rl.config import Config, save_config
 from hybrid_rl.data.prompts import PromptLoader, load_rows
 from hybrid_rl.hybrid.phases import PhaseManager
@@ -31,6 +37,7 @@ from hybrid_rl.models.loading import load_causal_lm, load_tokenizer
 from hybrid_rl.models.logprobs import build_sequences
 from hybrid_rl.rewards.base import compute_rewards, get_reward
 from hybrid_rl.rollout.base import Completion, SamplingParams, engine_class
+from hybrid_rl.sampling import SampledGroups, sample_groups
 from hybrid_rl.update import RolloutBatch, policy_update, score_logprobs
 
 
@@ -40,6 +47,15 @@ class Trainer:
         self.device = D.init(cfg.trainer.device, cfg.trainer.dist_timeout_s)
         # Everything a user can get wrong is checked before a model is built.
         cfg.validate_runtime(D.world_size())
+        a = cfg.algorithm
+        buffer = a.overlong_buffer_len
+        if buffer is not None and buffer > cfg.rollout.max_new_tokens:
+            raise ValueError(f"config key 'algorithm.overlong_buffer_len': {buffer} is longer than "
+                             f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}; use at most that (or null)")
+        # DAPO's buffer is a fifth of the maximum length (4096 of 20480); rounded down.
+        self.overlong_buffer = buffer if buffer is not None else cfg.rollout.max_new_tokens // 5
+        self.kl_ctl = (AdaptiveKLController(a.kl_coef, a.target_kl, a.kl_horizon) if a.kl_controller == "adaptive"
+                       else FixedKLController(a.kl_coef))
         torch.manual_seed(cfg.trainer.seed)
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.reward_name, self.reward = cfg.reward.name, get_reward(cfg.reward.name)
@@ -52,7 +68,7 @@ class Trainer:
         if cfg.model.gradient_checkpointing:
             policy.gradient_checkpointing_enable()
         ref = None
-        if cfg.algorithm.kl_coef > 0:
+        if cfg.algorithm.needs_ref_model:
             ref = copy.deepcopy(policy).requires_grad_(False).eval()
         self.policy = shard_model(policy, self.device, mixed)
         self.ref = shard_model(ref, self.device, mixed) if ref is not None else None
@@ -94,50 +110,25 @@ class Trainer:
 
     # -- one step -------------------------------------------------------------
     def step(self) -> dict:
-        cfg, G = self.cfg, self.cfg.rollout.n
+        cfg, algo = self.cfg, self.cfg.algorithm
         t_step = time.perf_counter()
-        rows = self.loader.next_batch()
-        prompt_ids = [self.tokenizer(self._prompt_text(r["prompt"]), add_special_tokens=False).input_ids for r in rows]
-        expanded = [p for p in prompt_ids for _ in range(G)]
-        r = cfg.rollout
-        params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                stop_token_ids=tuple(r.stop_token_ids),
-                                seed=r.seed + 1_000_003 * self.step_idx + 7919 * D.rank())
-        timings: dict[str, float] = {}
+        timings = {k: 0.0 for k in ("time/rollout", "time/reward", "time/score", "time/train")}
 
+        # Generation and rule rewards share one ROLLOUT phase: dynamic sampling may need
+        # several rounds, and the engine's memory should be switched in once per step.
         with self.phases.rollout() as engine:
-            t0 = time.perf_counter()
-            completions = engine.generate(expanded, params)
-            timings["time/rollout"] = time.perf_counter() - t0
+            sampled = sample_groups(self.loader.next_batch, lambda rows, k: self._generate(engine, rows, k, timings),
+                                    lambda rows, comps: self._score_completions(rows, comps, timings),
+                                    cfg.rollout.n, algo.dynamic_sampling, algo.max_sampling_rounds)
 
-        t0 = time.perf_counter()
-        rewards_n = self._rewards(rows, completions)
-        timings["time/reward"] = time.perf_counter() - t0
-
-        ids, attn, mask, P = build_sequences(expanded, [c.token_ids for c in completions], self.tokenizer.pad_token_id, self.device)
-        mask = mask.float()
-        engine_logp = torch.zeros_like(mask)
-        for i, c in enumerate(completions):
-            engine_logp[i, :len(c.logprobs)] = torch.tensor(c.logprobs)
-
-        with self.phases.score() as ref:
-            t0 = time.perf_counter()
-            mb = cfg.trainer.micro_batch_size
-            old_logp, entropy = score_logprobs(self.policy, ids, attn, P, r.temperature, mb)
-            ref_logp = score_logprobs(ref, ids, attn, P, r.temperature, mb)[0] if ref is not None else None
-            timings["time/score"] = time.perf_counter() - t0
-
-        adv = self._advantages(rewards_n)
-        batch = RolloutBatch(ids, attn, mask, P, old_logp, adv.to(self.device), ref_logp)
-        with self.phases.train() as optimizer:
-            t0 = time.perf_counter()
-            train_metrics = policy_update(self.policy, optimizer, self.scheduler, batch, cfg.algorithm, r.temperature,
-                                          cfg.trainer.micro_batch_size, cfg.optim.grad_clip, r.max_new_tokens,
-                                          seed=cfg.trainer.seed + self.step_idx)
-            timings["time/train"] = time.perf_counter() - t0
-
-        metrics = self._step_metrics(rewards_n, completions, mask, old_logp, engine_logp, entropy, ref_logp)
-        metrics.update(train_metrics)
+        metrics = self._reward_metrics(sampled)
+        metrics.update(sampled.metrics)
+        if sampled.rows:
+            metrics.update(self._learn(sampled, timings))
+        else:
+            # Every rank agreed that no group is informative: nothing to train on this step.
+            with self.phases.train():
+                pass
         switch = self.phases.pop_stats()
         for stage, sec in switch.seconds.items():
             timings[f"switch/{stage}_s"] = sec
@@ -151,6 +142,112 @@ class Trainer:
         metrics["step"] = self.step_idx
         return metrics
 
+    def _encode(self, rows: list[dict]) -> list[list[int]]:
+        """Prompt token ids, each repeated G times (row-major, as the completions are)."""
+        G = self.cfg.rollout.n
+        ids = [self.tokenizer(self._prompt_text(r["prompt"]), add_special_tokens=False).input_ids for r in rows]
+        return [p for p in ids for _ in range(G)]
+
+    def _generate(self, engine, rows: list[dict], round_idx: int, timings: dict) -> list[Completion]:
+        r = self.cfg.rollout
+        # A new seed per step, rank and sampling round (97 and 7919 are coprime: no two collide).
+        seed = r.seed + 1_000_003 * self.step_idx + 7919 * D.rank() + 97 * round_idx
+        params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                                top_k=r.top_k, stop_token_ids=tuple(r.stop_token_ids), seed=seed)
+        t0 = time.perf_counter()
+        completions = engine.generate(self._encode(rows), params)
+        timings["time/rollout"] += time.perf_counter() - t0
+        return completions
+
+    def _score_completions(self, rows: list[dict], completions: list[Completion], timings: dict):
+        """(task reward, score): the score adds the DAPO soft overlong penalty when it is on."""
+        t0 = time.perf_counter()
+        rewards_n = self._rewards(rows, completions)
+        scores_n = rewards_n
+        algo = self.cfg.algorithm
+        if algo.overlong_penalty_factor > 0:
+            lengths = torch.tensor([len(c.token_ids) for c in completions])
+            scores_n = rewards_n + overlong_penalty(lengths, self.cfg.rollout.max_new_tokens, self.overlong_buffer,
+                                                    algo.overlong_penalty_factor)
+        timings["time/reward"] += time.perf_counter() - t0
+        return rewards_n, scores_n
+
+    def _learn(self, sampled: SampledGroups, timings: dict) -> dict:
+        """SCORE -> (KL, correction, masks) -> ADVANTAGE -> TRAIN on the sampled groups."""
+        cfg, algo, temp = self.cfg, self.cfg.algorithm, self.cfg.rollout.temperature
+        completions = sampled.completions
+        ids, attn, resp_mask, P = build_sequences(self._encode(sampled.rows), [c.token_ids for c in completions],
+                                                  self.tokenizer.pad_token_id, self.device)
+        resp_mask = resp_mask.float()
+        engine_logp = torch.zeros_like(resp_mask)
+        for i, c in enumerate(completions):
+            engine_logp[i, :len(c.logprobs)] = torch.tensor(c.logprobs)
+
+        with self.phases.score() as ref:
+            t0 = time.perf_counter()
+            mb = cfg.trainer.micro_batch_size
+            old_logp, entropy = score_logprobs(self.policy, ids, attn, P, temp, mb)
+            ref_logp = score_logprobs(ref, ids, attn, P, temp, mb)[0] if ref is not None else None
+            timings["time/score"] = time.perf_counter() - t0
+
+        acc, m = MeanAccumulator(), {}
+        n_tok = resp_mask.sum().item()
+        acc.add("rollout/logp_mismatch", masked_mean((old_logp - engine_logp).abs(), resp_mask).item() * n_tok, n_tok)
+        acc.add("actor/entropy", masked_mean(entropy, resp_mask).item() * n_tok, n_tok)
+        loss_mask, weight = self._loss_mask(completions, resp_mask, old_logp, engine_logp, acc, m)
+        coef = self.kl_ctl.value  # this step's coefficient; _kl_shaping then updates the controller
+        scores_n = self._kl_shaping(sampled.scores_N, old_logp, ref_logp, resp_mask, acc, m)
+        if algo.overlong_penalty_factor > 0:
+            acc.add("reward/overlong_penalty", (sampled.scores_N - sampled.rewards_N).sum().item(), len(scores_n))
+
+        adv = self._advantages(scores_n)
+        batch = RolloutBatch(ids, attn, loss_mask, P, old_logp, adv.to(self.device), ref_logp, weight)
+        with self.phases.train() as optimizer:
+            t0 = time.perf_counter()
+            m.update(policy_update(self.policy, optimizer, self.scheduler, batch, algo, temp,
+                                   cfg.trainer.micro_batch_size, cfg.optim.grad_clip, cfg.rollout.max_new_tokens,
+                                   seed=cfg.trainer.seed + self.step_idx, kl_coef=coef))
+            timings["time/train"] = time.perf_counter() - t0
+        acc.add("reward/trained_mean", sampled.rewards_N.sum().item(), len(sampled.rewards_N))
+        m.update(acc.reduce())
+        return m
+
+    def _loss_mask(self, completions, resp_mask, old_logp, engine_logp, acc, m):
+        """(loss mask, TIS weight or None): overlong filter, then rollout correction (MIS may mask more)."""
+        algo = self.cfg.algorithm
+        loss_mask = resp_mask
+        if algo.overlong_filter:
+            truncated = torch.tensor([c.finish_reason == "length" for c in completions], device=self.device)
+            loss_mask = truncation_mask(truncated, loss_mask)
+            acc.add("response/overlong_filtered", truncated.float().sum().item(), len(completions))
+        n_tok = loss_mask.sum().item()  # the correction's metrics are means over its input mask
+        weight, loss_mask, corr = rollout_correction(old_logp, engine_logp, loss_mask, algo.rollout_correction,
+                                                     algo.correction_cap, algo.correction_lower)
+        for k, v in sorted(corr.items()):
+            if k.endswith("_max"):
+                m[f"rollout/{k}"] = D.all_reduce_max(v.detach().double().cpu().reshape(1)).item()
+            else:
+                acc.add(f"rollout/{k}", v.item() * n_tok, n_tok)
+        acc.add("response/loss_tokens", loss_mask.sum().item(), len(completions))
+        return loss_mask, (weight if algo.rollout_correction.startswith("tis") else None)
+
+    def _kl_shaping(self, scores_n, old_logp, ref_logp, resp_mask, acc, m) -> torch.Tensor:
+        """Measure KL(policy || ref), subtract it from the scores if it is placed in the reward, update the controller."""
+        if ref_logp is None:
+            return scores_n
+        algo, coef = self.cfg.algorithm, self.kl_ctl.value
+        kl_NT = kl_estimate(old_logp, ref_logp, algo.kl_estimator, mask_NT=resp_mask)
+        kl_sum = D.all_reduce_sum(torch.tensor([kl_NT.sum().item(), resp_mask.sum().item()], dtype=torch.float64))
+        kl_mean = (kl_sum[0] / kl_sum[1].clamp(min=1)).item()
+        m["actor/kl_ref"], m["actor/kl_coef"] = kl_mean, coef
+        if algo.kl_placement == "reward":
+            shaped = kl_penalty_rewards(scores_n.to(self.device), kl_NT, resp_mask, coef).cpu()
+            acc.add("reward/kl_penalty", (scores_n - shaped).sum().item(), len(scores_n))
+            scores_n = shaped
+        # Ziegler et al.: the controller sees the measured KL and the number of samples since its last update.
+        self.kl_ctl.update(kl_mean, len(scores_n) * D.world_size())
+        return scores_n
+
     def _rewards(self, rows: list[dict], completions: list[Completion]) -> torch.Tensor:
         G = self.cfg.rollout.n
         stops = {self.tokenizer.eos_token_id, *self.cfg.rollout.stop_token_ids}
@@ -162,27 +259,24 @@ class Trainer:
                 for i, (c, b) in enumerate(zip(completions, body))]
         return torch.tensor(compute_rewards(self.reward_name, self.reward, prompts, texts, meta), dtype=torch.float32)
 
-    def _advantages(self, rewards_n: torch.Tensor) -> torch.Tensor:
+    def _advantages(self, scores_n: torch.Tensor) -> torch.Tensor:
         """Advantages over the global batch (estimators may normalise over it), then this rank's slice."""
-        G, n = self.cfg.rollout.n, rewards_n.shape[0]
-        rewards_all = D.all_gather_cat(rewards_n)
-        group_ids = torch.arange(rewards_all.shape[0]) // G
-        adv_all = compute_advantages(self.cfg.algorithm.advantage, rewards_all, group_ids, eps=self.cfg.algorithm.adv_eps)
+        G, n = self.cfg.rollout.n, scores_n.shape[0]
+        scores_all = D.all_gather_cat(scores_n)
+        group_ids = torch.arange(scores_all.shape[0]) // G
+        adv_all = compute_advantages(self.cfg.algorithm.advantage, scores_all, group_ids, eps=self.cfg.algorithm.adv_eps)
         return adv_all[D.rank() * n:(D.rank() + 1) * n]
 
-    def _step_metrics(self, rewards_n, completions, mask, old_logp, engine_logp, entropy, ref_logp) -> dict:
+    def _reward_metrics(self, sampled: SampledGroups) -> dict:
+        """Over every completion generated this step (all sampling rounds): an unbiased view of the policy."""
         acc = MeanAccumulator()
+        rewards_n, completions = sampled.all_rewards_N, sampled.all_completions
         thr = self.reward.success_threshold
         acc.add("reward/mean", rewards_n.sum().item(), len(rewards_n))
         acc.add("reward/sq", (rewards_n ** 2).sum().item(), len(rewards_n))
         acc.add("reward/accuracy", (rewards_n >= thr - 1e-9).float().sum().item(), len(rewards_n))
         acc.add("response/length", float(sum(len(c.token_ids) for c in completions)), len(completions))
         acc.add("response/truncated", float(sum(c.finish_reason == "length" for c in completions)), len(completions))
-        n_tok = mask.sum().item()
-        acc.add("actor/entropy", masked_mean(entropy, mask).item() * n_tok, n_tok)
-        acc.add("rollout/logp_mismatch", masked_mean((old_logp - engine_logp).abs(), mask).item() * n_tok, n_tok)
-        if ref_logp is not None:
-            acc.add("actor/kl_ref", masked_mean(kl_estimate(old_logp, ref_logp, self.cfg.algorithm.kl_estimator), mask).item() * n_tok, n_tok)
         m = acc.reduce()
         m["reward/std"] = max(0.0, m.pop("reward/sq") - m["reward/mean"] ** 2) ** 0.5
         return m

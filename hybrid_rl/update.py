@@ -6,6 +6,12 @@ The loss normaliser of a mini-batch is global (summed over its micro-batches and
 over ranks) so gradient accumulation and data parallelism give the gradient of
 one big batch. FSDP2 averages gradients over ranks; the loss is multiplied by the
 world size to turn that average back into the sum the normaliser expects.
+
+Old-policy log-probs are computed once per step, before the first epoch
+(`score_logprobs` in the trainer), so every epoch and mini-batch measures its
+ratio against the policy that generated the batch.
+Per-token loss: policy loss (x the rollout-correction weight) + kl_coef x KL to
+the reference (when the KL is placed in the loss) - entropy_coef x entropy.
 """
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from hybrid_rl import distributed as D
-from hybrid_rl.algorithms.aggregation import aggregate_loss, normalizer_count
+from hybrid_rl.algorithms.aggregation import aggregate_loss, masked_sum, normalizer_count
 from hybrid_rl.algorithms.kl import kl_estimate
 from hybrid_rl.algorithms.losses import compute_policy_loss
 from hybrid_rl.config import AlgorithmConfig
@@ -33,6 +39,7 @@ class RolloutBatch:
     old_logp_NT: torch.Tensor
     adv_N: torch.Tensor
     ref_logp_NT: torch.Tensor | None = None
+    weight_NT: torch.Tensor | None = None  # rollout-correction importance weight (TIS), detached
 
     def __len__(self) -> int:
         return self.ids_NL.shape[0]
@@ -68,7 +75,19 @@ def policy_update(
     grad_clip: float,
     norm_length: int,
     seed: int,
+    kl_coef: float | None = None,
 ) -> dict[str, float]:
+    """Epochs x mini-batches x micro-batches of `batch`; returns the update's metrics (reduced over ranks).
+
+    kl_coef: the KL coefficient for this step (a controller's value); None means algo.kl_coef.
+    Every rank must hold the same number of rows: each micro-batch forward is a collective.
+    """
+    kl_coef = algo.kl_coef if kl_coef is None else kl_coef
+    kl_in_loss = algo.kl_placement == "loss" and kl_coef > 0
+    if kl_in_loss and batch.ref_logp_NT is None:
+        raise ValueError("the KL is placed in the loss (algorithm.kl_placement=loss, kl_coef > 0) "
+                         "but the batch has no reference log-probs")
+    clip_low, clip_high = algo.clip_bounds()
     W = D.world_size()
     n_global = len(batch) * W
     mb_local = (algo.mini_batch_size or n_global) // W
@@ -86,18 +105,21 @@ def policy_update(
                 ids, attn, mask = trimmed(batch, rows)
                 T = mask.shape[1]
                 logp, ent = response_logprobs(policy, ids, attn, batch.P, temperature)
+                weight = batch.weight_NT[rows, :T] if batch.weight_NT is not None else None
                 loss_NT, pm = compute_policy_loss(
                     algo.policy_loss, logp, batch.old_logp_NT[rows, :T], batch.adv_N[rows], mask,
-                    clip_ratio_low=algo.clip_ratio_low, clip_ratio_high=algo.clip_ratio_high, clip_ratio_c=algo.clip_ratio_c)
-                if algo.kl_coef > 0:
-                    kl_NT = kl_estimate(logp, batch.ref_logp_NT[rows, :T], algo.kl_estimator)
-                    loss_NT = loss_NT + algo.kl_coef * kl_NT
+                    clip_ratio_low=clip_low, clip_ratio_high=clip_high, clip_ratio_c=algo.clip_ratio_c, weight_NT=weight)
+                n_tok = float(mask.sum().item())
+                if kl_in_loss:
+                    kl_NT = kl_estimate(logp, batch.ref_logp_NT[rows, :T], algo.kl_estimator, mask_NT=mask)
+                    loss_NT = loss_NT + kl_coef * kl_NT
+                    acc.add("actor/kl_loss", float(masked_sum(kl_NT.detach(), mask)), n_tok)
                 if algo.entropy_coef > 0:
                     loss_NT = loss_NT - algo.entropy_coef * ent
+                acc.add("actor/entropy_train", float(masked_sum(ent.detach(), mask)), n_tok)
                 loss = aggregate_loss(loss_NT, mask, algo.loss_agg, denom, norm_length=norm_length)
                 (loss * W).backward()
                 mini_loss += loss.item()
-                n_tok = float(mask.sum().item())
                 for k, v in pm.items():
                     acc.add(f"actor/{k}", float(v) * n_tok, n_tok)
             acc.add("actor/loss", mini_loss * W)  # every rank adds W x its share: the mean is the total

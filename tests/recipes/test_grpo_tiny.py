@@ -19,7 +19,9 @@ def _rewards(out_dir: str) -> list[float]:
 @pytest.mark.slow
 def test_recipe_two_ranks_improves_reward(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0",
+    from hybrid_rl.distributed import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            os.path.join(ROOT, "recipes", "grpo_tiny.py"),
            f"model.path={tmp_path / 'model'}", f"trainer.out_dir={out}", "trainer.total_steps=60",
            "trainer.progress_bar=false", "trainer.log_every=10"]
