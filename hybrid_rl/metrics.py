@@ -36,7 +36,7 @@ def append_jsonl(path: str, record: dict) -> None:
 def format_line(m: dict) -> str:
     keys = [("step", "{:d}"), ("reward/mean", "{:.3f}"), ("reward/accuracy", "{:.2f}"), ("response/length", "{:.1f}"),
             ("actor/kl_ref", "{:.4f}"), ("actor/entropy", "{:.3f}"), ("actor/clip_frac", "{:.3f}"),
-            ("actor/grad_norm", "{:.3f}"), ("time/step", "{:.2f}s")]
+            ("actor/grad_norm", "{:.3f}"), ("time/step", "{:.2f}s"), ("bottleneck", "{}")]
     return "  ".join(f"{k.replace('/mean', '').split('/')[-1]}={fmt.format(m[k])}" for k, fmt in keys if k in m)
 
 

@@ -30,8 +30,9 @@ from hybrid_rl.algorithms.dapo import overlong_penalty, truncation_mask
 from hybrid_rl.algorithms.kl import AdaptiveKLController, FixedKLController, kl_estimate, kl_penalty_rewards
 from hybrid_rl.config import Config, save_config
 from hybrid_rl.data.prompts import PromptLoader, load_rows
+from hybrid_rl.hybrid.advice import decide_offload
 from hybrid_rl.hybrid.phases import PhaseManager
-from hybrid_rl.metrics import MeanAccumulator, append_jsonl, format_line, plot_curve
+from hybrid_rl.metrics import MeanAccumulator, append_jsonl, bottleneck, format_line, plot_curve, split_summary
 from hybrid_rl.models.fsdp import shard_model
 from hybrid_rl.models.loading import load_causal_lm, load_tokenizer
 from hybrid_rl.models.logprobs import build_sequences
@@ -64,6 +65,11 @@ class Trainer:
         self.loader = PromptLoader(rows, cfg.data.batch_size, D.rank(), D.world_size(), cfg.data.seed)
 
         mixed = self.device.type == "cuda" and cfg.model.dtype in ("auto", "bfloat16")
+        longest_prompt = max(len(self.tokenizer(self._prompt_text(r["prompt"])).input_ids) for r in rows[:256])
+        self.offload = decide_offload(cfg.offload, cfg.model.path, self.device, D.world_size(), mixed,
+                                      sequences=cfg.data.batch_size * cfg.rollout.n,
+                                      context=longest_prompt + cfg.rollout.max_new_tokens,
+                                      has_ref=cfg.algorithm.needs_ref_model)
         policy = load_causal_lm(cfg.model.path, torch.float32, cfg.model.attn_implementation)
         if cfg.model.gradient_checkpointing:
             policy.gradient_checkpointing_enable()
@@ -82,8 +88,8 @@ class Trainer:
         self.engine = engine_cls(self.policy, pad_id=self.tokenizer.pad_token_id, eos_id=self.tokenizer.eos_token_id,
                                  weights_dtype=torch.bfloat16 if mixed else None)
         self.phases = PhaseManager(self.policy, self.optimizer, self.engine, self.device, ref=self.ref,
-                                   offload_optimizer=cfg.offload.optimizer, offload_ref=cfg.offload.ref,
-                                   offload_params=cfg.offload.params)
+                                   offload_optimizer=self.offload.optimizer, offload_ref=self.offload.ref,
+                                   offload_params=self.offload.params)
         self.step_idx = 0
         self.history: list[dict] = []
         self.out_dir = cfg.trainer.out_dir
@@ -138,8 +144,10 @@ class Trainer:
         names = sorted(timings)
         slowest = D.all_reduce_max(torch.tensor([timings[k] for k in names], dtype=torch.float64))
         metrics.update({k: slowest[i].item() for i, k in enumerate(names)})
+        metrics.update(self.phases.ledger.step_metrics(self.phases.step))
         self.step_idx += 1
         metrics["step"] = self.step_idx
+        metrics["bottleneck"] = bottleneck(metrics)
         return metrics
 
     def _encode(self, rows: list[dict]) -> list[list[int]]:
@@ -281,6 +289,15 @@ class Trainer:
         m["reward/std"] = max(0.0, m.pop("reward/sq") - m["reward/mean"] ** 2) ** 0.5
         return m
 
+    def _write_memory_report(self) -> None:
+        """The last step's memory ledger as a table and a timeline PNG, next to the metrics."""
+        step = self.phases.step
+        if not self.phases.ledger.step_snapshots(step):
+            return
+        with open(os.path.join(self.out_dir, "memory.txt"), "w") as f:
+            f.write(f"{self.offload.message}\n\n{self.phases.ledger.table(step)}\n")
+        self.phases.ledger.plot(step, os.path.join(self.out_dir, "memory_timeline.png"))
+
     # -- the loop -------------------------------------------------------------
     def fit(self, steps: Optional[int] = None) -> list[dict]:
         """Run `steps` more steps (default: up to trainer.total_steps); returns the metrics history."""
@@ -303,4 +320,6 @@ class Trainer:
             bar.close()
             if D.is_main() and self.history:
                 plot_curve(self.history, os.path.join(self.out_dir, "reward_curve.png"))
+                self._write_memory_report()
+                print(split_summary(self.history))
         return self.history

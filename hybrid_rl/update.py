@@ -100,6 +100,9 @@ def policy_update(
             local_norm = normalizer_count(batch.mask_NT[mini], algo.loss_agg)
             denom = D.all_reduce_sum(torch.tensor([local_norm], dtype=torch.float64)).item()
             mini_loss = 0.0
+            # Gradients of the last mini-batch stay until the phase switch frees them on the
+            # way to ROLLOUT, so the memory ledger sees them in TRAIN.
+            optimizer.zero_grad(set_to_none=True)
             for u0 in range(0, len(mini), micro_batch_size):
                 rows = mini[u0:u0 + micro_batch_size]
                 ids, attn, mask = trimmed(batch, rows)
@@ -130,7 +133,6 @@ def policy_update(
                 raise FloatingPointError(f"gradient norm is {grad_norm.item()}; lower optim.lr or check the reward scale")
             optimizer.step()
             scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
             acc.add("actor/grad_norm", grad_norm.item())
             acc.add("actor/lr", scheduler.get_last_lr()[0])
     return acc.reduce()
