@@ -349,15 +349,10 @@ def human_table(res: dict, ledger_tables: dict[str, str]) -> str:
         lines.append(f"phase compute for scale: generate {c['generate_s']:.3f} s (prefill {c['prefill_s']:.4f} s, "
                      f"decode {c['decode_s_per_token'] * 1e3:.1f} ms/token), ref forward {c['score_s']:.3f} s, "
                      f"train step {c['train_step_s']:.3f} s")
-        if e["engine_module_bytes"]:
-            lines.append(f"note: the copy engine's own module holds {e['engine_module_bytes'] / 1e6:.1f} MB for the whole run; "
-                         "NativeEngine.memory_bytes() counts only gathered FSDP2 weights, so the ledger shows engine_weights 0 "
-                         "and release(['weights']) frees nothing for an unsharded engine module")
         lines += ["memory ledger, last cycle (rank 0; this device):", ledger_tables[mode]]
     if res["device"] == "cpu":
-        lines += ["", "ledger on CPU: the device is the host, so offloaded optimizer / ref host buffers still count as "
-                  "resident (on CUDA they leave the device); kv_cache at rollout:ready is the previous rollout's "
-                  "(the native engine allocates its cache inside generate)"]
+        lines += ["", "ledger on CPU: offloaded roles count as absent (what the switch decided), although on CPU "
+                  "the host buffers are the same memory; kv_cache is the cache of the rollout in progress"]
     return "\n".join(lines)
 
 

@@ -159,7 +159,9 @@ class PhaseManager:
                 moved[0] = self.opt_offload.offload()
         with self._stage("resume_weights") as moved:
             self.engine.resume(["weights"])
-            moved[0] = self._engine_bytes().get("engine_weights", 0)
+            # The native engine gathers the policy's shards (bytes moved); an engine with its own
+            # copy only re-allocates here, and the bytes move in sync_weights.
+            moved[0] = self._engine_bytes().get("engine_weights", 0) if self.zero_copy else 0
         if not self.zero_copy:
             with self._stage("sync_weights") as moved:
                 for bucket in iter_weight_buckets(self.policy, self.bucket_bytes):

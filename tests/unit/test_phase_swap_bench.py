@@ -70,8 +70,8 @@ def test_bytes_match_model_and_optimizer_sizes(result):
         assert param_bytes <= st["offload_ref"]["bytes"] <= param_bytes * 1.01, mode
         assert st["zero_grad"]["freed_bytes"] == param_bytes, mode  # the train step left fp32 grads behind
         assert st["kv_prefill"]["bytes"] > 0, mode
-        # zero-copy on one process: nothing to gather; copy: the engine re-allocates its own weights.
-        assert st["resume_weights"]["bytes"] == (0 if mode == "zero-copy" else param_bytes), mode
+        # One process: nothing to gather (zero-copy); the copy engine only re-allocates (no bytes move).
+        assert st["resume_weights"]["bytes"] == 0, mode
     assert result["engines"]["copy"]["stages"]["sync_weights"]["bytes"] == param_bytes
     assert result["engines"]["copy"]["engine_module_bytes"] == 0  # its weights are released outside rollout
 
