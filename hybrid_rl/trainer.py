@@ -39,7 +39,7 @@ from hybrid_rl.models.logprobs import build_sequences
 from hybrid_rl.rewards.base import compute_rewards, get_reward
 from hybrid_rl.rollout.base import Completion, SamplingParams, engine_class
 from hybrid_rl.sampling import SampledGroups, sample_groups
-from hybrid_rl.update import RolloutBatch, policy_update, score_logprobs
+from hybrid_rl.update import RolloutBatch, is_on_policy, policy_update, score_logprobs
 
 
 class Trainer:
@@ -191,31 +191,47 @@ class Trainer:
         for i, c in enumerate(completions):
             engine_logp[i, :len(c.logprobs)] = torch.tensor(c.logprobs)
 
+        # On-policy with nothing to decide from old log-probs before the update: the update's
+        # own forward serves as the old policy, and scoring runs only the reference.
+        skip_old = (is_on_policy(algo, len(completions) * D.world_size()) and algo.rollout_correction == "none"
+                    and algo.kl_placement != "reward")
         with self.phases.score() as ref:
             t0 = time.perf_counter()
             mb = cfg.trainer.micro_batch_size
-            old_logp, entropy = score_logprobs(self.policy, ids, attn, P, temp, mb)
+            old_logp = entropy = None
+            if not skip_old:
+                old_logp, entropy = score_logprobs(self.policy, ids, attn, P, temp, mb)
             ref_logp = score_logprobs(ref, ids, attn, P, temp, mb)[0] if ref is not None else None
             timings["time/score"] = time.perf_counter() - t0
 
         acc, m = MeanAccumulator(), {}
         n_tok = resp_mask.sum().item()
-        acc.add("rollout/logp_mismatch", masked_mean((old_logp - engine_logp).abs(), resp_mask).item() * n_tok, n_tok)
-        acc.add("actor/entropy", masked_mean(entropy, resp_mask).item() * n_tok, n_tok)
+        if not skip_old:
+            acc.add("rollout/logp_mismatch", masked_mean((old_logp - engine_logp).abs(), resp_mask).item() * n_tok, n_tok)
+            acc.add("actor/entropy", masked_mean(entropy, resp_mask).item() * n_tok, n_tok)
         loss_mask, weight = self._loss_mask(completions, resp_mask, old_logp, engine_logp, acc, m)
         coef = self.kl_ctl.value  # this step's coefficient; _kl_shaping then updates the controller
-        scores_n = self._kl_shaping(sampled.scores_N, old_logp, ref_logp, resp_mask, acc, m)
+        scores_n = sampled.scores_N
+        if not skip_old:
+            scores_n = self._kl_shaping(scores_n, old_logp, ref_logp, resp_mask, acc, m)
         if algo.overlong_penalty_factor > 0:
             acc.add("reward/overlong_penalty", (sampled.scores_N - sampled.rewards_N).sum().item(), len(scores_n))
 
         adv = self._advantages(scores_n)
-        batch = RolloutBatch(ids, attn, loss_mask, P, old_logp, adv.to(self.device), ref_logp, weight)
+        batch = RolloutBatch(ids, attn, loss_mask, P, old_logp, adv.to(self.device), ref_logp, weight,
+                             engine_logp_NT=engine_logp if skip_old else None)
         with self.phases.train() as optimizer:
             t0 = time.perf_counter()
             m.update(policy_update(self.policy, optimizer, self.scheduler, batch, algo, temp,
                                    cfg.trainer.micro_batch_size, cfg.optim.grad_clip, cfg.rollout.max_new_tokens,
                                    seed=cfg.trainer.seed + self.step_idx, kl_coef=coef))
             timings["time/train"] = time.perf_counter() - t0
+        if skip_old:
+            # The update measured these on the very policy that generated the batch.
+            m["actor/entropy"] = m["actor/entropy_train"]
+            if "actor/kl_loss" in m:
+                m["actor/kl_ref"], m["actor/kl_coef"] = m["actor/kl_loss"], coef
+                self.kl_ctl.update(m["actor/kl_loss"], len(scores_n) * D.world_size())
         acc.add("reward/trained_mean", sampled.rewards_N.sum().item(), len(sampled.rewards_N))
         m.update(acc.reduce())
         return m
@@ -228,6 +244,9 @@ class Trainer:
             truncated = torch.tensor([c.finish_reason == "length" for c in completions], device=self.device)
             loss_mask = truncation_mask(truncated, loss_mask)
             acc.add("response/overlong_filtered", truncated.float().sum().item(), len(completions))
+        if old_logp is None:  # on-policy, no correction: nothing to compare yet
+            acc.add("response/loss_tokens", loss_mask.sum().item(), len(completions))
+            return loss_mask, None
         n_tok = loss_mask.sum().item()  # the correction's metrics are means over its input mask
         weight, loss_mask, corr = rollout_correction(old_logp, engine_logp, loss_mask, algo.rollout_correction,
                                                      algo.correction_cap, algo.correction_lower)

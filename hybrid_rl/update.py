@@ -9,7 +9,9 @@ world size to turn that average back into the sum the normaliser expects.
 
 Old-policy log-probs are computed once per step, before the first epoch
 (`score_logprobs` in the trainer), so every epoch and mini-batch measures its
-ratio against the policy that generated the batch.
+ratio against the policy that generated the batch. When the update is on-policy
+(`is_on_policy`: one epoch, one mini-batch) that scoring pass is skipped: the
+update's own forward, detached, is the old policy.
 Per-token loss: policy loss (x the rollout-correction weight) + kl_coef x KL to
 the reference (when the KL is placed in the loss) - entropy_coef x entropy.
 """
@@ -36,10 +38,11 @@ class RolloutBatch:
     attn_NL: torch.Tensor
     mask_NT: torch.Tensor  # float, 1 = response token in the loss
     P: int
-    old_logp_NT: torch.Tensor
+    old_logp_NT: torch.Tensor | None  # None: on-policy, the update's own forward is the old policy
     adv_N: torch.Tensor
     ref_logp_NT: torch.Tensor | None = None
     weight_NT: torch.Tensor | None = None  # rollout-correction importance weight (TIS), detached
+    engine_logp_NT: torch.Tensor | None = None  # for the mismatch metric when old_logp_NT is None
 
     def __len__(self) -> int:
         return self.ids_NL.shape[0]
@@ -50,6 +53,12 @@ def trimmed(b: RolloutBatch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     mask = b.mask_NT[rows]
     T = int(mask.sum(0).nonzero().max().item()) + 1 if mask.any() else 1
     return b.ids_NL[rows, :b.P + T], b.attn_NL[rows, :b.P + T], mask[:, :T]
+
+
+def is_on_policy(algo: AlgorithmConfig, n_global: int) -> bool:
+    """One epoch over one mini-batch: the policy that takes the step is the one that generated
+    the batch, so the old log-probs equal the update's own (detached) log-probs."""
+    return algo.ppo_epochs == 1 and algo.mini_batch_size in (0, n_global)
 
 
 @torch.no_grad()
@@ -109,8 +118,16 @@ def policy_update(
                 T = mask.shape[1]
                 logp, ent = response_logprobs(policy, ids, attn, batch.P, temperature)
                 weight = batch.weight_NT[rows, :T] if batch.weight_NT is not None else None
+                if batch.old_logp_NT is not None:
+                    old = batch.old_logp_NT[rows, :T]
+                else:
+                    # On-policy: no separate scoring forward; ratio 1, gradient of logp (the same step).
+                    old = logp.detach()
+                    if batch.engine_logp_NT is not None:
+                        acc.add("rollout/logp_mismatch", float(masked_sum((old - batch.engine_logp_NT[rows, :T]).abs(), mask)),
+                                float(mask.sum().item()))
                 loss_NT, pm = compute_policy_loss(
-                    algo.policy_loss, logp, batch.old_logp_NT[rows, :T], batch.adv_N[rows], mask,
+                    algo.policy_loss, logp, old, batch.adv_N[rows], mask,
                     clip_ratio_low=clip_low, clip_ratio_high=clip_high, clip_ratio_c=algo.clip_ratio_c, weight_NT=weight)
                 n_tok = float(mask.sum().item())
                 if kl_in_loss:

@@ -1,0 +1,44 @@
+"""On-policy updates skip the scoring forward of the policy: same step, one forward less."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from hybrid_rl.config import AlgorithmConfig
+from hybrid_rl.models.logprobs import build_sequences
+from hybrid_rl.update import RolloutBatch, is_on_policy, policy_update, score_logprobs
+
+
+def _step(model, batch_kwargs, old_from_scoring: bool):
+    ids, attn, mask, P, adv = batch_kwargs
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    old = score_logprobs(model, ids, attn, P, 1.0, micro_batch_size=3)[0] if old_from_scoring else None
+    algo = AlgorithmConfig(kl_coef=0.0)
+    m = policy_update(model, opt, sched, RolloutBatch(ids, attn, mask, P, old, adv), algo, temperature=1.0,
+                      micro_batch_size=3, grad_clip=1.0, norm_length=6, seed=0)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, m
+
+
+def test_skipping_the_scoring_forward_gives_the_same_step(tiny_model):
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 15, (2 + i % 3,), generator=g).tolist() for i in range(6)]
+    responses = [torch.randint(4, 15, (1 + i % 4,), generator=g).tolist() for i in range(6)]
+    ids, attn, mask, P = build_sequences(prompts, responses, pad_id=0)
+    batch = (ids, attn, mask.float(), P, torch.randn(6, generator=g))
+    w_scored, m_scored = _step(copy.deepcopy(tiny_model), batch, old_from_scoring=True)
+    w_skip, m_skip = _step(copy.deepcopy(tiny_model), batch, old_from_scoring=False)
+    assert m_skip["actor/ratio_max"] == m_skip["actor/ratio_min"] == 1.0
+    assert abs(m_scored["actor/loss"] - m_skip["actor/loss"]) < 1e-6
+    for n in w_scored:
+        torch.testing.assert_close(w_skip[n], w_scored[n], rtol=1e-5, atol=1e-6)
+    moved = max((w_skip[n] - p).abs().max().item() for n, p in tiny_model.named_parameters())
+    assert moved > 1e-3
+
+
+def test_on_policy_rule():
+    assert is_on_policy(AlgorithmConfig(), 64)
+    assert is_on_policy(AlgorithmConfig(mini_batch_size=64), 64)
+    assert not is_on_policy(AlgorithmConfig(mini_batch_size=32), 64)
+    assert not is_on_policy(AlgorithmConfig(ppo_epochs=2), 64)
