@@ -7,7 +7,6 @@ with the key named.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
@@ -313,10 +312,6 @@ def load_config(yaml_path: Optional[str] = None, overrides: Sequence[str] = (), 
         return OmegaConf.to_object(merged)  # runs every __post_init__
     except OmegaConfBaseException as err:
         raise _schema_error(err) from None
-
-
-def to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)
 
 
 def save_config(cfg: Config, path: str) -> None:

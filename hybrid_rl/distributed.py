@@ -110,11 +110,3 @@ def all_gather_object(obj: Any) -> list[Any]:
     out: list[Any] = [None] * world_size()
     dist.all_gather_object(out, obj)
     return out
-
-
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    if not is_dist():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]

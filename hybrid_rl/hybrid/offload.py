@@ -15,7 +15,7 @@ round trip is bit-exact and uses public APIs only.
 """
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 
@@ -153,9 +153,3 @@ class ModuleOffloader:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def optimizer_state_device(opt: torch.optim.Optimizer) -> Optional[torch.device]:
-    for _, _, value in optimizer_tensors(opt):
-        return value.device
-    return None

@@ -6,13 +6,14 @@ knows which line of a YAML file or which override to fix.
 from __future__ import annotations
 
 import os
+from dataclasses import asdict as to_dict
 
 import pytest
 import yaml
 
 from hybrid_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from hybrid_rl.algorithms.aggregation import LOSS_AGG_MODES
-from hybrid_rl.config import Config, RolloutConfig, load_config, save_config, to_dict
+from hybrid_rl.config import Config, RolloutConfig, load_config, save_config
 
 
 def _write(path, text):
