@@ -36,6 +36,7 @@ from hybrid_rl.metrics import MeanAccumulator, append_jsonl, bottleneck, format_
 from hybrid_rl.models.fsdp import shard_model
 from hybrid_rl.models.loading import load_causal_lm, load_tokenizer
 from hybrid_rl.models.logprobs import build_sequences
+from hybrid_rl.models.saving import save_pretrained
 from hybrid_rl.rewards.base import compute_rewards, get_reward
 from hybrid_rl.rollout.base import Completion, SamplingParams, engine_class
 from hybrid_rl.sampling import SampledGroups, sample_groups
@@ -307,6 +308,12 @@ class Trainer:
         m = acc.reduce()
         m["reward/std"] = max(0.0, m.pop("reward/sq") - m["reward/mean"] ** 2) ** 0.5
         return m
+
+    def save_pretrained(self, path: str) -> str:
+        """Save the current policy and tokenizer as a Hugging Face directory (call on every rank)."""
+        if self.phases.inside is not None:
+            raise RuntimeError(f"cannot save inside the {self.phases.inside.value} phase; save between steps")
+        return save_pretrained(self.policy, self.tokenizer, path)
 
     def _write_memory_report(self) -> None:
         """The last step's memory ledger as a table and a timeline PNG, next to the metrics."""

@@ -26,9 +26,10 @@ def main(argv: list[str]) -> dict:
         build_tiny_model_dir(cfg.model.path, DIGIT_WORDS, hidden_size=128, num_layers=2, seed=cfg.trainer.seed)
     distributed.barrier()
 
-    # 3. Train.
+    # 3. Train, then save the policy as a normal HF directory.
     trainer = Trainer(cfg)
     history = trainer.fit()
+    trainer.save_pretrained(os.path.join(cfg.trainer.out_dir, "final_model"))
 
     # 4. Summary: mean reward of the first and last 10% of steps.
     k = max(1, len(history) // 10)

@@ -21,7 +21,7 @@ def _batch(model_dir: str):
     return ids, attn, mask.float(), P, adv
 
 
-def _train(model_dir: str, rows: slice, steps: int, loss_agg: str):
+def _train(model_dir: str, rows: slice, steps: int, loss_agg: str, keep_model: str = ""):
     from hybrid_rl import distributed as D
     from hybrid_rl.config import AlgorithmConfig
     from hybrid_rl.models.fsdp import shard_model
@@ -46,11 +46,35 @@ def _train(model_dir: str, rows: slice, steps: int, loss_agg: str):
                           micro_batch_size=3, grad_clip=1.0, norm_length=6, seed=step)
         losses.append(m["actor/loss"])
     full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
+    if keep_model:
+        from hybrid_rl.models.loading import load_tokenizer
+        from hybrid_rl.models.saving import save_pretrained
+
+        save_pretrained(model, load_tokenizer(model_dir), keep_model)
     return full, losses
 
 
 def _rank_fn(rank: int, model_dir: str, loss_agg: str):
     return _train(model_dir, slice(rank * 4, rank * 4 + 4), steps=3, loss_agg=loss_agg)
+
+
+def _save_fn(rank: int, model_dir: str, out: str):
+    weights, _ = _train(model_dir, slice(rank * 4, rank * 4 + 4), steps=1, loss_agg="token-mean", keep_model=out)
+    return weights
+
+
+def test_two_rank_save_writes_the_full_trained_model(tiny_model_dir, tmp_path):
+    import json
+
+    from hybrid_rl.models.loading import load_causal_lm
+
+    out = str(tmp_path / "saved")
+    w0, _ = run_ranks(_save_fn, world=2, args=(tiny_model_dir, out))
+    with open(f"{out}/config.json") as f:
+        assert json.load(f)["architectures"] == ["Qwen2ForCausalLM"], "FSDP's class name must not leak into the checkpoint"
+    loaded = dict(load_causal_lm(out).named_parameters())
+    for name, ref in w0.items():
+        assert torch.equal(loaded[name].detach(), ref), name
 
 
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])

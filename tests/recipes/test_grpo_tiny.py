@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -33,6 +34,14 @@ def test_recipe_two_ranks_improves_reward(tmp_path):
     assert first < 0.2, f"a random-init policy should score low, got {first:.3f}"
     assert last > first + 0.1, f"reward did not improve: first {first:.3f} -> last {last:.3f}"
     assert os.path.isfile(out / "reward_curve.png") and os.path.isfile(out / "config.yaml")
+    # The trained policy is saved as a normal HF directory that the ordinary loader reads back.
+    from hybrid_rl.models.loading import load_causal_lm, load_tokenizer
+
+    saved = str(out / "final_model")
+    assert load_tokenizer(saved).eos_token_id is not None
+    trained = dict(load_causal_lm(saved).named_parameters())
+    initial = dict(load_causal_lm(str(tmp_path / "model")).named_parameters())
+    assert max((trained[n] - initial[n]).abs().max().item() for n in initial) > 1e-3
 
 
 def test_trainer_in_one_process(tmp_path, tiny_model_dir):
@@ -45,6 +54,11 @@ def test_trainer_in_one_process(tmp_path, tiny_model_dir):
     trainer = Trainer(cfg)
     history = trainer.fit()
     assert [h["step"] for h in history] == [1, 2, 3]
+    from hybrid_rl.models.loading import load_causal_lm
+
+    saved = dict(load_causal_lm(trainer.save_pretrained(str(tmp_path / "saved"))).named_parameters())
+    for name, p in trainer.policy.named_parameters():
+        assert torch.equal(saved[name], p.detach()), name
     with open(tmp_path / "metrics.jsonl") as f:
         lines = [json.loads(line) for line in f]
     assert len(lines) == 3

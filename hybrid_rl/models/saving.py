@@ -1,0 +1,60 @@
+"""Save the policy as an ordinary Hugging Face directory (safetensors + tokenizer).
+
+Every rank takes part in gathering the full weights from the FSDP2 shards; rank 0
+writes them next to the target and renames into place, so an interrupted save never
+leaves a half-written model where a finished one is expected.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+import torch
+
+from hybrid_rl import distributed as D
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's weights on CPU (a collective when the model is sharded)."""
+    if D.is_dist():
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def _hf_class_name(model: torch.nn.Module) -> str:
+    """FSDP2 swaps in a subclass named FSDP<Class>; the checkpoint must name the original."""
+    for cls in type(model).__mro__:
+        if not cls.__name__.startswith("FSDP"):
+            return cls.__name__
+    return type(model).__name__
+
+
+def save_pretrained(model: torch.nn.Module, tokenizer, path: str) -> str:
+    """Write `model` (+ tokenizer) to `path` as a HF directory; returns `path`. All ranks must call it."""
+    state = full_state_dict(model)
+    if D.is_main():
+        parent = os.path.dirname(os.path.abspath(path)) or "."
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".save-", dir=parent)
+        try:
+            model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            cfg_path = os.path.join(tmp, "config.json")
+            with open(cfg_path) as f:
+                cfg = json.load(f)
+            cfg["architectures"] = [_hf_class_name(model)]
+            cfg["use_cache"] = True  # training turned it off; inference wants it
+            with open(cfg_path, "w") as f:
+                json.dump(cfg, f, indent=2)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            os.replace(tmp, path)
+        finally:
+            if os.path.isdir(tmp):
+                shutil.rmtree(tmp)
+    D.barrier()
+    return path
