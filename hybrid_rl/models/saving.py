@@ -6,10 +6,12 @@ leaves a half-written model where a finished one is expected.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
+from typing import Iterator
 
 import torch
 
@@ -33,14 +35,29 @@ def _hf_class_name(model: torch.nn.Module) -> str:
     return type(model).__name__
 
 
+@contextlib.contextmanager
+def atomic_dir(path: str) -> Iterator[str]:
+    """Yield a temporary directory next to `path`; on success it replaces `path` in one rename.
+
+    A crash or an exception inside leaves `path` as it was (never half-written)."""
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
+    try:
+        yield tmp
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp)
+
+
 def save_pretrained(model: torch.nn.Module, tokenizer, path: str) -> str:
     """Write `model` (+ tokenizer) to `path` as a HF directory; returns `path`. All ranks must call it."""
     state = full_state_dict(model)
     if D.is_main():
-        parent = os.path.dirname(os.path.abspath(path)) or "."
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".save-", dir=parent)
-        try:
+        with atomic_dir(path) as tmp:
             model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
             cfg_path = os.path.join(tmp, "config.json")
@@ -50,11 +67,5 @@ def save_pretrained(model: torch.nn.Module, tokenizer, path: str) -> str:
             cfg["use_cache"] = True  # training turned it off; inference wants it
             with open(cfg_path, "w") as f:
                 json.dump(cfg, f, indent=2)
-            if os.path.isdir(path):
-                shutil.rmtree(path)
-            os.replace(tmp, path)
-        finally:
-            if os.path.isdir(tmp):
-                shutil.rmtree(tmp)
     D.barrier()
     return path

@@ -8,8 +8,6 @@ checkpoint takes: no special case for tiny models anywhere else.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from typing import Sequence
 
 import torch
@@ -51,6 +49,8 @@ def build_tiny_model_dir(
     """
     from transformers import AutoModelForCausalLM, Qwen2Config
 
+    from hybrid_rl.models.saving import atomic_dir
+
     if os.path.isfile(os.path.join(path, "config.json")) and not overwrite:
         return path
     tokenizer = build_word_tokenizer(words)
@@ -70,17 +70,7 @@ def build_tiny_model_dir(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    # Write next to the target, then rename: a crash never leaves a half-written model dir.
-    tmp = tempfile.mkdtemp(prefix=".tiny-", dir=parent)
-    try:
+    with atomic_dir(path) as tmp:  # a crash never leaves a half-written model dir
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp)
     return path
