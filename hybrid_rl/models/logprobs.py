@@ -15,6 +15,19 @@ import torch
 from hybrid_rl.kernels import logprob_entropy
 
 
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts right-aligned to the longest one: ids_NP and attn_NP (1 = real token)."""
+    P = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(prompts), P), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p):] = torch.tensor(p, dtype=torch.long)
+        attn[i, P - len(p):] = 1
+    if device is not None:
+        ids, attn = ids.to(device), attn.to(device)
+    return ids, attn
+
+
 def build_sequences(
     prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int, device: torch.device | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -23,14 +36,12 @@ def build_sequences(
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
     if any(len(p) == 0 for p in prompts):
         raise ValueError("an empty prompt cannot be scored: every prompt needs at least one token")
-    P = max(len(p) for p in prompts)
     T = max(1, max((len(r) for r in responses), default=1))
-    n = len(prompts)
-    ids = torch.full((n, P + T), pad_id, dtype=torch.long)
-    attn = torch.zeros((n, P + T), dtype=torch.long)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        ids[i, P - len(p):P] = torch.tensor(p, dtype=torch.long)
-        attn[i, P - len(p):P] = 1
+    prompt_ids, prompt_attn = left_pad(prompts, pad_id)
+    P = prompt_ids.shape[1]
+    ids = torch.cat([prompt_ids, torch.full((len(prompts), T), pad_id, dtype=torch.long)], dim=1)
+    attn = torch.cat([prompt_attn, torch.zeros((len(prompts), T), dtype=torch.long)], dim=1)
+    for i, r in enumerate(responses):
         if r:
             ids[i, P:P + len(r)] = torch.tensor(r, dtype=torch.long)
             attn[i, P:P + len(r)] = 1

@@ -14,7 +14,7 @@ from typing import Iterable, Sequence
 import torch
 
 from hybrid_rl.models.fsdp import fsdp_modules, gather_full_weights, release_full_weights
-from hybrid_rl.models.logprobs import position_ids
+from hybrid_rl.models.logprobs import left_pad, position_ids
 from hybrid_rl.rollout.base import Completion, SamplingParams, check_tags
 
 
@@ -131,12 +131,8 @@ class NativeEngine:
         from transformers import DynamicCache
 
         dev = self._device()
-        N, P = len(prompts), max(len(p) for p in prompts)
-        ids = torch.full((N, P), self.pad_id, dtype=torch.long, device=dev)
-        attn = torch.zeros((N, P), dtype=torch.long, device=dev)
-        for i, p in enumerate(prompts):
-            ids[i, P - len(p):] = torch.tensor(p, dtype=torch.long, device=dev)
-            attn[i, P - len(p):] = 1
+        ids, attn = left_pad(prompts, self.pad_id, dev)
+        N = ids.shape[0]
         pos = position_ids(attn)
         stop_ids = torch.tensor(sorted({self.eos_id, *sp.stop_token_ids}), device=dev)
 
