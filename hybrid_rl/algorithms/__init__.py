@@ -1,14 +1,15 @@
 """RL algorithm building blocks: pure functions on tensors (no model, no I/O).
 
-advantages   outcome-reward advantage estimators (GRPO, Dr. GRPO, RLOO, REINFORCE++)
+advantages   outcome-reward advantage estimators (GRPO, Dr. GRPO, RLOO; token-level REINFORCE++)
 losses       per-token policy losses (PPO-clip / dual clip, GSPO, CISPO)
 aggregation  loss aggregation with a global normaliser (DP / grad-accum invariant)
-kl           KL estimators, KL controllers, reward-side KL penalty, entropy
+kl           KL estimators, KL controllers, reward-side KL penalty
 correction   rollout-engine vs trainer mismatch correction (TIS / MIS)
 dapo         DAPO dynamic-sampling filter, overlong penalty and filtering
 """
 from hybrid_rl.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
+    TOKEN_LEVEL_ESTIMATORS,
     compute_advantages,
     drgrpo_advantages,
     grpo_advantages,
@@ -23,13 +24,12 @@ from hybrid_rl.algorithms.aggregation import (
     masked_sum,
     normalizer_count,
 )
-from hybrid_rl.algorithms.correction import CORRECTION_MODES, rollout_correction, sequence_log_ratio
+from hybrid_rl.algorithms.correction import CORRECTION_MODES, rollout_correction
 from hybrid_rl.algorithms.dapo import filter_groups, overlong_penalty, truncation_mask
 from hybrid_rl.algorithms.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
-    entropy_from_logits,
     kl_estimate,
     kl_penalty_rewards,
 )
@@ -43,6 +43,7 @@ from hybrid_rl.algorithms.losses import (
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "TOKEN_LEVEL_ESTIMATORS",
     "compute_advantages",
     "grpo_advantages",
     "drgrpo_advantages",
@@ -59,7 +60,6 @@ __all__ = [
     "FixedKLController",
     "AdaptiveKLController",
     "kl_penalty_rewards",
-    "entropy_from_logits",
     "POLICY_LOSSES",
     "compute_policy_loss",
     "ppo_clip_loss",
@@ -67,7 +67,6 @@ __all__ = [
     "cispo_loss",
     "CORRECTION_MODES",
     "rollout_correction",
-    "sequence_log_ratio",
     "filter_groups",
     "overlong_penalty",
     "truncation_mask",

@@ -26,6 +26,19 @@ Fully masked rows (padding rows added to balance micro-batches, completions
 removed by overlong filtering or masked importance sampling) contribute nothing
 to the numerator and are excluded from the denominator too, as verl does.
 Pass count_empty_rows=True to count every row instead.
+
+Difference from verl in seq-mean-token-sum-norm: here the token-loss sum is
+divided by (number of sequences in the mini-batch) x norm_length, i.e.
+(1/G) sum_i sum_t l_it / L_const, Dr. GRPO's objective with a constant length
+in place of 1/|y_i|. verl's agg_loss (verl/trainer/ppo/core_algos.py, checked
+at commit b178a3c, Jan 2026) divides the micro-batch's token-loss sum by
+loss_scale_factor only: actor.loss_scale_factor if set, else
+loss_mask.shape[-1], the padded response length of that micro-batch tensor. It
+does not divide by the number of sequences; its actor then only multiplies each
+micro-batch loss by 1/gradient_accumulation (or by micro-batch rows /
+ppo_mini_batch_size with dynamic batch size). The two differ by a constant
+factor for a fixed batch size, which the learning rate absorbs, and verl's
+default horizon changes with the padding of each micro-batch.
 """
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["CORRECTION_MODES", "rollout_correction", "sequence_log_ratio"]
+__all__ = ["CORRECTION_MODES", "rollout_correction"]
 
 CORRECTION_MODES = ("none", "tis_token", "tis_seq", "mis_token", "mis_seq")
 # Only used to keep the logged max ratio finite.
@@ -57,15 +57,6 @@ def _token_log_ratio(old_logp_NT: Tensor, engine_logp_NT: Tensor, valid_NT: Tens
     dtype = torch.promote_types(old_logp_NT.dtype, torch.float32)
     d_NT = old_logp_NT.detach().to(dtype) - engine_logp_NT.detach().to(dtype)
     return torch.where(valid_NT, d_NT, torch.zeros((), dtype=dtype, device=d_NT.device))
-
-
-def sequence_log_ratio(old_logp_NT: Tensor, engine_logp_NT: Tensor, mask_NT: Tensor) -> Tensor:
-    """Unclamped per-sequence log importance ratio, sum_t m_it (old_it - engine_it): (N,).
-
-    For logging (e.g. a histogram of the mismatch); 0 for empty rows.
-    """
-    _check(old_logp_NT, engine_logp_NT, mask_NT)
-    return _token_log_ratio(old_logp_NT, engine_logp_NT, mask_NT != 0).sum(dim=1)
 
 
 def rollout_correction(

@@ -1,8 +1,8 @@
-"""KL estimators, KL-coefficient controllers, reward-side KL penalty and entropy.
+"""KL estimators, KL-coefficient controllers and the reward-side KL penalty.
 
 Shape legend:
-    N   sequences, T response tokens, V vocabulary size
-    _NT per-token tensor, _N per-sequence tensor, _NTV per-token logits
+    N   sequences, T response tokens
+    _NT per-token tensor, _N per-sequence tensor
 
 Per-token KL estimators of KL(pi || pi_ref) from samples y_t ~ pi, with
 log-ratio d_t = logp_t - ref_logp_t (Schulman 2020, "Approximating KL
@@ -23,7 +23,6 @@ __all__ = [
     "FixedKLController",
     "AdaptiveKLController",
     "kl_penalty_rewards",
-    "entropy_from_logits",
 ]
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
@@ -126,28 +125,3 @@ def kl_penalty_rewards(rewards_N: Tensor, kl_NT: Tensor, mask_NT: Tensor, coef: 
     if not out_dtype.is_floating_point:
         out_dtype = torch.float32
     return rewards_N.to(out_dtype) - coef * kl_sum_N.to(out_dtype)
-
-
-def entropy_from_logits(logits_NTV: Tensor) -> Tensor:
-    """Entropy of softmax(logits) over the last dim: H = logsumexp(z) - sum_v p_v z_v.
-
-    Stable for large logits (no log of a softmax that underflows to 0, no
-    cancellation between two large terms); -inf logits are allowed.
-    Half-precision logits are upcast to float32. Any leading shape is allowed:
-    (..., V) -> (...).
-    """
-    if not isinstance(logits_NTV, Tensor) or logits_NTV.dim() < 1 or logits_NTV.shape[-1] == 0:
-        raise ValueError(
-            f"logits must be a tensor with a non-empty last (vocabulary) dim, got {getattr(logits_NTV, 'shape', None)}"
-        )
-    z = logits_NTV if logits_NTV.dtype in (torch.float32, torch.float64) else logits_NTV.float()
-    # Shift by the row max first: lse(z) - E_p[z] is a difference of two large
-    # numbers when logits are large, the shifted form is not. The shift is a
-    # constant per row, so neither value nor gradient changes.
-    shift = z.detach().amax(dim=-1, keepdim=True)
-    z = z - torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
-    lse = torch.logsumexp(z, dim=-1)
-    p = torch.softmax(z, dim=-1)
-    # -inf logits (banned tokens) have p = 0; 0 * -inf would be NaN.
-    z_finite = torch.where(torch.isfinite(z), z, torch.zeros((), dtype=z.dtype, device=z.device))
-    return lse - (p * z_finite).sum(dim=-1)

@@ -27,6 +27,29 @@ approx_kl are 0 and the ratio statistics 1.0):
         d = logp - old_logp (>= 0; Schulman 2020);
     ratio_mean / ratio_max / ratio_min: the importance ratio each loss uses;
     dual_clip_frac (ppo_clip only): fraction where the dual clip is active.
+
+Metric names vs verl (verl/trainer/ppo/core_algos.py, compute_policy_loss_*,
+logged as actor/<name>; checked against verl at commit b178a3c, Jan 2026):
+    ours             verl                relation
+    clip_frac        pg_clipfrac         same quantity: valid tokens where the clipped
+                                         term wins, verl's (pg_losses2 > pg_losses1),
+                                         i.e. A > 0 and ratio > 1 + high, or A < 0 and
+                                         ratio < 1 - low; for cispo both count
+                                         ratio != clip(ratio) whatever the sign of A
+    clip_frac_low,   -                   the two parts of clip_frac
+    clip_frac_high
+    dual_clip_frac   pg_clipfrac_lower   same quantity: A < 0 and the clipped loss
+                                         exceeds -A * clip_ratio_c. Despite its name
+                                         verl's metric counts dual-clip activations,
+                                         not the lower ratio bound; it is 0 here
+                                         unless clip_ratio_c is set (verl: 3.0)
+    approx_kl        ppo_kl              same target, different estimator: both
+                                         estimate KL(pi_old || pi) from the sampled
+                                         tokens with d = logp - old_logp; verl logs
+                                         k1 = mean(-d) (unbiased, can be < 0), we log
+                                         k3 = mean(exp(d) - 1 - d) (unbiased, >= 0).
+                                         They agree in expectation, not per batch.
+    ratio_*          -                   not logged by verl's policy losses
 """
 from __future__ import annotations
 
@@ -134,6 +157,8 @@ def ppo_clip_loss(
     Dual clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games with
     Deep RL", arXiv:1912.09729) when clip_ratio_c > 1: for A_t < 0,
     l_t = min(l_t, -A_t c), bounding the loss of very off-policy tokens.
+    The dual clip is OFF by default (clip_ratio_c=None); verl's default is
+    clip_ratio_c=3.0, i.e. on. Pass clip_ratio_c=3.0 to match verl.
     Active bounds: upper when A > 0 and rho > 1 + high; lower when A < 0 and
     rho < 1 - low; dual when A < 0 and the unclipped-by-c loss exceeds -A c.
     weight_NT (optional, detached) multiplies the per-token loss, e.g. the
@@ -174,17 +199,19 @@ def gspo_loss(
     """GSPO per-token loss (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071).
 
         s_i    = exp( (1/|y_i|) sum_t m_it (logp_it - old_it) )       sequence ratio
-        s_it   = sg[s_i] * exp(logp_it - sg[logp_it])                  (value s_i)
+        s_it   = sg[s_i] * exp(logp_it - sg[logp_it])                  (value exactly s_i)
         l_it   = max(-A_it s_it, -A_it clip(s_it, 1 - low, 1 + high))
     The token form (paper Eq. for GSPO-token) has the value of s_i and gradient
     s_i * grad logp_it, so seq-mean-token-mean aggregation reproduces the
     sequence-level GSPO gradient exactly; token-mean weights sequences by length.
-    Clipping is therefore decided per sequence. The paper's bounds are tiny
+    Every token of a sequence holds the bit-identical value s_i, so clipping
+    (and the clip metrics) is decided once per sequence. The paper's bounds are tiny
     (low 3e-4, high 4e-4); the 0.2 defaults only keep the signature uniform,
     so pass GSPO's own bounds explicitly.
     clip_ratio_c is accepted for a uniform signature and ignored (GSPO has no
     dual clip). ratio_* metrics report s_i per valid token; the detached
-    sequence log-ratio is clamped to [-20, 20]. Shapes: see module docstring.
+    sequence log-ratio is clamped to [-20, 20] (verl clamps log s_it at 10,
+    from above only). Shapes: see module docstring.
     """
     logp, old, adv_NT, valid, w, zero = _prepare(
         logp_NT, old_logp_NT, adv, mask_NT, weight_NT, clip_ratio_low, clip_ratio_high, "gspo"
@@ -193,10 +220,20 @@ def gspo_loss(
     d_NT = logp - old
     len_N = valid.sum(dim=1).clamp(min=1).to(logp.dtype)
     seq_d_N = (d_NT.sum(dim=1) / len_N).detach().clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    s_NT = torch.exp(seq_d_N[:, None] + logp - logp.detach())
-    pg_NT = torch.maximum(-adv_NT * s_NT, -adv_NT * _clip(s_NT, lo, hi))
+    # s_i is computed once per row and multiplied by exp(logp - sg[logp]), which
+    # is exactly 1 in value (x - x = 0, exp(0) = 1), so every token of row i holds
+    # the bit-identical s_i: one clip decision per sequence. The unbracketed
+    # exp(seq_d + logp - sg[logp]) rounds seq_d + logp first (float32 ulp at
+    # |logp| ~ 30 is 2e-6, GSPO's bounds are ~3e-4), so tokens of one sequence
+    # could land on different sides of a bound.
+    s_N = torch.exp(seq_d_N)
+    s_NT = s_N[:, None] * torch.exp(logp - logp.detach())
     high_NT = (adv_NT > 0) & (s_NT > hi) if hi is not None else torch.zeros_like(valid)
     low_NT = (adv_NT < 0) & (s_NT < lo) if lo is not None else torch.zeros_like(valid)
+    # Branch on the flags rather than max(-A s, -A clip(s)): the two products can
+    # round to the same value when s is within an ulp of a bound, and max() then
+    # gives half a gradient to a sequence the metrics count as clipped.
+    pg_NT = torch.where(high_NT | low_NT, -adv_NT * _clip(s_NT, lo, hi), -adv_NT * s_NT)
     metrics = _metrics(s_NT, d_NT.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP), valid, low_NT, high_NT)
     return _finish(pg_NT, valid, w, zero), metrics
 
@@ -223,7 +260,9 @@ def cispo_loss(
     only its gradient is meaningful.
     Bounds: MiniMax clips only from above in practice, so this function's
     default is clip_ratio_low=None (no lower bound); any clip_ratio_low >= 1
-    has the same effect. Pass a number to enable the lower bound.
+    has the same effect. Pass a number to enable the lower bound. verl's CISPO
+    differs: its lower bound is on by default (1 - clip_ratio_low, with
+    clip_ratio_low = 0.2 in verl's actor config).
     Active bounds (for the clip_frac metrics) ignore the sign of A: upper when
     rho > 1 + high, lower when rho < 1 - low. clip_ratio_c is accepted and
     ignored. Shapes: see module docstring.

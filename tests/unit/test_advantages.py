@@ -1,6 +1,11 @@
 """Advantage estimators vs naive per-sample Python loops (plain floats).
 
-Legend: N sequences, group_ids_N prompt id of each sequence.
+Sequence-level estimators are checked here; the token-level REINFORCE++ ones go
+through the same compute_advantages cases here and are tested in depth (gamma,
+KL, length weighting, ranks) in test_reinforce_pp.py, whose naive references
+this file reuses.
+
+Legend: N sequences, T response tokens, group_ids_N prompt id of each sequence.
 """
 import math
 import random
@@ -8,7 +13,8 @@ import random
 import pytest
 import torch
 
-from hybrid_rl.algorithms import ADVANTAGE_ESTIMATORS, compute_advantages
+from hybrid_rl.algorithms import ADVANTAGE_ESTIMATORS, TOKEN_LEVEL_ESTIMATORS, compute_advantages, grpo_advantages
+from tests.unit.test_reinforce_pp import naive_reinforce_pp, naive_reinforce_pp_baseline
 
 EPS = 1e-6
 
@@ -62,27 +68,32 @@ def naive_rloo(r, ids, eps=EPS):
     return out
 
 
-def naive_reinforce_pp(r, ids, eps=EPS):
-    if len(r) < 2 or len(set(r)) == 1:
-        return [0.0] * len(r)
-    m, s = _mean(r), _std_unbiased(r)
-    return [(x - m) / (s + eps) for x in r]
-
-
-def naive_reinforce_pp_baseline(r, ids, eps=EPS):
-    c = naive_drgrpo(r, ids)
-    s = _std_unbiased(c)
-    return [x / (s + eps) for x in c]
-
-
-NAIVE = {
+NAIVE_SEQ = {
     "grpo": naive_grpo,
     "drgrpo": naive_drgrpo,
     "rloo": naive_rloo,
-    "reinforce_pp": naive_reinforce_pp,
-    "reinforce_pp_baseline": naive_reinforce_pp_baseline,
 }
-NAMES = sorted(NAIVE)
+NAMES = sorted(ADVANTAGE_ESTIMATORS)
+T = 5
+
+
+def naive_token(name, r, ids, mask):
+    """(N, T) lists: token-level references, or the sequence value on every valid token."""
+    if name == "reinforce_pp":
+        return naive_reinforce_pp(r, mask)
+    if name == "reinforce_pp_baseline":
+        return naive_reinforce_pp_baseline(r, ids, mask)
+    adv = NAIVE_SEQ[name](r, ids)
+    return [[adv[i] if m else 0.0 for m in row] for i, row in enumerate(mask)]
+
+
+def _mask(seed, n, t=T):
+    """Right-padded response mask with ragged lengths (some rows empty, some full)."""
+    rng = random.Random(seed + 1000)
+    lengths = [rng.randint(0, t) for _ in range(n)]
+    if n:
+        lengths[0] = t
+    return [[1 if j < length else 0 for j in range(t)] for length in lengths]
 
 
 # ---------------------------------------------------------------- random batches
@@ -110,10 +121,10 @@ CASES = {
 }
 
 
-def _check(name, r, ids, dtype=torch.float64, atol=1e-9):
-    got = compute_advantages(name, torch.tensor(r, dtype=dtype), torch.tensor(ids))
-    want = NAIVE[name](r, ids)
-    assert got.dtype == dtype and got.shape == (len(r),)
+def _check(name, r, ids, mask, dtype=torch.float64, atol=1e-9):
+    got = compute_advantages(name, torch.tensor(r, dtype=dtype), torch.tensor(ids), torch.tensor(mask))
+    want = naive_token(name, r, ids, mask)
+    assert got.dtype == dtype and got.shape == (len(r), len(mask[0]) if mask else T)
     assert torch.allclose(got.double(), torch.tensor(want, dtype=torch.float64), atol=atol, rtol=1e-6), (got, want)
 
 
@@ -123,29 +134,44 @@ def _check(name, r, ids, dtype=torch.float64, atol=1e-9):
 def test_matches_naive_loop(name, case, binary):
     for seed in range(3):
         r, ids = _batch(seed, CASES[case], binary=binary)
-        _check(name, r, ids)
+        _check(name, r, ids, _mask(seed, len(r)))
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_float32_matches_naive(name):
     r, ids = _batch(7, [4, 3, 6, 2])
-    _check(name, r, ids, dtype=torch.float32, atol=1e-4)
+    _check(name, r, ids, _mask(7, len(r)), dtype=torch.float32, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["grpo", "drgrpo", "rloo", "reinforce_pp_baseline"])
+@pytest.mark.parametrize("name", sorted(NAIVE_SEQ))
+def test_seq_level_is_broadcast_over_valid_tokens(name):
+    r, ids = _batch(2, [3, 5, 2])
+    r_t, ids_t, mask_t = torch.tensor(r, dtype=torch.float64), torch.tensor(ids), torch.tensor(_mask(2, len(r)))
+    adv_N = ADVANTAGE_ESTIMATORS[name](r_t, ids_t)
+    got = compute_advantages(name, r_t, ids_t, mask_t)
+    assert torch.equal(got, torch.where(mask_t != 0, adv_N[:, None], 0.0))
+
+
+@pytest.mark.parametrize("name", sorted(NAIVE_SEQ))
 def test_all_equal_groups_give_exact_zero(name):
     # 0.1 is not exactly representable: sum/n can differ from the value by an ulp.
+    # (reinforce_pp_baseline zeroes c for such groups but then whitens over the batch,
+    # so its value there is -mean/std; see test_reinforce_pp.py for its exact zeros.)
     for dtype in (torch.float32, torch.float64):
         r = torch.tensor([0.1, 0.1, 0.1, 0.7, 0.7, 0.7, 0.7, 1.0, 0.0], dtype=dtype)
         ids = torch.tensor([5, 5, 5, 2, 2, 2, 2, 9, 9])
-        adv = compute_advantages(name, r, ids)
+        adv = ADVANTAGE_ESTIMATORS[name](r, ids)
         assert torch.equal(adv[:7], torch.zeros(7, dtype=dtype))
         assert (adv[7] > 0) and (adv[8] < 0)
+        adv_NT = compute_advantages(name, r, ids, torch.ones(9, 3))
+        assert torch.equal(adv_NT[:7], torch.zeros(7, 3, dtype=dtype))
 
 
-def test_reinforce_pp_all_equal_batch_is_zero():
-    adv = compute_advantages("reinforce_pp", torch.full((6,), 0.3), torch.arange(6))
-    assert torch.equal(adv, torch.zeros(6))
+@pytest.mark.parametrize("name", sorted(TOKEN_LEVEL_ESTIMATORS))
+def test_token_level_all_equal_batch_is_zero(name):
+    mask = torch.tensor(_mask(4, 6))
+    adv = compute_advantages(name, torch.full((6,), 0.3), torch.arange(6), mask)
+    assert torch.equal(adv, torch.zeros(6, T))
 
 
 def test_grpo_equals_verl_style_contiguous_formula():
@@ -153,13 +179,13 @@ def test_grpo_equals_verl_style_contiguous_formula():
     r_BG = torch.randn(5, 4, dtype=torch.float64)
     want = (r_BG - r_BG.mean(1, keepdim=True)) / (r_BG.std(1, keepdim=True) + EPS)
     ids = torch.arange(5).repeat_interleave(4)
-    got = compute_advantages("grpo", r_BG.reshape(-1), ids)
+    got = grpo_advantages(r_BG.reshape(-1), ids)
     assert torch.allclose(got, want.reshape(-1), atol=1e-12)
 
 
 def test_grpo_known_values_g2():
     # G=2: unbiased std of {0, 1} is 1/sqrt(2), so A = +-0.5 * sqrt(2).
-    adv = compute_advantages("grpo", torch.tensor([0.0, 1.0], dtype=torch.float64), torch.tensor([3, 3]), eps=0.0)
+    adv = grpo_advantages(torch.tensor([0.0, 1.0], dtype=torch.float64), torch.tensor([3, 3]), eps=0.0)
     assert torch.allclose(adv, torch.tensor([-math.sqrt(0.5), math.sqrt(0.5)], dtype=torch.float64))
 
 
@@ -167,33 +193,36 @@ def test_grpo_known_values_g2():
 def test_permutation_equivariant(name):
     r, ids = _batch(3, [3, 5, 2, 4])
     r_t, ids_t = torch.tensor(r, dtype=torch.float64), torch.tensor(ids)
+    mask_t = torch.tensor(_mask(3, len(r)))
     perm = torch.randperm(len(r), generator=torch.Generator().manual_seed(0))
-    a = compute_advantages(name, r_t, ids_t)
-    b = compute_advantages(name, r_t[perm], ids_t[perm])
+    a = compute_advantages(name, r_t, ids_t, mask_t)
+    b = compute_advantages(name, r_t[perm], ids_t[perm], mask_t[perm])
     assert torch.allclose(a[perm], b, atol=1e-12)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_integer_rewards_give_float32(name):
-    adv = ADVANTAGE_ESTIMATORS[name](torch.tensor([0, 1, 1, 0, 1]), torch.tensor([0, 0, 0, 1, 1]))
+    mask = _mask(5, 5)
+    adv = compute_advantages(name, torch.tensor([0, 1, 1, 0, 1]), torch.tensor([0, 0, 0, 1, 1]), torch.tensor(mask))
     assert adv.dtype == torch.float32
-    want = NAIVE[name]([0.0, 1.0, 1.0, 0.0, 1.0], [0, 0, 0, 1, 1])
+    want = naive_token(name, [0.0, 1.0, 1.0, 0.0, 1.0], [0, 0, 0, 1, 1], mask)
     assert torch.allclose(adv.double(), torch.tensor(want, dtype=torch.float64), atol=1e-5)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_empty_batch(name):
-    adv = compute_advantages(name, torch.zeros(0), torch.zeros(0, dtype=torch.long))
-    assert adv.shape == (0,)
+    adv = compute_advantages(name, torch.zeros(0), torch.zeros(0, dtype=torch.long), torch.zeros(0, T))
+    assert adv.shape == (0, T)
 
 
 def test_registry_keys():
     assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"}
+    assert TOKEN_LEVEL_ESTIMATORS == {"reinforce_pp", "reinforce_pp_baseline"}
 
 
 def test_unknown_name_lists_valid_names():
     with pytest.raises(ValueError, match="grpo.*rloo|rloo.*grpo"):
-        compute_advantages("ppo", torch.zeros(2), torch.zeros(2, dtype=torch.long))
+        compute_advantages("ppo", torch.zeros(2), torch.zeros(2, dtype=torch.long), torch.ones(2, T))
 
 
 @pytest.mark.parametrize(
@@ -205,6 +234,15 @@ def test_unknown_name_lists_valid_names():
         (torch.tensor([0.0, float("nan")]), torch.zeros(2, dtype=torch.long), "NaN"),
     ],
 )
-def test_bad_inputs_raise(rewards, ids, match):
+@pytest.mark.parametrize("name", NAMES)
+def test_bad_inputs_raise(rewards, ids, match, name):
     with pytest.raises(ValueError, match=match):
-        compute_advantages("grpo", rewards, ids)
+        compute_advantages(name, rewards, ids, torch.ones(rewards.shape[0], T))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bad_mask_raises(name):
+    with pytest.raises(ValueError, match="mask_NT"):
+        compute_advantages(name, torch.zeros(4), torch.zeros(4, dtype=torch.long), torch.ones(4))
+    with pytest.raises(ValueError, match="mask_NT"):
+        compute_advantages(name, torch.zeros(4), torch.zeros(4, dtype=torch.long), torch.ones(3, T))

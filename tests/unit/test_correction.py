@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from hybrid_rl.algorithms import CORRECTION_MODES, rollout_correction, sequence_log_ratio
+from hybrid_rl.algorithms import CORRECTION_MODES, rollout_correction
 
 
 def _batch(seed, n, t):
@@ -128,14 +128,6 @@ def test_extreme_mismatch_is_finite_and_padding_ignored():
         w, out_mask, m = rollout_correction(old, engine, mask, mode)
         assert torch.isfinite(w).all() and all(torch.isfinite(v) for v in m.values()), mode
         assert w[0, 2].item() == 1.0 and out_mask[0, 2].item() == 0
-
-
-def test_sequence_log_ratio():
-    old, engine, mask = _batch(3, 4, 6)
-    got = sequence_log_ratio(old, engine, mask)
-    for i in range(4):
-        want = sum(old[i, j].item() - engine[i, j].item() for j in range(6) if mask[i, j] != 0)
-        assert got[i].item() == pytest.approx(want, abs=1e-12)
 
 
 @pytest.mark.parametrize(

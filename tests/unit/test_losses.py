@@ -144,27 +144,102 @@ def test_clipping_actually_happens_in_the_random_cases():
     assert m["dual_clip_frac"].item() > 0
 
 
-def test_gspo_token_form_matches_sequence_level_objective():
-    """seq-mean-token-mean of GSPO-token == mean_i max(-A s_i, -A clip(s_i)) with s_i differentiable."""
-    logp, old, adv_N, mask = _batch(3, 8, 13, spread=0.05)
+def naive_gspo_objective(logp, old, adv_N, mask, low, high):
+    """GSPO objective from the paper (Zheng et al. 2025, arXiv:2507.18071, Eq. for J_GSPO), per sample:
+
+        s_i = (pi(y_i) / pi_old(y_i))^(1/|y_i|) = exp(mean_t (logp_it - old_it))
+        J   = mean_i min(s_i A_i, clip(s_i, 1 - low, 1 + high) A_i)
+    over the non-empty rows; logp may require grad.
+    """
+    terms = []
+    for i in range(logp.shape[0]):
+        valid = [j for j in range(logp.shape[1]) if mask[i, j] != 0]
+        if not valid:
+            continue
+        s_i = torch.exp(sum(logp[i, j] - old[i, j] for j in valid) / len(valid))
+        a_i = adv_N[i]
+        terms.append(torch.minimum(s_i * a_i, s_i.clamp(1 - low, 1 + high) * a_i))
+    return torch.stack(terms).mean()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_gspo_token_form_matches_sequence_level_objective(seed):
+    """seq-mean-token-mean of the per-token GSPO loss == -J_GSPO, in value and in gradient."""
+    logp, old, adv_N, mask = _batch(seed, 16, 13, spread=0.05)
     low, high = 0.01, 0.015
     x = logp.clone().requires_grad_(True)
-    loss_NT, _ = compute_policy_loss("gspo", x, old, adv_N, mask, clip_ratio_low=low, clip_ratio_high=high)
+    loss_NT, m = compute_policy_loss("gspo", x, old, adv_N, mask, clip_ratio_low=low, clip_ratio_high=high)
     ours = aggregate_loss(loss_NT, mask, "seq-mean-token-mean", normalizer_count(mask, "seq-mean-token-mean"))
     ours.backward()
     y = logp.clone().requires_grad_(True)
-    terms = []
-    for i in range(8):
-        valid = mask[i] != 0
-        if not valid.any():
-            continue
-        s = torch.exp((y[i][valid] - old[i][valid]).mean())
-        A = adv_N[i]
-        terms.append(torch.maximum(-A * s, -A * s.clamp(1 - low, 1 + high)))
-    ref = torch.stack(terms).mean()
-    ref.backward()
-    assert torch.allclose(ours, ref, atol=1e-12)
-    assert torch.allclose(x.grad, y.grad, atol=1e-12)
+    objective = naive_gspo_objective(y, old, adv_N, mask, low, high)
+    objective.backward()
+    assert torch.allclose(ours, -objective, atol=1e-12)
+    assert torch.allclose(x.grad, -y.grad, atol=1e-12)
+    assert 0 < m["clip_frac"].item() < 1  # both clipped and unclipped sequences are compared
+
+
+def _gspo_inputs(seed, n=256, t=48, dtype=torch.float32):
+    """log-probs near -30 (float32 ulp 2e-6) and sequence ratios within ~1e-6 of a clip bound.
+
+    Half the rows sit at 1 + high with A > 0 (upper bound), half at 1 - low with A < 0.
+    """
+    g = torch.Generator().manual_seed(seed)
+    low, high = 3e-4, 4e-4
+    logp = -30.0 + torch.rand(n, t, generator=g, dtype=torch.float64)
+    up_N = torch.arange(n) % 2 == 0
+    target_N = torch.where(up_N, torch.tensor(math.log1p(high), dtype=torch.float64),
+                           torch.tensor(math.log1p(-low), dtype=torch.float64))
+    lengths = torch.randint(1, t + 1, (n,), generator=g)
+    mask = (torch.arange(t)[None, :] < lengths[:, None]).float()
+    # token log-ratios spread by 1e-3 but with row mean at the bound, give or take 1e-6
+    noise_NT = 1e-3 * torch.randn(n, t, generator=g, dtype=torch.float64)
+    noise_NT = noise_NT - (noise_NT * mask).sum(1, keepdim=True) / lengths[:, None]
+    d_NT = target_N[:, None] + 1e-6 * torch.randn(n, 1, generator=g, dtype=torch.float64) + noise_NT
+    adv_N = torch.where(up_N, 1.0, -1.0).double() * (0.5 + torch.rand(n, generator=g, dtype=torch.float64))
+    return logp.to(dtype), (logp - d_NT).to(dtype), adv_N.to(dtype), mask, low, high
+
+
+def _old_gspo_ratio(logp, old, mask):
+    """The previous implementation's s_NT: exp(seq_d + logp - sg[logp]) rounds seq_d + logp first."""
+    valid = mask != 0
+    logp = torch.where(valid, logp, 0.0)
+    old = torch.where(valid, old, 0.0)
+    seq_d_N = ((logp - old).sum(1) / valid.sum(1).clamp(min=1)).clamp(-20, 20)
+    return torch.exp(seq_d_N[:, None] + logp - logp.detach())
+
+
+def _split_rows(flag_NT, mask):
+    """Rows whose valid tokens do not all share one value of flag_NT."""
+    valid = mask != 0
+    any_N = (flag_NT & valid).any(1)
+    all_N = (flag_NT | ~valid).all(1)
+    return int((any_N & ~all_N).sum())
+
+
+def test_gspo_never_splits_a_sequence_at_a_clip_bound():
+    old_splits = 0
+    for seed in range(4):
+        logp, old, adv_N, mask, low, high = _gspo_inputs(seed)
+        valid = mask != 0
+        # The old formula decides per token and splits sequences on these inputs.
+        s_old = _old_gspo_ratio(logp, old, mask)
+        old_splits += _split_rows((s_old > 1 + high) | (s_old < 1 - low), mask)
+
+        x = logp.clone().requires_grad_(True)
+        loss_NT, m = compute_policy_loss("gspo", x, old, adv_N, mask, clip_ratio_low=low, clip_ratio_high=high)
+        loss_NT.sum().backward()
+        clipped_N = torch.zeros(len(adv_N), dtype=torch.bool)
+        for i in range(len(adv_N)):
+            row_loss, row_grad = loss_NT[i][valid[i]], x.grad[i][valid[i]]
+            # one value per sequence: the same loss and the same gradient on every valid token
+            assert torch.equal(row_loss, row_loss[:1].expand_as(row_loss)), i
+            assert torch.equal(row_grad, row_grad[:1].expand_as(row_grad)), i
+            clipped_N[i] = row_grad[0] == 0
+        n_clipped_tokens = mask.sum(1)[clipped_N].sum()
+        assert m["clip_frac"].item() == pytest.approx((n_clipped_tokens / mask.sum()).item(), abs=1e-7)
+        assert 0 < clipped_N.float().mean() < 1  # the bound is really in the middle of the rows
+    assert old_splits > 0
 
 
 @pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
