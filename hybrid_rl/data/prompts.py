@@ -1,4 +1,4 @@
-"""Prompt datasets and a resumable, rank-aware prompt loader.
+"""Prompt datasets and a rank-aware prompt loader.
 
 A dataset is a list of rows: {"prompt": str, ...metadata}. Built-in generated
 tasks come from `rewards.toy`; `jsonl` reads a local file. Every row is checked
@@ -53,7 +53,9 @@ def _check_row(row: dict, i: int, key: str, source: str) -> dict:
 class PromptLoader:
     """Endless shuffled batches of rows; each rank takes its own slice of each global batch.
 
-    State (epoch, cursor) is a plain dict so a checkpoint can resume mid-epoch.
+    Its position (epoch, cursor, seed) is a plain, JSON-safe dict via state_dict /
+    load_state_dict, and restoring it replays the same batches. Nothing saves it yet:
+    checkpoint/resume of a run is not built.
     """
 
     def __init__(self, rows: list[dict], batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0):

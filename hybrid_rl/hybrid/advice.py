@@ -12,12 +12,12 @@ import torch
 
 from hybrid_rl import planner
 
-# Role flags the runtime can act on today; the planner knows one more (reward_model).
-FLAGS = ("optimizer", "ref", "params")
-
 
 @dataclass
 class OffloadDecision:
+    """The offload flags the phase switch acts on. No reward_model flag: no run has a reward
+    model yet (rewards are rule functions), so decide_offload only warns about it."""
+
     optimizer: bool
     ref: bool
     params: bool

@@ -2,7 +2,9 @@
 
 Counts come from the tensors themselves (so they work on CPU and match the planner's
 formulas), and on CUDA also from the allocator (`memory_allocated` and the peak
-since the previous boundary). Role names are the planner's (`hybrid_rl.planner.ROLES`).
+since the previous boundary). `ROLES` is imported from `hybrid_rl.planner`, its one
+definition: the ledger and the plan cannot drift apart, and the planner stays
+torch-free for `python -m hybrid_rl.plan`.
 """
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ from typing import Optional
 import torch
 
 from hybrid_rl.hybrid.offload import local_bytes, optimizer_tensors
+from hybrid_rl.planner import ROLES
 
-ROLES = ("policy_weights", "grads", "optimizer", "engine_weights", "kv_cache", "ref", "reward_model")
+__all__ = ["ROLES", "MemoryLedger", "Snapshot", "grad_bytes", "module_bytes", "optimizer_bytes"]
 
 
 def _on(t: torch.Tensor, device: torch.device) -> bool:

@@ -2,6 +2,8 @@
 
 "digits": the prompt is three digits, the answer is each digit plus one (mod 10),
 then EOS. A uniform-random policy over the vocabulary scores about 0.06.
+
+Importing this module registers its rewards; `rewards.base.get_reward` does that import.
 """
 from __future__ import annotations
 

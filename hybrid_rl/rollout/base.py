@@ -2,12 +2,13 @@
 
 An engine turns prompt token ids into completions and knows how to take fresh
 weights and give its memory back between rollouts. Engines are looked up by
-name and imported lazily, so GPU-only engines cost nothing where they are absent.
+name and imported lazily, so a GPU-only engine costs nothing where it is absent.
+`native` is the only engine so far; the SGLang engine is planned, not built.
 """
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Protocol, Sequence
 
 import torch
@@ -46,12 +47,12 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length"
-    prompt_index: int = -1
-    meta: dict = field(default_factory=dict)
 
 
 class RolloutEngine(Protocol):
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Completion]: ...
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """One completion per prompt, in the order of `prompt_ids`: callers match them by position."""
+        ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
@@ -73,8 +74,9 @@ def engine_class(name: str) -> type:
     try:
         return getattr(importlib.import_module(module), cls)
     except ImportError as err:
-        raise ImportError(f"rollout engine {name!r} is not available here ({err}); "
-                          "install the GPU extra: pip install 'hybrid_rl[gpu]'") from err
+        # native needs only the core install; the extra is for GPU engines once they are registered.
+        raise ImportError(f"rollout engine {name!r} is not available here ({err}); install its dependencies "
+                          "(GPU engines: pip install 'hybrid_rl[gpu]')") from err
 
 
 def check_tags(tags: Sequence[str]) -> None:

@@ -121,13 +121,13 @@ class NativeEngine:
         step = self.max_batch_size or max(1, len(prompt_ids))
         gen = torch.Generator(device=self._device()).manual_seed(params.seed)
         for start in range(0, len(prompt_ids), step):
-            out += self._generate_batch(prompt_ids[start:start + step], params, gen, start)
+            out += self._generate_batch(prompt_ids[start:start + step], params, gen)
         return out
 
     def _device(self) -> torch.device:
         return next(iter(self.model.parameters())).device
 
-    def _generate_batch(self, prompts: list[list[int]], sp: SamplingParams, gen: torch.Generator, offset: int) -> list[Completion]:
+    def _generate_batch(self, prompts: list[list[int]], sp: SamplingParams, gen: torch.Generator) -> list[Completion]:
         from transformers import DynamicCache
 
         dev = self._device()
@@ -164,17 +164,17 @@ class NativeEngine:
             next_pos = next_pos + 1
         self.last_kv_bytes = kv_cache_bytes(cache)
         del cache
-        return self._to_completions(torch.stack(toks, 1), torch.stack(lps, 1), stop_ids, offset)
+        return self._to_completions(torch.stack(toks, 1), torch.stack(lps, 1), stop_ids)
 
-    def _to_completions(self, toks_NT: torch.Tensor, lps_NT: torch.Tensor, stop_ids: torch.Tensor, offset: int) -> list[Completion]:
+    def _to_completions(self, toks_NT: torch.Tensor, lps_NT: torch.Tensor, stop_ids: torch.Tensor) -> list[Completion]:
         toks, lps = toks_NT.tolist(), lps_NT.tolist()
         stops = set(stop_ids.tolist())
         out = []
-        for i, (row, lrow) in enumerate(zip(toks, lps)):
+        for row, lrow in zip(toks, lps):
             n, reason = len(row), "length"
             for j, tok in enumerate(row):
                 if tok in stops:
                     n, reason = j + 1, "stop"
                     break
-            out.append(Completion(token_ids=row[:n], logprobs=lrow[:n], finish_reason=reason, prompt_index=offset + i))
+            out.append(Completion(token_ids=row[:n], logprobs=lrow[:n], finish_reason=reason))
         return out

@@ -1,4 +1,4 @@
-"""Prompt data (rows, rank-aware resumable loader) and the digits reward.
+"""Prompt data (rows, the rank-aware loader and its state_dict), the reward registry and the digits reward.
 
 Legend: B global batch (prompts per step), W ranks.
 """
@@ -10,7 +10,8 @@ import random
 import pytest
 
 from hybrid_rl.data.prompts import PromptLoader, load_rows
-from hybrid_rl.rewards.base import compute_rewards, get_reward
+from hybrid_rl.rewards import base as reward_base
+from hybrid_rl.rewards.base import compute_rewards, get_reward, register_reward
 from hybrid_rl.rewards.toy import DIGIT_WORDS, digits_reward, digits_rows
 
 
@@ -61,7 +62,7 @@ def test_state_dict_resumes_the_same_sequence(warmup):
     for _ in range(warmup):
         for l in ref:
             l.next_batch()
-    states = [json.loads(json.dumps(l.state_dict())) for l in ref]  # survives a JSON checkpoint
+    states = [json.loads(json.dumps(l.state_dict())) for l in ref]  # JSON round trip, as a checkpoint file would be
     expected = [[_ids(l.next_batch()) for l in ref] for _ in range(8)]
     # A fresh loader (different seed argument: the state carries the seed) resumes exactly.
     resumed = [PromptLoader(rows, B, rank=r, world_size=W, seed=123) for r in range(W)]
@@ -127,6 +128,25 @@ def test_digits_reward_is_registered_and_checked():
     assert spec.fn is digits_reward and spec.success_threshold == 1.0
     meta = [{"answer": "234", "finish_reason": "stop", "response_tokens": 3}] * 2
     assert compute_rewards("digits", spec, ["a", "b"], ["2 3 4", "0 0 0"], meta) == pytest.approx([1.0, 0.1])
+
+
+def test_a_user_reward_registered_by_decorator_is_found_and_names_are_unique(monkeypatch):
+    # A copy of the registry, so the names registered here do not leak into other tests.
+    monkeypatch.setattr(reward_base, "_REGISTRY", dict(reward_base._REGISTRY))
+
+    @register_reward("exact_match", success_threshold=0.5)
+    def exact_match(prompts, completions, metadata):
+        return [float(c.strip() == m["answer"]) for c, m in zip(completions, metadata)]
+
+    spec = get_reward("exact_match")
+    assert spec.fn is exact_match and spec.success_threshold == 0.5
+    assert get_reward("digits").fn is digits_reward, "the built-ins are still registered alongside"
+    with pytest.raises(ValueError, match="already registered"):
+        register_reward("exact_match")(exact_match)
+    with pytest.raises(ValueError, match="already registered"):
+        register_reward("digits")(exact_match)
+    with pytest.raises(ValueError, match="reward.name"):
+        get_reward("no_such_reward")
 
 
 def test_uniform_random_policy_scores_at_most_0_1(tiny_tokenizer):

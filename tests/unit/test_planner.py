@@ -212,3 +212,12 @@ def test_cli_json_last_line_and_errors(tmp_path):
                       (["--gpus", "1", "--batch", "1", "--context", "1"], "--params")]:
         r = _cli(*bad)
         assert r.returncode != 0 and word in r.stderr, (bad, r.stderr)
+
+
+def test_planner_cli_imports_no_torch():
+    # The runtime ledger imports ROLES from the planner, never the other way round, so
+    # sizing a run stays a quick, torch-free command (and hybrid_rl/__init__ stays lazy).
+    code = "import sys, hybrid_rl.plan; print('torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False", "hybrid_rl.plan must stay free of torch imports"
