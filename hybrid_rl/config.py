@@ -65,7 +65,9 @@ class RolloutConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _one_of(self.engine, "rollout.engine", ["native"])  # sglang: see rollout/base.py
+        # native is the only engine until the SGLang engine lands; a new engine goes in both this
+        # list and rollout/base.py's _ENGINES.
+        _one_of(self.engine, "rollout.engine", ["native"])
         _check(self.n >= 2, "rollout.n", f"GRPO needs at least 2 samples per prompt to form a group baseline, got {self.n}")
         _check(self.temperature > 0, "rollout.temperature", f"must be > 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
@@ -112,6 +114,7 @@ class AlgorithmConfig:
     ppo_epochs: int = 1
     mini_batch_size: int = 0  # sequences per optimizer step over all ranks; 0 = the whole batch
     adv_eps: float = 1e-6
+    gamma: float = 1.0  # discount of the token-level returns (reinforce_pp); 1 = undiscounted, as in the paper
 
     def __post_init__(self) -> None:
         from hybrid_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS
@@ -148,6 +151,9 @@ class AlgorithmConfig:
                "must be >= 0 or null (a fifth of rollout.max_new_tokens)")
         _check(self.ppo_epochs >= 1, "algorithm.ppo_epochs", "must be >= 1")
         _check(self.mini_batch_size >= 0, "algorithm.mini_batch_size", "must be >= 0 (0 = whole batch)")
+        _check(0 < self.gamma <= 1, "algorithm.gamma", f"must be in (0, 1], got {self.gamma}")
+        _check(self.gamma == 1 or self.advantage == "reinforce_pp", "algorithm.gamma",
+               f"a discount needs token-level returns: set algorithm.advantage=reinforce_pp (got {self.advantage!r})")
 
     def clip_bounds(self) -> tuple[Optional[float], Optional[float]]:
         """(low, high) clip ratios for the policy loss; "auto" is that loss's own default, None no bound."""
@@ -206,8 +212,10 @@ class OffloadConfig:
 
     optimizer: bool = False  # optimizer state on host outside TRAIN
     ref: bool = True  # reference model on host outside SCORE
-    params: bool = False  # policy parameter shards on host during ROLLOUT (engines with their own copy)
-    reward_model: bool = False  # reward model on host outside its phase (warns if the run has none)
+    # Policy parameter shards on host during ROLLOUT, for an engine with its own weight copy; the
+    # native engine decodes with the policy's own weights, so there it warns and is ignored.
+    params: bool = False
+    reward_model: bool = False  # no run has a reward model yet (rule rewards only): setting it only warns
     auto: bool = False  # ignore the flags above and take the planner's advice (python -m hybrid_rl.plan)
 
 

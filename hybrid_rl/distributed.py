@@ -1,9 +1,16 @@
 """Process-group set-up and collective helpers that are no-ops on one rank.
 
 Under `torchrun` the env vars RANK/WORLD_SIZE/MASTER_ADDR are set and we join a
-process group (nccl on CUDA, gloo on CPU), always with a timeout so a dead rank
-cannot hang the others forever. In a plain process (a notebook) nothing is
-initialised and every helper below acts on the single local rank.
+process group, always with a timeout so a dead rank cannot hang the others forever.
+In a plain process (a notebook) on CPU nothing is initialised and every helper below
+acts on the single local rank.
+
+One group serves both kinds of tensor. The step reduces small host tensors (metric
+sums, counts, sampling decisions) and device tensors (loss normalisers, whitening
+statistics); a plain `nccl` group serves only CUDA tensors and would fail at the
+first metric reduction of a GPU run. So a CUDA run joins `cpu:gloo,cuda:nccl`
+(as verl does): host tensors go over gloo, device tensors over NCCL. Every helper
+checks the tensor's device against what the group serves and says so if it cannot.
 """
 from __future__ import annotations
 
@@ -44,19 +51,42 @@ def pick_device(requested: str = "auto") -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
+def backend_for(device: torch.device) -> str:
+    """The process-group backend string for a run whose compute device is `device`."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def served_device_types(backend: str) -> set[str]:
+    """Device types whose tensors a backend string serves ("gloo" alone serves cpu and cuda)."""
+    if ":" not in backend:
+        return {"nccl": {"cuda"}, "gloo": {"cpu", "cuda"}, "mpi": {"cpu", "cuda"}}.get(backend, set())
+    return {part.split(":")[0] for part in backend.split(",")}
+
+
+def _served() -> set[str]:
+    return served_device_types(dist.get_backend_config())
+
+
+def _check_served(x: torch.Tensor) -> None:
+    served = _served()
+    if x.device.type not in served:
+        raise RuntimeError(f"a collective got a {x.device.type} tensor but the process group "
+                           f"({dist.get_backend_config()}) serves only {sorted(served)}; initialise it with "
+                           f"hybrid_rl.distributed.init (backend {backend_for(torch.device('cuda'))!r} on GPUs)")
+
+
 def init(device: str = "auto", timeout_s: int = 300) -> torch.device:
     """Join the launcher's process group if there is one; idempotent. Returns this rank's device."""
     dev = pick_device(device)
     if env_world_size() > 1 and not is_dist():
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        backend = "nccl" if dev.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend=backend_for(dev), timeout=timedelta(seconds=timeout_s))
     elif dev.type == "cuda" and not is_dist():
         # A single GPU process (a notebook) still gets a 1-rank group, so bf16 mixed
         # precision goes through the same FSDP2 path as a multi-GPU run.
         torch.cuda.set_device(dev)
-        dist.init_process_group(backend="nccl", init_method=f"tcp://127.0.0.1:{free_port()}",
+        dist.init_process_group(backend=backend_for(dev), init_method=f"tcp://127.0.0.1:{free_port()}",
                                 rank=0, world_size=1, timeout=timedelta(seconds=timeout_s))
     if dev.type == "cpu" and is_dist():
         # torchrun sets OMP_NUM_THREADS=1; several ranks share the cores anyway.
@@ -85,12 +115,14 @@ def barrier() -> None:
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     """Sum over ranks, in place and returned; identity on one rank."""
     if is_dist():
+        _check_served(x)
         dist.all_reduce(x, op=dist.ReduceOp.SUM)
     return x
 
 
 def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
     if is_dist():
+        _check_served(x)
         dist.all_reduce(x, op=dist.ReduceOp.MAX)
     return x
 
@@ -99,6 +131,7 @@ def all_gather_cat(x: torch.Tensor) -> torch.Tensor:
     """Concatenate equal-shaped tensors from all ranks along dim 0, in rank order."""
     if not is_dist():
         return x
+    _check_served(x)
     parts = [torch.empty_like(x) for _ in range(world_size())]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=0)

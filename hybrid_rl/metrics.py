@@ -1,31 +1,97 @@
-"""Per-step metrics: reduction over ranks, the metrics.jsonl log, the reward curve."""
+"""Per-step metrics: stage timing, reduction over ranks, the metrics.jsonl log, the reward curve."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from typing import Sequence
+import time
+from typing import Iterator, Sequence, Union
 
 import torch
 
 from hybrid_rl import distributed as D
 
+Number = Union[float, int, torch.Tensor]
+
 
 class MeanAccumulator:
-    """Sums and counts of named scalars, reduced over ranks with one all-reduce."""
+    """Named (sum, count) pairs and named maxima, reduced over ranks together.
+
+    Values may be Python numbers or 0-d tensors on the compute device: they are
+    stacked and copied to the host ONCE in `reduce()` (one device sync for all the
+    metrics of a stage, not one per metric). Helpers build and return their own
+    accumulator; the caller merges it with `|=`.
+    """
 
     def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
-        self.counts: dict[str, float] = {}
+        self.sums: dict[str, list[Number]] = {}
+        self.counts: dict[str, list[Number]] = {}
+        self.maxima: dict[str, list[Number]] = {}
 
-    def add(self, name: str, total: float, count: float = 1.0) -> None:
-        self.sums[name] = self.sums.get(name, 0.0) + float(total)
-        self.counts[name] = self.counts.get(name, 0.0) + float(count)
+    def add(self, name: str, total: Number, count: Number = 1.0) -> None:
+        """Add `total` over `count` items to the mean `name` (mean = sum of totals / sum of counts)."""
+        self.sums.setdefault(name, []).append(total)
+        self.counts.setdefault(name, []).append(count)
+
+    def add_max(self, name: str, value: Number) -> None:
+        """`name` reports the maximum over every value added, on every rank."""
+        self.maxima.setdefault(name, []).append(value)
+
+    def __ior__(self, other: "MeanAccumulator") -> "MeanAccumulator":
+        for name in other.sums:
+            self.sums.setdefault(name, []).extend(other.sums[name])
+            self.counts.setdefault(name, []).extend(other.counts[name])
+        for name, values in other.maxima.items():
+            self.maxima.setdefault(name, []).extend(values)
+        return self
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.sums or name in self.maxima
 
     def reduce(self) -> dict[str, float]:
-        names = sorted(self.sums)  # same order on every rank
-        buf = torch.tensor([[self.sums[n], self.counts[n]] for n in names], dtype=torch.float64).reshape(-1, 2)
-        D.all_reduce_sum(buf)
-        return {n: (buf[i, 0] / buf[i, 1]).item() if buf[i, 1] > 0 else 0.0 for i, n in enumerate(names)}
+        """Means and maxima over every rank; every rank must call it with the same names."""
+        means, maxes = sorted(self.sums), sorted(self.maxima)  # same order on every rank
+        groups = [self.sums[n] for n in means] + [self.counts[n] for n in means] + [self.maxima[n] for n in maxes]
+        host = _to_host([v for g in groups for v in g])
+        folded, i = [], 0
+        for k, g in enumerate(groups):
+            part, i = host[i:i + len(g)], i + len(g)
+            folded.append(max(part) if k >= 2 * len(means) else sum(part))
+        out = {}
+        if means:
+            sc = D.all_reduce_sum(torch.tensor(folded[:2 * len(means)], dtype=torch.float64).view(2, -1))
+            out.update({n: (sc[0, j] / sc[1, j]).item() if sc[1, j] > 0 else 0.0 for j, n in enumerate(means)})
+        if maxes:
+            top = D.all_reduce_max(torch.tensor(folded[2 * len(means):], dtype=torch.float64))
+            out.update({n: top[j].item() for j, n in enumerate(maxes)})
+        return out
+
+
+def _to_host(values: list[Number]) -> list[float]:
+    """All values as floats, with every device tensor copied in one transfer."""
+    tensors = [(i, v) for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    out = [float(v) if not isinstance(v, torch.Tensor) else 0.0 for v in values]
+    if tensors:
+        host = torch.stack([v.detach().reshape(()).to(torch.float64) for _, v in tensors]).cpu().tolist()
+        for (i, _), h in zip(tensors, host):
+            out[i] = h
+    return out
+
+
+class StageTimer:
+    """Seconds per stage of one step: `with timer("rollout"): ...` adds to `time/rollout`."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            key = f"time/{stage}"
+            self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t0
 
 
 def append_jsonl(path: str, record: dict) -> None:
@@ -65,7 +131,7 @@ def plot_curve(history: Sequence[dict], path: str, key: str = "reward/mean") -> 
 
 
 # Wall-clock buckets of one step, in the order they happen.
-PHASE_TIMES = {"rollout": ("time/rollout", "time/reward"), "scoring": ("time/score",), "training": ("time/train",),
+PHASE_TIMES = {"rollout": ("time/rollout", "time/reward"), "scoring": ("time/score", "time/advantage"), "training": ("time/train",),
                "switching": ("time/switch",)}
 
 

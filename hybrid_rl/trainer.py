@@ -1,14 +1,14 @@
-"""The GRPO loop, one `Trainer.step()` at a time:
+"""The GRPO loop, one `Trainer.step()` at a time, in the stages of DESIGN.md's loop:
 
-    ROLLOUT  engine.generate(B/W prompts x G samples) on this rank, rule rewards on CPU
-             (+ DAPO soft overlong penalty); with dynamic sampling, groups whose
-             scores are all equal are dropped and more prompts generated (sampling.py)
-    SCORE    old-policy logprobs (+ reference logprobs when a KL term needs them)
-    SHAPE    overlong filter and rollout correction (loss mask, TIS weights);
-             KL as a reward penalty (kl_placement=reward), KL controller update
-    ADVANTAGE  over the whole global batch
-    TRAIN    epochs x mini-batches x micro-batches; optimizer step (update.py:
-             policy loss, KL in the loss, entropy bonus)
+    ROLLOUT    this rank's prompts (tokenized once) x G samples through the engine;
+    REWARD     rule rewards on the host (+ DAPO soft overlong penalty); with dynamic
+               sampling, rounds repeat until enough informative groups (sampling.py)
+    SCORE      old-policy log-probs (when `scores_old_policy` says so) + reference log-probs
+    ADVANTAGE  loss mask (overlong filter, rollout correction), KL as a reward penalty,
+               advantages of this rank's groups (whitening statistics over all ranks)
+    TRAIN      epochs x mini-batches x micro-batches; optimizer step (update.py)
+    metrics    one reduction per stage, the slowest rank's seconds, the memory ledger;
+               the KL controller is updated here, once, from the KL this step measured
 
 Works under `torchrun` (one process per device) and in a plain process.
 Legend: B prompts per step (global), G samples per prompt, N sequences, T tokens.
@@ -17,30 +17,29 @@ from __future__ import annotations
 
 import copy
 import os
-import time
+import warnings
 from typing import Optional
 
 import torch
 
 from hybrid_rl import distributed as D
 from hybrid_rl.algorithms.advantages import compute_advantages
-from hybrid_rl.algorithms.aggregation import masked_mean
 from hybrid_rl.algorithms.correction import rollout_correction
 from hybrid_rl.algorithms.dapo import overlong_penalty, truncation_mask
 from hybrid_rl.algorithms.kl import AdaptiveKLController, FixedKLController, kl_estimate, kl_penalty_rewards
+from hybrid_rl.batch import RolloutBatch
 from hybrid_rl.config import Config, save_config
 from hybrid_rl.data.prompts import PromptLoader, load_rows
 from hybrid_rl.hybrid.advice import decide_offload
 from hybrid_rl.hybrid.phases import PhaseManager
-from hybrid_rl.metrics import MeanAccumulator, append_jsonl, bottleneck, format_line, plot_curve, split_summary
+from hybrid_rl.metrics import MeanAccumulator, StageTimer, append_jsonl, bottleneck, format_line, plot_curve, split_summary
 from hybrid_rl.models.fsdp import shard_model
 from hybrid_rl.models.loading import load_causal_lm, load_tokenizer
-from hybrid_rl.models.logprobs import build_sequences
 from hybrid_rl.models.saving import save_pretrained
 from hybrid_rl.rewards.base import compute_rewards, get_reward
 from hybrid_rl.rollout.base import Completion, SamplingParams, engine_class
-from hybrid_rl.sampling import SampledGroups, sample_groups
-from hybrid_rl.update import RolloutBatch, is_on_policy, policy_update, score_logprobs
+from hybrid_rl.sampling import GroupCollector
+from hybrid_rl.update import TrainBatch, policy_update, score_logprobs, scores_old_policy
 
 
 class Trainer:
@@ -54,6 +53,9 @@ class Trainer:
         if buffer is not None and buffer > cfg.rollout.max_new_tokens:
             raise ValueError(f"config key 'algorithm.overlong_buffer_len': {buffer} is longer than "
                              f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}; use at most that (or null)")
+        if self.device.type == "cpu" and cfg.model.dtype == "bfloat16":
+            warnings.warn("model.dtype=bfloat16 is ignored on CPU: the policy trains in float32 there "
+                          "(bf16 mixed precision is a CUDA path)")
         # DAPO's buffer is a fifth of the maximum length (4096 of 20480); rounded down.
         self.overlong_buffer = buffer if buffer is not None else cfg.rollout.max_new_tokens // 5
         self.kl_ctl = (AdaptiveKLController(a.kl_coef, a.target_kl, a.kl_horizon) if a.kl_controller == "adaptive"
@@ -64,9 +66,10 @@ class Trainer:
         rows = load_rows(cfg.data.task, cfg.data.path, cfg.data.prompt_key, cfg.data.num_prompts, cfg.data.seed)
         self._probe_reward(rows[:2])
         self.loader = PromptLoader(rows, cfg.data.batch_size, D.rank(), D.world_size(), cfg.data.seed)
+        self._prompt_ids: dict[str, list[int]] = {}  # prompt text -> token ids: each prompt is tokenized once
 
         mixed = self.device.type == "cuda" and cfg.model.dtype in ("auto", "bfloat16")
-        longest_prompt = max(len(self.tokenizer(self._prompt_text(r["prompt"])).input_ids) for r in rows[:256])
+        longest_prompt = max(len(self._tokenize(r["prompt"])) for r in rows[:256])
         self.offload = decide_offload(cfg.offload, cfg.model.path, self.device, D.world_size(), mixed,
                                       sequences=cfg.data.batch_size * cfg.rollout.n,
                                       context=longest_prompt + cfg.rollout.max_new_tokens,
@@ -109,174 +112,82 @@ class Trainer:
         meta = [{**r, "finish_reason": "length", "response_tokens": 0} for r in rows]
         compute_rewards(self.reward_name, self.reward, [r["prompt"] for r in rows], ["" for _ in rows], meta)
 
-    def _prompt_text(self, prompt: str) -> str:
-        if not self.cfg.data.chat_template:
-            return prompt
-        return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                  add_generation_prompt=True)
+    def _tokenize(self, prompt: str) -> list[int]:
+        """Token ids of a prompt (chat template applied when configured), computed once per prompt."""
+        ids = self._prompt_ids.get(prompt)
+        if ids is None:
+            text = prompt
+            if self.cfg.data.chat_template:
+                text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                          add_generation_prompt=True)
+            ids = self._prompt_ids[prompt] = self.tokenizer(text, add_special_tokens=False).input_ids
+        return ids
 
     # -- one step -------------------------------------------------------------
     def step(self) -> dict:
-        cfg, algo = self.cfg, self.cfg.algorithm
-        t_step = time.perf_counter()
-        timings = {k: 0.0 for k in ("time/rollout", "time/reward", "time/score", "time/train")}
-
-        # Generation and rule rewards share one ROLLOUT phase: dynamic sampling may need
-        # several rounds, and the engine's memory should be switched in once per step.
-        with self.phases.rollout() as engine:
-            sampled = sample_groups(self.loader.next_batch, lambda rows, k: self._generate(engine, rows, k, timings),
-                                    lambda rows, comps: self._score_completions(rows, comps, timings),
-                                    cfg.rollout.n, algo.dynamic_sampling, algo.max_sampling_rounds)
-
-        metrics = self._reward_metrics(sampled)
-        metrics.update(sampled.metrics)
-        if sampled.rows:
-            metrics.update(self._learn(sampled, timings))
-        else:
-            # Every rank agreed that no group is informative: nothing to train on this step.
-            with self.phases.train():
-                pass
-        switch = self.phases.pop_stats()
-        for stage, sec in switch.seconds.items():
-            timings[f"switch/{stage}_s"] = sec
-        timings["time/switch"] = sum(switch.seconds.values())
-        timings["time/step"] = time.perf_counter() - t_step
-        # Report the slowest rank's time for each stage: that is what the step waits for.
-        names = sorted(timings)
-        slowest = D.all_reduce_max(torch.tensor([timings[k] for k in names], dtype=torch.float64))
-        metrics.update({k: slowest[i].item() for i, k in enumerate(names)})
+        """ROLLOUT -> REWARD -> SCORE -> ADVANTAGE -> TRAIN -> metrics (module docstring)."""
+        timer = StageTimer()
+        kl_coef = self.kl_ctl.value  # this step's coefficient, whatever the step measures
+        with timer("step"):
+            # Generation and rewards share one ROLLOUT phase: dynamic sampling may need
+            # several rounds, and the engine's memory should be switched in once per step.
+            with self.phases.rollout() as engine:
+                batch, metrics = self._rollout(engine, timer)
+            if batch is not None:
+                with self.phases.score() as ref, timer("score"):
+                    old_logp_NT, ref_logp_NT = self._score(batch, ref)
+                with timer("advantage"):
+                    train_batch, shaping = self._advantage(batch, old_logp_NT, ref_logp_NT, kl_coef)
+                with self.phases.train() as optimizer, timer("train"):
+                    metrics.update(self._train(optimizer, train_batch, kl_coef))
+                metrics.update(shaping.reduce())
+                metrics["actor/kl_coef"] = kl_coef
+                if "actor/kl_ref" in metrics:
+                    # Ziegler et al.: the measured KL and the number of samples since the last update.
+                    self.kl_ctl.update(metrics["actor/kl_ref"], len(batch) * D.world_size())
+            else:
+                # Every rank agreed that no group is informative: nothing to train on this step.
+                with self.phases.train():
+                    pass
+        metrics.update(self._time_metrics(timer))
         metrics.update(self.phases.ledger.step_metrics(self.phases.step))
         self.step_idx += 1
         metrics["step"] = self.step_idx
         metrics["bottleneck"] = bottleneck(metrics)
         return metrics
 
-    def _encode(self, rows: list[dict]) -> list[list[int]]:
-        """Prompt token ids, each repeated G times (row-major, as the completions are)."""
-        G = self.cfg.rollout.n
-        ids = [self.tokenizer(self._prompt_text(r["prompt"]), add_special_tokens=False).input_ids for r in rows]
-        return [p for p in ids for _ in range(G)]
+    # -- ROLLOUT and REWARD ---------------------------------------------------
+    def _rollout(self, engine, timer: StageTimer) -> tuple[Optional[RolloutBatch], dict]:
+        """Sampling rounds until the collector has the step's groups; the kept groups as one batch (None if none)."""
+        cfg, algo, G = self.cfg, self.cfg.algorithm, self.cfg.rollout.n
+        groups = GroupCollector(G, algo.dynamic_sampling, algo.max_sampling_rounds, self.reward.success_threshold)
+        while True:
+            rows = self.loader.next_batch()
+            prompt_ids = [self._tokenize(r["prompt"]) for r in rows]
+            with timer("rollout"):
+                completions = engine.generate([p for p in prompt_ids for _ in range(G)],
+                                              self._sampling_params(groups.rounds))
+            with timer("reward"):
+                rewards_N, scores_N = self._reward(rows, completions)
+            groups.add(rows, prompt_ids, completions, rewards_N, scores_N)
+            if not groups.need_another_round():
+                break
+        kept, metrics = groups.finish()
+        if not kept.rows:
+            return None, metrics
+        batch = RolloutBatch.build(kept.rows, kept.prompt_ids, kept.completions, G, kept.rewards_N, kept.scores_N,
+                                   self.tokenizer.pad_token_id, self.device)
+        return batch, metrics
 
-    def _generate(self, engine, rows: list[dict], round_idx: int, timings: dict) -> list[Completion]:
+    def _sampling_params(self, round_idx: int) -> SamplingParams:
         r = self.cfg.rollout
         # A new seed per step, rank and sampling round (97 and 7919 are coprime: no two collide).
         seed = r.seed + 1_000_003 * self.step_idx + 7919 * D.rank() + 97 * round_idx
-        params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                top_k=r.top_k, stop_token_ids=tuple(r.stop_token_ids), seed=seed)
-        t0 = time.perf_counter()
-        completions = engine.generate(self._encode(rows), params)
-        timings["time/rollout"] += time.perf_counter() - t0
-        return completions
+        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                              top_k=r.top_k, stop_token_ids=tuple(r.stop_token_ids), seed=seed)
 
-    def _score_completions(self, rows: list[dict], completions: list[Completion], timings: dict):
-        """(task reward, score): the score adds the DAPO soft overlong penalty when it is on."""
-        t0 = time.perf_counter()
-        rewards_n = self._rewards(rows, completions)
-        scores_n = rewards_n
-        algo = self.cfg.algorithm
-        if algo.overlong_penalty_factor > 0:
-            lengths = torch.tensor([len(c.token_ids) for c in completions])
-            scores_n = rewards_n + overlong_penalty(lengths, self.cfg.rollout.max_new_tokens, self.overlong_buffer,
-                                                    algo.overlong_penalty_factor)
-        timings["time/reward"] += time.perf_counter() - t0
-        return rewards_n, scores_n
-
-    def _learn(self, sampled: SampledGroups, timings: dict) -> dict:
-        """SCORE -> (KL, correction, masks) -> ADVANTAGE -> TRAIN on the sampled groups."""
-        cfg, algo, temp = self.cfg, self.cfg.algorithm, self.cfg.rollout.temperature
-        completions = sampled.completions
-        ids, attn, resp_mask, P = build_sequences(self._encode(sampled.rows), [c.token_ids for c in completions],
-                                                  self.tokenizer.pad_token_id, self.device)
-        resp_mask = resp_mask.float()
-        engine_logp = torch.zeros_like(resp_mask)
-        for i, c in enumerate(completions):
-            engine_logp[i, :len(c.logprobs)] = torch.tensor(c.logprobs)
-
-        # On-policy with nothing to decide from old log-probs before the update: the update's
-        # own forward serves as the old policy, and scoring runs only the reference.
-        skip_old = (is_on_policy(algo, len(completions) * D.world_size()) and algo.rollout_correction == "none"
-                    and algo.kl_placement != "reward")
-        with self.phases.score() as ref:
-            t0 = time.perf_counter()
-            mb = cfg.trainer.micro_batch_size
-            old_logp = entropy = None
-            if not skip_old:
-                old_logp, entropy = score_logprobs(self.policy, ids, attn, P, temp, mb)
-            ref_logp = score_logprobs(ref, ids, attn, P, temp, mb)[0] if ref is not None else None
-            timings["time/score"] = time.perf_counter() - t0
-
-        acc, m = MeanAccumulator(), {}
-        n_tok = resp_mask.sum().item()
-        if not skip_old:
-            acc.add("rollout/logp_mismatch", masked_mean((old_logp - engine_logp).abs(), resp_mask).item() * n_tok, n_tok)
-            acc.add("actor/entropy", masked_mean(entropy, resp_mask).item() * n_tok, n_tok)
-        loss_mask, weight = self._loss_mask(completions, resp_mask, old_logp, engine_logp, acc, m)
-        coef = self.kl_ctl.value  # this step's coefficient; _kl_shaping then updates the controller
-        scores_n = sampled.scores_N
-        if not skip_old:
-            scores_n = self._kl_shaping(scores_n, old_logp, ref_logp, resp_mask, acc, m)
-        if algo.overlong_penalty_factor > 0:
-            acc.add("reward/overlong_penalty", (sampled.scores_N - sampled.rewards_N).sum().item(), len(scores_n))
-
-        adv = self._advantages(scores_n)
-        batch = RolloutBatch(ids, attn, loss_mask, P, old_logp, adv.to(self.device), ref_logp, weight,
-                             engine_logp_NT=engine_logp if skip_old else None)
-        with self.phases.train() as optimizer:
-            t0 = time.perf_counter()
-            m.update(policy_update(self.policy, optimizer, self.scheduler, batch, algo, temp,
-                                   cfg.trainer.micro_batch_size, cfg.optim.grad_clip, cfg.rollout.max_new_tokens,
-                                   seed=cfg.trainer.seed + self.step_idx, kl_coef=coef))
-            timings["time/train"] = time.perf_counter() - t0
-        if skip_old:
-            # The update measured these on the very policy that generated the batch.
-            m["actor/entropy"] = m["actor/entropy_train"]
-            if "actor/kl_loss" in m:
-                m["actor/kl_ref"], m["actor/kl_coef"] = m["actor/kl_loss"], coef
-                self.kl_ctl.update(m["actor/kl_loss"], len(scores_n) * D.world_size())
-        acc.add("reward/trained_mean", sampled.rewards_N.sum().item(), len(sampled.rewards_N))
-        m.update(acc.reduce())
-        return m
-
-    def _loss_mask(self, completions, resp_mask, old_logp, engine_logp, acc, m):
-        """(loss mask, TIS weight or None): overlong filter, then rollout correction (MIS may mask more)."""
-        algo = self.cfg.algorithm
-        loss_mask = resp_mask
-        if algo.overlong_filter:
-            truncated = torch.tensor([c.finish_reason == "length" for c in completions], device=self.device)
-            loss_mask = truncation_mask(truncated, loss_mask)
-            acc.add("response/overlong_filtered", truncated.float().sum().item(), len(completions))
-        if old_logp is None:  # on-policy, no correction: nothing to compare yet
-            acc.add("response/loss_tokens", loss_mask.sum().item(), len(completions))
-            return loss_mask, None
-        n_tok = loss_mask.sum().item()  # the correction's metrics are means over its input mask
-        weight, loss_mask, corr = rollout_correction(old_logp, engine_logp, loss_mask, algo.rollout_correction,
-                                                     algo.correction_cap, algo.correction_lower)
-        for k, v in sorted(corr.items()):
-            if k.endswith("_max"):
-                m[f"rollout/{k}"] = D.all_reduce_max(v.detach().double().cpu().reshape(1)).item()
-            else:
-                acc.add(f"rollout/{k}", v.item() * n_tok, n_tok)
-        acc.add("response/loss_tokens", loss_mask.sum().item(), len(completions))
-        return loss_mask, (weight if algo.rollout_correction.startswith("tis") else None)
-
-    def _kl_shaping(self, scores_n, old_logp, ref_logp, resp_mask, acc, m) -> torch.Tensor:
-        """Measure KL(policy || ref), subtract it from the scores if it is placed in the reward, update the controller."""
-        if ref_logp is None:
-            return scores_n
-        algo, coef = self.cfg.algorithm, self.kl_ctl.value
-        kl_NT = kl_estimate(old_logp, ref_logp, algo.kl_estimator, mask_NT=resp_mask)
-        kl_sum = D.all_reduce_sum(torch.tensor([kl_NT.sum().item(), resp_mask.sum().item()], dtype=torch.float64))
-        kl_mean = (kl_sum[0] / kl_sum[1].clamp(min=1)).item()
-        m["actor/kl_ref"], m["actor/kl_coef"] = kl_mean, coef
-        if algo.kl_placement == "reward":
-            shaped = kl_penalty_rewards(scores_n.to(self.device), kl_NT, resp_mask, coef).cpu()
-            acc.add("reward/kl_penalty", (scores_n - shaped).sum().item(), len(scores_n))
-            scores_n = shaped
-        # Ziegler et al.: the controller sees the measured KL and the number of samples since its last update.
-        self.kl_ctl.update(kl_mean, len(scores_n) * D.world_size())
-        return scores_n
-
-    def _rewards(self, rows: list[dict], completions: list[Completion]) -> torch.Tensor:
+    def _reward(self, rows: list[dict], completions: list[Completion]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(task reward, score) per completion, on the host; the score adds the DAPO soft overlong penalty."""
         G = self.cfg.rollout.n
         stops = {self.tokenizer.eos_token_id, *self.cfg.rollout.stop_token_ids}
         body = [c.token_ids[:-1] if c.finish_reason == "stop" and c.token_ids and c.token_ids[-1] in stops else c.token_ids
@@ -285,29 +196,92 @@ class Trainer:
         prompts = [rows[i // G]["prompt"] for i in range(len(completions))]
         meta = [{**rows[i // G], "finish_reason": c.finish_reason, "response_tokens": len(b)}
                 for i, (c, b) in enumerate(zip(completions, body))]
-        return torch.tensor(compute_rewards(self.reward_name, self.reward, prompts, texts, meta), dtype=torch.float32)
+        rewards_N = torch.tensor(compute_rewards(self.reward_name, self.reward, prompts, texts, meta))
+        algo = self.cfg.algorithm
+        if algo.overlong_penalty_factor == 0:
+            return rewards_N, rewards_N
+        lengths_N = torch.tensor([len(c.token_ids) for c in completions])
+        penalty_N = overlong_penalty(lengths_N, self.cfg.rollout.max_new_tokens, self.overlong_buffer,
+                                     algo.overlong_penalty_factor)
+        return rewards_N, rewards_N + penalty_N
 
-    def _advantages(self, scores_n: torch.Tensor) -> torch.Tensor:
-        """Advantages over the global batch (estimators may normalise over it), then this rank's slice."""
-        G, n = self.cfg.rollout.n, scores_n.shape[0]
-        scores_all = D.all_gather_cat(scores_n)
-        group_ids = torch.arange(scores_all.shape[0]) // G
-        adv_all = compute_advantages(self.cfg.algorithm.advantage, scores_all, group_ids, eps=self.cfg.algorithm.adv_eps)
-        return adv_all[D.rank() * n:(D.rank() + 1) * n]
+    # -- SCORE ----------------------------------------------------------------
+    def _score(self, batch: RolloutBatch, ref: Optional[torch.nn.Module]):
+        """(old_logp_NT or None, ref_logp_NT or None) for the batch's response tokens."""
+        t, mb = self.cfg.rollout.temperature, self.cfg.trainer.micro_batch_size
+        old = None
+        if scores_old_policy(self.cfg.algorithm, len(batch) * D.world_size()):
+            old = score_logprobs(self.policy, batch.ids_NL, batch.attn_NL, batch.P, t, mb)
+        ref_logp = score_logprobs(ref, batch.ids_NL, batch.attn_NL, batch.P, t, mb) if ref is not None else None
+        return old, ref_logp
 
-    def _reward_metrics(self, sampled: SampledGroups) -> dict:
-        """Over every completion generated this step (all sampling rounds): an unbiased view of the policy."""
-        acc = MeanAccumulator()
-        rewards_n, completions = sampled.all_rewards_N, sampled.all_completions
-        thr = self.reward.success_threshold
-        acc.add("reward/mean", rewards_n.sum().item(), len(rewards_n))
-        acc.add("reward/sq", (rewards_n ** 2).sum().item(), len(rewards_n))
-        acc.add("reward/accuracy", (rewards_n >= thr - 1e-9).float().sum().item(), len(rewards_n))
-        acc.add("response/length", float(sum(len(c.token_ids) for c in completions)), len(completions))
-        acc.add("response/truncated", float(sum(c.finish_reason == "length" for c in completions)), len(completions))
-        m = acc.reduce()
-        m["reward/std"] = max(0.0, m.pop("reward/sq") - m["reward/mean"] ** 2) ** 0.5
-        return m
+    # -- ADVANTAGE ------------------------------------------------------------
+    def _advantage(self, batch: RolloutBatch, old_logp_NT, ref_logp_NT, kl_coef: float) -> tuple[TrainBatch, MeanAccumulator]:
+        """Loss mask and correction weight, KL in the reward, advantages: the batch the update trains on."""
+        algo = self.cfg.algorithm
+        loss_mask_NT, weight_NT, acc = self._loss_mask(batch, old_logp_NT)
+        scores_N, kl_NT = batch.scores_N, None
+        if algo.kl_placement == "reward" and ref_logp_NT is not None:
+            kl_NT = kl_estimate(old_logp_NT, ref_logp_NT, algo.kl_estimator, mask_NT=batch.resp_mask_NT)
+            acc.add("reward/kl_penalty", kl_coef * kl_NT.sum(), len(batch))
+            if algo.advantage != "reinforce_pp":
+                # Sequence-level estimators see the KL as a penalty on the score; REINFORCE++
+                # takes it per token (KL-to-go in its returns) below.
+                scores_N, kl_NT = kl_penalty_rewards(scores_N, kl_NT, batch.resp_mask_NT, kl_coef), None
+        adv_NT = compute_advantages(algo.advantage, scores_N, batch.group_ids_N, batch.resp_mask_NT, eps=algo.adv_eps,
+                                    gamma=algo.gamma, kl_NT=kl_NT, kl_coef=kl_coef if kl_NT is not None else 0.0,
+                                    reduce_sum=D.all_reduce_sum)
+        acc.add("reward/trained_mean", batch.rewards_N.sum(), len(batch))
+        if algo.overlong_penalty_factor > 0:
+            acc.add("reward/overlong_penalty", (batch.scores_N - batch.rewards_N).sum(), len(batch))
+        train_batch = TrainBatch(ids_NL=batch.ids_NL, attn_NL=batch.attn_NL, mask_NT=loss_mask_NT, P=batch.P,
+                                 adv_NT=adv_NT, old_logp_NT=old_logp_NT, ref_logp_NT=ref_logp_NT, weight_NT=weight_NT,
+                                 engine_logp_NT=batch.engine_logp_NT)
+        return train_batch, acc
+
+    def _loss_mask(self, batch: RolloutBatch, old_logp_NT) -> tuple[torch.Tensor, Optional[torch.Tensor], MeanAccumulator]:
+        """(loss mask, TIS weight or None, metrics): overlong filter, then rollout correction (MIS may mask more)."""
+        algo, acc, n = self.cfg.algorithm, MeanAccumulator(), len(batch)
+        loss_mask_NT = batch.resp_mask_NT
+        if algo.overlong_filter:
+            loss_mask_NT = truncation_mask(batch.truncated_N, loss_mask_NT)
+            acc.add("response/overlong_filtered", batch.truncated_N.sum(), n)
+        weight_NT = None
+        if algo.rollout_correction != "none":
+            n_tok = loss_mask_NT.sum()  # the correction's metrics are means over its input mask
+            weight_NT, loss_mask_NT, corr = rollout_correction(old_logp_NT, batch.engine_logp_NT, loss_mask_NT,
+                                                               algo.rollout_correction, algo.correction_cap,
+                                                               algo.correction_lower)
+            for k, v in sorted(corr.items()):
+                if k.endswith("_max"):
+                    acc.add_max(f"rollout/{k}", v)
+                else:
+                    acc.add(f"rollout/{k}", v * n_tok, n_tok)
+            if not algo.rollout_correction.startswith("tis"):
+                weight_NT = None  # MIS only masks
+        acc.add("response/loss_tokens", loss_mask_NT.sum(), n)
+        return loss_mask_NT, weight_NT, acc
+
+    # -- TRAIN ----------------------------------------------------------------
+    def _train(self, optimizer: torch.optim.Optimizer, batch: TrainBatch, kl_coef: float) -> dict:
+        cfg = self.cfg
+        return policy_update(policy=self.policy, optimizer=optimizer, scheduler=self.scheduler, batch=batch,
+                             algo=cfg.algorithm, temperature=cfg.rollout.temperature,
+                             micro_batch_size=cfg.trainer.micro_batch_size, grad_clip=cfg.optim.grad_clip,
+                             norm_length=cfg.rollout.max_new_tokens, seed=cfg.trainer.seed + self.step_idx,
+                             kl_coef=kl_coef)
+
+    # -- metrics --------------------------------------------------------------
+    def _time_metrics(self, timer: StageTimer) -> dict[str, float]:
+        """Seconds per stage and per switch stage, the slowest rank's: that is what the step waits for."""
+        switch = self.phases.pop_stats()
+        seconds = {k: 0.0 for k in ("time/rollout", "time/reward", "time/score", "time/advantage", "time/train")}
+        seconds.update(timer.seconds)
+        seconds.update({f"switch/{stage}_s": sec for stage, sec in switch.seconds.items()})
+        seconds["time/switch"] = sum(switch.seconds.values())
+        names = sorted(seconds)
+        slowest = D.all_reduce_max(torch.tensor([seconds[k] for k in names], dtype=torch.float64))
+        return {k: slowest[i].item() for i, k in enumerate(names)}
 
     def save_pretrained(self, path: str) -> str:
         """Save the current policy and tokenizer as a Hugging Face directory (call on every rank)."""

@@ -1,4 +1,4 @@
-"""One policy update over a rollout batch: epochs x mini-batches x micro-batches.
+"""One policy update over a batch: epochs x mini-batches x micro-batches.
 
 Legend: N sequences on this rank, L = P + T tokens (P prompt, T response).
 
@@ -8,10 +8,12 @@ one big batch. FSDP2 averages gradients over ranks; the loss is multiplied by th
 world size to turn that average back into the sum the normaliser expects.
 
 Old-policy log-probs are computed once per step, before the first epoch
-(`score_logprobs` in the trainer), so every epoch and mini-batch measures its
-ratio against the policy that generated the batch. When the update is on-policy
-(`is_on_policy`: one epoch, one mini-batch) that scoring pass is skipped: the
-update's own forward, detached, is the old policy.
+(`score_logprobs`, in SCORE), so every epoch and mini-batch measures its ratio
+against the policy that generated the batch. `scores_old_policy` is the one place
+that decides when that pass can be skipped: an on-policy update (one epoch, one
+mini-batch) whose masks and rewards need nothing from the old log-probs before
+it starts. Then the update's own forward, detached, is the old policy
+(`TrainBatch.old_logp_NT is None`).
 Per-token loss: policy loss (x the rollout-correction weight) + kl_coef x KL to
 the reference (when the KL is placed in the loss) - entropy_coef x entropy.
 """
@@ -31,53 +33,64 @@ from hybrid_rl.models.logprobs import response_logprobs
 
 
 @dataclass
-class RolloutBatch:
+class TrainBatch:
     """This rank's sequences with everything the loss needs (all on the compute device)."""
 
     ids_NL: torch.Tensor
     attn_NL: torch.Tensor
     mask_NT: torch.Tensor  # float, 1 = response token in the loss
     P: int
-    old_logp_NT: torch.Tensor | None  # None: on-policy, the update's own forward is the old policy
-    adv_N: torch.Tensor
+    adv_NT: torch.Tensor  # advantage per token (a sequence-level estimator repeats its value)
+    old_logp_NT: torch.Tensor | None = None  # None: on-policy, the update's own forward is the old policy
     ref_logp_NT: torch.Tensor | None = None
     weight_NT: torch.Tensor | None = None  # rollout-correction importance weight (TIS), detached
-    engine_logp_NT: torch.Tensor | None = None  # for the mismatch metric when old_logp_NT is None
+    engine_logp_NT: torch.Tensor | None = None  # the sampler's log-probs, for the mismatch metric
 
     def __len__(self) -> int:
         return self.ids_NL.shape[0]
 
 
-def trimmed(b: RolloutBatch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows of the batch cut to their longest response (padding columns cost compute)."""
+def trimmed(b: TrainBatch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Rows of the batch cut to their longest response (padding columns cost compute): ids, attn, mask, T."""
     mask = b.mask_NT[rows]
+    # Host sync: the slice bound is a Python int.
     T = int(mask.sum(0).nonzero().max().item()) + 1 if mask.any() else 1
-    return b.ids_NL[rows, :b.P + T], b.attn_NL[rows, :b.P + T], mask[:, :T]
+    return b.ids_NL[rows, :b.P + T], b.attn_NL[rows, :b.P + T], mask[:, :T], T
 
 
 def is_on_policy(algo: AlgorithmConfig, n_global: int) -> bool:
-    """One epoch over one mini-batch: the policy that takes the step is the one that generated
-    the batch, so the old log-probs equal the update's own (detached) log-probs."""
+    """One epoch over one mini-batch: the policy that takes the step is the one that generated the batch."""
     return algo.ppo_epochs == 1 and algo.mini_batch_size in (0, n_global)
+
+
+def scores_old_policy(algo: AlgorithmConfig, n_global: int) -> bool:
+    """Does SCORE run the policy's forward for old log-probs? (the one place the on-policy shortcut is decided)
+
+    Needed when the update is off-policy (epochs or mini-batches), when the rollout
+    correction compares them with the engine's before the update, or when the KL
+    to the reference shapes the reward before the advantages.
+    """
+    kl_in_reward = algo.needs_ref_model and algo.kl_placement == "reward"
+    return not is_on_policy(algo, n_global) or algo.rollout_correction != "none" or kl_in_reward
 
 
 @torch.no_grad()
 def score_logprobs(model: torch.nn.Module, ids_NL: torch.Tensor, attn_NL: torch.Tensor, P: int,
-                   temperature: float, micro_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """logp_NT, entropy_NT of the response tokens, micro-batched; no gradients."""
-    logps, ents = [], []
+                   temperature: float, micro_batch_size: int) -> torch.Tensor:
+    """logp_NT of the response tokens, micro-batched; no gradients."""
+    logps = []
     for s in range(0, ids_NL.shape[0], micro_batch_size):
-        lp, ent = response_logprobs(model, ids_NL[s:s + micro_batch_size], attn_NL[s:s + micro_batch_size], P, temperature)
+        lp, _ = response_logprobs(model, ids_NL[s:s + micro_batch_size], attn_NL[s:s + micro_batch_size], P, temperature)
         logps.append(lp)
-        ents.append(ent)
-    return torch.cat(logps), torch.cat(ents)
+    return torch.cat(logps)
 
 
 def policy_update(
+    *,
     policy: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler,
-    batch: RolloutBatch,
+    batch: TrainBatch,
     algo: AlgorithmConfig,
     temperature: float,
     micro_batch_size: int,
@@ -90,6 +103,8 @@ def policy_update(
 
     kl_coef: the KL coefficient for this step (a controller's value); None means algo.kl_coef.
     Every rank must hold the same number of rows: each micro-batch forward is a collective.
+    Metrics measured on the policy that generated the batch (first epoch: `old` vs engine
+    and vs reference) are actor/... and rollout/logp_mismatch; the rest average over updates.
     """
     kl_coef = algo.kl_coef if kl_coef is None else kl_coef
     kl_in_loss = algo.kl_placement == "loss" and kl_coef > 0
@@ -102,54 +117,65 @@ def policy_update(
     mb_local = (algo.mini_batch_size or n_global) // W
     acc = MeanAccumulator()
     gen = torch.Generator().manual_seed(seed)
-    for _ in range(algo.ppo_epochs):
-        order = torch.randperm(len(batch), generator=gen) if (algo.ppo_epochs > 1 or mb_local < len(batch)) else torch.arange(len(batch))
+    for epoch in range(algo.ppo_epochs):
+        shuffle = algo.ppo_epochs > 1 or mb_local < len(batch)
+        order = torch.randperm(len(batch), generator=gen) if shuffle else torch.arange(len(batch))
         for m0 in range(0, len(batch), mb_local):
             mini = order[m0:m0 + mb_local].to(batch.ids_NL.device)
+            # Host round trip: the normaliser is a count the ranks sum before any micro-batch runs.
             local_norm = normalizer_count(batch.mask_NT[mini], algo.loss_agg)
             denom = D.all_reduce_sum(torch.tensor([local_norm], dtype=torch.float64)).item()
-            mini_loss = 0.0
             # Gradients of the last mini-batch stay until the phase switch frees them on the
             # way to ROLLOUT, so the memory ledger sees them in TRAIN.
             optimizer.zero_grad(set_to_none=True)
+            mini_loss = torch.zeros((), device=batch.ids_NL.device)
             for u0 in range(0, len(mini), micro_batch_size):
                 rows = mini[u0:u0 + micro_batch_size]
-                ids, attn, mask = trimmed(batch, rows)
-                T = mask.shape[1]
+                ids, attn, mask, T = trimmed(batch, rows)
                 logp, ent = response_logprobs(policy, ids, attn, batch.P, temperature)
+                # On-policy: no scoring forward ran; the policy being updated generated the batch.
+                old = batch.old_logp_NT[rows, :T] if batch.old_logp_NT is not None else logp.detach()
+                ref = batch.ref_logp_NT[rows, :T] if batch.ref_logp_NT is not None else None
+                n_tok = mask.sum()
+                if epoch == 0:
+                    acc |= _behaviour_metrics(old, ref, batch, rows, mask, T, algo.kl_estimator)
                 weight = batch.weight_NT[rows, :T] if batch.weight_NT is not None else None
-                if batch.old_logp_NT is not None:
-                    old = batch.old_logp_NT[rows, :T]
-                else:
-                    # On-policy: no separate scoring forward; ratio 1, gradient of logp (the same step).
-                    old = logp.detach()
-                    if batch.engine_logp_NT is not None:
-                        acc.add("rollout/logp_mismatch", float(masked_sum((old - batch.engine_logp_NT[rows, :T]).abs(), mask)),
-                                float(mask.sum().item()))
                 loss_NT, pm = compute_policy_loss(
-                    algo.policy_loss, logp, old, batch.adv_N[rows], mask,
+                    algo.policy_loss, logp, old, batch.adv_NT[rows, :T], mask,
                     clip_ratio_low=clip_low, clip_ratio_high=clip_high, clip_ratio_c=algo.clip_ratio_c, weight_NT=weight)
-                n_tok = float(mask.sum().item())
                 if kl_in_loss:
-                    kl_NT = kl_estimate(logp, batch.ref_logp_NT[rows, :T], algo.kl_estimator, mask_NT=mask)
+                    kl_NT = kl_estimate(logp, ref, algo.kl_estimator, mask_NT=mask)
                     loss_NT = loss_NT + kl_coef * kl_NT
-                    acc.add("actor/kl_loss", float(masked_sum(kl_NT.detach(), mask)), n_tok)
+                    acc.add("actor/kl_loss", masked_sum(kl_NT.detach(), mask), n_tok)
                 if algo.entropy_coef > 0:
                     loss_NT = loss_NT - algo.entropy_coef * ent
-                acc.add("actor/entropy_train", float(masked_sum(ent.detach(), mask)), n_tok)
+                acc.add("actor/entropy", masked_sum(ent.detach(), mask), n_tok)
                 loss = aggregate_loss(loss_NT, mask, algo.loss_agg, denom, norm_length=norm_length)
                 (loss * W).backward()
-                mini_loss += loss.item()
+                mini_loss = mini_loss + loss.detach()
                 for k, v in pm.items():
-                    acc.add(f"actor/{k}", float(v) * n_tok, n_tok)
-            acc.add("actor/loss", mini_loss * W)  # every rank adds W x its share: the mean is the total
+                    acc.add(f"actor/{k}", v * n_tok, n_tok)
+            # Each rank holds its share of the mini-batch loss; the shares sum to the total.
+            acc.add("actor/loss", mini_loss, 1.0 / W)
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
+            # Host sync, on purpose: a non-finite step must stop before it reaches the weights.
             if not torch.isfinite(grad_norm):
                 raise FloatingPointError(f"gradient norm is {grad_norm.item()}; lower optim.lr or check the reward scale")
             optimizer.step()
             scheduler.step()
-            acc.add("actor/grad_norm", grad_norm.item())
+            acc.add("actor/grad_norm", grad_norm)
             acc.add("actor/lr", scheduler.get_last_lr()[0])
     return acc.reduce()
+
+
+def _behaviour_metrics(old_NT, ref_NT, batch: TrainBatch, rows, mask_NT, T: int, kl_estimator: str) -> MeanAccumulator:
+    """Measured on the policy that generated the batch: its log-probs vs the engine's and vs the reference."""
+    acc = MeanAccumulator()
+    n_tok = mask_NT.sum()
+    if batch.engine_logp_NT is not None:
+        acc.add("rollout/logp_mismatch", masked_sum((old_NT - batch.engine_logp_NT[rows, :T]).abs(), mask_NT), n_tok)
+    if ref_NT is not None:
+        acc.add("actor/kl_ref", masked_sum(kl_estimate(old_NT, ref_NT, kl_estimator, mask_NT=mask_NT), mask_NT), n_tok)
+    return acc

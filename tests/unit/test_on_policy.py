@@ -7,16 +7,17 @@ import torch
 
 from hybrid_rl.config import AlgorithmConfig
 from hybrid_rl.models.logprobs import build_sequences
-from hybrid_rl.update import RolloutBatch, is_on_policy, policy_update, score_logprobs
+from hybrid_rl.update import TrainBatch, is_on_policy, policy_update, score_logprobs, scores_old_policy
 
 
 def _step(model, batch_kwargs, old_from_scoring: bool):
     ids, attn, mask, P, adv = batch_kwargs
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    old = score_logprobs(model, ids, attn, P, 1.0, micro_batch_size=3)[0] if old_from_scoring else None
+    old = score_logprobs(model, ids, attn, P, 1.0, micro_batch_size=3) if old_from_scoring else None
     algo = AlgorithmConfig(kl_coef=0.0)
-    m = policy_update(model, opt, sched, RolloutBatch(ids, attn, mask, P, old, adv), algo, temperature=1.0,
+    batch = TrainBatch(ids_NL=ids, attn_NL=attn, mask_NT=mask, P=P, adv_NT=adv[:, None] * mask, old_logp_NT=old)
+    m = policy_update(policy=model, optimizer=opt, scheduler=sched, batch=batch, algo=algo, temperature=1.0,
                       micro_batch_size=3, grad_clip=1.0, norm_length=6, seed=0)
     return {n: p.detach().clone() for n, p in model.named_parameters()}, m
 
@@ -42,3 +43,13 @@ def test_on_policy_rule():
     assert is_on_policy(AlgorithmConfig(mini_batch_size=64), 64)
     assert not is_on_policy(AlgorithmConfig(mini_batch_size=32), 64)
     assert not is_on_policy(AlgorithmConfig(ppo_epochs=2), 64)
+
+
+def test_old_logprobs_are_scored_exactly_when_something_reads_them_before_the_update():
+    assert not scores_old_policy(AlgorithmConfig(), 64)
+    assert not scores_old_policy(AlgorithmConfig(kl_coef=0.1), 64), "KL in the loss reads only the update's forward"
+    assert scores_old_policy(AlgorithmConfig(mini_batch_size=32), 64)
+    assert scores_old_policy(AlgorithmConfig(ppo_epochs=2), 64)
+    assert scores_old_policy(AlgorithmConfig(rollout_correction="tis_token"), 64)
+    assert scores_old_policy(AlgorithmConfig(kl_placement="reward", kl_coef=0.1), 64)
+    assert not scores_old_policy(AlgorithmConfig(kl_placement="reward", kl_coef=0.0), 64), "no reference, no KL"

@@ -14,11 +14,11 @@ import torch
 import hybrid_rl.trainer as trainer_mod
 import hybrid_rl.update as update_mod
 from hybrid_rl import distributed as D
-from hybrid_rl.algorithms import compute_advantages, kl_estimate, kl_penalty_rewards, overlong_penalty
+from hybrid_rl.algorithms import grpo_advantages, kl_estimate, kl_penalty_rewards, overlong_penalty
 from hybrid_rl.config import load_config
 from hybrid_rl.rewards.base import register_reward
 from hybrid_rl.rollout.base import Completion
-from hybrid_rl.sampling import sample_groups
+from hybrid_rl.sampling import GroupCollector
 from hybrid_rl.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -34,17 +34,35 @@ def _trainer(overrides, *extra) -> Trainer:
 
 
 def _capture(monkeypatch, target, name):
-    """Wrap target.name so every call's arguments and result are recorded (and the real function still runs)."""
+    """Wrap target.name so every call's arguments and result are recorded (and the real function still runs).
+
+    Each record is (kwargs, result): tests read arguments by name, never by position, so a
+    reordered signature cannot make a test read the wrong argument (a missing name is a KeyError).
+    """
     calls = []
     real = getattr(target, name)
 
     def spy(*args, **kwargs):
         out = real(*args, **kwargs)
-        calls.append((args, kwargs, out))
+        calls.append((kwargs, out))
         return out
 
     monkeypatch.setattr(target, name, spy)
     return calls
+
+
+def _rollouts(monkeypatch, trainer: Trainer) -> list:
+    """Record every RolloutBatch the trainer's ROLLOUT stage returns."""
+    seen = []
+    real = trainer._rollout
+
+    def spy(engine, timer):
+        batch, metrics = real(engine, timer)
+        seen.append(batch)
+        return batch, metrics
+
+    monkeypatch.setattr(trainer, "_rollout", spy)
+    return seen
 
 
 def _perturb_ref(trainer: Trainer, scale: float = 0.05) -> None:
@@ -60,7 +78,7 @@ def _shift_engine_logprobs(trainer: Trainer, delta: float) -> None:
 
     def generate(prompt_ids, params):
         out = real(prompt_ids, params)
-        return [Completion(c.token_ids, [lp + delta for lp in c.logprobs], c.finish_reason, c.prompt_index) for c in out]
+        return [Completion(c.token_ids, [lp + delta for lp in c.logprobs], c.finish_reason) for c in out]
 
     trainer.engine.generate = generate
 
@@ -71,17 +89,17 @@ def test_kl_in_reward_changes_advantages_as_kl_penalty_rewards_says(tiny_trainer
     tr = _trainer(tiny_trainer_overrides, "rollout.n=4", "algorithm.kl_placement=reward", f"algorithm.kl_coef={coef}")
     assert tr.ref is not None
     _perturb_ref(tr)
-    sampled = _capture(monkeypatch, trainer_mod, "sample_groups")
+    rollouts = _rollouts(monkeypatch, tr)
     updates = _capture(monkeypatch, trainer_mod, "policy_update")
     m = tr.step()
-    batch = updates[0][0][3]
-    scores = sampled[0][2].scores_N
+    batch = updates[0][0]["batch"]
+    scores = rollouts[0].scores_N
     kl_NT = kl_estimate(batch.old_logp_NT, batch.ref_logp_NT, "k3", mask_NT=batch.mask_NT)
     assert kl_NT.sum() > 1e-3, "the perturbed reference must give a measurable KL"
     group_ids = torch.arange(len(scores)) // 4
-    want = compute_advantages("grpo", kl_penalty_rewards(scores, kl_NT, batch.mask_NT, coef), group_ids)
-    torch.testing.assert_close(batch.adv_N.cpu(), want, rtol=1e-4, atol=1e-5)
-    assert not torch.allclose(want, compute_advantages("grpo", scores, group_ids), atol=1e-3)
+    want = grpo_advantages(kl_penalty_rewards(scores, kl_NT, batch.mask_NT, coef), group_ids)
+    torch.testing.assert_close(batch.adv_NT, want[:, None] * batch.mask_NT, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(want, grpo_advantages(scores, group_ids), atol=1e-3)
     assert m["reward/kl_penalty"] == pytest.approx(coef * kl_NT.sum().item() / len(scores), rel=1e-4)
     assert m["actor/kl_coef"] == coef and "actor/kl_loss" not in m, "the KL is in the reward, not the loss"
 
@@ -155,17 +173,17 @@ def test_epochs_and_mini_batches_score_old_logprobs_once(tiny_trainer_overrides,
 def test_cispo_gets_no_lower_clip_bound_by_default(tiny_trainer_overrides, monkeypatch):
     losses = _capture(monkeypatch, update_mod, "compute_policy_loss")
     _trainer(tiny_trainer_overrides, "algorithm.policy_loss=cispo").step()
-    assert losses and all(kw["clip_ratio_low"] is None and kw["clip_ratio_high"] == 0.2 for _, kw, _ in losses)
+    assert losses and all(kw["clip_ratio_low"] is None and kw["clip_ratio_high"] == 0.2 for kw, _ in losses)
 
 
 # ---------------------------------------------------------------------------- DAPO overlong
 def test_overlong_filter_and_soft_penalty(tiny_trainer_overrides, monkeypatch):
-    sampled = _capture(monkeypatch, trainer_mod, "sample_groups")
     updates = _capture(monkeypatch, trainer_mod, "policy_update")
     tr = _trainer(tiny_trainer_overrides, "algorithm.overlong_filter=true", "algorithm.overlong_penalty_factor=0.5",
                   "algorithm.overlong_buffer_len=2", "data.batch_size=8")
+    rollouts = _rollouts(monkeypatch, tr)
     m = tr.step()
-    s, batch = sampled[0][2], updates[0][0][3]
+    s, batch = rollouts[0], updates[0][0]["batch"]
     truncated = torch.tensor([c.finish_reason == "length" for c in s.completions])
     assert 0 < truncated.sum() < len(truncated), "a random policy truncates some completions, not all"
     assert torch.equal(batch.mask_NT.sum(1) == 0, truncated), "exactly the truncated rows leave the loss"
@@ -203,7 +221,18 @@ class _FakeRollout:
 
 
 def _sample(fake, dynamic=True, max_rounds=5):
-    return sample_groups(fake.next_rows, fake.generate, fake.score, fake.G, dynamic, max_rounds)
+    """Drive a GroupCollector the way Trainer._rollout does; the kept groups with .metrics attached."""
+    groups = GroupCollector(fake.G, dynamic, max_rounds)
+    while True:
+        rows = fake.next_rows()
+        completions = fake.generate(rows, groups.rounds)
+        rewards, scores = fake.score(rows, completions)
+        groups.add(rows, [[r["id"]] for r in rows], completions, rewards, scores)
+        if not groups.need_another_round():
+            break
+    kept, metrics = groups.finish()
+    kept.metrics = metrics
+    return kept
 
 
 def test_dynamic_sampling_keeps_only_informative_groups():
@@ -214,7 +243,10 @@ def test_dynamic_sampling_keeps_only_informative_groups():
     assert [c.token_ids[0] for c in out.completions] == [i for i in (0, 3, 6, 9) for _ in range(3)]
     for b in range(4):
         assert out.scores_N[3 * b:3 * b + 3].unique().numel() > 1
-    assert out.all_rewards_N.numel() == 12 * 3 and len(out.all_completions) == 36
+    assert [p[0] for p in out.prompt_ids] == [0, 3, 6, 9], "prompt ids travel with their rows"
+    # Reward metrics cover all 36 completions generated: 8 filtered groups of 1.0, 4 groups of (0, 1, 0).
+    assert out.metrics["reward/mean"] == pytest.approx((8 * 3 + 4 * 1) / 36)
+    assert out.metrics["response/length"] == 2.0
     assert out.metrics["sampling/rounds"] == 3 and out.metrics["sampling/groups_generated"] == 12
     assert out.metrics["sampling/groups_filtered"] == 8 and out.metrics["sampling/groups_kept"] == 4
     assert out.metrics["sampling/groups_surplus"] == 0 and out.metrics["sampling/batch_fill"] == 1.0
@@ -266,8 +298,8 @@ def test_trainer_dynamic_sampling_trains_only_on_informative_groups(tiny_trainer
     tr = _trainer(tiny_trainer_overrides, "rollout.n=4", "algorithm.dynamic_sampling=true",
                   "algorithm.max_sampling_rounds=4")
     m = tr.step()
-    batch = updates[0][0][3]
-    adv_BG = batch.adv_N.view(-1, 4)
+    batch = updates[0][0]["batch"]
+    adv_BG = batch.adv_NT[:, 0].view(-1, 4)  # every completion has a first token
     assert (adv_BG.abs().sum(1) > 0).all(), "every trained group has non-equal rewards (non-zero advantages)"
     assert len(batch) == 4 * m["sampling/groups_kept"] and m["sampling/rounds"] >= 1
     assert m["sampling/groups_generated"] == 4 * m["sampling/rounds"]

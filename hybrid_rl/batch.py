@@ -1,0 +1,76 @@
+"""The batch one step carries from ROLLOUT to TRAIN, this rank's share of it.
+
+Legend: B prompts (groups) on this rank, G samples per prompt, N = B*G sequences,
+P prompt tokens (left-padded), T response tokens (right-padded), L = P + T.
+
+ROLLOUT produces it once: prompt ids as tokenized for the engine (never again),
+the completions, and everything later stages need as tensors on the compute
+device, each padded once on the host and moved in one copy:
+
+    ids_NL, attn_NL      [pad .. pad prompt | response pad .. pad]
+    resp_mask_NT         1.0 on response tokens (the stop token included)
+    engine_logp_NT       the engine's sampled-token log-probs, 0 on padding
+    truncated_N          finish_reason == "length"
+    rewards_N, scores_N  task reward; the score the advantage sees (+ overlong shaping)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybrid_rl.rollout.base import Completion
+
+
+@dataclass
+class RolloutBatch:
+    rows: list[dict]  # B dataset rows
+    prompt_ids: list[list[int]]  # B, as sent to the engine
+    completions: list[Completion]  # N, row-major: G per prompt
+    group_size: int
+    ids_NL: torch.Tensor
+    attn_NL: torch.Tensor
+    resp_mask_NT: torch.Tensor
+    P: int
+    engine_logp_NT: torch.Tensor
+    truncated_N: torch.Tensor
+    rewards_N: torch.Tensor
+    scores_N: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.completions)
+
+    @property
+    def group_ids_N(self) -> torch.Tensor:
+        return torch.arange(len(self), device=self.scores_N.device) // self.group_size
+
+    @classmethod
+    def build(cls, rows: list[dict], prompt_ids: list[list[int]], completions: list[Completion], group_size: int,
+              rewards_N: torch.Tensor, scores_N: torch.Tensor, pad_id: int, device: torch.device) -> "RolloutBatch":
+        """Pad on the host in one pass, then one copy per tensor to `device`."""
+        G, B = group_size, len(prompt_ids)
+        if len(completions) != B * G or len(rows) != B:
+            raise ValueError(f"{len(completions)} completions for {len(rows)} rows / {B} prompts x {G} samples")
+        if rewards_N.shape != (B * G,) or scores_N.shape != (B * G,):
+            raise ValueError(f"rewards {tuple(rewards_N.shape)} and scores {tuple(scores_N.shape)} must be ({B * G},)")
+        if any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("an empty prompt cannot be scored: every prompt needs at least one token")
+        for i, c in enumerate(completions):
+            if len(c.logprobs) != len(c.token_ids):
+                raise ValueError(f"completion {i}: {len(c.token_ids)} tokens but {len(c.logprobs)} logprobs")
+        P = max(len(p) for p in prompt_ids)
+        T = max(1, max(len(c.token_ids) for c in completions))
+        ids, attn, logp, truncated = [], [], [], []
+        for i, c in enumerate(completions):
+            p, n = prompt_ids[i // G], len(c.token_ids)
+            ids.append([pad_id] * (P - len(p)) + p + c.token_ids + [pad_id] * (T - n))
+            attn.append([0] * (P - len(p)) + [1] * (len(p) + n) + [0] * (T - n))
+            logp.append(c.logprobs + [0.0] * (T - n))
+            truncated.append(c.finish_reason == "length")
+        attn_NL = torch.tensor(attn, dtype=torch.long, device=device)
+        return cls(rows=rows, prompt_ids=prompt_ids, completions=completions, group_size=G,
+                   ids_NL=torch.tensor(ids, dtype=torch.long, device=device), attn_NL=attn_NL,
+                   resp_mask_NT=attn_NL[:, P:].float(), P=P,
+                   engine_logp_NT=torch.tensor(logp, dtype=torch.float32, device=device),
+                   truncated_N=torch.tensor(truncated, dtype=torch.bool, device=device),
+                   rewards_N=rewards_N.to(device), scores_N=scores_N.to(device))

@@ -1,0 +1,90 @@
+"""A real 2-rank `Trainer.step`: each rank trains on its own groups, and every collective
+the loop runs would also be served by the process group a GPU run uses."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.launch import run_ranks
+
+pytestmark = pytest.mark.slow
+
+
+def _step_on_rank(rank: int, overrides: list[str], gpu_backend: bool):
+    from hybrid_rl import distributed as D
+    from hybrid_rl import trainer as trainer_mod
+    from hybrid_rl.config import load_config
+
+    D.init("cpu", timeout_s=60)
+    if gpu_backend:
+        # Check every collective against the group a CUDA run joins: a host tensor reduced over a
+        # group that serves only CUDA tensors (a plain nccl group) must fail here, on CPU.
+        served = D.served_device_types(D.backend_for(torch.device("cuda")))
+        D._served = lambda: served
+    tr = trainer_mod.Trainer(load_config(None, overrides))
+    seen = {}
+    real_rollout, real_update = tr._rollout, trainer_mod.policy_update
+
+    def rollout(engine, timer):
+        batch, metrics = real_rollout(engine, timer)
+        seen["rollout"] = batch
+        return batch, metrics
+
+    def update(**kwargs):
+        seen["train"] = kwargs["batch"]
+        return real_update(**kwargs)
+
+    tr._rollout = rollout
+    trainer_mod.policy_update = update
+    m = tr.step()
+    return {"scores": seen["rollout"].scores_N, "completions": [c.token_ids for c in seen["rollout"].completions],
+            "adv_NT": seen["train"].adv_NT, "mask_NT": seen["train"].mask_NT, "metrics": m}
+
+
+@pytest.fixture(scope="module")
+def two_rank_step(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    overrides = [f"model.path={tiny_model_dir}", "data.batch_size=8", "rollout.n=4", "rollout.max_new_tokens=4",
+                 f"trainer.out_dir={out}", "trainer.progress_bar=false", "trainer.device=cpu",
+                 "algorithm.kl_coef=0.01", "optim.lr=1e-3"]
+    return run_ranks(_step_on_rank, world=2, args=(overrides, True), timeout=180)
+
+
+def test_each_rank_trains_on_the_advantages_of_its_own_groups(two_rank_step):
+    from hybrid_rl.algorithms.advantages import grpo_advantages
+
+    r0, r1 = two_rank_step
+    assert r0["completions"] != r1["completions"], "ranks sample their own prompts with their own seeds"
+    assert not torch.equal(r0["scores"], r1["scores"]), "the test needs ranks whose rewards differ"
+    for r in (r0, r1):
+        want_N = grpo_advantages(r["scores"], torch.arange(len(r["scores"])) // 4)
+        torch.testing.assert_close(r["adv_NT"], want_N[:, None] * r["mask_NT"], rtol=1e-5, atol=1e-6)
+        assert r["adv_NT"].abs().sum() > 0
+
+
+def test_ranks_report_the_same_global_metrics(two_rank_step):
+    m0, m1 = two_rank_step[0]["metrics"], two_rank_step[1]["metrics"]
+    for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/kl_ref", "actor/entropy",
+                "rollout/logp_mismatch", "time/step"):
+        assert m0[key] == pytest.approx(m1[key], rel=1e-9, abs=1e-12), key
+    assert m0["rollout/logp_mismatch"] < 1e-5, "engine and trainer logprobs agree in fp32"
+
+
+def test_the_gpu_backend_serves_host_and_device_tensors():
+    from hybrid_rl import distributed as D
+
+    assert D.served_device_types(D.backend_for(torch.device("cuda"))) == {"cpu", "cuda"}
+    assert D.served_device_types("nccl") == {"cuda"}, "a plain nccl group cannot reduce the step's host metrics"
+    assert "cpu" in D.served_device_types(D.backend_for(torch.device("cpu")))
+
+
+def test_no_module_calls_a_collective_around_the_checked_helpers():
+    """Collectives go through hybrid_rl.distributed, where the device check lives."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[2] / "hybrid_rl"
+    pattern = re.compile(r"\bdist\.(all_reduce|all_gather|broadcast|reduce_scatter|gather|scatter)\w*\(")
+    offenders = [str(p.relative_to(root)) for p in root.rglob("*.py")
+                 if p.name != "distributed.py" and pattern.search(p.read_text())]
+    assert offenders == []
