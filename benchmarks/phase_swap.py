@@ -40,8 +40,8 @@ from typing import Optional
 import torch
 
 from hybrid_rl import distributed as D
-from hybrid_rl.hybrid import memory
-from hybrid_rl.hybrid.phases import PhaseManager
+from hybrid_rl.switch import memory
+from hybrid_rl.switch.phases import PhaseManager
 from hybrid_rl.models.fsdp import shard_model
 from hybrid_rl.rollout.base import SamplingParams
 from hybrid_rl.rollout.native import NativeEngine

@@ -10,7 +10,7 @@ Examples::
 
 Prints a table of roles x phases (GB = 1e9 bytes per GPU, and totals over all
 GPUs), whether each phase fits, a suggested offload line, and a JSON object as
-the last line.  Accounting rules: see ``hybrid_rl.planner``.
+the last line.  Accounting rules: see ``hybrid_rl.memory_plan``.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import json
 import sys
 from typing import Sequence
 
-from hybrid_rl.planner import (BUILTIN_ARCHS, DTYPE_BYTES, GB, OFFLOAD_FLAGS, PHASES, RESIDENCY, ROLES,
+from hybrid_rl.memory_plan import (BUILTIN_ARCHS, DTYPE_BYTES, GB, OFFLOAD_FLAGS, PHASES, RESIDENCY, ROLES,
                                MemoryPlan, ModelArch, load_arch, plan_memory, suggest_offload)
 
 

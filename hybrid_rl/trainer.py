@@ -30,8 +30,8 @@ from hybrid_rl.algorithms.kl import AdaptiveKLController, FixedKLController, kl_
 from hybrid_rl.batch import RolloutBatch
 from hybrid_rl.config import Config, save_config
 from hybrid_rl.data.prompts import PromptLoader, load_rows
-from hybrid_rl.hybrid.advice import decide_offload
-from hybrid_rl.hybrid.phases import PhaseManager
+from hybrid_rl.switch.advice import decide_offload
+from hybrid_rl.switch.phases import PhaseManager
 from hybrid_rl.metrics import MeanAccumulator, StageTimer, append_jsonl, bottleneck, format_line, plot_curve, split_summary
 from hybrid_rl.models.fsdp import shard_model
 from hybrid_rl.models.loading import load_causal_lm, load_tokenizer

@@ -21,7 +21,7 @@ def _setup(model_dir: str, offload_optimizer: bool, with_ref: bool):
     import copy
 
     from hybrid_rl import distributed as D
-    from hybrid_rl.hybrid.phases import PhaseManager
+    from hybrid_rl.switch.phases import PhaseManager
     from hybrid_rl.models.fsdp import shard_model
     from hybrid_rl.models.loading import load_causal_lm
     from hybrid_rl.rollout.native import NativeEngine
@@ -94,7 +94,7 @@ def test_roundtrip_bit_identical_one_process(tiny_model_dir, offload_optimizer):
 
 
 def test_illegal_transitions_raise(tiny_model_dir):
-    from hybrid_rl.hybrid.phases import Phase, PhaseError
+    from hybrid_rl.switch.phases import Phase, PhaseError
 
     _, _, pm = _setup(tiny_model_dir, offload_optimizer=False, with_ref=False)
     assert pm.phase is Phase.TRAIN

@@ -8,7 +8,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_optimizer_offload_frees_device_memory_and_round_trips(tiny_model_dir):
-    from hybrid_rl.hybrid.offload import OptimizerOffloader, optimizer_tensors
+    from hybrid_rl.switch.offload import OptimizerOffloader, optimizer_tensors
     from hybrid_rl.models.loading import load_causal_lm
 
     dev = torch.device("cuda")
@@ -29,7 +29,7 @@ def test_optimizer_offload_frees_device_memory_and_round_trips(tiny_model_dir):
 
 
 def test_module_offload_frees_device_memory(tiny_model_dir):
-    from hybrid_rl.hybrid.offload import ModuleOffloader
+    from hybrid_rl.switch.offload import ModuleOffloader
     from hybrid_rl.models.loading import load_causal_lm
 
     dev = torch.device("cuda")

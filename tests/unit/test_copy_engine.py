@@ -5,7 +5,7 @@ import copy
 
 import torch
 
-from hybrid_rl.hybrid.phases import PhaseManager
+from hybrid_rl.switch.phases import PhaseManager
 from hybrid_rl.rollout.base import SamplingParams
 from hybrid_rl.rollout.native import NativeEngine
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_rl.hybrid.memory import ROLES, MemoryLedger, grad_bytes, module_bytes, optimizer_bytes
+from hybrid_rl.switch.memory import ROLES, MemoryLedger, grad_bytes, module_bytes, optimizer_bytes
 
 
 def test_role_names_are_the_planners_one_definition():
-    from hybrid_rl import planner
+    from hybrid_rl import memory_plan
 
-    assert ROLES is planner.ROLES, "the ledger must use the planner's ROLES, not a copy that can drift"
+    assert ROLES is memory_plan.ROLES, "the ledger must use the planner's ROLES, not a copy that can drift"
 
 
 def test_counts_come_from_the_tensors(tiny_model):

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hybrid_rl.hybrid.offload import ModuleOffloader, OptimizerOffloader, optimizer_tensors
-from hybrid_rl.hybrid.phases import PhaseManager
+from hybrid_rl.switch.offload import ModuleOffloader, OptimizerOffloader, optimizer_tensors
+from hybrid_rl.switch.phases import PhaseManager
 from hybrid_rl.rollout.base import SamplingParams
 from hybrid_rl.rollout.native import NativeEngine
 
@@ -95,7 +95,7 @@ def _offload_cfg(**kw):
 
 
 def test_decide_offload_warns_for_missing_roles_and_auto_on_cpu(tiny_model_dir):
-    from hybrid_rl.hybrid.advice import decide_offload
+    from hybrid_rl.switch.advice import decide_offload
 
     args = dict(model_path=tiny_model_dir, device=torch.device("cpu"), world_size=1, mixed_precision=False,
                 sequences=16, context=12, has_ref=False)

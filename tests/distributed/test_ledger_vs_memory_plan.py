@@ -17,7 +17,7 @@ def _rank_fn(rank: int, model_dir: str) -> dict:
     import copy
 
     from hybrid_rl import distributed as D
-    from hybrid_rl.hybrid.phases import PhaseManager
+    from hybrid_rl.switch.phases import PhaseManager
     from hybrid_rl.models.fsdp import shard_model
     from hybrid_rl.models.loading import load_causal_lm
     from hybrid_rl.rollout.base import SamplingParams
@@ -43,12 +43,12 @@ def _rank_fn(rank: int, model_dir: str) -> dict:
 
 
 def test_planner_matches_ledger_on_tiny_model(tiny_model_dir):
-    from hybrid_rl import planner
+    from hybrid_rl import memory_plan
 
     ranks = run_ranks(_rank_fn, world=2, args=(tiny_model_dir,))
-    arch = planner.ModelArch.from_hf_config(os.path.join(tiny_model_dir, "config.json"))
+    arch = memory_plan.ModelArch.from_hf_config(os.path.join(tiny_model_dir, "config.json"))
     # The KV cache holds the prompt and every fed-back token: PROMPT + NEW - 1 positions.
-    plan = planner.plan_memory(arch, n_gpus=2, dtype="fp32", batch=2 * N_LOCAL, context=PROMPT + NEW - 1,
+    plan = memory_plan.plan_memory(arch, n_gpus=2, dtype="fp32", batch=2 * N_LOCAL, context=PROMPT + NEW - 1,
                                offload={"optimizer": False, "ref": False, "params": False, "reward_model": False},
                                gpu_mem_gib=1.0)
     # Sharded roles: the shards of the two ranks add up to the planner's total.

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid_rl import planner
+from hybrid_rl import memory_plan
 
 
 @dataclass
@@ -42,11 +42,11 @@ def decide_offload(offload, model_path: str, device: torch.device, world_size: i
     if device.type != "cuda":
         return OffloadDecision(False, False, False,
                                "offload.auto: on CPU the device is the host memory, so nothing is offloaded")
-    arch = planner.ModelArch.from_hf_config(os.path.join(model_path, "config.json"))
-    gib = torch.cuda.get_device_properties(device).total_memory / planner.GIB
+    arch = memory_plan.ModelArch.from_hf_config(os.path.join(model_path, "config.json"))
+    gib = torch.cuda.get_device_properties(device).total_memory / memory_plan.GIB
     # Roles this run does not have are treated as already "offloaded" (they hold nothing).
     base = {"ref": not has_ref, "reward_model": not has_reward_model}
-    advice = planner.suggest_offload(arch, world_size, "bf16" if mixed_precision else "fp32", sequences, context,
+    advice = memory_plan.suggest_offload(arch, world_size, "bf16" if mixed_precision else "fp32", sequences, context,
                                      offload=base, gpu_mem_gib=gib)
     flags = advice["offload"]
     if not advice["fits"]:

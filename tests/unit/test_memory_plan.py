@@ -1,11 +1,11 @@
-"""Tests for the memory planner (hybrid_rl.planner) and its CLI (hybrid_rl.plan)."""
+"""Tests for the memory planner (hybrid_rl.memory_plan) and its CLI (hybrid_rl.plan)."""
 import json
 import subprocess
 import sys
 
 import pytest
 
-from hybrid_rl.planner import (GB, GIB, PHASES, ROLES, ModelArch, builtin_arch, count_parameters,
+from hybrid_rl.memory_plan import (GB, GIB, PHASES, ROLES, ModelArch, builtin_arch, count_parameters,
                                kv_cache_bytes, plan_memory, suggest_offload)
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

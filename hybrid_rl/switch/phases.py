@@ -28,10 +28,10 @@ from typing import Iterator, Optional
 
 import torch
 
-from hybrid_rl.hybrid import memory
-from hybrid_rl.hybrid import offload as O
-from hybrid_rl.hybrid.memory import MemoryLedger
-from hybrid_rl.hybrid.weights import iter_weight_buckets
+from hybrid_rl.switch import memory
+from hybrid_rl.switch import offload as O
+from hybrid_rl.switch.memory import MemoryLedger
+from hybrid_rl.switch.weights import iter_weight_buckets
 from hybrid_rl.models.fsdp import reshard
 
 
