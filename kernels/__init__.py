@@ -9,11 +9,18 @@ first use. Entry points:
         the fused Triton kernel (forward + backward).
     token_logprob_entropy_ref(logits_RV, targets_R, temperature=1.0)
         plain-torch reference / CPU path.
+    chunked_logprob_entropy(hidden_RH, weight_VH, bias_V, targets_R, temperature=1.0,
+                            chunk_tokens=None, impl="auto")
+        the LM head folded in: logits built and dropped a chunk of tokens at a time,
+        recomputed in the backward, so no (R, V) tensor ever exists.
 """
+from .lm_head import chunked_logprob_entropy, default_chunk_tokens
 from .logprob import logprob_entropy, token_logprob_entropy, triton_available
 from .reference import token_logprob_entropy_ref
 
 __all__ = [
+    "chunked_logprob_entropy",
+    "default_chunk_tokens",
     "logprob_entropy",
     "token_logprob_entropy",
     "token_logprob_entropy_ref",

@@ -1,28 +1,27 @@
 """Sequence layout and per-token log-probabilities of responses under a policy.
 
 Legend: N sequences, P prompt tokens (left-padded), T response tokens (right-padded),
-L = P + T, V vocab.
+L = P + T, V vocab, H hidden size.
 
 Layout shared by the rollout engine and the trainer, so both see the same
 positions and masks:  [pad .. pad prompt | response pad .. pad].
 """
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+from typing import Callable, Iterator, Sequence
 
 import torch
 
-from hybrid_rl.kernels import logprob_entropy
+from hybrid_rl.kernels import chunked_logprob_entropy
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompts right-aligned to the longest one: ids_NP and attn_NP (1 = real token)."""
     P = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(prompts), P), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, P - len(p):] = torch.tensor(p, dtype=torch.long)
-        attn[i, P - len(p):] = 1
+    # One tensor from padded Python lists: a torch.tensor per row costs more than the copy.
+    ids = torch.tensor([[pad_id] * (P - len(p)) + list(p) for p in prompts], dtype=torch.long)
+    attn = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
     if device is not None:
         ids, attn = ids.to(device), attn.to(device)
     return ids, attn
@@ -39,12 +38,10 @@ def build_sequences(
     T = max(1, max((len(r) for r in responses), default=1))
     prompt_ids, prompt_attn = left_pad(prompts, pad_id)
     P = prompt_ids.shape[1]
-    ids = torch.cat([prompt_ids, torch.full((len(prompts), T), pad_id, dtype=torch.long)], dim=1)
-    attn = torch.cat([prompt_attn, torch.zeros((len(prompts), T), dtype=torch.long)], dim=1)
-    for i, r in enumerate(responses):
-        if r:
-            ids[i, P:P + len(r)] = torch.tensor(r, dtype=torch.long)
-            attn[i, P:P + len(r)] = 1
+    resp_ids = torch.tensor([list(r) + [pad_id] * (T - len(r)) for r in responses], dtype=torch.long)
+    resp_attn = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in responses], dtype=torch.long)
+    ids = torch.cat([prompt_ids, resp_ids], dim=1)
+    attn = torch.cat([prompt_attn, resp_attn], dim=1)
     resp_mask = attn[:, P:].clone()
     if device is not None:
         ids, attn, resp_mask = ids.to(device), attn.to(device), resp_mask.to(device)
@@ -56,26 +53,86 @@ def position_ids(attn_NL: torch.Tensor) -> torch.Tensor:
     return (attn_NL.cumsum(-1) - 1).clamp(min=0)
 
 
+def _is_dtensor(x: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed has no DTensor either
+        return False
+    return isinstance(x, DTensor)
+
+
+@contextlib.contextmanager
+def _head_replaced(head: torch.nn.Module, forward: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """`head(x)` runs `forward(x)` instead, for the duration of the block.
+
+    An instance attribute shadows the class's forward, so the module object, its
+    parameters and any hooks on it stay as they are.
+    """
+    shadowed = head.__dict__.get("forward")
+    head.forward = forward
+    try:
+        yield
+    finally:
+        if shadowed is None:
+            del head.forward
+        else:
+            head.forward = shadowed
+
+
 def response_logprobs(
     model: torch.nn.Module,
     ids_NL: torch.Tensor,
     attn_NL: torch.Tensor,
     P: int,
     temperature: float = 1.0,
+    chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logp_NT and entropy_NT of the response tokens under `model` at `temperature`.
+    """logp_NT and entropy_NT (fp32) of the response tokens under `model` at `temperature`.
 
     The logits at position P-1+t predict response token t. The temperature matches
     the sampler's, so these are comparable to the engine's sampled-token logprobs.
+
+    No (N*T, V) logits exist at any time, in the forward or the backward: the LM head
+    is folded into `chunked_logprob_entropy`, which builds chunk_tokens rows of logits
+    at a time (None: a default that keeps a chunk near 256 MiB of fp32) and rebuilds
+    them in the backward. Gradients reach the hidden states and the head's weight
+    (and bias), so a tied embedding gets both of its contributions.
     """
     if ids_NL.shape != attn_NL.shape or ids_NL.dim() != 2:
         raise ValueError(f"ids {tuple(ids_NL.shape)} and attention mask {tuple(attn_NL.shape)} must be the same (N, L)")
     N, L = ids_NL.shape
     T = L - P
-    # Only the last T+1 positions go through the LM head: prompt logits are never needed.
-    out = model(input_ids=ids_NL, attention_mask=attn_NL, position_ids=position_ids(attn_NL),
-                use_cache=False, logits_to_keep=T + 1)
-    logits_NTV = out.logits[:, :-1, :].float()
-    V = logits_NTV.shape[-1]
-    logp, ent = logprob_entropy(logits_NTV.reshape(N * T, V), ids_NL[:, P:].reshape(N * T), temperature)
-    return logp.view(N, T), ent.view(N, T)
+    if T < 1 or P < 1:
+        raise ValueError(f"need P >= 1 prompt and T >= 1 response columns, got P={P} for L={L}")
+    if getattr(getattr(model, "config", None), "final_logit_softcapping", None) is not None:
+        raise NotImplementedError("the chunked LM head does not apply final_logit_softcapping")
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise TypeError(f"expected the model's output embedding to be an nn.Linear LM head, got {type(head).__name__}")
+    targets_R = ids_NL[:, P:].reshape(N * T)
+
+    # The head runs inside the model's own forward, so the weight it reads is the one
+    # the forward sees: under FSDP2 the root module (which owns lm_head and, when
+    # tied, embed_tokens) has all-gathered it in its pre-forward hook, and the weight
+    # saved for the backward is that unsharded parameter, whose grad FSDP2
+    # reduce-scatters, exactly as for nn.Linear. Outside the forward it would be a
+    # sharded DTensor. The (N, T, 2) result stands in for the logits so that FSDP2's
+    # pre-backward hook on the model's outputs fires before our backward.
+    def logp_and_entropy(hidden_NKH: torch.Tensor) -> torch.Tensor:
+        # K = T + 1 kept positions: the last one predicts past the response.
+        weight_VH = head.weight
+        if _is_dtensor(weight_VH):
+            raise RuntimeError("lm_head.weight is still sharded inside the model's forward: "
+                               "fully_shard the root module (models/fsdp.py), not the head on its own with another mesh")
+        H = hidden_NKH.shape[-1]
+        logp_R, ent_R = chunked_logprob_entropy(hidden_NKH[:, :-1].reshape(N * T, H), weight_VH, head.bias,
+                                                targets_R, temperature, chunk_tokens)
+        return torch.stack([logp_R.view(N, T), ent_R.view(N, T)], dim=-1)
+
+    with _head_replaced(head, logp_and_entropy):
+        # Only the last T+1 positions reach the head: prompt positions are never scored.
+        out = model(input_ids=ids_NL, attention_mask=attn_NL, position_ids=position_ids(attn_NL),
+                    use_cache=False, logits_to_keep=T + 1)
+    both_NT2 = out.logits
+    assert both_NT2.shape == (N, T, 2), f"the model transformed the head's output: {tuple(both_NT2.shape)}"
+    return both_NT2[..., 0].contiguous(), both_NT2[..., 1].contiguous()

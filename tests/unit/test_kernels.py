@@ -204,6 +204,33 @@ def _case_target_ids_and_empty() -> None:
     assert lp.shape == (0,) and x.grad is not None and x.grad.shape == (0, 67)
 
 
+def _case_chunked_lm_head() -> None:
+    # kernels/lm_head.py with the Triton kernels on each chunk (the CUDA path) against
+    # its torch path: head matmul + logprob/entropy per chunk, logits recomputed in
+    # the backward. Chunk 3 does not divide R = 7; every upstream-grad combination.
+    from hybrid_rl.kernels import chunked_logprob_entropy
+
+    torch.manual_seed(15)
+    t = torch.randint(0, 67, (7,))
+    # bf16: the same bf16 logits feed fp32 maths, so values agree to fp32 rounding; the
+    # gradients are rounded to bf16 before the head's matmuls at different points
+    # (Triton stores bf16 dL/dlogits, torch casts its fp32 one), a few bf16 ulps apart.
+    for dtype, val_tol, grad_tol in ((torch.float32, ATOL, ATOL), (torch.bfloat16, 1e-4, 0.1)):
+        inputs = [(torch.randn(*shape) * 2.0).to(dtype) for shape in ((7, 16), (67, 16), (67,))]
+        for use_lp, use_h in ((True, True), (True, False), (False, True)):
+            outs = {}
+            for impl in ("triton", "torch"):
+                h, w, b = (x.clone().requires_grad_(True) for x in inputs)
+                lp, ent = chunked_logprob_entropy(h, w, b, t, 0.7, chunk_tokens=3, impl=impl)
+                loss = (lp * torch.arange(7.0)).sum() * use_lp + (ent * torch.linspace(1, -1, 7)).sum() * use_h
+                outs[impl] = (lp, ent, *torch.autograd.grad(loss, (h, w, b)))
+            names = ("logp", "entropy", "grad hidden", "grad weight", "grad bias")
+            for name, x, y in zip(names, outs["triton"], outs["torch"]):
+                assert x.dtype == y.dtype, f"{name}: {x.dtype} vs {y.dtype}"
+                tol = grad_tol if name.startswith("grad") else val_tol
+                _close(x.float(), y.float(), f"{dtype} lp={use_lp} h={use_h} {name}", atol=tol, rtol=tol)
+
+
 def _build_cases() -> dict[str, Callable[[], None]]:
     cases: dict[str, Callable[[], None]] = {}
     blocks = {5: 4, 67: 32, 300: 128}  # always < V: 2, 3 and 3 vocab blocks, last partial
@@ -218,6 +245,7 @@ def _build_cases() -> dict[str, Callable[[], None]]:
     cases["strided-and-leading-dims"] = _case_strided_and_leading_dims
     cases["default-block-and-dispatcher"] = _case_default_block_and_dispatcher
     cases["target-ids-and-empty"] = _case_target_ids_and_empty
+    cases["chunked-lm-head"] = _case_chunked_lm_head
     return cases
 
 

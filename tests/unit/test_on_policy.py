@@ -33,7 +33,9 @@ def test_skipping_the_scoring_forward_gives_the_same_step(tiny_model):
     assert m_skip["actor/ratio_max"] == m_skip["actor/ratio_min"] == 1.0
     assert abs(m_scored["actor/loss"] - m_skip["actor/loss"]) < 1e-6
     for n in w_scored:
-        torch.testing.assert_close(w_skip[n], w_scored[n], rtol=1e-5, atol=1e-6)
+        # 1-ulp logprob differences (scoring runs the full length, the update a trimmed one) become
+        # ~1e-6 after AdamW normalises tiny gradients; a missing or wrong old policy is far larger.
+        torch.testing.assert_close(w_skip[n], w_scored[n], rtol=1e-5, atol=1e-5)
     moved = max((w_skip[n] - p).abs().max().item() for n, p in tiny_model.named_parameters())
     assert moved > 1e-3
 
