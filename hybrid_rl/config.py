@@ -55,7 +55,7 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "native"
+    engine: str = "native"  # native (torch, the policy's own weights) | sglang (GPU extra; its own weights)
     n: int = 8  # samples per prompt (G)
     temperature: float = 1.0
     top_p: float = 1.0
@@ -63,16 +63,24 @@ class RolloutConfig:
     max_new_tokens: int = 16
     stop_token_ids: list[int] = field(default_factory=list)  # EOS always stops
     seed: int = 0
+    tp_size: int = 1  # sglang: ranks per inference engine (tensor parallel); divides the ranks of a node
+    mem_fraction: Optional[float] = None  # sglang: mem_fraction_static; null = SGLang's own choice
+    bucket_mb: int = 512  # weight sync: size of one flat bucket (peak extra memory of a sync)
 
     def __post_init__(self) -> None:
-        # native is the only engine until the SGLang engine lands; a new engine goes in both this
-        # list and rollout/base.py's _ENGINES.
-        _one_of(self.engine, "rollout.engine", ["native"])
+        # A new engine goes in both this list and rollout/base.py's _ENGINES.
+        _one_of(self.engine, "rollout.engine", ["native", "sglang"])
         _check(self.n >= 2, "rollout.n", f"GRPO needs at least 2 samples per prompt to form a group baseline, got {self.n}")
         _check(self.temperature > 0, "rollout.temperature", f"must be > 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
         _check(self.top_k == -1 or self.top_k > 0, "rollout.top_k", f"must be -1 (off) or > 0, got {self.top_k}")
         _check(self.max_new_tokens > 0, "rollout.max_new_tokens", f"must be > 0, got {self.max_new_tokens}")
+        _one_of(self.tp_size, "rollout.tp_size", [1, 2, 4, 8])
+        _check(self.engine == "sglang" or self.tp_size == 1, "rollout.tp_size",
+               f"tensor-parallel inference needs rollout.engine=sglang (got {self.engine!r})")
+        _check(self.mem_fraction is None or 0 < self.mem_fraction < 1, "rollout.mem_fraction",
+               f"must be in (0, 1) or null, got {self.mem_fraction}")
+        _check(self.bucket_mb > 0, "rollout.bucket_mb", f"must be > 0, got {self.bucket_mb}")
 
 
 ClipBound = Optional[Union[int, float, str]]  # a number, null (that side off) or "auto"
@@ -263,6 +271,10 @@ class Config:
                f"directory {self.model.path!r} does not exist; give a local Hugging Face model directory")
         _check(os.path.isfile(os.path.join(self.model.path, "config.json")), "model.path",
                f"{self.model.path!r} has no config.json; is it a Hugging Face model directory?")
+        if self.rollout.engine == "sglang":
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            _check(local % self.rollout.tp_size == 0, "rollout.tp_size",
+                   f"{self.rollout.tp_size} does not divide the {local} ranks of this node")
         b = self.data.batch_size
         _check(b % world_size == 0, "data.batch_size",
                f"{b} prompts do not divide over {world_size} ranks; use a multiple of {world_size}")

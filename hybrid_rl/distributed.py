@@ -127,19 +127,50 @@ def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def all_gather_cat(x: torch.Tensor) -> torch.Tensor:
-    """Concatenate equal-shaped tensors from all ranks along dim 0, in rank order."""
-    if not is_dist():
-        return x
-    _check_served(x)
-    parts = [torch.empty_like(x) for _ in range(world_size())]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=0)
-
-
 def all_gather_object(obj: Any) -> list[Any]:
     if not is_dist():
         return [obj]
     out: list[Any] = [None] * world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def new_group(ranks: list[int], timeout_s: int = 300):
+    """A gloo group over `ranks` (host objects and control traffic); every rank must call this
+    for every group, in the same order. None when not distributed."""
+    if not is_dist():
+        return None
+    return dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def gather_object_to(obj: Any, dst: int, group=None) -> list[Any] | None:
+    """Objects of every rank of `group`, in group-rank order, on global rank `dst` (None elsewhere)."""
+    if not is_dist():
+        return [obj]
+    size = dist.get_world_size(group)
+    out: list[Any] | None = [None] * size if rank() == dst else None
+    dist.gather_object(obj, out, dst=dst, group=group)
+    return out
+
+
+def scatter_object_from(objs: list[Any] | None, src: int, group=None) -> Any:
+    """Group rank i receives objs[i] from global rank `src`."""
+    if not is_dist():
+        return objs[0]
+    out: list[Any] = [None]
+    dist.scatter_object_list(out, objs if rank() == src else None, src=src, group=group)
+    return out[0]
+
+
+def broadcast_object_from(obj: Any, src: int, group=None) -> Any:
+    """`obj` of global rank `src` on every rank of `group`."""
+    if not is_dist():
+        return obj
+    box = [obj if rank() == src else None]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def local_world_size() -> int:
+    """Ranks on this node (torchrun's LOCAL_WORLD_SIZE; the world size when unset)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))

@@ -53,6 +53,10 @@ class Trainer:
         if buffer is not None and buffer > cfg.rollout.max_new_tokens:
             raise ValueError(f"config key 'algorithm.overlong_buffer_len': {buffer} is longer than "
                              f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}; use at most that (or null)")
+        if cfg.rollout.engine == "sglang":
+            from hybrid_rl.rollout.sglang import check_available
+
+            check_available()
         if self.device.type == "cpu" and cfg.model.dtype == "bfloat16":
             warnings.warn("model.dtype=bfloat16 is ignored on CPU: the policy trains in float32 there "
                           "(bf16 mixed precision is a CUDA path)")
@@ -88,12 +92,10 @@ class Trainer:
                                            weight_decay=o.weight_decay)
         warm = o.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
-        engine_cls = engine_class(cfg.rollout.engine)
-        self.engine = engine_cls(self.policy, pad_id=self.tokenizer.pad_token_id, eos_id=self.tokenizer.eos_token_id,
-                                 weights_dtype=torch.bfloat16 if mixed else None)
+        self.engine = self._build_engine(torch.bfloat16 if mixed else None)
         self.phases = PhaseManager(self.policy, self.optimizer, self.engine, self.device, ref=self.ref,
                                    offload_optimizer=self.offload.optimizer, offload_ref=self.offload.ref,
-                                   offload_params=self.offload.params)
+                                   offload_params=self.offload.params, bucket_bytes=cfg.rollout.bucket_mb << 20)
         self.step_idx = 0
         self.history: list[dict] = []
         self.out_dir = cfg.trainer.out_dir
@@ -102,6 +104,16 @@ class Trainer:
             save_config(cfg, os.path.join(self.out_dir, "config.yaml"))
             open(self.metrics_path, "w").close()
         D.barrier()
+
+    def _build_engine(self, weights_dtype: Optional[torch.dtype]):
+        """The rollout engine: native decodes with the policy module itself; sglang keeps its own copy."""
+        r, tok = self.cfg.rollout, self.tokenizer
+        engine_cls = engine_class(r.engine)
+        if r.engine == "sglang":
+            return engine_cls(self.policy, self.cfg.model.path, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id,
+                              tp_size=r.tp_size, weights_dtype=weights_dtype, mem_fraction=r.mem_fraction,
+                              seed=r.seed, timeout_s=self.cfg.trainer.dist_timeout_s)
+        return engine_cls(self.policy, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, weights_dtype=weights_dtype)
 
     @property
     def metrics_path(self) -> str:
@@ -282,6 +294,12 @@ class Trainer:
         names = sorted(seconds)
         slowest = D.all_reduce_max(torch.tensor([seconds[k] for k in names], dtype=torch.float64))
         return {k: slowest[i].item() for i, k in enumerate(names)}
+
+    def close(self) -> None:
+        """Stop the rollout engine's processes, if it has any (SGLang). The trainer is unusable after."""
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     def save_pretrained(self, path: str) -> str:
         """Save the current policy and tokenizer as a Hugging Face directory (call on every rank)."""

@@ -30,6 +30,7 @@ def main(argv: list[str]) -> dict:
     trainer = Trainer(cfg)
     history = trainer.fit()
     trainer.save_pretrained(os.path.join(cfg.trainer.out_dir, "final_model"))
+    trainer.close()
 
     # 4. Summary: mean reward of the first and last 10% of steps.
     k = max(1, len(history) // 10)

@@ -54,7 +54,21 @@ class RolloutEngine(Protocol):
         """One completion per prompt, in the order of `prompt_ids`: callers match them by position."""
         ...
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+    def begin_weight_update(self) -> None:
+        """Open a weight sync (SGLang 0.5.21 loads weights only inside one); the buckets follow."""
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """One bucket of (name, full tensor); every rank of an engine group passes the same names."""
+        ...
+
+    def end_weight_update(self) -> None:
+        """Close the sync; an engine may refuse if a parameter was not sent."""
+        ...
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Engine-owned bytes on this rank's device: {"engine_weights": ..., "kv_cache": ...}."""
+        ...
 
     def release(self, tags: Sequence[str]) -> None: ...
 
@@ -63,6 +77,7 @@ class RolloutEngine(Protocol):
 
 _ENGINES = {
     "native": "hybrid_rl.rollout.native:NativeEngine",
+    "sglang": "hybrid_rl.rollout.sglang:SGLangEngine",
 }
 
 

@@ -101,6 +101,12 @@ class NativeEngine:
                 release_full_weights(self.model)
             self._weights_ready = False
 
+    def begin_weight_update(self) -> None:
+        """Nothing to open: buckets are copied as they come."""
+
+    def end_weight_update(self) -> None:
+        """Nothing to close."""
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy weights into the engine's module (only needed when it is not the policy itself)."""
         params = dict(self.model.named_parameters())

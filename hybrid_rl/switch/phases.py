@@ -6,8 +6,8 @@ States and the only legal moves (one training step goes round the cycle):
                             \\-----------train()-------------------/
 
 to ROLLOUT: zero grads (set_to_none) -> offload optimizer state (if configured) ->
-            engine.resume(["weights"]) -> sync weights (skipped when the engine runs
-            the policy module itself) -> engine.resume(["kv_cache"])
+            engine.resume(["weights"]) -> sync weights inside engine.begin/end_weight_update
+            (skipped when the engine runs the policy module itself) -> engine.resume(["kv_cache"])
             (+ offload policy shards, offload.params, for engines with their own copy)
 leaving ROLLOUT: engine.release(["kv_cache", "weights"]) (+ onload policy shards)
 to SCORE:   onload the reference model; leaving SCORE: offload it (if configured)
@@ -164,10 +164,12 @@ class PhaseManager:
             moved[0] = self._engine_bytes().get("engine_weights", 0) if self.zero_copy else 0
         if not self.zero_copy:
             with self._stage("sync_weights") as moved:
+                self.engine.begin_weight_update()
                 for bucket in iter_weight_buckets(self.policy, self.bucket_bytes):
                     self.engine.update_weights(bucket)
                     moved[0] += sum(t.numel() * t.element_size() for _, t in bucket)
                     del bucket  # peak extra memory: one bucket
+                self.engine.end_weight_update()
             if self.param_offload is not None:
                 with self._stage("offload_params") as moved:
                     moved[0] = self.param_offload.offload()

@@ -1,0 +1,322 @@
+"""The SGLang rollout engine, colocated: one `sglang.Engine` per inference-TP group.
+
+Ranks are cut into groups of `tp_size` consecutive ranks. The group's first rank
+(the owner) builds the Engine on its own GPU (`base_gpu_id`), with dummy weights
+and the memory saver, and releases all its memory right away: the first rollout's
+`resume(["weights"])` is then legal and the trainer has the GPU until then. The
+other ranks reach the engine only through collectives on the group's gloo group:
+
+    generate        gather prompts to the owner -> one Engine.generate -> scatter each
+                    rank's completions back, in order
+    update_weights  every rank exports its bucket as a handle (weight_transport.py);
+                    the owner sends the tp_size payloads in one update_weights_from_tensor
+                    inside a begin/end weight-update session; SGLang TP rank i opens
+                    trainer rank owner+i's payload
+    release/resume  the owner only; every rank learns the result
+
+SGLang kills the process that built the Engine when a control call fails inside its
+scheduler (sglang-api.md section 0). So every call is checked here first (tags
+against the engine's release state, session state, parameter names, shapes and
+dtypes, a complete sync after a weights release) and a mistake is a Python
+exception that names it. `sglang` is imported lazily, here and in weight_transport.py.
+
+Legend: N sequences (this rank's), G samples per prompt.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import time
+import warnings
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from hybrid_rl import distributed as D
+from hybrid_rl.rollout.base import Completion, SamplingParams, check_tags
+from hybrid_rl.rollout.weight_transport import Export, export_bucket, release_exports
+
+SGLANG_TAGS = ("weights", "kv_cache")  # cuda_graph stays resident: released and resumed only in pairs
+
+
+def check_available() -> None:
+    """Raise a config error when `sglang` cannot be imported (before any model is built)."""
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        raise ValueError("config key 'rollout.engine': sglang is not importable here; install the GPU extra "
+                         "(pip install 'hybrid_rl[gpu]', SGLang 0.5.21 on torch 2.13, or 0.5.17 on torch 2.11) "
+                         "or use rollout.engine=native")
+
+
+def to_completion(out: dict, index: int) -> Completion:
+    """SGLang's output dict -> Completion, with the native engine's conventions:
+    token ids include the stop token, logprob i belongs to token i, finish 'stop' | 'length'."""
+    meta = out["meta_info"]
+    reason = meta.get("finish_reason") or {}
+    kind = reason.get("type")
+    if kind not in ("stop", "length"):
+        raise RuntimeError(f"SGLang aborted request {index}: {reason.get('message', reason)}")
+    ids = list(out["output_ids"])
+    logprobs = [lp for lp, _tok, _text in meta["output_token_logprobs"]]
+    if [tok for _lp, tok, _text in meta["output_token_logprobs"]] != ids:
+        raise RuntimeError(f"request {index}: SGLang's logprobs do not follow its output ids")
+    return Completion(token_ids=ids, logprobs=[float(x) for x in logprobs], finish_reason=kind)
+
+
+class SGLangEngine:
+    """RolloutEngine over SGLang, shared by a group of `tp_size` ranks (see module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, model_path: str, pad_id: int, eos_id: int, tp_size: int = 1,
+                 weights_dtype: Optional[torch.dtype] = None, mem_fraction: Optional[float] = None, seed: int = 0,
+                 timeout_s: int = 300, engine_kwargs: Optional[dict] = None, release_wait_s: float = 60.0):
+        W, r = D.world_size(), D.rank()
+        if tp_size < 1 or W % tp_size or D.local_world_size() % tp_size:
+            raise ValueError(f"config key 'rollout.tp_size': {tp_size} must divide the ranks of one node "
+                             f"({D.local_world_size()}) and the world ({W})")
+        self.tp_size, self.pad_id, self.eos_id = tp_size, pad_id, eos_id
+        self.owner = r - r % tp_size
+        self.is_owner = r == self.owner
+        groups = [D.new_group(list(range(g, g + tp_size)), timeout_s) for g in range(0, W, tp_size)]
+        self.group = groups[r // tp_size]
+        # What a sync must deliver: every parameter, full shape, in the inference dtype.
+        self.expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        self.dtype = weights_dtype or next(iter(model.parameters())).dtype
+        self.device = next(iter(model.parameters())).device
+        self._full_bytes = sum(torch.Size(s).numel() for s in self.expected.values()) * self.dtype.itemsize
+        self.released = set(SGLANG_TAGS)  # mirrors the engine's offload_tags after the start-up release
+        self.session = False
+        self._sent: set[str] = set()
+        self.release_wait_s = release_wait_s
+        self.sync_stats = {"bytes": 0, "payloads": 0, "handles": 0}
+        self.engine = None
+        if self.is_owner:
+            self.engine = self._start(model_path, mem_fraction, seed, engine_kwargs or {})
+            # Scheduler processes outlive a forgotten engine and block interpreter exit.
+            atexit.register(self.shutdown)
+            # SGLang holds all its memory until the first release (verl#2208); every tag
+            # counts as resident at start, so releasing now makes the first resume legal.
+            self.engine.release_memory_occupation(list(SGLANG_TAGS))
+        D.broadcast_object_from(None, self.owner, self.group)  # the group waits for its engine
+
+    # -- start-up -------------------------------------------------------------
+    def _start(self, model_path: str, mem_fraction: Optional[float], seed: int, extra: dict):
+        import sglang
+
+        cuda = self.device.type == "cuda"
+        args = dict(model_path=model_path, tp_size=self.tp_size, skip_tokenizer_init=True, load_format="dummy",
+                    enable_memory_saver=cuda, base_gpu_id=(self.device.index or 0) if cuda else 0,
+                    random_seed=seed + self.owner, dtype=_dtype_name(self.dtype))
+        if mem_fraction is not None:
+            args["mem_fraction_static"] = mem_fraction
+        if cuda:
+            # The memory saver refuses expandable segments, and the scheduler inherits this
+            # environment; an unevenly loaded colocated trainer trips SGLang's TP balance check.
+            conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+            kept = ",".join(p for p in conf.split(",") if p and not p.startswith("expandable_segments"))
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = kept
+            os.environ["SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"] = "0"
+        args.update(extra)
+        try:
+            engine = sglang.Engine(**args)
+        except Exception as err:
+            version = getattr(sglang, "__version__", "?")
+            raise RuntimeError(
+                f"sglang.Engine (sglang {version}) failed to start on {self.device}: {type(err).__name__}: {err}. "
+                "Likely causes: an SGLang build that does not match this torch (0.5.21 needs torch 2.13, 0.5.17 torch "
+                "2.11), no CUDA device, a model architecture SGLang does not support, or rollout.mem_fraction too small "
+                "for the weights plus a KV cache (raise it, or offload the optimizer so the engine starts on more free "
+                "memory)") from err
+        return engine
+
+    # -- memory ---------------------------------------------------------------
+    def memory_bytes(self) -> dict[str, int]:
+        """This rank's share of the engine's weights while they are resident (1/tp of the model per GPU)."""
+        weights = 0 if "weights" in self.released else self._full_bytes // self.tp_size
+        return {"engine_weights": weights, "kv_cache": 0}
+
+    def resume(self, tags: Sequence[str]) -> None:
+        tags = self._tags(tags)
+        not_released = [t for t in tags if t not in self.released]
+        if not_released:
+            # Inside SGLang this is a KeyError in the scheduler, which kills this process.
+            raise RuntimeError(f"resume({not_released}): not released; SGLang would kill the job. "
+                               "Release and resume tags in matching pairs")
+        if "kv_cache" in tags and self.session:
+            raise RuntimeError("resume(['kv_cache']) inside a weight-update session; call end_weight_update() first")
+        if "weights" in tags:
+            self._sent = set()
+        self._owner_call("resume_memory_occupation", list(tags))
+        self.released -= set(tags)
+
+    def release(self, tags: Sequence[str]) -> None:
+        tags = [t for t in self._tags(tags) if t not in self.released]
+        if not tags:
+            return
+        if self.session:
+            raise RuntimeError("release inside a weight-update session; call end_weight_update() first")
+        free_before = _free_device_bytes(self.device)
+        self._owner_call("release_memory_occupation", list(tags))
+        self.released |= set(tags)
+        if "weights" in tags:
+            self._wait_for_memory(free_before, self._full_bytes // self.tp_size)
+
+    def _wait_for_memory(self, free_before: Optional[int], expected: int) -> None:
+        """SGLang can return from release before the memory is back (slime#579): wait, bounded."""
+        if free_before is None:
+            return
+        deadline = time.monotonic() + self.release_wait_s
+        while _free_device_bytes(self.device) - free_before < 0.9 * expected:
+            if time.monotonic() > deadline:
+                warnings.warn(f"SGLang released its weights but only {(_free_device_bytes(self.device) - free_before) / 2**20:.0f} "
+                              f"MiB of {expected / 2**20:.0f} MiB came back within {self.release_wait_s:.0f} s")
+                return
+            time.sleep(0.05)
+
+    @staticmethod
+    def _tags(tags: Sequence[str]) -> list[str]:
+        check_tags(tags)
+        if not tags:
+            raise ValueError("name the tags to release or resume; an empty list means every tag to SGLang")
+        return list(tags)
+
+    # -- weights --------------------------------------------------------------
+    def begin_weight_update(self) -> None:
+        if "weights" in self.released:
+            raise RuntimeError("begin_weight_update() while the engine's weights are released; resume(['weights']) first")
+        if self.session:
+            raise RuntimeError("begin_weight_update() called twice")
+        # 0.5.21 loads nothing outside a session; 0.5.17 has none.
+        self._owner_call("begin_weight_update", check=True, optional=True)
+        self.session = True
+        self.sync_stats = {"bytes": 0, "payloads": 0, "handles": 0}
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Every rank of the group calls this with the same bucket (full tensors)."""
+        if not self.session:
+            raise RuntimeError("update_weights outside a weight-update session; call begin_weight_update() first")
+        bucket = list(named_tensors)
+        self._check_bucket(bucket)
+        exports: list[Export] = [export_bucket(bucket, self.dtype)]
+        try:
+            payloads = D.gather_object_to(exports[0].payload, self.owner, self.group)
+            result = None
+            if self.is_owner:
+                try:
+                    result = self.engine.update_weights_from_tensor(
+                        named_tensors=payloads, load_format="flattened_bucket", flush_cache=False)
+                except Exception as err:  # noqa: BLE001 - the other ranks must hear about it, not hang
+                    result = (False, f"{type(err).__name__}: {err}")
+            ok, message = D.broadcast_object_from(result, self.owner, self.group)
+        finally:
+            # Only now may the buffers go: the scheduler has opened and copied them (sglang#6626).
+            nbytes = exports[0].nbytes
+            release_exports(exports)
+        if not ok:
+            raise RuntimeError(f"SGLang refused a weight bucket: {message}")
+        self._sent.update(n for n, _ in bucket)
+        self.sync_stats["bytes"] += nbytes * self.tp_size
+        self.sync_stats["payloads"] += self.tp_size
+        self.sync_stats["handles"] += self.tp_size  # one flat buffer per rank per bucket
+
+    def end_weight_update(self) -> None:
+        if not self.session:
+            raise RuntimeError("end_weight_update() without begin_weight_update()")
+        missing = sorted(set(self.expected) - self._sent)
+        if missing:
+            raise RuntimeError(f"weight sync incomplete: {len(missing)} parameters not sent (e.g. {missing[:3]}); "
+                               "after a weights release SGLang holds garbage until every parameter is re-sent")
+        self._owner_call("end_weight_update", check=True, optional=True)
+        self.session = False
+        # One flush after the last bucket: a stale prefix cache degrades rewards (RLinf#96).
+        self._owner_call("flush_cache")
+
+    def _check_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        for name, t in bucket:
+            if name not in self.expected:
+                raise KeyError(f"parameter {name!r} is not in the policy; SGLang would skip it silently")
+            shape = self.expected[name]
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{name}: shape {tuple(t.shape)} != the model's {shape}; send full tensors "
+                                 "(a wrong shape kills SGLang's scheduler)")
+            if not t.dtype.is_floating_point:
+                raise TypeError(f"{name}: dtype {t.dtype} is not a floating-point weight")
+
+    # -- generation -----------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
+        if self.released:
+            raise RuntimeError(f"engine memory is released ({sorted(self.released)}); resume(['weights', 'kv_cache']) first")
+        if self.session:
+            raise RuntimeError("generate inside a weight-update session; call end_weight_update() first")
+        if any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("every prompt needs at least one token")
+        requests = D.gather_object_to((prompt_ids, params), self.owner, self.group)
+        replies = None
+        if self.is_owner:
+            replies = self._generate_for_group(requests)
+        return D.scatter_object_from(replies, self.owner, self.group)
+
+    def _generate_for_group(self, requests: list[tuple[list[list[int]], SamplingParams]]) -> list[list[Completion]]:
+        ids, sampling = [], []
+        for prompts, params in requests:
+            for i, p in enumerate(prompts):
+                ids.append(list(p))
+                sampling.append(self._sampling_dict(params, i))
+        outs = self.engine.generate(input_ids=ids, sampling_params=sampling, return_logprob=True)
+        if isinstance(outs, dict):
+            outs = [outs]
+        if len(outs) != len(ids):
+            raise RuntimeError(f"SGLang returned {len(outs)} results for {len(ids)} prompts")
+        completions = [to_completion(o, i) for i, o in enumerate(outs)]
+        replies, start = [], 0
+        for prompts, _ in requests:
+            replies.append(completions[start:start + len(prompts)])
+            start += len(prompts)
+        return replies
+
+    def _sampling_dict(self, p: SamplingParams, i: int) -> dict:
+        # EOS of the trainer's tokenizer stops here as it does in the native engine (SGLang
+        # without a tokenizer knows only the model config's eos ids). A seed per sample: it
+        # takes effect only with deterministic inference, never used for rollouts (it makes a
+        # prompt's samples identical); the engine's random_seed drives sampling otherwise.
+        d = {"max_new_tokens": p.max_new_tokens, "temperature": 0.0 if p.greedy else p.temperature,
+             "top_p": p.top_p, "top_k": p.top_k, "stop_token_ids": sorted({self.eos_id, *p.stop_token_ids}),
+             "sampling_seed": p.seed * 1_000_003 + i}
+        return d
+
+    # -- owner calls ----------------------------------------------------------
+    def _owner_call(self, method: str, *args, check: bool = False, optional: bool = False):
+        """Run engine.method(*args) on the owner; every rank of the group gets the outcome."""
+        outcome = None
+        if self.is_owner:
+            fn = getattr(self.engine, method, None)
+            if fn is None and optional:
+                outcome = ("ok", None)
+            else:
+                try:
+                    outcome = ("ok", fn(*args))
+                except Exception as err:  # noqa: BLE001 - the other ranks must hear about it
+                    outcome = ("error", f"{type(err).__name__}: {err}")
+        status, value = D.broadcast_object_from(outcome, self.owner, self.group)
+        if status == "error":
+            raise RuntimeError(f"SGLang {method} failed: {value}")
+        if check and value is not None and not value[0]:
+            raise RuntimeError(f"SGLang {method} refused: {value[1]}")
+        return value
+
+    def shutdown(self) -> None:
+        """Stop the engine. The real Engine.shutdown kills EVERY child process of this one."""
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+
+def _dtype_name(dtype: Optional[torch.dtype]) -> str:
+    return {None: "auto", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
+
+
+def _free_device_bytes(device: torch.device) -> Optional[int]:
+    if device.type != "cuda":
+        return None  # host memory: nothing to wait for
+    return torch.cuda.mem_get_info(device)[0]
