@@ -239,6 +239,7 @@ class RewardConfig:
 class TrainerConfig:
     total_steps: int = 100
     micro_batch_size: int = 64  # sequences per forward/backward on one rank
+    max_tokens_per_micro_batch: int = 0  # > 0: micro-batches by a token budget (sequences grouped by length)
     out_dir: str = "runs/default"
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
@@ -249,6 +250,8 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         _check(self.total_steps > 0, "trainer.total_steps", "must be > 0")
         _check(self.micro_batch_size > 0, "trainer.micro_batch_size", "must be > 0")
+        _check(self.max_tokens_per_micro_batch >= 0, "trainer.max_tokens_per_micro_batch",
+               f"must be >= 0 (0 = off: micro_batch_size rows), got {self.max_tokens_per_micro_batch}")
         _one_of(self.device, "trainer.device", ["auto", "cpu", "cuda"])
         _check(self.dist_timeout_s > 0, "trainer.dist_timeout_s", "must be > 0")
 
