@@ -281,7 +281,7 @@ class Trainer:
                              algo=cfg.algorithm, temperature=cfg.rollout.temperature,
                              micro_batch_size=cfg.trainer.micro_batch_size, grad_clip=cfg.optim.grad_clip,
                              norm_length=cfg.rollout.max_new_tokens, seed=cfg.trainer.seed + self.step_idx,
-                             kl_coef=kl_coef)
+                             kl_coef=kl_coef, max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch)
 
     # -- metrics --------------------------------------------------------------
     def _time_metrics(self, timer: StageTimer) -> dict[str, float]:

@@ -58,6 +58,48 @@ def trimmed(b: TrainBatch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return b.ids_NL[rows, :b.P + T], b.attn_NL[rows, :b.P + T], mask[:, :T], T
 
 
+def response_ends(mask_NT: torch.Tensor) -> list[int]:
+    """Per row, one past the last token in the loss (0 for an empty row); one host copy per step."""
+    pos_NT = torch.arange(1, mask_NT.shape[1] + 1, device=mask_NT.device)
+    return (torch.where(mask_NT != 0, pos_NT, 0).amax(dim=1) if mask_NT.shape[1] else
+            torch.zeros(mask_NT.shape[0], dtype=torch.long)).tolist()
+
+
+def micro_batches(rows: list[int], ends: list[int], P: int, micro_batch_size: int, max_tokens: int) -> list[list[int]]:
+    """Split a mini-batch's rows into micro-batches, the same NUMBER on every rank.
+
+    max_tokens == 0: consecutive groups of micro_batch_size rows. Otherwise rows are sorted
+    by length and packed while rows x (P + the longest response in the group) stays within
+    max_tokens (each micro-batch is trimmed to its longest response, so that is its padded
+    cost); a row longer than the budget goes alone. Every micro-batch forward is an FSDP
+    collective, so the ranks agree on the count (an all-reduce of the max) and a rank with
+    fewer splits its largest groups until it has as many. The loss is unchanged: its
+    normaliser is global, so grouping only changes the summation order.
+    """
+    if max_tokens <= 0:
+        # Same rows on every rank, same count: nothing to agree on.
+        return [rows[i:i + micro_batch_size] for i in range(0, len(rows), micro_batch_size)]
+    groups, current, longest = [], [], 0
+    for r in sorted(rows, key=lambda i: ends[i]):
+        cost = P + max(1, ends[r])
+        if current and max(longest, cost) * (len(current) + 1) > max_tokens:
+            groups.append(current)
+            current, longest = [], 0
+        current.append(r)
+        longest = max(longest, cost)
+    if current:
+        groups.append(current)
+    target = int(D.all_reduce_max(torch.tensor([len(groups)], dtype=torch.int64)).item())
+    while len(groups) < target:
+        big = max(range(len(groups)), key=lambda g: len(groups[g]))
+        if len(groups[big]) < 2:
+            raise RuntimeError(f"cannot make {target} micro-batches from {len(rows)} rows; every rank must hold "
+                               "as many rows per mini-batch")
+        half = len(groups[big]) // 2
+        groups[big:big + 1] = [groups[big][:half], groups[big][half:]]
+    return groups
+
+
 def is_on_policy(algo: AlgorithmConfig, n_global: int) -> bool:
     """One epoch over one mini-batch: the policy that takes the step is the one that generated the batch."""
     return algo.ppo_epochs == 1 and algo.mini_batch_size in (0, n_global)
@@ -98,6 +140,7 @@ def policy_update(
     norm_length: int,
     seed: int,
     kl_coef: float | None = None,
+    max_tokens_per_micro_batch: int = 0,
 ) -> dict[str, float]:
     """Epochs x mini-batches x micro-batches of `batch`; returns the update's metrics (reduced over ranks).
 
@@ -117,6 +160,7 @@ def policy_update(
     mb_local = (algo.mini_batch_size or n_global) // W
     acc = MeanAccumulator()
     gen = torch.Generator().manual_seed(seed)
+    ends = response_ends(batch.mask_NT)
     for epoch in range(algo.ppo_epochs):
         shuffle = algo.ppo_epochs > 1 or mb_local < len(batch)
         order = torch.randperm(len(batch), generator=gen) if shuffle else torch.arange(len(batch))
@@ -129,8 +173,9 @@ def policy_update(
             # way to ROLLOUT, so the memory ledger sees them in TRAIN.
             optimizer.zero_grad(set_to_none=True)
             mini_loss = torch.zeros((), device=batch.ids_NL.device)
-            for u0 in range(0, len(mini), micro_batch_size):
-                rows = mini[u0:u0 + micro_batch_size]
+            for group in micro_batches(order[m0:m0 + mb_local].tolist(), ends, batch.P, micro_batch_size,
+                                       max_tokens_per_micro_batch):
+                rows = torch.tensor(group, device=batch.ids_NL.device)
                 ids, attn, mask, T = trimmed(batch, rows)
                 logp, ent = response_logprobs(policy, ids, attn, batch.P, temperature)
                 # On-policy: no scoring forward ran; the policy being updated generated the batch.

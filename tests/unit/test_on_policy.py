@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from hybrid_rl.config import AlgorithmConfig
@@ -55,3 +56,37 @@ def test_old_logprobs_are_scored_exactly_when_something_reads_them_before_the_up
     assert scores_old_policy(AlgorithmConfig(rollout_correction="tis_token"), 64)
     assert scores_old_policy(AlgorithmConfig(kl_placement="reward", kl_coef=0.1), 64)
     assert not scores_old_policy(AlgorithmConfig(kl_placement="reward", kl_coef=0.0), 64), "no reference, no KL"
+
+
+def test_token_budget_micro_batches_cover_every_row_once_within_the_budget():
+    from hybrid_rl.update import micro_batches
+
+    ends = [1, 6, 5, 4, 3, 2, 1, 6, 0]
+    groups = micro_batches(list(range(9)), ends, P=5, micro_batch_size=3, max_tokens=20)
+    assert sorted(r for g in groups for r in g) == list(range(9))
+    for g in groups:
+        longest = max(5 + max(1, ends[r]) for r in g)
+        assert len(g) == 1 or longest * len(g) <= 20, g
+    lengths = [ends[r] for g in groups for r in g]
+    assert lengths == sorted(lengths), "grouped by length"
+    assert micro_batches(list(range(9)), ends, P=5, micro_batch_size=4, max_tokens=0) == [[0, 1, 2, 3], [4, 5, 6, 7], [8]]
+
+
+def test_token_budget_gives_the_same_update_as_row_micro_batches(tiny_model):
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(4, 15, (2 + i % 3,), generator=g).tolist() for i in range(8)]
+    responses = [torch.randint(4, 15, (1 + (i * 5) % 7,), generator=g).tolist() for i in range(8)]
+    ids, attn, mask, P = build_sequences(prompts, responses, pad_id=0)
+    adv = torch.randn(8, generator=g)
+    out = []
+    for max_tokens in (0, 20):
+        model = copy.deepcopy(tiny_model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        batch = TrainBatch(ids_NL=ids, attn_NL=attn, mask_NT=mask.float(), P=P, adv_NT=adv[:, None] * mask.float())
+        m = policy_update(policy=model, optimizer=opt, scheduler=sched, batch=batch,
+                          algo=AlgorithmConfig(kl_coef=0.0, loss_agg="seq-mean-token-mean"), temperature=1.0,
+                          micro_batch_size=3, grad_clip=1.0, norm_length=7, seed=0, max_tokens_per_micro_batch=max_tokens)
+        out.append(m)
+    assert out[1]["actor/loss"] == pytest.approx(out[0]["actor/loss"], rel=1e-5)
+    assert out[1]["actor/grad_norm"] == pytest.approx(out[0]["actor/grad_norm"], rel=1e-5)
