@@ -8,12 +8,16 @@ the digits-task vocabulary (`<pad>`=0, `<eos>`=1, `<bos>`=2, `<unk>`=3, then
     tiny_tokenizer          its tokenizer via `load_tokenizer` (session; do not mutate)
     tiny_model              a fresh fp32 copy of the model in eval mode (per test: mutate freely)
     tiny_trainer_overrides  small `key=value` overrides for a fast `Trainer` in one process
+    fake_sglang             module-scoped: `import sglang` resolves to the CPU stand-in (tests/fake_sglang)
+                            while the module runs; undone after it
     torch_one_thread        module-scoped: torch intra-op threads = 1 while the module runs
                             (a 64-wide model is all overhead; extra threads only contend for
                             cores, several times slower on a loaded machine). Opt in with
                             `pytestmark = pytest.mark.usefixtures("torch_one_thread")`.
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -71,3 +75,28 @@ def torch_one_thread():
         yield
     finally:
         torch.set_num_threads(before)
+
+
+FAKE_SGLANG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_sglang")
+
+
+@pytest.fixture(scope="module")
+def fake_sglang():
+    """Put the SGLang stand-in on sys.path; undo what building an Engine does to this process."""
+    import multiprocessing as mp
+    import sys
+
+    sys.path.insert(0, FAKE_SGLANG)
+    start_method = mp.get_start_method(allow_none=True)
+    cuda_conn = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    try:
+        yield FAKE_SGLANG
+    finally:
+        sys.path.remove(FAKE_SGLANG)
+        for name in [m for m in sys.modules if m in ("sglang", "fake_sglang_helpers") or m.startswith("sglang.")]:
+            del sys.modules[name]
+        mp.set_start_method(start_method, force=True)
+        if cuda_conn is None:
+            os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+        else:
+            os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = cuda_conn

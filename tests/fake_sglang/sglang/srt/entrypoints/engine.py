@@ -1,0 +1,343 @@
+"""`sglang.Engine` stand-in (`srt/entrypoints/engine.py`, note sections 1, 6, 7).
+
+Building an Engine forces the "spawn" start method for the whole process, sets
+CUDA_DEVICE_MAX_CONNECTIONS=8, and starts one real scheduler process per TP rank;
+each loads the HF model from `model_path` with transformers and decodes on CPU.
+
+Known differences from SGLang 0.5.21 (each one documented where it lives):
+* Every TP rank holds the full model; generation runs on every rank and the results
+  must agree exactly (else RankMismatchError).
+* dtype "auto" means float32 (the real engine follows the checkpoint, and turns an
+  fp32 checkpoint into fp16). Only pp_size = dp_size = nnodes = 1.
+* enable_memory_saver=True fails (no CUDA), yet release(["weights"]) behaves as if the
+  memory saver were on: contents are discarded (NaN) unless enable_weights_cpu_backup.
+  With the memory saver off, the real engine keeps the contents; do not rely on it.
+* A fatal scheduler error raises EngineCrashed instead of killing the caller.
+* Unknown memory tags, and a flattened_bucket list whose length is not tp_size, raise
+  ValueError in the caller (the real engine's behaviour is unverified). Releasing
+  "weights" twice is fatal (the buffer stash would read unmapped memory; unverified).
+* The prefix cache only counts hits (cached_tokens, and stale_cache_hits in
+  _debug_state() for hits on KV computed before a weight update without a flush); it
+  never reuses stale KV the way the real engine would.
+* input_token_logprobs: entries for input_ids[logprob_start_len:] (default: the last
+  prompt token), the first padded with None, as SGLang pads it.
+* shutdown() stops only the schedulers; the real one kills every child process of the
+  caller (kill_process_tree(os.getpid(), include_parent=False)): DataLoader workers too.
+* Not provided: async_* methods, streaming, multimodal inputs, top_logprobs_num,
+  update_weights_from_distributed/disk/ipc, HTTP.
+"""
+from __future__ import annotations
+
+import asyncio
+import atexit
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import random
+import socket
+import time
+import uuid
+from typing import Any, Dict, List, Optional, Union
+
+import torch
+
+from sglang.fake_errors import RankMismatchError
+from sglang.srt.constants import GPU_MEMORY_ALL_TYPES
+from sglang.srt.managers.io_struct import FlushCacheReqOutput
+from sglang.srt.managers.scheduler_client import SchedulerClient
+from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.utils.common import MultiprocessingSerializer, normalize_serialized_named_tensor_payloads
+
+_SESSION_MSG = "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+
+
+def _read_json(path: str) -> Dict[str, Any]:
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _as_ids(value) -> List[int]:
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, list) else [value])]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Engine:
+    def __init__(self, **kwargs: Any):
+        if os.environ.get("SGLANG_RUST_SERVER") == "1":
+            raise ValueError("SGLANG_RUST_SERVER=1 cannot be used with sglang.Engine")
+        if "server_args" in kwargs:
+            server_args = kwargs.pop("server_args")
+            if kwargs:
+                raise TypeError("pass either server_args or keyword arguments, not both")
+        else:
+            kwargs.setdefault("log_level", "error")
+            server_args = ServerArgs(**kwargs)
+        self.server_args = server_args
+        a = server_args.as_dict()
+        self._validate(a)
+        config = _read_json(os.path.join(a["model_path"], "config.json"))
+        gen_config = _read_json(os.path.join(a["model_path"], "generation_config.json"))
+        self._vocab_size = int(config["vocab_size"])
+        self._context_len = int(a["context_length"] or config.get("max_position_embeddings") or 1 << 30)
+        eos = set(_as_ids(config.get("eos_token_id"))) | set(_as_ids(gen_config.get("eos_token_id")))
+        self.tokenizer = None
+        if not a["skip_tokenizer_init"]:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(a["tokenizer_path"] or a["model_path"])
+            if self.tokenizer.eos_token_id is not None:
+                eos.add(int(self.tokenizer.eos_token_id))
+        seed = a["random_seed"] if a["random_seed"] is not None else random.randint(0, 1 << 30)
+        self._nccl_port = a["nccl_port"] if a["nccl_port"] is not None else _free_port()
+        self._weight_version = a["weight_version"]
+        self._session = False
+        self._sent_payloads: set = set()
+        sched_args = dict(a, random_seed=seed, eos_token_ids=sorted(eos))
+        # What the real _set_envs_and_config does to the caller's process (note 1.1, 7).
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "8"
+        mp.set_start_method("spawn", force=True)
+        self._client = SchedulerClient(a["tp_size"], sched_args)
+        atexit.register(self.shutdown)
+
+    @staticmethod
+    def _validate(a: Dict[str, Any]) -> None:
+        if not isinstance(a["tp_size"], int) or a["tp_size"] < 1:
+            raise ValueError(f"tp_size must be a positive int, got {a['tp_size']!r}")
+        for key in ("pp_size", "dp_size", "nnodes"):
+            if a[key] != 1:
+                raise NotImplementedError(f"the sglang stand-in supports only {key}=1")
+        if a["enable_memory_saver"]:
+            # What torch_memory_saver does without a GPU.
+            raise RuntimeError("torch_memory_saver: enable_memory_saver=True needs CUDA, and no CUDA device is "
+                               "available (the CPU stand-in cannot pause or resume memory)")
+        if not os.path.isfile(os.path.join(a["model_path"], "config.json")):
+            raise FileNotFoundError(f"{a['model_path']!r} is not a Hugging Face model directory (no config.json)")
+
+    # -- generation -------------------------------------------------------------
+    def generate(self, prompt: Optional[Union[str, List[str]]] = None, sampling_params=None,
+                 input_ids: Optional[Union[List[int], List[List[int]]]] = None, image_data=None,
+                 audio_data=None, video_data=None, return_logprob: Union[bool, List[bool]] = False,
+                 logprob_start_len: Optional[int] = None, top_logprobs_num=None, token_ids_logprob=None,
+                 lora_path=None, custom_logit_processor=None, return_hidden_states: bool = False,
+                 stream: bool = False, bootstrap_host=None, bootstrap_port=None, bootstrap_room=None,
+                 data_parallel_rank=None, rid=None) -> Union[Dict[str, Any], List[Dict[str, Any]]]:
+        """One dict for one prompt with n == 1; otherwise a list, prompt-major (i * n + j)."""
+        self._check_sync_call()
+        unsupported = {"image_data": image_data, "audio_data": audio_data, "video_data": video_data,
+                       "top_logprobs_num": top_logprobs_num, "token_ids_logprob": token_ids_logprob,
+                       "lora_path": lora_path, "custom_logit_processor": custom_logit_processor,
+                       "return_hidden_states": return_hidden_states, "stream": stream,
+                       "bootstrap_host": bootstrap_host, "bootstrap_port": bootstrap_port,
+                       "bootstrap_room": bootstrap_room, "data_parallel_rank": data_parallel_rank, "rid": rid}
+        for key, value in unsupported.items():
+            if value not in (None, False, 0):
+                raise NotImplementedError(f"the sglang stand-in does not implement generate({key}=...)")
+        prompts, single = self._prompts(prompt, input_ids)
+        params = self._sampling_params(sampling_params, len(prompts), single)
+        n = params[0].n
+        want_lp = return_logprob if isinstance(return_logprob, list) else [return_logprob] * len(prompts)
+        reqs = []
+        for i, ids in enumerate(prompts):
+            sp = params[i].normalized()
+            for j in range(n):
+                reqs.append({"rid": uuid.uuid4().hex, "input_ids": ids, "sampling_params": sp,
+                             "return_logprob": bool(want_lp[i]), "prefill_prefix": n > 1 and j == 0,
+                             "logprob_start_len": -1 if logprob_start_len is None else logprob_start_len})
+        start = time.perf_counter()
+        per_rank = self._client.call("generate", reqs)
+        latency = time.perf_counter() - start
+        for rank in range(1, len(per_rank)):
+            if per_rank[rank] != per_rank[0]:
+                raise RankMismatchError(
+                    f"TP rank {rank} produced different tokens or logprobs than rank 0: the ranks hold "
+                    "different weights (a real TP engine would decode garbage). Check that every rank's "
+                    "payload carries the same tensors")
+        outs = [self._format(req, res, latency) for req, res in zip(reqs, per_rank[0])]
+        return outs[0] if single and n == 1 else outs
+
+    def _prompts(self, prompt, input_ids):
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("Either text or input_ids should be provided (exactly one of them).")
+        if prompt is not None:
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs the tokenizer; with skip_tokenizer_init=True pass input_ids")
+            single = isinstance(prompt, str)
+            texts = [prompt] if single else list(prompt)
+            prompts = [self.tokenizer(t)["input_ids"] for t in texts]
+        else:
+            single = len(input_ids) > 0 and not isinstance(input_ids[0], (list, tuple))
+            prompts = [list(input_ids)] if single else [list(p) for p in input_ids]
+        if not prompts:
+            raise ValueError("no prompts given")
+        for ids in prompts:
+            if not ids:
+                raise ValueError("a prompt must have at least one token")
+            if any(not 0 <= int(t) < self._vocab_size for t in ids):
+                raise ValueError(f"input_ids contain a token outside the vocabulary (size {self._vocab_size})")
+            if len(ids) >= self._context_len:
+                raise ValueError(f"the prompt ({len(ids)} tokens) is longer than the context ({self._context_len})")
+        return [[int(t) for t in ids] for ids in prompts], single
+
+    def _sampling_params(self, sampling_params, num: int, single: bool) -> List[SamplingParams]:
+        if sampling_params is None:
+            sampling_params = {}
+        if isinstance(sampling_params, dict):
+            dicts = [sampling_params] * num
+        elif single:
+            raise TypeError("a single request takes one sampling_params dict, not a list")
+        else:
+            dicts = list(sampling_params)
+            if len(dicts) != num:
+                raise ValueError(f"got {len(dicts)} sampling_params for {num} prompts")
+        params = [SamplingParams(**d) for d in dicts]  # unknown key: TypeError
+        for sp in params:
+            sp.verify(self._vocab_size)
+        if len({sp.n for sp in params}) > 1:
+            raise ValueError("all requests in a batch must use the same n")
+        return params
+
+    def _format(self, req: Dict[str, Any], res: Dict[str, Any], latency: float) -> Dict[str, Any]:
+        out_ids = res["output_ids"]
+        meta = {"id": req["rid"], "finish_reason": res["finish_reason"], "prompt_tokens": len(req["input_ids"]),
+                "weight_version": self._weight_version, "num_retractions": 0, "reasoning_tokens": 0,
+                "completion_tokens": len(out_ids), "cached_tokens": res["cached_tokens"], "e2e_latency": latency}
+        if req["return_logprob"]:
+            meta["input_token_logprobs"] = res["input_logprobs"]
+            meta["output_token_logprobs"] = [(lp, tok, None) for lp, tok in zip(res["output_logprobs"], out_ids)]
+            meta["output_token_logprobs_length"] = len(out_ids)
+        out: Dict[str, Any] = {}
+        if self.tokenizer is not None:
+            sp = req["sampling_params"]
+            text = self.tokenizer.decode(out_ids, skip_special_tokens=sp["skip_special_tokens"])
+            matched = res["finish_reason"].get("matched")
+            if isinstance(matched, str) and not sp["no_stop_trim"] and matched in text:
+                text = text[: text.index(matched)]
+            out["text"] = text
+        out["output_ids"] = out_ids
+        out["meta_info"] = meta
+        return out
+
+    # -- memory -----------------------------------------------------------------
+    def release_memory_occupation(self, tags: Optional[List[str]] = None) -> None:
+        self._check_sync_call()
+        self._client.call("release", self._tags(tags))
+
+    def resume_memory_occupation(self, tags: Optional[List[str]] = None) -> None:
+        self._check_sync_call()
+        self._client.call("resume", self._tags(tags))
+
+    @staticmethod
+    def _tags(tags: Optional[List[str]]) -> List[str]:
+        tags = list(GPU_MEMORY_ALL_TYPES) if not tags else list(tags)
+        bad = [t for t in tags if t not in GPU_MEMORY_ALL_TYPES]
+        if bad:
+            raise ValueError(f"unknown memory tag(s) {bad}; valid: {GPU_MEMORY_ALL_TYPES}")
+        return tags
+
+    def flush_cache(self) -> FlushCacheReqOutput:
+        self._check_sync_call()
+        replies = self._client.call("flush_cache")
+        ok = all(success for success, _ in replies)
+        return FlushCacheReqOutput(success=ok, message="; ".join(m for _, m in replies if m))
+
+    # -- weights ----------------------------------------------------------------
+    def begin_weight_update(self, selector: str = "all") -> tuple:
+        self._check_sync_call()
+        if self._session:
+            return False, "A weight update session is already active; call end_weight_update() first."
+        self._client.call("begin", selector)
+        self._session = True
+        return True, "Weight update session started."
+
+    def end_weight_update(self) -> tuple:
+        self._check_sync_call()
+        if not self._session:
+            return False, "No weight update session is active; call begin_weight_update() first."
+        self._client.call("end")
+        self._session = False
+        return True, "Weight update session ended."
+
+    def update_weights_from_tensor(self, named_tensors, load_format: Optional[str] = None,
+                                   flush_cache: bool = True) -> tuple:
+        """Load tensors on every TP rank (note 1.4). flattened_bucket: one payload per rank."""
+        self._check_sync_call()
+        tp = len(self._client.conns)
+        if load_format == "flattened_bucket":
+            if not isinstance(named_tensors, (list, tuple)) or len(named_tensors) != tp:
+                raise ValueError(f"load_format='flattened_bucket' takes a list of exactly tp_size={tp} serialized "
+                                 "payloads, one per TP rank")
+            payloads = normalize_serialized_named_tensor_payloads(list(named_tensors))
+            per_rank_handles = [payloads]
+        else:
+            # The real Engine pickles the whole list once per rank, in the caller's process,
+            # before the scheduler checks the session.
+            payloads = [MultiprocessingSerializer.serialize(named_tensors) for _ in range(tp)]
+            per_rank_handles = [v.values for _, v in named_tensors if isinstance(v, LocalSerializedTensor)]
+        if not self._session:
+            return False, _SESSION_MSG  # nothing was opened, so the payloads may be sent again
+        self._claim_once(per_rank_handles)
+        replies = self._client.call("update_tensor", per_rank=[(p, load_format, flush_cache) for p in payloads])
+        return replies[0]
+
+    def _claim_once(self, per_rank_handles: List[list]) -> None:
+        # Each per-rank handle may be opened exactly once, by one rank (note 0.3): the same
+        # bytes for two ranks, or again in a later call, is a double open.
+        seen_now = set()
+        for values in per_rank_handles:
+            for value in values:
+                data = value.encode() if isinstance(value, str) else bytes(value)
+                digest = hashlib.sha256(data).hexdigest()
+                if digest in seen_now or digest in self._sent_payloads:
+                    self._client.crash("a per-rank weight payload was sent to be opened a second time (by another "
+                                       "rank or in another call); each payload must be opened exactly once "
+                                       "(CUDA IPC hangs, sglang#17870)")
+                seen_now.add(digest)
+        self._sent_payloads |= seen_now
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100):
+        self._check_sync_call()
+        return self._client.call("get_weights_by_name", (name, truncate_size))[0]
+
+    # -- lifetime -----------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the schedulers (idempotent). The real one kills every child of the caller."""
+        client = getattr(self, "_client", None)
+        if client is not None:
+            client.shutdown()
+        atexit.unregister(self.shutdown)
+
+    def _check_sync_call(self) -> None:
+        self._client.check_alive()
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        # The real sync API calls loop.run_until_complete (note 1.1).
+        raise RuntimeError("This event loop is already running")
+
+    # -- stand-in only ------------------------------------------------------------
+    def _debug_state(self) -> Dict[str, Any]:
+        """Per-rank counters: payloads_opened, payload_bytes, tensor_bytes, names_loaded,
+        names_skipped, all_params_loaded_since_release, offload_tags, weights_digest, ..."""
+        ranks = self._client.call("debug_state")
+        return {"session_active": self._session, "tp_size": len(ranks), "ranks": ranks}
+
+    def _debug_get_param(self, name: str, rank: int = 0) -> torch.Tensor:
+        shape, dtype, data = self._client.call("debug_get_param", name)[rank]
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(getattr(torch, dtype)).reshape(shape)
+
+    def _debug_pending_requests(self, n: int) -> None:
+        """Pretend n requests are running (0 clears it), to exercise the idle checks."""
+        self._client.call("debug_pending", n)

@@ -1,0 +1,247 @@
+"""The scheduler process of one TP rank: memory tags, weight updates, prefix cache.
+
+`run_scheduler_process` is the target of each spawned process. Every handler that
+raises in the real scheduler kills the caller's process tree (note 0.1); here any
+exception is sent back as a "crash" and the process exits, and the Engine turns that
+into `EngineCrashed`. Only `WeightsNotLoadedError` (a stand-in-only check) is sent back
+as an ordinary error.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import traceback
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from sglang.fake_errors import WeightsNotLoadedError
+from sglang.srt.constants import (
+    GPU_MEMORY_TYPE_CUDA_GRAPH,
+    GPU_MEMORY_TYPE_KV_CACHE,
+    GPU_MEMORY_TYPE_WEIGHTS,
+)
+from sglang.srt.managers.tp_worker import TpModelWorker
+from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor
+from sglang.srt.utils.common import MultiprocessingSerializer
+from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+_ILLEGAL_ACCESS = "CUDA error: an illegal memory access was encountered (stand-in: {what} while {tag!r} is released)"
+
+
+class Scheduler:
+    def __init__(self, tp_rank: int, args: Dict[str, Any]):
+        self.tp_rank = tp_rank
+        self.worker = TpModelWorker(tp_rank, args)
+        self.cpu_backup = args["enable_weights_cpu_backup"]
+        # Without this variable the "cuda_graph" tag frees nothing (note 1.2).
+        self.cuda_graph_freed = os.environ.get("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "0") == "1"
+        self.gpu_id = args["base_gpu_id"] + tp_rank * args["gpu_id_step"]
+        self.offload_tags: set = set()
+        self.stashed_buffers: Optional[Dict[str, torch.Tensor]] = None
+        self.host_copy: Optional[Dict[str, torch.Tensor]] = None
+        self.pending_requests = 0  # injected by Engine._debug_pending_requests
+        self.prefix_cache: List[tuple] = []  # (token tuple, weight epoch) of finished sequences
+        self.weight_epoch = 0
+        self.opened_payloads: set = set()
+        self.loaded_since_release: set = set()
+        self.weights_released_ever = False
+        self.stats = {"payloads_opened": 0, "payload_bytes": 0, "tensor_bytes": 0, "names_loaded": 0,
+                      "names_skipped": 0, "update_calls": 0, "flushes": 0, "stale_cache_hits": 0}
+
+    def handle(self, cmd: str, arg: Any) -> Any:
+        return getattr(self, f"_cmd_{cmd}")(arg)
+
+    # -- generation -------------------------------------------------------------
+    def _cmd_generate(self, reqs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        for tag in (GPU_MEMORY_TYPE_WEIGHTS, GPU_MEMORY_TYPE_KV_CACHE):
+            if tag in self.offload_tags:
+                raise RuntimeError(_ILLEGAL_ACCESS.format(what="generate", tag=tag))
+        if GPU_MEMORY_TYPE_CUDA_GRAPH in self.offload_tags and self.cuda_graph_freed:
+            raise RuntimeError(_ILLEGAL_ACCESS.format(what="generate", tag=GPU_MEMORY_TYPE_CUDA_GRAPH))
+        bad = self.worker.nan_params()
+        if bad:
+            raise WeightsNotLoadedError(
+                f"TP rank {self.tp_rank}: {len(bad)} of {len(self.worker.params)} parameters hold garbage (NaN), "
+                f"e.g. {bad[:4]}. After release_memory_occupation(['weights']) every parameter must be sent "
+                "again before generating; the real engine would silently decode garbage")
+        results = []
+        for req in reqs:
+            if req["prefill_prefix"]:  # n > 1: SGLang prefills the shared prompt once first
+                self.prefix_cache.append((tuple(req["input_ids"]), self.weight_epoch))
+            cached = self._match_prefix(req["input_ids"])
+            res = self.worker.generate_one(req["input_ids"], req["sampling_params"], req["return_logprob"],
+                                           req["logprob_start_len"])
+            res["cached_tokens"] = cached
+            self.prefix_cache.append((tuple(req["input_ids"] + res["output_ids"]), self.weight_epoch))
+            results.append(res)
+        return results
+
+    def _match_prefix(self, ids: List[int]) -> int:
+        # At least one prompt token is always computed, so a hit covers at most len - 1.
+        best, stale = 0, False
+        for seq, epoch in self.prefix_cache:
+            n = 0
+            for a, b in zip(seq, ids[:-1]):
+                if a != b:
+                    break
+                n += 1
+            if n > best:
+                best, stale = n, epoch != self.weight_epoch
+        if stale:
+            # The real engine would reuse KV computed with old weights (RLinf#96): flush after updates.
+            self.stats["stale_cache_hits"] += 1
+        return best
+
+    def _cmd_flush_cache(self, _arg=None):
+        if self.pending_requests:
+            return False, f"Cannot flush the cache: {self.pending_requests} requests are running or queued."
+        self.prefix_cache.clear()
+        self.stats["flushes"] += 1
+        return True, ""
+
+    # -- memory -----------------------------------------------------------------
+    def _cmd_release(self, tags: List[str]) -> None:
+        assert self.pending_requests == 0, "release_memory_occupation requires a fully idle engine"
+        if GPU_MEMORY_TYPE_WEIGHTS in tags and GPU_MEMORY_TYPE_WEIGHTS in self.offload_tags:
+            # The buffer stash would read memory that is already unmapped (judgment call: unverified).
+            raise RuntimeError(_ILLEGAL_ACCESS.format(what="releasing weights again", tag=GPU_MEMORY_TYPE_WEIGHTS))
+        self.offload_tags.update(tags)
+        if GPU_MEMORY_TYPE_KV_CACHE in tags:
+            self._cmd_flush_cache()
+        if GPU_MEMORY_TYPE_WEIGHTS in tags:
+            model = self.worker.model
+            self.stashed_buffers = {n: b.clone() for n, b in model.named_buffers()}
+            if self.cpu_backup:
+                self.host_copy = {n: p.detach().clone() for n, p in self.worker.params.items()}
+            # Released memory is gone: what a later resume maps back is uninitialised.
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.fill_(float("nan"))
+                for b in model.buffers():
+                    if b.is_floating_point():
+                        b.fill_(float("nan"))
+            self.loaded_since_release = set()
+            self.weights_released_ever = True
+
+    def _cmd_resume(self, tags: List[str]) -> None:
+        for tag in tags:
+            self.offload_tags.remove(tag)  # KeyError for a tag that was not released: fatal
+        if GPU_MEMORY_TYPE_WEIGHTS in tags:
+            with torch.no_grad():
+                for name, buf in self.worker.model.named_buffers():
+                    buf.copy_(self.stashed_buffers[name])
+                if self.host_copy is not None:
+                    for name, p in self.worker.params.items():
+                        p.copy_(self.host_copy[name])
+                    self.loaded_since_release = set(self.worker.params)
+            self.stashed_buffers, self.host_copy = None, None
+
+    # -- weight updates ---------------------------------------------------------
+    def _open_once(self, data: bytes) -> Any:
+        digest = hashlib.sha256(data).hexdigest()
+        # CUDA-IPC handles opened twice hang (sglang#17870); fd-based CPU handles fail on the
+        # second claim by themselves, file_system ones do not, hence this explicit check.
+        assert digest not in self.opened_payloads, f"TP rank {self.tp_rank}: a weight payload was opened twice"
+        self.opened_payloads.add(digest)
+        self.stats["payloads_opened"] += 1
+        self.stats["payload_bytes"] += len(data)
+        return MultiprocessingSerializer.deserialize(data)
+
+    def _cmd_update_tensor(self, arg) -> tuple:
+        payload, load_format, flush_cache = arg
+        if GPU_MEMORY_TYPE_WEIGHTS in self.offload_tags:
+            raise RuntimeError(_ILLEGAL_ACCESS.format(what="loading weights", tag=GPU_MEMORY_TYPE_WEIGHTS))
+        monkey_patch_torch_reductions()  # the real runner does this before deserializing
+        obj = self._open_once(payload)
+        if load_format == "flattened_bucket":
+            bucket = FlattenedTensorBucket(flattened_tensor=obj["flattened_tensor"], metadata=obj["metadata"])
+            self.stats["tensor_bytes"] += bucket.get_flattened_tensor().nbytes
+            named, direct = bucket.reconstruct_tensors(), False
+        elif load_format in (None, "direct"):
+            named, direct = [(name, self._unwrap(value)) for name, value in obj], load_format == "direct"
+        else:
+            raise NotImplementedError(f"update_weights_from_tensor: unknown load_format {load_format!r}")
+        loaded = self.worker.load_weights(named, direct=direct)
+        self.stats["update_calls"] += 1
+        self.stats["names_loaded"] += len(loaded)
+        self.stats["names_skipped"] += len(named) - len(loaded)
+        self.loaded_since_release.update(loaded)
+        self.weight_epoch += 1
+        if flush_cache:
+            ok, _ = self._cmd_flush_cache()
+            assert ok, "Cache flush failed after updating weights"
+        return True, "Succeeded to update model weights."
+
+    def _unwrap(self, value: Any) -> torch.Tensor:
+        if isinstance(value, LocalSerializedTensor):
+            value = self._open_once(value.values[self.tp_rank])
+        self.stats["tensor_bytes"] += value.nbytes
+        return value.to("cpu")  # the real runner moves it to its GPU (an H2D copy for CPU tensors)
+
+    # -- queries ----------------------------------------------------------------
+    def _cmd_get_weights_by_name(self, arg) -> Optional[list]:
+        name, truncate_size = arg
+        if self.worker.model.config.model_type != "llama":
+            return None  # 0.5.21 implements it for Llama-family models only (note 7)
+        return self.worker.params[name].detach().float()[:truncate_size].tolist()
+
+    def _cmd_debug_state(self, _arg=None) -> Dict[str, Any]:
+        params = self.worker.params
+        return dict(self.stats, tp_rank=self.tp_rank, pid=os.getpid(), gpu_id=self.gpu_id,
+                    offload_tags=sorted(self.offload_tags), weight_epoch=self.weight_epoch,
+                    pending_requests=self.pending_requests,
+                    all_params_loaded_since_release=set(params) <= self.loaded_since_release,
+                    params_not_loaded_since_release=sorted(set(params) - self.loaded_since_release),
+                    weights_released_ever=self.weights_released_ever,
+                    weights_digest=_digest(params))
+
+    def _cmd_debug_get_param(self, name: str) -> tuple:
+        t = self.worker.params[name].detach().contiguous()
+        # Raw bytes, not a tensor: the reducers may be patched in this process (IndexError on CPU).
+        return tuple(t.shape), str(t.dtype).removeprefix("torch."), t.view(torch.uint8).numpy().tobytes()
+
+    def _cmd_debug_pending(self, n: int) -> None:
+        self.pending_requests = n
+
+    def _cmd_begin(self, _arg=None) -> None:
+        pass  # the real begin restores quantized layouts and does a TP barrier; nothing to do here
+
+    def _cmd_end(self, _arg=None) -> None:
+        pass
+
+
+def _digest(params: Dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(params):
+        h.update(name.encode())
+        h.update(params[name].detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def run_scheduler_process(tp_rank: int, args: Dict[str, Any], conn) -> None:
+    """Serve commands from the Engine until "shutdown", a crash, or the Engine's death."""
+    # One thread per rank: ranks share a few cores, and equal thread counts keep the ranks bitwise equal.
+    torch.set_num_threads(1)
+    try:
+        scheduler = Scheduler(tp_rank, args)
+    except BaseException:  # noqa: BLE001 - a failed start is reported, not raised into nothing
+        conn.send(("crash", f"scheduler TP rank {tp_rank} failed to start:\n{traceback.format_exc()}"))
+        return
+    conn.send(("ok", os.getpid()))
+    while True:
+        try:
+            cmd, arg = conn.recv()
+        except (EOFError, OSError):
+            return  # the Engine's process is gone; real schedulers die with their parent too
+        if cmd == "shutdown":
+            conn.send(("ok", None))
+            return
+        try:
+            conn.send(("ok", scheduler.handle(cmd, arg)))
+        except WeightsNotLoadedError as err:
+            conn.send(("error", str(err)))
+        except BaseException:  # noqa: BLE001 - every other failure is fatal, as in SGLang
+            conn.send(("crash", f"scheduler TP rank {tp_rank} crashed in {cmd!r}:\n{traceback.format_exc()}"))
+            return

@@ -1,0 +1,191 @@
+"""The SGLang adapter (hybrid_rl/rollout/sglang.py) against the CPU stand-in of sglang 0.5.21.
+
+One process, tp_size 1: the phase switch drives the adapter exactly as in training
+(resume weights -> begin -> buckets -> end -> resume kv -> generate -> release), and the
+stand-in's schedulers are real spawned processes that open the payloads through
+shared memory. The checklist of sglang-api.md section 6, rule by rule, where it
+concerns what the adapter sends.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread", "fake_sglang")
+
+PROMPTS = [[5, 6, 7, 14], [8, 14], [11, 12, 13, 4, 5, 6, 14]]
+
+
+def _perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Trained-looking weights: neither the checkpoint nor the engine's dummy init."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return model
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_dir):
+    """A policy, its optimizer, an SGLang engine and the phase switch over them."""
+    from hybrid_rl.models.loading import load_causal_lm, load_tokenizer
+    from hybrid_rl.rollout.sglang import SGLangEngine
+    from hybrid_rl.switch.phases import PhaseManager
+
+    tok = load_tokenizer(tiny_model_dir)
+    policy = _perturbed(load_causal_lm(tiny_model_dir), seed=1)
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    engine = SGLangEngine(policy, tiny_model_dir, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, tp_size=1)
+    pm = PhaseManager(policy, opt, engine, torch.device("cpu"), bucket_bytes=64 << 10)
+    yield policy, engine, pm, tok
+    engine.shutdown()
+
+
+def _rollout(pm, prompts, params):
+    with pm.rollout() as engine:
+        out = engine.generate(prompts, params)
+    with pm.train():
+        pass
+    return out
+
+
+def test_engine_starts_released_and_the_first_sync_is_complete(setup):
+    policy, engine, pm, _ = setup
+    rank0 = engine.engine._debug_state()["ranks"][0]
+    assert engine.released == {"weights", "kv_cache"} and set(rank0["offload_tags"]) >= {"weights", "kv_cache"}
+    with pm.rollout() as e:
+        ranks = engine.engine._debug_state()["ranks"]
+        e.generate(PROMPTS, _greedy())
+    with pm.train():
+        pass
+    assert all(r["all_params_loaded_since_release"] for r in ranks), "a sync after a release must cover every parameter"
+    assert engine.engine._debug_state()["ranks"][0]["offload_tags"] == ["kv_cache", "weights"], "released after"
+    n_params = sum(p.numel() * p.element_size() for p in policy.parameters())
+    assert engine.sync_stats["bytes"] == n_params, "the flat buckets hold exactly the weights, once per TP rank"
+    assert engine.sync_stats["payloads"] == ranks[0]["payloads_opened"] > 1, "several buckets, each opened once"
+
+
+def _greedy():
+    from hybrid_rl.rollout.base import SamplingParams
+
+    return SamplingParams(max_new_tokens=8, greedy=True)
+
+
+def test_greedy_output_equals_the_native_engine_on_the_same_weights(setup):
+    from hybrid_rl.rollout.native import NativeEngine
+
+    policy, engine, pm, tok = setup
+    got = _rollout(pm, PROMPTS, _greedy())
+    want = NativeEngine(copy.deepcopy(policy), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id).generate(PROMPTS, _greedy())
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+def test_sampled_logprobs_equal_the_trainers_at_the_sampling_temperature(setup):
+    from hybrid_rl.models.logprobs import build_sequences, response_logprobs
+    from hybrid_rl.rollout.base import SamplingParams
+
+    policy, engine, pm, tok = setup
+    params = SamplingParams(max_new_tokens=6, temperature=0.7, top_k=5, top_p=0.9, seed=3)
+    got = _rollout(pm, PROMPTS * 2, params)
+    ids, attn, mask, P = build_sequences(PROMPTS * 2, [c.token_ids for c in got], tok.pad_token_id)
+    with torch.no_grad():
+        logp, _ = response_logprobs(policy, ids, attn, P, 0.7)
+    for i, c in enumerate(got):
+        assert c.finish_reason in ("stop", "length") and len(c.logprobs) == len(c.token_ids) >= 1
+        if c.finish_reason == "stop":
+            assert c.token_ids[-1] == tok.eos_token_id, "the stop token is part of the completion"
+        torch.testing.assert_close(torch.tensor(c.logprobs), logp[i, :len(c.logprobs)], atol=1e-5, rtol=0)
+
+
+def test_weights_follow_the_policy_after_a_training_step(setup):
+    policy, engine, pm, _ = setup
+    before = [c.token_ids for c in _rollout(pm, PROMPTS, _greedy())]
+    _perturbed(policy, seed=2)  # what a training step does to the weights, in larger
+    after = _rollout(pm, PROMPTS, _greedy())
+    assert [c.token_ids for c in after] != before, "the engine must decode with the synced weights"
+    test_greedy_output_equals_the_native_engine_on_the_same_weights(setup)
+
+
+def test_calls_that_would_kill_sglang_raise_in_python_first(setup):
+    """Each of these, sent to SGLang, kills the process that built the engine (note section 0)."""
+    policy, engine, pm, _ = setup
+    assert engine.released == {"weights", "kv_cache"}
+    engine.resume(["weights"])
+    with pytest.raises(RuntimeError, match="not released"):
+        engine.resume(["weights"])
+    engine.release(["weights"])
+    with pytest.raises(RuntimeError, match="released"):
+        engine.generate(PROMPTS, _greedy())
+    engine.resume(["weights"])
+    with pytest.raises(RuntimeError, match="outside a weight-update session"):
+        engine.update_weights([("model.norm.weight", torch.ones(64))])
+    engine.begin_weight_update()
+    with pytest.raises(ValueError, match="shape"):
+        engine.update_weights([("model.norm.weight", torch.ones(65))])
+    with pytest.raises(KeyError, match="not in the policy"):
+        engine.update_weights([("model.norm.wieght", torch.ones(64))])
+    engine.update_weights([("model.norm.weight", policy.model.norm.weight.detach())])
+    with pytest.raises(RuntimeError, match="incomplete"):
+        engine.end_weight_update()
+    # Finish the sync properly so the engine is usable again.
+    from hybrid_rl.switch.weights import iter_weight_buckets
+
+    for bucket in iter_weight_buckets(policy, 64 << 10):
+        engine.update_weights(bucket)
+    engine.end_weight_update()
+    engine.resume(["kv_cache"])
+    engine.release(["kv_cache", "weights"])
+    assert engine.released == {"weights", "kv_cache"}
+
+
+def test_a_dtensor_or_an_empty_bucket_never_reaches_the_engine():
+    from hybrid_rl.rollout.weight_transport import export_bucket
+
+    with pytest.raises(ValueError, match="empty"):
+        export_bucket([], None)
+
+    class FakeDTensor(torch.Tensor):
+        def full_tensor(self):  # what a DTensor has
+            return self
+
+    with pytest.raises(TypeError, match="DTensor"):
+        export_bucket([("w", torch.zeros(2).as_subclass(FakeDTensor))], None)
+
+
+def test_sglang_output_maps_to_completions_like_the_native_engine():
+    from hybrid_rl.rollout.sglang import to_completion
+
+    out = {"output_ids": [5, 6, 1], "meta_info": {"finish_reason": {"type": "stop", "matched": 1},
+                                                   "output_token_logprobs": [(-0.5, 5, None), (-1.0, 6, None), (-2.0, 1, None)]}}
+    c = to_completion(out, 0)
+    assert c.token_ids == [5, 6, 1] and c.logprobs == [-0.5, -1.0, -2.0] and c.finish_reason == "stop"
+    out["meta_info"]["finish_reason"] = {"type": "length", "length": 3}
+    assert to_completion(out, 0).finish_reason == "length"
+    out["meta_info"]["finish_reason"] = {"type": "abort", "message": "out of memory"}
+    with pytest.raises(RuntimeError, match="out of memory"):
+        to_completion(out, 0)
+    out["meta_info"]["finish_reason"] = {"type": "stop", "matched": 1}
+    out["meta_info"]["output_token_logprobs"][1] = (-1.0, 7, None)
+    with pytest.raises(RuntimeError, match="do not follow"):
+        to_completion(out, 0)
+
+
+def test_config_rejects_bad_engine_settings(tiny_trainer_overrides, monkeypatch):
+    import importlib.util
+
+    from hybrid_rl import Trainer, load_config
+
+    with pytest.raises(ValueError, match="rollout.tp_size"):
+        load_config(None, ["rollout.tp_size=2"])  # tensor parallel needs sglang
+    with pytest.raises(ValueError, match="rollout.tp_size"):
+        load_config(None, ["rollout.engine=sglang", "rollout.tp_size=3"])
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
+    with pytest.raises(ValueError, match="sglang is not importable"):
+        Trainer(load_config(None, [*tiny_trainer_overrides, "rollout.engine=sglang"]))
