@@ -89,6 +89,8 @@ class SGLangEngine:
         self._sent: set[str] = set()
         self.release_wait_s = release_wait_s
         self.sync_stats = {"bytes": 0, "payloads": 0, "handles": 0}
+        self.freed_bytes = 0  # device memory that came back at the last release (CUDA; 0 on CPU)
+        self._kv_bytes = 0
         self.engine = None
         if self.is_owner:
             self.engine = self._start(model_path, mem_fraction, seed, engine_kwargs or {})
@@ -133,7 +135,7 @@ class SGLangEngine:
     def memory_bytes(self) -> dict[str, int]:
         """This rank's share of the engine's weights while they are resident (1/tp of the model per GPU)."""
         weights = 0 if "weights" in self.released else self._full_bytes // self.tp_size
-        return {"engine_weights": weights, "kv_cache": 0}
+        return {"engine_weights": weights, "kv_cache": 0 if "kv_cache" in self.released else self._kv_bytes}
 
     def resume(self, tags: Sequence[str]) -> None:
         tags = self._tags(tags)
@@ -146,8 +148,12 @@ class SGLangEngine:
             raise RuntimeError("resume(['kv_cache']) inside a weight-update session; call end_weight_update() first")
         if "weights" in tags:
             self._sent = set()
+        free_before = _free_device_bytes(self.device)
         self._owner_call("resume_memory_occupation", list(tags))
         self.released -= set(tags)
+        if "kv_cache" in tags and free_before is not None:
+            # SGLang sizes its KV pool itself (mem_fraction): measure what the resume took.
+            self._kv_bytes = max(0, free_before - _free_device_bytes(self.device))
 
     def release(self, tags: Sequence[str]) -> None:
         tags = [t for t in self._tags(tags) if t not in self.released]
@@ -160,6 +166,8 @@ class SGLangEngine:
         self.released |= set(tags)
         if "weights" in tags:
             self._wait_for_memory(free_before, self._full_bytes // self.tp_size)
+        if free_before is not None:
+            self.freed_bytes = max(0, _free_device_bytes(self.device) - free_before)
 
     def _wait_for_memory(self, free_before: Optional[int], expected: int) -> None:
         """SGLang can return from release before the memory is back (slime#579): wait, bounded."""
