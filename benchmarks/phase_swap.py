@@ -83,8 +83,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="auto: bf16 mixed precision on CUDA (as the trainer), fp32 on CPU")
     p.add_argument("--k", type=int, default=5, help="measured cycles")
     p.add_argument("--warmup", type=int, default=1, help="cycles run first and not measured")
-    p.add_argument("--engine", choices=("both", "zero-copy", "copy"), default="both")
-    p.add_argument("--bucket-mb", type=float, default=256.0, help="weight-sync bucket size (copy engine)")
+    p.add_argument("--engine", choices=("both", "zero-copy", "copy", "sglang"), default="both",
+                   help="sglang: an sglang.Engine (on CPU: put tests/fake_sglang on PYTHONPATH for the stand-in)")
+    p.add_argument("--bucket-mb", type=float, default=256.0, help="weight-sync bucket size (copy and sglang engines)")
+    p.add_argument("--tp-size", type=int, default=1, help="sglang: ranks per engine")
     p.add_argument("--offload-optimizer", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--ref", action=argparse.BooleanOptionalAction, default=True,
                    help="a frozen reference copy, resident only inside SCORE")
@@ -204,7 +206,8 @@ def timed_generate(engine: NativeEngine, prompts: list[list[int]], sp: SamplingP
         sync(dev)
         calls.append(time.perf_counter() - t0[0])
 
-    hooks = [engine.model.register_forward_pre_hook(pre), engine.model.register_forward_hook(post)]
+    model = getattr(engine, "model", None)  # SGLang decodes in its own processes: total time only
+    hooks = [model.register_forward_pre_hook(pre), model.register_forward_hook(post)] if model is not None else []
     try:
         start = time.perf_counter()
         out = engine.generate(prompts, sp)
@@ -214,14 +217,21 @@ def timed_generate(engine: NativeEngine, prompts: list[list[int]], sp: SamplingP
         for h in hooks:
             h.remove()
     assert len(out) == len(prompts)
-    return {"generate_s": total, "prefill_s": calls[0], "decode_s_per_token": statistics.median(calls[1:]) if len(calls) > 1 else 0.0}
+    return {"generate_s": total, "prefill_s": calls[0] if calls else 0.0,
+            "decode_s_per_token": statistics.median(calls[1:]) if len(calls) > 1 else 0.0}
 
 
 def run_engine(mode: str, args, dev, policy, opt, ref, engine_module, train_ids, prompts, sp, shared: dict) -> dict:
     """Warm-up + k cycles with one engine; returns per-stage samples and the last ledger.
     shared["copyref"]: the reference-copy buffers, kept across engines (first touch is slow)."""
-    engine = NativeEngine(policy if mode == "zero-copy" else engine_module, pad_id=0, eos_id=-1,
-                          weights_dtype=torch.bfloat16 if args.mixed else None, own_weights=mode == "copy")
+    if mode == "sglang":
+        from hybrid_rl.rollout.sglang import SGLangEngine
+
+        engine = SGLangEngine(policy, shared["model_dir"], pad_id=0, eos_id=-1, tp_size=args.tp_size,
+                              weights_dtype=torch.bfloat16 if args.mixed else None)
+    else:
+        engine = NativeEngine(policy if mode == "zero-copy" else engine_module, pad_id=0, eos_id=-1,
+                              weights_dtype=torch.bfloat16 if args.mixed else None, own_weights=mode == "copy")
     pm = PhaseManager(policy, opt, engine, dev, ref=ref, offload_optimizer=args.offload_optimizer, offload_ref=True,
                       bucket_bytes=int(args.bucket_mb * (1 << 20)), always_copy=dev.type == "cpu")
     assert pm.zero_copy == (mode == "zero-copy")
@@ -274,7 +284,10 @@ def run_engine(mode: str, args, dev, policy, opt, ref, engine_module, train_ids,
             compute.setdefault(key, []).append(v)
     ledger = [{"boundary": s.label, **s.roles, "total": s.total} for s in pm.ledger.step_snapshots(pm.step)]
     out = {"samples": samples, "compute": compute, "ledger": ledger, "ledger_table": pm.ledger.table(pm.step),
-           "engine_module_bytes": memory.module_bytes(engine_module, dev) if mode == "copy" else 0}
+           "engine_module_bytes": memory.module_bytes(engine_module, dev) if mode == "copy" else 0,
+           "sync": dict(getattr(engine, "sync_stats", {}))}  # sglang: bytes, payloads, handles of one sync
+    if hasattr(engine, "shutdown"):
+        engine.shutdown()
     del pm, engine
     gc.collect()
     return out
@@ -349,6 +362,10 @@ def human_table(res: dict, ledger_tables: dict[str, str]) -> str:
         lines.append(f"phase compute for scale: generate {c['generate_s']:.3f} s (prefill {c['prefill_s']:.4f} s, "
                      f"decode {c['decode_s_per_token'] * 1e3:.1f} ms/token), ref forward {c['score_s']:.3f} s, "
                      f"train step {c['train_step_s']:.3f} s")
+        if "sync" in e:
+            s, sw_stage = e["sync"], e["stages"].get("sync_weights", {})
+            lines.append(f"weight sync: {s['bytes'] / 1e6:.1f} MB in {s['payloads']} payloads, {s['handles']} handles "
+                         f"(one flat bucket per TP rank per bucket); {_fmt(sw_stage.get('ratio'), '.2f')}x a bare copy")
         lines += ["memory ledger, last cycle (rank 0; this device):", ledger_tables[mode]]
     if res["device"] == "cpu":
         lines += ["", "ledger on CPU: offloaded roles count as absent (what the switch decided), although on CPU "
@@ -380,6 +397,17 @@ def build(args: argparse.Namespace, dev: torch.device):
     return cfg, policy, opt, ref, engine_module, prompts, train_ids
 
 
+def _config_dir(cfg) -> str:
+    """A model directory SGLang can start from: config.json only (it loads dummy weights)."""
+    import tempfile
+
+    path = None
+    if D.is_main():
+        path = tempfile.mkdtemp(prefix="phase_swap_model_")
+        cfg.save_pretrained(path)
+    return D.broadcast_object_from(path, 0)
+
+
 def run(args: argparse.Namespace, dev: torch.device) -> tuple[dict, dict[str, str]]:
     load_start = os.getloadavg()
     cfg, policy, opt, ref, engine_module, prompts, train_ids = build(args, dev)
@@ -387,6 +415,8 @@ def run(args: argparse.Namespace, dev: torch.device) -> tuple[dict, dict[str, st
     sp = SamplingParams(max_new_tokens=args.new_tokens, seed=args.seed)
     modes = ["zero-copy", "copy"] if args.engine == "both" else [args.engine]
     shared: dict = {}
+    if "sglang" in modes:
+        shared["model_dir"] = _config_dir(cfg)
     raw = {mode: run_engine(mode, args, dev, policy, opt, ref, engine_module, train_ids, prompts, sp, shared) for mode in modes}
     shared.clear()
     gathered = D.all_gather_object({m: {k: v for k, v in r.items() if k != "ledger_table"} for m, r in raw.items()})
@@ -404,6 +434,9 @@ def run(args: argparse.Namespace, dev: torch.device) -> tuple[dict, dict[str, st
         "settings": {**settings, "kv_tokens": args.batch * (args.prompt_len + args.new_tokens)},
         "engines": {m: summarize(_max_over_ranks([g_[m] for g_ in gathered])) for m in modes},
     }
+    for m in modes:
+        if raw[m]["sync"]:
+            res["engines"][m]["sync"] = raw[m]["sync"]
     return res, {m: r["ledger_table"] for m, r in raw.items()}
 
 

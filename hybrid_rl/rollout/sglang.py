@@ -75,6 +75,7 @@ class SGLangEngine:
             raise ValueError(f"config key 'rollout.tp_size': {tp_size} must divide the ranks of one node "
                              f"({D.local_world_size()}) and the world ({W})")
         self.tp_size, self.pad_id, self.eos_id = tp_size, pad_id, eos_id
+        self.vocab_size = model.config.vocab_size
         self.owner = r - r % tp_size
         self.is_owner = r == self.owner
         groups = [D.new_group(list(range(g, g + tp_size)), timeout_s) for g in range(0, W, tp_size)]
@@ -288,10 +289,13 @@ class SGLangEngine:
         # without a tokenizer knows only the model config's eos ids). A seed per sample: it
         # takes effect only with deterministic inference, never used for rollouts (it makes a
         # prompt's samples identical); the engine's random_seed drives sampling otherwise.
-        d = {"max_new_tokens": p.max_new_tokens, "temperature": 0.0 if p.greedy else p.temperature,
-             "top_p": p.top_p, "top_k": p.top_k, "stop_token_ids": sorted({self.eos_id, *p.stop_token_ids}),
-             "sampling_seed": p.seed * 1_000_003 + i}
-        return d
+        stops = sorted({*p.stop_token_ids, *([self.eos_id] if self.eos_id >= 0 else [])})  # eos_id < 0: none
+        bad = [t for t in stops if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"stop token ids {bad} are outside the vocabulary (0..{self.vocab_size - 1}); "
+                             "SGLang rejects the request")
+        return {"max_new_tokens": p.max_new_tokens, "temperature": 0.0 if p.greedy else p.temperature,
+                "top_p": p.top_p, "top_k": p.top_k, "stop_token_ids": stops, "sampling_seed": p.seed * 1_000_003 + i}
 
     # -- owner calls ----------------------------------------------------------
     def _owner_call(self, method: str, *args, check: bool = False, optional: bool = False):
