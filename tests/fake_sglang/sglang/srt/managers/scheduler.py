@@ -66,16 +66,12 @@ class Scheduler:
                 f"TP rank {self.tp_rank}: {len(bad)} of {len(self.worker.params)} parameters hold garbage (NaN), "
                 f"e.g. {bad[:4]}. After release_memory_occupation(['weights']) every parameter must be sent "
                 "again before generating; the real engine would silently decode garbage")
-        results = []
-        for req in reqs:
+        results = self.worker.generate(reqs)
+        for req, res in zip(reqs, results):  # the prefix cache sees the requests in order
             if req["prefill_prefix"]:  # n > 1: SGLang prefills the shared prompt once first
                 self.prefix_cache.append((tuple(req["input_ids"]), self.weight_epoch))
-            cached = self._match_prefix(req["input_ids"])
-            res = self.worker.generate_one(req["input_ids"], req["sampling_params"], req["return_logprob"],
-                                           req["logprob_start_len"])
-            res["cached_tokens"] = cached
+            res["cached_tokens"] = self._match_prefix(req["input_ids"])
             self.prefix_cache.append((tuple(req["input_ids"] + res["output_ids"]), self.weight_epoch))
-            results.append(res)
         return results
 
     def _match_prefix(self, ids: List[int]) -> int:

@@ -3,7 +3,7 @@
 Every rank holds the full model (a real rank holds a shard of it); the engine checks
 that all ranks produce identical outputs, which holds exactly when their weights match.
 
-Legend: P prompt tokens, V vocab.
+Legend: N rows of a generate batch (requests), P prompt tokens (left-padded), V vocab.
 """
 from __future__ import annotations
 
@@ -43,6 +43,11 @@ def load_model(model_path: str, load_format: str, dtype: str) -> torch.nn.Module
         raise ValueError(f"the sglang stand-in supports load_format 'auto', 'safetensors' or 'dummy', "
                          f"got {load_format!r}")
     return model.eval().requires_grad_(False)
+
+
+def position_ids(attn_NP: torch.Tensor) -> torch.Tensor:
+    """Positions count real tokens only, so a left-padded prompt starts at position 0."""
+    return (attn_NP.cumsum(-1) - 1).clamp(min=0)
 
 
 class TpModelWorker:
@@ -87,34 +92,62 @@ class TpModelWorker:
 
     # -- decoding ---------------------------------------------------------------
     @torch.no_grad()
-    def generate_one(self, prompt: List[int], sp: Dict[str, Any], return_logprob: bool,
-                     logprob_start_len: int) -> Dict[str, Any]:
-        """Decode one sequence with a KV cache; logprobs as SGLang's sampler reports them."""
-        out = self.model(input_ids=torch.tensor([prompt]), use_cache=True)
-        logits_PV = out.logits[0].float()
-        cache = out.past_key_values
-        res: Dict[str, Any] = {"output_ids": [], "output_logprobs": [], "input_logprobs": None}
-        if return_logprob:
-            res["input_logprobs"] = self._input_logprobs(prompt, logits_PV, logprob_start_len)
-        stop_ids = set() if sp["ignore_eos"] else set(sp["stop_token_ids"]) | self.eos_ids
-        last_V = logits_PV[-1]
-        finish = {"type": "length", "length": sp["max_new_tokens"]}
-        for step in range(sp["max_new_tokens"]):
-            token, logprob = self._sample(last_V, sp, position=len(prompt) + step)
-            res["output_ids"].append(token)
-            res["output_logprobs"].append(logprob)
-            if token in stop_ids:
-                finish = {"type": "stop", "matched": token}
-                break
-            matched = self._matched_stop_str(res["output_ids"], sp)
-            if matched is not None:
-                finish = {"type": "stop", "matched": matched}
-                break
-            if step + 1 < sp["max_new_tokens"]:
-                out = self.model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
-                cache, last_V = out.past_key_values, out.logits[0, -1].float()
-        res["finish_reason"] = finish
-        return res
+    def generate(self, reqs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        """Decode all requests as one left-padded batch with a KV cache.
+
+        Positions count real tokens only and padding is masked, so each row computes what
+        the prompt alone would (logprobs as SGLang's sampler reports them, note 1.5).
+        Finished rows leave the batch; randomness is drawn over the running rows in order.
+        """
+        prompts = [r["input_ids"] for r in reqs]
+        sps = [r["sampling_params"] for r in reqs]
+        P = max(len(p) for p in prompts)
+        ids_NP = torch.zeros(len(reqs), P, dtype=torch.long)
+        attn_NP = torch.zeros(len(reqs), P, dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            ids_NP[i, P - len(prompt):] = torch.tensor(prompt)
+            attn_NP[i, P - len(prompt):] = 1
+        out = self.model(input_ids=ids_NP, attention_mask=attn_NP, position_ids=position_ids(attn_NP), use_cache=True)
+        cache, last_NV = out.past_key_values, out.logits[:, -1].float()
+        results = []
+        for i, req in enumerate(reqs):
+            res: Dict[str, Any] = {"output_ids": [], "output_logprobs": [], "input_logprobs": None,
+                                   "finish_reason": {"type": "length", "length": sps[i]["max_new_tokens"]}}
+            if req["return_logprob"]:
+                logits_PV = out.logits[i, P - len(prompts[i]):].float()
+                res["input_logprobs"] = self._input_logprobs(prompts[i], logits_PV, req["logprob_start_len"])
+            results.append(res)
+        del out
+        stop_ids = [set() if sp["ignore_eos"] else set(sp["stop_token_ids"]) | self.eos_ids for sp in sps]
+        live = list(range(len(reqs)))  # the rows of the batch still decoding, in batch order
+        keep = [k for k, i in enumerate(live) if sps[i]["max_new_tokens"] > 0]
+        step = 0
+        while keep:
+            if len(keep) < len(live):
+                idx = torch.tensor(keep)
+                cache.batch_select_indices(idx)
+                last_NV, attn_NP = last_NV[idx], attn_NP[idx]
+                live = [live[k] for k in keep]
+            if step > 0:  # feed the previous step's tokens
+                tok_N1 = torch.tensor([[results[i]["output_ids"][-1]] for i in live])
+                pos_N1 = torch.tensor([[len(prompts[i]) + step - 1] for i in live])
+                attn_NP = torch.cat([attn_NP, torch.ones(len(live), 1, dtype=torch.long)], dim=1)
+                out = self.model(input_ids=tok_N1, attention_mask=attn_NP, position_ids=pos_N1,
+                                 past_key_values=cache, use_cache=True)
+                cache, last_NV = out.past_key_values, out.logits[:, -1].float()
+            tokens, logprobs = self._sample(last_NV, [sps[i] for i in live], [len(prompts[i]) + step for i in live])
+            keep = []
+            for k, (i, token, logprob) in enumerate(zip(live, tokens, logprobs)):
+                res = results[i]
+                res["output_ids"].append(token)
+                res["output_logprobs"].append(logprob)
+                matched = token if token in stop_ids[i] else self._matched_stop_str(res["output_ids"], sps[i])
+                if matched is not None:
+                    res["finish_reason"] = {"type": "stop", "matched": matched}
+                elif len(res["output_ids"]) < sps[i]["max_new_tokens"]:
+                    keep.append(k)
+            step += 1
+        return results
 
     def _input_logprobs(self, prompt: List[int], logits_PV: torch.Tensor, start: int) -> list:
         # Prompt logprobs are always at T = 1 (note 1.5). Like SGLang, the first returned
@@ -128,39 +161,43 @@ class TpModelWorker:
             out.append((lp, prompt[k], None))
         return out
 
-    def _sample(self, logits_V: torch.Tensor, sp: Dict[str, Any], position: int) -> Tuple[int, float]:
-        if sp["top_k"] == 1:
-            # Greedy: argmax, logprob of log_softmax(logits) (T = 1), as SGLang's all-greedy branch.
-            token = int(torch.argmax(logits_V))
-            return token, float(torch.log_softmax(logits_V, dim=-1)[token])
-        scaled_V = logits_V / sp["temperature"]
-        logp_V = torch.log_softmax(scaled_V, dim=-1)  # the reported logprob: before any filtering
-        probs_V = self._filtered_probs(logp_V.exp(), sp["top_k"], sp["top_p"], sp["min_p"])
-        if self.deterministic:
-            # With deterministic inference the draw depends only on (seed, position), so the
-            # n samples of one prompt come out identical (note 7).
-            seed = sp["sampling_seed"] if sp["sampling_seed"] is not None else DEFAULT_SAMPLING_SEED
-            gen = torch.Generator().manual_seed(hash((int(seed), position)) & 0x7FFFFFFFFFFFFFFF)
-            gumbel_V = -torch.log(-torch.log(torch.rand(probs_V.shape, generator=gen).clamp_min(1e-20)))
-            token = int(torch.argmax(torch.log(probs_V) + gumbel_V))
-        else:
-            token = int(torch.multinomial(probs_V, 1, generator=self.rng))
-        return token, float(logp_V[token])
+    def _sample(self, logits_NV: torch.Tensor, sps: List[Dict[str, Any]],
+                positions: List[int]) -> Tuple[List[int], List[float]]:
+        """One token per row, and its logprob log_softmax(logits / T) before any filtering."""
+        # Greedy (top_k = 1): argmax, logprob at T = 1, as SGLang's all-greedy branch.
+        greedy = [sp["top_k"] == 1 for sp in sps]
+        temp_N1 = torch.tensor([[1.0 if g else sp["temperature"]] for g, sp in zip(greedy, sps)])
+        logp_NV = torch.log_softmax(logits_NV / temp_N1, dim=-1)
+        tokens = logits_NV.argmax(-1)
+        rows = [k for k, g in enumerate(greedy) if not g]
+        if rows:
+            sampled = [sps[k] for k in rows]
+            probs_RV = self._filtered_probs(logp_NV[rows].exp(), *(
+                torch.tensor([sp[key] for sp in sampled]) for key in ("top_k", "top_p", "min_p")))
+            if self.deterministic:
+                # With deterministic inference the draw depends only on (seed, position), so the
+                # n samples of one prompt come out identical (note 7).
+                for r, k in enumerate(rows):
+                    seed = sps[k]["sampling_seed"] if sps[k]["sampling_seed"] is not None else DEFAULT_SAMPLING_SEED
+                    gen = torch.Generator().manual_seed(hash((int(seed), positions[k])) & 0x7FFFFFFFFFFFFFFF)
+                    gumbel_V = -torch.log(-torch.log(torch.rand(probs_RV.shape[1], generator=gen).clamp_min(1e-20)))
+                    tokens[k] = torch.argmax(torch.log(probs_RV[r]) + gumbel_V)
+            else:
+                tokens[rows] = torch.multinomial(probs_RV, 1, generator=self.rng)[:, 0]
+        logprobs = logp_NV.gather(-1, tokens[:, None])[:, 0]
+        return tokens.tolist(), logprobs.tolist()
 
     @staticmethod
-    def _filtered_probs(probs_V: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-        """Zero the tokens outside top-k, the top-p nucleus and the min-p floor (unnormalised)."""
-        sorted_V, order_V = torch.sort(probs_V, descending=True)
-        keep_V = torch.ones_like(sorted_V, dtype=torch.bool)
-        if top_k > 0:
-            keep_V[top_k:] = False
+    def _filtered_probs(probs_NV: torch.Tensor, top_k_N: torch.Tensor, top_p_N: torch.Tensor,
+                        min_p_N: torch.Tensor) -> torch.Tensor:
+        """Zero the tokens outside top-k (-1: all), the top-p nucleus and the min-p floor (unnormalised)."""
+        sorted_NV, order_NV = torch.sort(probs_NV, dim=-1, descending=True)
+        rank_V = torch.arange(probs_NV.shape[-1])
+        keep_NV = (top_k_N[:, None] < 1) | (rank_V < top_k_N[:, None])
         # Drop a token once the mass strictly before it exceeds top_p; the first always stays.
-        keep_V &= (torch.cumsum(sorted_V, 0) - sorted_V) <= top_p
-        if min_p > 0:
-            keep_V &= sorted_V >= sorted_V[0] * min_p
-        out_V = torch.zeros_like(probs_V)
-        out_V[order_V[keep_V]] = sorted_V[keep_V]
-        return out_V
+        keep_NV &= (torch.cumsum(sorted_NV, -1) - sorted_NV) <= top_p_N[:, None]
+        keep_NV &= sorted_NV >= sorted_NV[:, :1] * min_p_N[:, None]
+        return torch.zeros_like(probs_NV).scatter(-1, order_NV, sorted_NV * keep_NV)
 
     def _matched_stop_str(self, output_ids: List[int], sp: Dict[str, Any]) -> Optional[str]:
         if not sp["stop"] or self.tokenizer is None:
