@@ -92,6 +92,9 @@ class SGLangEngine:
         self.sync_stats = {"bytes": 0, "payloads": 0, "handles": 0}
         self.freed_bytes = 0  # device memory that came back at the last release (CUDA; 0 on CPU)
         self._kv_bytes = 0
+        # The trainer's allocator uses expandable segments: off around each export, then restored.
+        self._expandable = (self.device.type == "cuda" and
+                            "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", ""))
         self.engine = None
         if self.is_owner:
             self.engine = self._start(model_path, mem_fraction, seed, engine_kwargs or {})
@@ -198,6 +201,9 @@ class SGLangEngine:
         # 0.5.21 loads nothing outside a session; 0.5.17 has none.
         self._owner_call("begin_weight_update", check=True, optional=True)
         self.session = True
+        if self._expandable:
+            # Expandable segments cannot be shared by CUDA IPC (pytorch#130330): export from plain ones.
+            torch.cuda.memory._set_allocator_settings("expandable_segments:False")
         self.sync_stats = {"bytes": 0, "payloads": 0, "handles": 0}
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -237,6 +243,8 @@ class SGLangEngine:
                                "after a weights release SGLang holds garbage until every parameter is re-sent")
         self._owner_call("end_weight_update", check=True, optional=True)
         self.session = False
+        if self._expandable:
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
         # One flush after the last bucket: a stale prefix cache degrades rewards (RLinf#96).
         self._owner_call("flush_cache")
 

@@ -189,3 +189,24 @@ def test_config_rejects_bad_engine_settings(tiny_trainer_overrides, monkeypatch)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
     with pytest.raises(ValueError, match="sglang is not importable"):
         Trainer(load_config(None, [*tiny_trainer_overrides, "rollout.engine=sglang"]))
+
+
+def test_export_copies_the_weights_and_flushes_once_per_sync(setup, monkeypatch):
+    """Serializing a CPU tensor moves its storage into shared memory in place: the policy's own
+    parameters must never be exported (a fresh flat copy is). A stale prefix cache degrades
+    rewards, so the cache is flushed once per sync, after the last bucket."""
+    policy, engine, pm, _ = setup
+    calls = []
+    real_flush = engine.engine.flush_cache
+    monkeypatch.setattr(engine.engine, "flush_cache", lambda: calls.append("flush") or real_flush())
+    real_update = engine.engine.update_weights_from_tensor
+
+    def update(**kwargs):
+        calls.append("bucket")
+        assert kwargs["load_format"] == "flattened_bucket" and len(kwargs["named_tensors"]) == engine.tp_size
+        return real_update(**kwargs)
+
+    monkeypatch.setattr(engine.engine, "update_weights_from_tensor", update)
+    _rollout(pm, PROMPTS, _greedy())
+    assert calls.count("flush") == 1 and calls[-1] == "flush" and calls.count("bucket") > 1
+    assert not any(p.is_shared() for p in policy.parameters()), "a policy parameter was moved into shared memory"
