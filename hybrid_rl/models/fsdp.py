@@ -48,10 +48,14 @@ def gather_full_weights(model: torch.nn.Module, keep_resident: bool) -> None:
 
 
 def release_full_weights(model: torch.nn.Module) -> None:
-    """Free the gathered copies: back to 1/world of the weights per rank."""
+    """Free the gathered copies: back to 1/world of the weights per rank.
+
+    Each module gets FSDP2's default back: reshard after forward, except the root, whose
+    parameters (embeddings, LM head, final norm) a backward gathers again right away.
+    """
     for m in fsdp_modules(model):
         m.reshard()
-        m.set_reshard_after_forward(True, recurse=False)
+        m.set_reshard_after_forward(m is not model, recurse=False)
 
 
 def reshard(model: torch.nn.Module) -> None:
