@@ -28,7 +28,8 @@ setup(
     extras_require={
         # sglang 0.5.21 pins torch==2.13.0, the torch we test with (0.5.23 moved to 2.14.1).
         "gpu": ["sglang==0.5.21", "flash-attn>=2.7", "triton>=3.3"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "triton>=3.3"],
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "triton>=3.3", "ruff>=0.6"],
+        # tensorboard: for trainer.loggers=[tensorboard] and its test; it does not depend on torch.
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "triton>=3.3", "tensorboard>=2.14"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "triton>=3.3", "ruff>=0.6", "tensorboard>=2.14"],
     },
 )

@@ -36,21 +36,43 @@ class ModelConfig:
         _one_of(self.attn_implementation, "model.attn_implementation", ["sdpa", "eager", "flash_attention_2"])
 
 
+DATA_TASKS = ["digits", "gsm8k", "jsonl", "parquet"]
+
+
 @dataclass
 class DataConfig:
-    task: str = "digits"  # a built-in generated task, or "jsonl"
-    path: str = ""  # for task=jsonl: a local .jsonl file, one object per line
-    prompt_key: str = "prompt"
+    """Where prompts come from, how they become token ids, and the validation set (data/prompts.py)."""
+
+    task: str = "digits"  # digits (generated) | gsm8k | jsonl | parquet (a local file of rows)
+    # jsonl/parquet: the training file. gsm8k: a directory holding train/test .jsonl (or .parquet);
+    # "" = ../shared/data/gsm8k beside the repository if present, else openai/gsm8k through `datasets`.
+    path: str = ""
+    prompt_key: str = "prompt"  # jsonl/parquet: the row key holding the prompt (gsm8k: always "question")
+    answer_key: str = ""  # jsonl/parquet: the row key of the reference answer, given to rewards as "answer"; "" = none
+    instruction: Optional[str] = None  # appended to each prompt after a space; null = the task's own, "" = none
     batch_size: int = 32  # prompts per step, over all ranks
-    num_prompts: int = 4096  # size of a generated task's prompt set
-    chat_template: bool = False  # wrap prompts with the tokenizer's chat template
+    num_prompts: Optional[int] = None  # digits: how many to generate (null = 4096); else the first N rows (null = all)
+    max_prompt_tokens: int = 0  # longer prompts (chat template included) are dropped, counted in the log; 0 = no limit
+    chat_template: Optional[bool] = None  # null: wrap prompts when the tokenizer has a template; true: require it
+    val_path: str = ""  # jsonl/parquet validation file; gsm8k uses its test split unless this is set
+    val_split: float = 0.0  # without val_path (not gsm8k): this fraction of the rows is held out to validate on
+    val_size: Optional[int] = None  # validate on the first N validation prompts that fit max_prompt_tokens (null = all)
+    val_batch_size: Optional[int] = None  # validation prompts per generate call, over all ranks (null = batch_size)
     seed: int = 0
 
     def __post_init__(self) -> None:
+        _one_of(self.task, "data.task", DATA_TASKS)
         _check(self.batch_size > 0, "data.batch_size", f"must be > 0, got {self.batch_size}")
-        _check(self.num_prompts > 0, "data.num_prompts", f"must be > 0, got {self.num_prompts}")
-        if self.task == "jsonl":
-            _check(bool(self.path), "data.path", "is required when data.task=jsonl")
+        _check(self.num_prompts is None or self.num_prompts > 0, "data.num_prompts",
+               f"must be > 0 (or null), got {self.num_prompts}")
+        if self.task in ("jsonl", "parquet"):
+            _check(bool(self.path), "data.path", f"is required when data.task={self.task}")
+        _check(bool(self.prompt_key), "data.prompt_key", "is empty; name the row key that holds the prompt")
+        _check(self.max_prompt_tokens >= 0, "data.max_prompt_tokens", f"must be >= 0 (0 = no limit), got {self.max_prompt_tokens}")
+        _check(0.0 <= self.val_split < 1.0, "data.val_split", f"must be in [0, 1), got {self.val_split}")
+        _check(self.val_size is None or self.val_size > 0, "data.val_size", f"must be > 0 (or null), got {self.val_size}")
+        _check(self.val_batch_size is None or self.val_batch_size > 0, "data.val_batch_size",
+               f"must be > 0 (or null: data.batch_size), got {self.val_batch_size}")
 
 
 @dataclass
@@ -229,10 +251,18 @@ class OffloadConfig:
 
 @dataclass
 class RewardConfig:
-    name: str = "digits"  # a registered reward function
+    name: str = "digits"  # a registered reward function (built in: digits, gsm8k)
+    fn: str = ""  # package.module:function, imported at start-up; used instead of `name`
+    kwargs: dict[str, Any] = field(default_factory=dict)  # keyword arguments, e.g. gsm8k's mode, format_score
+    success_threshold: Optional[float] = None  # reward counted as correct (accuracy); null = the function's own (1.0)
 
     def __post_init__(self) -> None:
-        _check(bool(self.name), "reward.name", "is empty")
+        _check(bool(self.name) or bool(self.fn), "reward.name", "is empty (and reward.fn is not set)")
+        _check(not self.fn or (":" in self.fn and all(self.fn.partition(":")[::2])), "reward.fn",
+               f"{self.fn!r} is not of the form package.module:function")
+
+
+LOGGERS = ["console", "jsonl", "tensorboard", "wandb"]
 
 
 @dataclass
@@ -244,8 +274,17 @@ class TrainerConfig:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     dist_timeout_s: int = 300
-    progress_bar: bool = True
-    log_every: int = 1
+    progress_bar: bool = True  # shown only in an interactive terminal (never written into a log file)
+    log_every: int = 1  # one console line every N steps (0 = none)
+    # metrics.jsonl is always written; add tensorboard (out_dir/tensorboard) and/or wandb (when installed).
+    loggers: list[str] = field(default_factory=lambda: ["console"])
+    project: str = "hybrid_rl"  # wandb project
+    experiment: str = ""  # wandb run name; "" = the last part of out_dir
+    wandb_mode: str = "offline"  # offline (no network needed; `wandb sync` later) | online | disabled
+    val_every: int = 0  # validate every N steps and after the last one; 0 = never
+    val_before_train: bool = False  # also validate the initial policy (step 0)
+    val_n: int = 0  # k > 0: also k sampled completions per prompt at rollout.temperature, logged as val/mean@k
+    val_sample_rows: int = 8  # prompts (with completions and rewards) written to val_samples.jsonl per validation
 
     def __post_init__(self) -> None:
         _check(self.total_steps > 0, "trainer.total_steps", "must be > 0")
@@ -254,6 +293,14 @@ class TrainerConfig:
                f"must be >= 0 (0 = off: micro_batch_size rows), got {self.max_tokens_per_micro_batch}")
         _one_of(self.device, "trainer.device", ["auto", "cpu", "cuda"])
         _check(self.dist_timeout_s > 0, "trainer.dist_timeout_s", "must be > 0")
+        _check(self.log_every >= 0, "trainer.log_every", f"must be >= 0 (0 = no console lines), got {self.log_every}")
+        for name in self.loggers:
+            _one_of(name, "trainer.loggers", LOGGERS)
+        _check(len(set(self.loggers)) == len(self.loggers), "trainer.loggers", f"names a logger twice: {self.loggers}")
+        _one_of(self.wandb_mode, "trainer.wandb_mode", ["offline", "online", "disabled"])
+        _check(self.val_every >= 0, "trainer.val_every", f"must be >= 0 (0 = never), got {self.val_every}")
+        _check(self.val_n >= 0, "trainer.val_n", f"must be >= 0 (0 = greedy pass@1 only), got {self.val_n}")
+        _check(self.val_sample_rows >= 0, "trainer.val_sample_rows", f"must be >= 0, got {self.val_sample_rows}")
 
 
 @dataclass

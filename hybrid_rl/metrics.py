@@ -100,10 +100,19 @@ def append_jsonl(path: str, record: dict) -> None:
 
 
 def format_line(m: dict) -> str:
+    """One console line of a step's main metrics (time/step shows as `time=`)."""
     keys = [("step", "{:d}"), ("reward/mean", "{:.3f}"), ("reward/accuracy", "{:.2f}"), ("response/length", "{:.1f}"),
             ("actor/kl_ref", "{:.4f}"), ("actor/entropy", "{:.3f}"), ("actor/clip_frac", "{:.3f}"),
             ("actor/grad_norm", "{:.3f}"), ("time/step", "{:.2f}s"), ("bottleneck", "{}")]
-    return "  ".join(f"{k.replace('/mean', '').split('/')[-1]}={fmt.format(m[k])}" for k, fmt in keys if k in m)
+    label = {"time/step": "time"}
+    return "  ".join(f"{label.get(k, k.replace('/mean', '').split('/')[-1])}={fmt.format(m[k])}" for k, fmt in keys if k in m)
+
+
+def format_val_line(m: dict) -> str:
+    """One line of a validation's `val/*` metrics (pass@1 first, then the rest in name order)."""
+    head = [f"val step={m['step']:d}"] if "step" in m else ["val"]
+    names = sorted((k for k in m if k.startswith("val/")), key=lambda k: (k != "val/pass@1", k))
+    return "  ".join(head + [f"{k[4:]}={m[k]:.3f}" if isinstance(m[k], float) else f"{k[4:]}={m[k]}" for k in names])
 
 
 def plot_curve(history: Sequence[dict], path: str, key: str = "reward/mean") -> None:

@@ -10,6 +10,10 @@
     metrics    one reduction per stage, the slowest rank's seconds, the memory ledger;
                the KL controller is updated here, once, from the KL this step measured
 
+`fit` runs steps, validates every `trainer.val_every` (validation.py: its own
+ROLLOUT -> TRAIN round of the phase cycle, between steps) and hands each step's
+metrics to the loggers (loggers.py).
+
 Works under `torchrun` (one process per device) and in a plain process.
 Legend: B prompts per step (global), G samples per prompt, N sequences, T tokens.
 """
@@ -29,21 +33,26 @@ from hybrid_rl.algorithms.dapo import overlong_penalty, truncation_mask
 from hybrid_rl.algorithms.kl import AdaptiveKLController, FixedKLController, kl_estimate, kl_penalty_rewards
 from hybrid_rl.batch import RolloutBatch
 from hybrid_rl.config import Config, save_config
-from hybrid_rl.data.prompts import PromptLoader, load_rows
+from hybrid_rl.data.chat import PromptEncoder, drop_long_prompts, use_chat_template
+from hybrid_rl.data.prompts import PromptLoader, load_datasets
+from hybrid_rl.loggers import build_loggers, check_loggers, console_write, interactive
 from hybrid_rl.switch.advice import decide_offload
 from hybrid_rl.switch.phases import PhaseManager
-from hybrid_rl.metrics import MeanAccumulator, StageTimer, append_jsonl, bottleneck, format_line, plot_curve, split_summary
+from hybrid_rl.metrics import MeanAccumulator, StageTimer, bottleneck, plot_curve, split_summary
 from hybrid_rl.models.fsdp import shard_model
 from hybrid_rl.models.loading import load_causal_lm, load_tokenizer
 from hybrid_rl.models.saving import save_pretrained
-from hybrid_rl.rewards.base import compute_rewards, get_reward
+from hybrid_rl.rewards.base import RewardFn, compute_rewards, resolve_reward
 from hybrid_rl.rollout.base import Completion, SamplingParams, engine_class
 from hybrid_rl.sampling import GroupCollector
 from hybrid_rl.update import TrainBatch, policy_update, score_logprobs, scores_old_policy
+from hybrid_rl.validation import check_val_set, validate
 
 
 class Trainer:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, reward_fn: Optional[RewardFn] = None):
+        """`reward_fn`: a reward function (prompts, completions, metadata) -> floats, instead of the
+        registry's `reward.name` or an imported `reward.fn`; it gets the same checks (rewards/base.py)."""
         self.cfg = cfg
         self.device = D.init(cfg.trainer.device, cfg.trainer.dist_timeout_s)
         # Everything a user can get wrong is checked before a model is built.
@@ -64,16 +73,29 @@ class Trainer:
         self.overlong_buffer = buffer if buffer is not None else cfg.rollout.max_new_tokens // 5
         self.kl_ctl = (AdaptiveKLController(a.kl_coef, a.target_kl, a.kl_horizon) if a.kl_controller == "adaptive"
                        else FixedKLController(a.kl_coef))
+        check_loggers(cfg.trainer.loggers)
         torch.manual_seed(cfg.trainer.seed)
+        r = cfg.reward
+        self.reward_name, self.reward = resolve_reward(r.name, r.fn, r.kwargs, r.success_threshold, reward_fn)
         self.tokenizer = load_tokenizer(cfg.model.path)
-        self.reward_name, self.reward = cfg.reward.name, get_reward(cfg.reward.name)
-        rows = load_rows(cfg.data.task, cfg.data.path, cfg.data.prompt_key, cfg.data.num_prompts, cfg.data.seed)
+        # Prompt text -> token ids (chat template applied when used); each prompt is tokenized once.
+        self.encode = PromptEncoder(self.tokenizer, use_chat_template(self.tokenizer, cfg.data.chat_template,
+                                                                      cfg.model.path), cfg.model.path)
+        data = load_datasets(cfg.data)
+        rows = self._prepare_rows(data.train, data.train_source, "train")
+        self.val_rows = self._prepare_rows(data.val, data.val_source, "validation") if data.val else []
+        self.val_rows = self.val_rows[:cfg.data.val_size]
+        if cfg.trainer.val_every or cfg.trainer.val_before_train:
+            if not self.val_rows:
+                raise ValueError(f"config key 'trainer.val_every' / 'trainer.val_before_train': validation needs a "
+                                 f"validation set; set data.val_path or data.val_split (data.task={cfg.data.task} "
+                                 "has none of its own)")
+            check_val_set(self.val_rows, cfg.data.val_batch_size or cfg.data.batch_size, data.val_source)
         self._probe_reward(rows[:2])
         self.loader = PromptLoader(rows, cfg.data.batch_size, D.rank(), D.world_size(), cfg.data.seed)
-        self._prompt_ids: dict[str, list[int]] = {}  # prompt text -> token ids: each prompt is tokenized once
 
         mixed = self.device.type == "cuda" and cfg.model.dtype in ("auto", "bfloat16")
-        longest_prompt = max(len(self._tokenize(r["prompt"])) for r in rows[:256])
+        longest_prompt = max(len(self.encode(r["prompt"])) for r in rows[:256])
         self.offload = decide_offload(cfg.offload, cfg.model.path, self.device, D.world_size(), mixed,
                                       sequences=cfg.data.batch_size * cfg.rollout.n,
                                       context=longest_prompt + cfg.rollout.max_new_tokens,
@@ -102,7 +124,8 @@ class Trainer:
         if D.is_main():
             os.makedirs(self.out_dir, exist_ok=True)
             save_config(cfg, os.path.join(self.out_dir, "config.yaml"))
-            open(self.metrics_path, "w").close()
+        self.loggers = build_loggers(cfg, console_write) if D.is_main() else []
+        self._ledger_step = 0  # the phase-switch step of the last training rollout (memory report)
         D.barrier()
 
     def _build_engine(self, weights_dtype: Optional[torch.dtype]):
@@ -124,16 +147,22 @@ class Trainer:
         meta = [{**r, "finish_reason": "length", "response_tokens": 0} for r in rows]
         compute_rewards(self.reward_name, self.reward, [r["prompt"] for r in rows], ["" for _ in rows], meta)
 
-    def _tokenize(self, prompt: str) -> list[int]:
-        """Token ids of a prompt (chat template applied when configured), computed once per prompt."""
-        ids = self._prompt_ids.get(prompt)
-        if ids is None:
-            text = prompt
-            if self.cfg.data.chat_template:
-                text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                          add_generation_prompt=True)
-            ids = self._prompt_ids[prompt] = self.tokenizer(text, add_special_tokens=False).input_ids
-        return ids
+    def _prepare_rows(self, rows: list[dict], source: str, what: str) -> list[dict]:
+        """Rows the reward accepts, tokenized, without the prompts over data.max_prompt_tokens (counted)."""
+        if self.reward.check_rows is not None:
+            self.reward.check_rows(rows, source)
+        lengths = self.encode.encode_all(rows, source)
+        limit = self.cfg.data.max_prompt_tokens
+        kept, dropped = drop_long_prompts(rows, lengths, limit)
+        if not kept:
+            raise ValueError(f"every {what} prompt of {source} is longer than data.max_prompt_tokens={limit} "
+                             f"(the shortest has {min(lengths)} tokens); raise data.max_prompt_tokens")
+        if D.is_main():
+            note = f", dropped {dropped} longer than data.max_prompt_tokens={limit}" if dropped else ""
+            print(f"data: {len(kept)} {what} prompts from {source}{note} (longest kept "
+                  f"{max(n for n in lengths if not limit or n <= limit)} tokens; chat template "
+                  f"{'on' if self.encode.chat_template else 'off'})")
+        return kept
 
     # -- one step -------------------------------------------------------------
     def step(self) -> dict:
@@ -163,6 +192,7 @@ class Trainer:
                     pass
         metrics.update(self._time_metrics(timer))
         metrics.update(self.phases.ledger.step_metrics(self.phases.step))
+        self._ledger_step = self.phases.step
         self.step_idx += 1
         metrics["step"] = self.step_idx
         metrics["bottleneck"] = bottleneck(metrics)
@@ -175,7 +205,7 @@ class Trainer:
         groups = GroupCollector(G, algo.dynamic_sampling, algo.max_sampling_rounds, self.reward.success_threshold)
         while True:
             rows = self.loader.next_batch()
-            prompt_ids = [self._tokenize(r["prompt"]) for r in rows]
+            prompt_ids = [self.encode(r["prompt"]) for r in rows]
             with timer("rollout"):
                 completions = engine.generate([p for p in prompt_ids for _ in range(G)],
                                               self._sampling_params(groups.rounds))
@@ -297,6 +327,9 @@ class Trainer:
 
     def close(self) -> None:
         """Stop the rollout engine's processes, if it has any (SGLang). The trainer is unusable after."""
+        for logger in self.loggers:
+            logger.close()
+        self.loggers = []
         shutdown = getattr(self.engine, "shutdown", None)
         if shutdown is not None:
             shutdown()
@@ -309,30 +342,36 @@ class Trainer:
 
     def _write_memory_report(self) -> None:
         """The last step's memory ledger as a table and a timeline PNG, next to the metrics."""
-        step = self.phases.step
+        step = self._ledger_step
         if not self.phases.ledger.step_snapshots(step):
             return
         with open(os.path.join(self.out_dir, "memory.txt"), "w") as f:
             f.write(f"{self.offload.message}\n\n{self.phases.ledger.table(step)}\n")
         self.phases.ledger.plot(step, os.path.join(self.out_dir, "memory_timeline.png"))
 
+    def _log(self, metrics: dict) -> None:
+        for logger in self.loggers:  # rank 0 only: the other ranks have none
+            logger.log(metrics, metrics["step"])
+
     # -- the loop -------------------------------------------------------------
     def fit(self, steps: Optional[int] = None) -> list[dict]:
         """Run `steps` more steps (default: up to trainer.total_steps); returns the metrics history."""
         from tqdm.auto import tqdm
 
-        total = steps if steps is not None else self.cfg.trainer.total_steps - self.step_idx
-        show = D.is_main() and self.cfg.trainer.progress_bar
+        t = self.cfg.trainer
+        total = steps if steps is not None else t.total_steps - self.step_idx
+        show = D.is_main() and t.progress_bar and interactive()
         bar = tqdm(total=total, disable=not show, desc="grpo", dynamic_ncols=True)
         try:
-            for _ in range(total):
+            if t.val_before_train and self.step_idx == 0:
+                self._log({"step": 0, **validate(self, 0)})
+            for i in range(total):
                 m = self.step()
+                if t.val_every and (self.step_idx % t.val_every == 0 or i == total - 1):
+                    m.update(validate(self, self.step_idx))
                 self.history.append(m)
-                if D.is_main():
-                    append_jsonl(self.metrics_path, m)
-                    bar.set_postfix(reward=f"{m['reward/mean']:.3f}")
-                    if self.cfg.trainer.log_every and self.step_idx % self.cfg.trainer.log_every == 0:
-                        (bar.write if show else print)(format_line(m))
+                self._log(m)
+                bar.set_postfix(reward=f"{m['reward/mean']:.3f}")
                 bar.update()
         finally:
             bar.close()

@@ -1,32 +1,104 @@
-"""Prompt datasets and a rank-aware prompt loader.
+"""Prompt datasets, the validation split, and a rank-aware prompt loader.
 
-A dataset is a list of rows: {"prompt": str, ...metadata}. Built-in generated
-tasks come from `rewards.toy`; `jsonl` reads a local file. Every row is checked
-when the dataset is built, so a bad row fails before the first training step.
+A dataset is a list of rows: {"prompt": str, ...metadata}. Tasks (`data.task`):
+  digits          generated (rewards.toy)
+  gsm8k           GSM8K (data/gsm8k.py): train split to train, test split to validate
+  jsonl, parquet  a local file; `data.prompt_key` names the prompt, `data.answer_key`
+                  (optional) the reference answer, given to rewards as "answer"
+`data.instruction` is appended to every prompt (gsm8k has its own by default). The
+validation rows come from `data.val_path`, the task's own split, or `data.val_split`
+of the training file. Every row is checked when the dataset is built, so a bad row
+fails before the first training step, named by file and row.
 """
 from __future__ import annotations
 
 import json
 import os
 import random
+from dataclasses import dataclass
 from typing import Optional
 
+TASKS = ["digits", "gsm8k", "jsonl", "parquet"]
 
-def load_rows(task: str, path: str = "", prompt_key: str = "prompt", num_prompts: int = 4096, seed: int = 0) -> list[dict]:
+
+@dataclass
+class Datasets:
+    train: list[dict]
+    val: list[dict]  # empty when the run has no validation set
+    train_source: str  # where the rows came from, for messages
+    val_source: str
+
+
+def load_datasets(cfg) -> Datasets:
+    """Training and validation rows for a `DataConfig`."""
+    from hybrid_rl.data import gsm8k
+
+    val, val_source = [], ""
+    if cfg.task == "gsm8k":
+        raw = gsm8k.load_splits(cfg.path)
+        instruction = gsm8k.INSTRUCTION if cfg.instruction is None else cfg.instruction
+        train = [gsm8k.make_row(r, i, instruction, raw.train_source) for i, r in enumerate(raw.train)]
+        train_source = raw.train_source
+        if raw.test is not None and not cfg.val_path:
+            val = [gsm8k.make_row(r, i, instruction, raw.test_source) for i, r in enumerate(raw.test)]
+            val_source = raw.test_source
+    else:
+        train = load_rows(cfg.task, cfg.path, cfg.prompt_key, None if cfg.task != "digits" else cfg.num_prompts,
+                          cfg.seed, cfg.answer_key, cfg.instruction)
+        train_source = cfg.path or cfg.task
+    if cfg.val_path:
+        raw_val = read_rows(cfg.val_path, key="data.val_path")
+        if cfg.task == "gsm8k":
+            val = [gsm8k.make_row(r, i, instruction, cfg.val_path) for i, r in enumerate(raw_val)]
+        else:
+            val = [_check_row(r, i, cfg.prompt_key, cfg.val_path, cfg.answer_key, cfg.instruction)
+                   for i, r in enumerate(raw_val)]
+        val_source = cfg.val_path
+    elif not val and cfg.val_split > 0:
+        train, val = split_rows(train, cfg.val_split, cfg.seed)
+        val_source = f"{train_source} (held-out {cfg.val_split:g})"
+    if cfg.num_prompts is not None and cfg.task != "digits":
+        train = train[:cfg.num_prompts]
+    return Datasets(train, val, train_source, val_source)  # data.val_size applies after long prompts are dropped
+
+
+def split_rows(rows: list[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) with round(fraction * len) held-out rows, chosen by `seed`; both keep file order."""
+    n_val = round(fraction * len(rows))
+    if n_val < 1 or n_val >= len(rows):
+        raise ValueError(f"data.val_split={fraction} of {len(rows)} rows leaves {n_val} to validate on and "
+                         f"{len(rows) - n_val} to train on; both need at least one")
+    held = set(random.Random(seed).sample(range(len(rows)), n_val))
+    return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
+
+
+def load_rows(task: str, path: str = "", prompt_key: str = "prompt", num_prompts: Optional[int] = None, seed: int = 0,
+              answer_key: str = "", instruction: Optional[str] = None) -> list[dict]:
+    """The checked rows of a generated task or a local file (no split)."""
     if task == "digits":
         from hybrid_rl.rewards.toy import digits_rows
 
-        rows = digits_rows(num_prompts, seed)
-    elif task == "jsonl":
-        rows = _read_jsonl(path)
+        rows = digits_rows(num_prompts or 4096, seed)
+    elif task in ("jsonl", "parquet"):
+        rows = read_rows(path, task)
     else:
-        raise ValueError(f"unknown data.task {task!r}; valid: ['digits', 'jsonl']")
-    return [_check_row(r, i, prompt_key, path or task) for i, r in enumerate(rows)]
+        raise ValueError(f"unknown data.task {task!r} for load_rows; valid: ['digits', 'jsonl', 'parquet'] "
+                         "(gsm8k: load_datasets)")
+    return [_check_row(r, i, prompt_key, path or task, answer_key, instruction) for i, r in enumerate(rows)]
+
+
+def read_rows(path: str, kind: str = "", key: str = "data.path") -> list[dict]:
+    """Rows of a .jsonl or .parquet file (`kind`, else by its extension); `key` names the setting in errors."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{key} {path!r} does not exist")
+    kind = kind or ("parquet" if path.endswith(".parquet") else "jsonl")
+    rows = _read_parquet(path) if kind == "parquet" else _read_jsonl(path)
+    if not rows:
+        raise ValueError(f"{key} {path!r} holds no rows")
+    return rows
 
 
 def _read_jsonl(path: str) -> list[dict]:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"data.path {path!r} does not exist")
     rows = []
     with open(path) as f:
         for line_no, line in enumerate(f, 1):
@@ -36,17 +108,29 @@ def _read_jsonl(path: str) -> list[dict]:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{line_no}: not valid JSON ({err.msg})") from None
-    if not rows:
-        raise ValueError(f"data.path {path!r} holds no rows")
     return rows
 
 
-def _check_row(row: dict, i: int, key: str, source: str) -> dict:
+def _read_parquet(path: str) -> list[dict]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(f"reading the parquet file {path!r} needs pyarrow: pip install pyarrow "
+                          "(or convert it to .jsonl)") from None
+    return pq.read_table(path).to_pylist()
+
+
+def _check_row(row: dict, i: int, key: str, source: str, answer_key: str = "", instruction: Optional[str] = None) -> dict:
     if not isinstance(row, dict) or not isinstance(row.get(key), str) or not row[key].strip():
         raise ValueError(f"{source}: row {i} has no non-empty string under {key!r} (config key 'data.prompt_key'); "
                          f"row: {str(row)[:120]}")
+    if answer_key and row.get(answer_key) in (None, ""):
+        raise ValueError(f"{source}: row {i} has no {answer_key!r} (config key 'data.answer_key'); "
+                         f"row: {str(row)[:120]}")
     out = dict(row)
-    out["prompt"] = row[key]
+    out["prompt"] = f"{row[key]} {instruction}" if instruction else row[key]
+    if answer_key:
+        out["answer"] = row[answer_key]
     return out
 
 

@@ -20,21 +20,35 @@ rank needs it; under torchrun every rank runs the same script, so that holds.
 
 then run with `reward.name=exact_match`. `success_threshold` (default 1.0) is the
 reward at or above which a sample counts as correct in the accuracy metric. Names
-are unique: registering a taken name, a built-in one included, raises.
+are unique: registering a taken name, a built-in one included, raises. `check_rows`
+(optional) vets every dataset row before training (e.g. that each has a readable
+reference answer) and raises naming the first bad one.
+
+Without the registry: `Trainer(cfg, reward_fn=my_fn)` takes a callable, and
+`reward.fn=package.module:function` imports one by name (YAML or command line).
+`reward.kwargs.<key>=<value>` become keyword arguments of the function (e.g.
+`reward.kwargs.mode=flexible` for `gsm8k`). Whichever way it comes, the function gets
+the same checks: its signature is bound before the model loads, it is probed once on
+placeholder completions, and a reward that raises or is NaN names the sample.
 """
 from __future__ import annotations
 
+import functools
+import importlib
+import inspect
 import math
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 RewardFn = Callable[[Sequence[str], Sequence[str], Sequence[dict]], Sequence[float]]
+RowCheck = Callable[[Sequence[dict], str], None]  # (rows, source name) -> None, raises on a bad row
 
 
 @dataclass(frozen=True)
 class RewardSpec:
     fn: RewardFn
     success_threshold: float = 1.0  # a reward at or above this counts as correct (accuracy metric)
+    check_rows: Optional[RowCheck] = None  # vets the dataset rows before training
 
 
 _REGISTRY: dict[str, RewardSpec] = {}
@@ -43,16 +57,18 @@ _REGISTRY: dict[str, RewardSpec] = {}
 def _register_builtin_rewards() -> None:
     """Import the built-in reward modules; their @register_reward decorators fill the registry."""
     # Inside a function, not at the top: toy imports this module for register_reward.
-    import hybrid_rl.rewards.toy  # noqa: F401  (imported for its side effect; Python imports it once)
+    import hybrid_rl.rewards.math  # noqa: F401  (imported for their side effect; Python imports each once)
+    import hybrid_rl.rewards.toy  # noqa: F401
 
 
-def register_reward(name: str, success_threshold: float = 1.0) -> Callable[[RewardFn], RewardFn]:
+def register_reward(name: str, success_threshold: float = 1.0,
+                    check_rows: Optional[RowCheck] = None) -> Callable[[RewardFn], RewardFn]:
     """Decorator: register `fn` as reward `name` (selected by `reward.name=name`)."""
 
     def deco(fn: RewardFn) -> RewardFn:
         if name in _REGISTRY:
             raise ValueError(f"reward function {name!r} is already registered")
-        _REGISTRY[name] = RewardSpec(fn, success_threshold)
+        _REGISTRY[name] = RewardSpec(fn, success_threshold, check_rows)
         return fn
 
     return deco
@@ -66,18 +82,90 @@ def get_reward(name: str) -> RewardSpec:
     return _REGISTRY[name]
 
 
+def load_reward_fn(path: str) -> RewardFn:
+    """Import `package.module:function` (the form of `reward.fn`); errors name the key and what failed."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"config key 'reward.fn': {path!r} is not of the form package.module:function")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # an ImportError, or whatever the module raised while importing
+        raise ValueError(f"config key 'reward.fn': cannot import module {module_name!r} "
+                         f"({type(err).__name__}: {err}); is it on PYTHONPATH?") from err
+    fn = module
+    for part in attr.split("."):
+        if not hasattr(fn, part):
+            raise ValueError(f"config key 'reward.fn': module {module_name!r} has no attribute {attr!r}")
+        fn = getattr(fn, part)
+    return fn
+
+
+def resolve_reward(name: str, fn_path: str = "", kwargs: Optional[Mapping[str, Any]] = None,
+                   success_threshold: Optional[float] = None,
+                   reward_fn: Optional[RewardFn] = None) -> tuple[str, RewardSpec]:
+    """(display name, spec) of the run's reward: `reward_fn`, else `reward.fn`, else the registry's `name`.
+
+    Keyword arguments are bound now and the call signature is checked, so a function that
+    cannot take (prompts, completions, metadata, **kwargs) fails before any model loads.
+    """
+    if reward_fn is not None and fn_path:
+        raise ValueError(f"config key 'reward.fn': set to {fn_path!r} and a reward_fn was passed to Trainer; "
+                         "give one of them")
+    if reward_fn is not None:
+        shown, spec = getattr(reward_fn, "__qualname__", None) or repr(reward_fn), RewardSpec(reward_fn)
+    elif fn_path:
+        shown, spec = fn_path, RewardSpec(load_reward_fn(fn_path))
+    else:
+        shown, spec = name, get_reward(name)
+    if not callable(spec.fn):
+        raise ValueError(f"reward function {shown!r} is a {type(spec.fn).__name__}, not a callable")
+    kwargs = dict(kwargs or {})
+    try:
+        signature = inspect.signature(spec.fn)
+    except (TypeError, ValueError):  # some builtins and C callables have none to read
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind([], [], [], **kwargs)
+        except TypeError as err:
+            extra = f" with keyword arguments {sorted(kwargs)} (config key 'reward.kwargs')" if kwargs else ""
+            raise ValueError(f"reward function {shown!r} cannot be called as fn(prompts, completions, metadata)"
+                             f"{extra}: {err}; its signature is {shown}{signature}") from None
+    if kwargs:
+        spec = replace(spec, fn=functools.partial(spec.fn, **kwargs))
+    if success_threshold is not None:
+        spec = replace(spec, success_threshold=float(success_threshold))
+    return shown, spec
+
+
+def _first_failing(fn: RewardFn, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[dict]) -> Optional[int]:
+    """The index of the first sample that makes `fn` raise on its own (None if none does alone)."""
+    for i in range(len(completions)):
+        try:
+            fn([prompts[i]], [completions[i]], [metadata[i]])
+        except Exception:  # noqa: BLE001 - looking for the culprit of an error already being reported
+            return i
+    return None
+
+
+def _sample(i: int, prompts: Sequence[str], completions: Sequence[str]) -> str:
+    return f"completion {i} ({completions[i][:120]!r}, of prompt {prompts[i][:80]!r})"
+
+
 def compute_rewards(name: str, spec: RewardSpec, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[dict]) -> list[float]:
     """Call a reward function and check what it returns; never silently drops a sample."""
     try:
         out = spec.fn(prompts, completions, metadata)
     except Exception as err:
-        raise RuntimeError(f"reward function {name!r} raised {type(err).__name__}: {err}; fix the function "
+        i = _first_failing(spec.fn, prompts, completions, metadata)
+        where = f" on {_sample(i, prompts, completions)}" if i is not None else ""
+        raise RuntimeError(f"reward function {name!r} raised {type(err).__name__}: {err}{where}; fix the function "
                            "(it must return one float per completion)") from err
     out = list(out)
     if len(out) != len(completions):
         raise ValueError(f"reward function {name!r} returned {len(out)} rewards for {len(completions)} completions")
     for i, r in enumerate(out):
         if not isinstance(r, (int, float)) or math.isnan(r) or math.isinf(r):
-            raise ValueError(f"reward function {name!r} returned {r!r} for completion {i} "
-                             f"({completions[i]!r}); rewards must be finite floats")
+            raise ValueError(f"reward function {name!r} returned {r!r} for {_sample(i, prompts, completions)}; "
+                             "rewards must be finite floats")
     return [float(r) for r in out]

@@ -270,3 +270,164 @@ def test_batch_not_divisible_over_ranks(tiny_model_dir):
         cfg.validate_runtime(3)
     msg = str(err.value)
     assert "'data.batch_size'" in msg and "3 ranks" in msg and "multiple of 3" in msg
+
+
+# ---------------------------------------------------------------------------- GSM8K and file datasets
+def _two_args(prompts, completions):  # a reward function with the wrong signature (for reward.fn)
+    return [0.0 for _ in completions]
+
+
+NOT_A_FUNCTION = [1.0]
+
+
+def _write_rows(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _gsm8k_dir(tmp_path, train_rows, test_rows=None):
+    d = tmp_path / "gsm8k"
+    d.mkdir()
+    _write_rows(d / "train.jsonl", train_rows)
+    if test_rows is not None:
+        _write_rows(d / "test.jsonl", test_rows)
+    return str(d)
+
+
+GOOD = [{"question": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"} for i in range(6)]
+
+
+def test_gsm8k_directory_without_a_train_file(tiny_trainer_overrides, tmp_path, no_model_build):
+    (tmp_path / "empty_dir").mkdir()
+    with pytest.raises(FileNotFoundError) as err:
+        _trainer(tiny_trainer_overrides, "data.task=gsm8k", f"data.path={tmp_path / 'empty_dir'}", "reward.name=gsm8k")
+    assert "data.path" in str(err.value) and "train.jsonl" in str(err.value) and "empty_dir" in str(err.value)
+
+
+@pytest.mark.parametrize("bad,words", [
+    ({"question": "How many?", "answer": "Two and two make four."}, ["row 3", "#### <number>", "four"]),
+    ({"query": "How many?", "answer": "#### 4"}, ["row 3", "'question'"]),
+    ({"question": "How many?", "answer": 4}, ["row 3", "'answer'"]),
+])
+def test_gsm8k_rows_without_question_or_final_answer(tiny_trainer_overrides, tmp_path, no_model_build, bad, words):
+    d = _gsm8k_dir(tmp_path, GOOD[:3] + [bad] + GOOD[3:], GOOD)
+    with pytest.raises(ValueError) as err:
+        _trainer(tiny_trainer_overrides, "data.task=gsm8k", f"data.path={d}", "reward.name=gsm8k")
+    msg = str(err.value)
+    assert os.path.join(d, "train.jsonl") in msg, msg
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+def test_jsonl_row_without_the_answer_key(tiny_trainer_overrides, tmp_path, no_model_build):
+    path = _write_rows(tmp_path / "d.jsonl", [{"q": "1 2 3 =", "a": "234"}, {"q": "4 5 6 ="}])
+    with pytest.raises(ValueError) as err:
+        _trainer(tiny_trainer_overrides, "data.task=jsonl", f"data.path={path}", "data.prompt_key=q", "data.answer_key=a")
+    assert "row 1" in str(err.value) and "'a'" in str(err.value) and "data.answer_key" in str(err.value)
+
+
+def test_math_reward_rejects_an_answer_without_a_number(tiny_trainer_overrides, tmp_path, no_model_build):
+    rows = [{"q": f"{i} =", "a": f"#### {i}"} for i in range(4)] + [{"q": "x =", "a": "about five"}]
+    path = _write_rows(tmp_path / "d.jsonl", rows)
+    with pytest.raises(ValueError) as err:
+        _trainer(tiny_trainer_overrides, "data.task=jsonl", f"data.path={path}", "data.prompt_key=q",
+                 "data.answer_key=a", "reward.name=gsm8k")
+    assert f"{path}: row 4" in str(err.value) and "about five" in str(err.value)
+
+
+def test_val_path_missing(tiny_trainer_overrides, tmp_path, no_model_build):
+    path = _write_rows(tmp_path / "d.jsonl", [{"prompt": f"{i} 1 2 ="} for i in range(8)])
+    with pytest.raises(FileNotFoundError, match="data.val_path"):
+        _trainer(tiny_trainer_overrides, "data.task=jsonl", f"data.path={path}", f"data.val_path={tmp_path / 'v.jsonl'}")
+
+
+# ---------------------------------------------------------------------------- reward functions by import / argument
+@pytest.mark.parametrize("fn,words", [
+    ("no_such_module_xyz:score", ["'reward.fn'", "cannot import module 'no_such_module_xyz'"]),
+    ("hybrid_rl.rewards.toy:no_such_fn", ["'reward.fn'", "has no attribute 'no_such_fn'"]),
+    ("tests.unit.test_bad_input:NOT_A_FUNCTION", ["not a callable"]),
+    ("tests.unit.test_bad_input:_two_args", ["cannot be called as fn(prompts, completions, metadata)", "_two_args(prompts, completions)"]),
+])
+def test_reward_fn_that_cannot_be_used(tiny_trainer_overrides, no_model_build, fn, words):
+    with pytest.raises(ValueError) as err:
+        _trainer(tiny_trainer_overrides, f"reward.fn={fn}")
+    for w in words:
+        assert w in str(err.value), (w, str(err.value))
+
+
+def test_reward_fn_not_of_the_module_function_form(tiny_trainer_overrides):
+    with pytest.raises(ValueError, match="'reward.fn'.*package.module:function"):
+        _trainer(tiny_trainer_overrides, "reward.fn=just_a_name")
+
+
+def test_reward_kwargs_the_function_does_not_take(tiny_trainer_overrides, no_model_build):
+    with pytest.raises(ValueError) as err:
+        _trainer(tiny_trainer_overrides, "reward.name=digits", "reward.kwargs.mode=strict")
+    assert "reward.kwargs" in str(err.value) and "mode" in str(err.value)
+
+
+def test_reward_fn_argument_and_config_key_together(tiny_trainer_overrides, no_model_build):
+    with pytest.raises(ValueError, match="'reward.fn'.*give one of them"):
+        Trainer(load_config(None, [*tiny_trainer_overrides, "reward.fn=hybrid_rl.rewards.toy:digits_reward"]),
+                reward_fn=_nan)
+
+
+def test_reward_fn_that_raises_names_the_sample(tiny_trainer_overrides, no_model_build):
+    from hybrid_rl.rewards.toy import digits_rows
+
+    second = digits_rows(4096, 0)[1]["prompt"]
+
+    def picky(prompts, completions, metadata):
+        return [1.0 / (m["prompt"] != second) for m in metadata]  # ZeroDivisionError on the probe's 2nd sample
+
+    with pytest.raises(RuntimeError) as err:
+        Trainer(load_config(None, tiny_trainer_overrides), reward_fn=picky)
+    msg = str(err.value)
+    assert "ZeroDivisionError" in msg and "completion 1" in msg and repr(second) in msg and "picky" in msg
+
+
+def test_reward_fn_returning_nan_names_the_sample(tiny_trainer_overrides, no_model_build):
+    with pytest.raises(ValueError) as err:
+        Trainer(load_config(None, tiny_trainer_overrides), reward_fn=_nan)
+    msg = str(err.value)
+    assert "nan" in msg and "completion 1" in msg and "of prompt" in msg and "finite" in msg
+
+
+# ---------------------------------------------------------------------------- chat templates, prompt lengths, validation
+@pytest.fixture(scope="module")
+def text_model_dir(tmp_path_factory):
+    from hybrid_rl.models.tiny_text import build_tiny_text_model_dir
+
+    return build_tiny_text_model_dir(str(tmp_path_factory.mktemp("tiny_text") / "model"))
+
+
+def test_chat_template_that_fails(text_model_dir, tiny_trainer_overrides, tmp_path, no_model_build):
+    d = _copy_model_dir(text_model_dir, tmp_path / "model")
+    (tmp_path / "model" / "chat_template.jinja").write_text("{{ raise_exception('no user turns here') }}")
+    with pytest.raises(ValueError) as err:
+        _trainer(tiny_trainer_overrides, f"model.path={d}")
+    msg = str(err.value)
+    assert "chat template" in msg and d in msg and "row 0" in msg and "no user turns here" in msg
+    assert "data.chat_template=false" in msg
+
+
+def test_chat_template_required_but_absent(tiny_trainer_overrides, no_model_build):
+    with pytest.raises(ValueError, match="'data.chat_template'.*has no chat template"):
+        _trainer(tiny_trainer_overrides, "data.chat_template=true")
+
+
+def test_every_prompt_longer_than_the_limit(tiny_trainer_overrides, no_model_build):
+    with pytest.raises(ValueError, match=r"every train prompt .* longer than data.max_prompt_tokens=2 .*4 tokens"):
+        _trainer(tiny_trainer_overrides, "data.max_prompt_tokens=2")
+
+
+def test_validation_set_smaller_than_its_batch(tiny_trainer_overrides, no_model_build):
+    with pytest.raises(ValueError) as err:
+        _trainer(tiny_trainer_overrides, "data.num_prompts=30", "data.val_split=0.1", "trainer.val_every=1")
+    msg = str(err.value)
+    assert "3 prompts, fewer than its batch of 4" in msg and "data.val_batch_size" in msg
+
+
+def test_validation_without_a_validation_set(tiny_trainer_overrides, no_model_build):
+    with pytest.raises(ValueError, match="'trainer.val_every'.*data.val_path or data.val_split"):
+        _trainer(tiny_trainer_overrides, "trainer.val_every=5")

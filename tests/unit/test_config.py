@@ -134,6 +134,23 @@ def test_wrong_type_names_the_key():
     ("trainer.device=tpu", "trainer.device"),
     ("trainer.total_steps=0", "trainer.total_steps"),
     ("reward.name=", "reward.name"),
+    ("data.task=csv", "data.task"),
+    ("data.task=parquet", "data.path"),  # a parquet file needs a path too
+    ("data.prompt_key=", "data.prompt_key"),
+    ("data.max_prompt_tokens=-1", "data.max_prompt_tokens"),
+    ("data.val_split=1.0", "data.val_split"),
+    ("data.val_split=-0.1", "data.val_split"),
+    ("data.val_size=0", "data.val_size"),
+    ("data.val_batch_size=0", "data.val_batch_size"),
+    ("reward.fn=no_colon", "reward.fn"),
+    ("reward.fn=:fn", "reward.fn"),
+    ("trainer.loggers=[console,mlflow]", "trainer.loggers"),
+    ("trainer.loggers=[console,console]", "trainer.loggers"),
+    ("trainer.wandb_mode=cloud", "trainer.wandb_mode"),
+    ("trainer.val_every=-1", "trainer.val_every"),
+    ("trainer.val_n=-2", "trainer.val_n"),
+    ("trainer.val_sample_rows=-1", "trainer.val_sample_rows"),
+    ("trainer.log_every=-1", "trainer.log_every"),
 ])
 def test_bad_value_names_the_key(override, key):
     with pytest.raises(ValueError) as err:
@@ -167,7 +184,9 @@ def test_dataclass_validates_directly():
 
 
 @pytest.mark.parametrize("override", ["rollout.n=2", "rollout.top_k=1", "rollout.top_p=1.0", "algorithm.clip_ratio_c=null",
-                                      "algorithm.mini_batch_size=0", "model.dtype=bfloat16", "data.task=jsonl data.path=x.jsonl"])
+                                      "algorithm.mini_batch_size=0", "model.dtype=bfloat16", "data.task=jsonl data.path=x.jsonl",
+                                      "data.task=gsm8k", "data.val_split=0.0", "data.chat_template=null",
+                                      "reward.fn=pkg.mod:fn", "trainer.loggers=[]"])
 def test_boundary_values_are_accepted(override):
     load_config(None, override.split())
 
@@ -250,3 +269,36 @@ def test_save_config_round_trip_defaults(tmp_path):
     path = str(tmp_path / "config.yaml")
     save_config(Config(), path)
     assert load_config(path) == Config()
+
+
+# ---------------------------------------------------------------------------- data, reward and trainer sections
+def test_gsm8k_recipe_keys_merge_and_type(tmp_path):
+    path = _write(tmp_path / "c.yaml", """
+data:
+  task: gsm8k
+  max_prompt_tokens: 512
+  chat_template: true
+reward:
+  name: gsm8k
+  kwargs:
+    mode: strict
+trainer:
+  loggers: [console, tensorboard]
+  val_every: 5
+""")
+    cfg = load_config(path, ["reward.kwargs.format_score=0.1", "trainer.val_n=4", "data.val_size=100"])
+    assert cfg.data.task == "gsm8k" and cfg.data.max_prompt_tokens == 512 and cfg.data.chat_template is True
+    assert cfg.reward.kwargs == {"mode": "strict", "format_score": 0.1}  # the command line adds to the YAML's
+    assert cfg.trainer.loggers == ["console", "tensorboard"] and cfg.trainer.val_every == 5 and cfg.trainer.val_n == 4
+    assert cfg.data.val_size == 100 and cfg.data.val_batch_size is None and cfg.data.instruction is None
+    back = str(tmp_path / "saved.yaml")
+    save_config(cfg, back)
+    assert load_config(back) == cfg
+
+
+def test_new_keys_default_to_the_old_behaviour():
+    cfg = Config()
+    assert cfg.data.chat_template is None and cfg.data.max_prompt_tokens == 0 and cfg.data.answer_key == ""
+    assert cfg.data.num_prompts is None and cfg.data.val_split == 0.0 and not cfg.data.val_path
+    assert cfg.reward.fn == "" and cfg.reward.kwargs == {} and cfg.reward.success_threshold is None
+    assert cfg.trainer.loggers == ["console"] and cfg.trainer.val_every == 0 and cfg.trainer.wandb_mode == "offline"

@@ -1,10 +1,12 @@
-"""Prompt data (rows, the rank-aware loader and its state_dict), the reward registry and the digits reward.
+"""Prompt data (rows, GSM8K, files and validation splits, chat templates, the rank-aware loader and its state_dict),
+the reward registry and the digits reward.
 
 Legend: B global batch (prompts per step), W ranks.
 """
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import pytest
@@ -176,3 +178,132 @@ def test_uniform_random_policy_scores_at_most_0_1(tiny_tokenizer):
     text = tok.decode(perfect, skip_special_tokens=True)
     assert compute_rewards("digits", get_reward("digits"), [row["prompt"]], [text],
                            [{**row, "finish_reason": "stop", "response_tokens": len(perfect)}]) == [1.0]
+
+
+# ---------------------------------------------------------------------------- GSM8K, files, validation splits
+def _data(**kw):
+    from hybrid_rl.config import DataConfig
+
+    return DataConfig(**kw)
+
+
+def test_gsm8k_from_the_shared_copy_beside_the_repo():
+    from hybrid_rl.data.gsm8k import INSTRUCTION, default_dirs
+    from hybrid_rl.data.prompts import load_datasets
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert default_dirs()[0] == os.path.normpath(os.path.join(repo, "..", "shared", "data", "gsm8k"))
+    ds = load_datasets(_data(task="gsm8k"))
+    assert (len(ds.train), len(ds.val)) == (7473, 1319)  # openai/gsm8k "main": train 7,473, test 1,319
+    assert ds.train_source.endswith(os.path.join("gsm8k", "train.jsonl"))
+    assert ds.val_source.endswith(os.path.join("gsm8k", "test.jsonl"))
+    first = ds.val[0]
+    assert first["question"].startswith("Janet") and first["ground_truth"] == "18"
+    assert first["prompt"] == f"{first['question']} {INSTRUCTION}"
+    assert INSTRUCTION == 'Let\'s think step by step and output the final answer after "####".'
+    assert sum(r["ground_truth"] == "1,200" for r in ds.train + ds.val) >= 1  # kept as written; the reward parses it
+    assert len(load_datasets(_data(task="gsm8k", num_prompts=10, instruction="")).train) == 10
+    assert load_datasets(_data(task="gsm8k", instruction="")).train[0]["prompt"] == ds.train[0]["question"]
+
+
+def test_gsm8k_from_the_hub_when_there_is_no_local_copy(monkeypatch, tmp_path):
+    import sys
+    import types
+
+    from hybrid_rl.data import gsm8k
+    from hybrid_rl.data.prompts import load_datasets
+
+    monkeypatch.setattr(gsm8k, "default_dirs", lambda: [str(tmp_path / "nowhere")])
+    with pytest.raises(FileNotFoundError) as err:  # no local copy and no `datasets`: say what was tried
+        monkeypatch.setitem(sys.modules, "datasets", None)
+        load_datasets(_data(task="gsm8k"))
+    assert "nowhere" in str(err.value) and "openai/gsm8k" in str(err.value) and "data.path" in str(err.value)
+    calls = []
+    fake = types.SimpleNamespace(load_dataset=lambda *a: calls.append(a) or {
+        "train": [{"question": "q1", "answer": "#### 1"}, {"question": "q2", "answer": "#### 2"}],
+        "test": [{"question": "t1", "answer": "#### 3"}]})
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    ds = load_datasets(_data(task="gsm8k"))
+    assert calls == [("openai/gsm8k", "main")]
+    assert [r["ground_truth"] for r in ds.train] == ["1", "2"] and ds.val[0]["question"] == "t1"
+    assert ds.train_source == "openai/gsm8k:train"
+
+
+def test_jsonl_with_answer_key_instruction_and_held_out_split(tmp_path):
+    from hybrid_rl.data.prompts import load_datasets
+
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"problem": f"p{i}", "solution": str(i)}) + "\n" for i in range(20)))
+    ds = load_datasets(_data(task="jsonl", path=str(path), prompt_key="problem", answer_key="solution",
+                             instruction="Answer:", val_split=0.25, seed=3))
+    assert (len(ds.train), len(ds.val)) == (15, 5)
+    assert {r["problem"] for r in ds.train}.isdisjoint({r["problem"] for r in ds.val})
+    assert all(r["prompt"] == f"{r['problem']} Answer:" and r["answer"] == r["solution"] for r in ds.train + ds.val)
+    again = load_datasets(_data(task="jsonl", path=str(path), prompt_key="problem", val_split=0.25, seed=3))
+    assert [r["problem"] for r in again.val] == [r["problem"] for r in ds.val]  # the seed decides the split
+    other = load_datasets(_data(task="jsonl", path=str(path), prompt_key="problem", val_split=0.25, seed=4))
+    assert [r["problem"] for r in other.val] != [r["problem"] for r in ds.val]
+    with pytest.raises(ValueError, match="data.val_split=0.01 of 20 rows leaves 0"):
+        load_datasets(_data(task="jsonl", path=str(path), prompt_key="problem", val_split=0.01))
+
+
+def test_val_path_and_its_own_keys(tmp_path):
+    from hybrid_rl.data.prompts import load_datasets
+
+    train, val = tmp_path / "t.jsonl", tmp_path / "v.jsonl"
+    train.write_text(json.dumps({"prompt": "a", "answer": "1"}) + "\n")
+    val.write_text(json.dumps({"prompt": "b", "answer": "2"}) + "\n" + json.dumps({"prompt": "c"}) + "\n")
+    ds = load_datasets(_data(task="jsonl", path=str(train), val_path=str(val)))
+    assert [r["prompt"] for r in ds.val] == ["b", "c"] and ds.val_source == str(val)
+    with pytest.raises(ValueError, match=r"v\.jsonl: row 1 has no 'answer'"):
+        load_datasets(_data(task="jsonl", path=str(train), val_path=str(val), answer_key="answer"))
+
+
+def test_parquet_needs_pyarrow_or_reads_the_rows(tmp_path):
+    from hybrid_rl.data.prompts import read_rows
+
+    path = tmp_path / "d.parquet"
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        path.write_bytes(b"PAR1")
+        with pytest.raises(ImportError, match="pip install pyarrow"):
+            read_rows(str(path))
+        return
+    pq.write_table(pa.Table.from_pylist([{"prompt": "x", "answer": "1"}]), str(path))
+    assert read_rows(str(path)) == [{"prompt": "x", "answer": "1"}]
+
+
+def test_prompt_encoder_renders_the_chat_template_once_per_prompt_and_drops_long_prompts(tmp_path):
+    from hybrid_rl.data.chat import PromptEncoder, drop_long_prompts, use_chat_template
+    from hybrid_rl.models.loading import load_tokenizer
+    from hybrid_rl.models.tiny_text import build_tiny_text_model_dir
+
+    tok = load_tokenizer(build_tiny_text_model_dir(str(tmp_path / "m")))
+    assert use_chat_template(tok, None, "m") is True and use_chat_template(tok, False, "m") is False
+    enc = PromptEncoder(tok, True, "m")
+    rows = [{"prompt": "hi"}, {"prompt": "a much longer prompt"}, {"prompt": "hi"}]
+    lengths = enc.encode_all(rows, "rows")
+    text = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert enc("hi") == tok(text, add_special_tokens=False).input_ids and lengths[0] == lengths[2] == len(enc("hi"))
+    assert tok.decode(enc("hi")) == text
+    kept, dropped = drop_long_prompts(rows, lengths, lengths[0])
+    assert kept == [rows[0], rows[2]] and dropped == 1
+    assert drop_long_prompts(rows, lengths, 0) == (rows, 0)
+    raw = PromptEncoder(tok, False)
+    assert raw("hi") == tok("hi", add_special_tokens=False).input_ids
+
+
+def test_text_tokenizer_round_trips_gsm8k_and_has_one_token_for_the_marker(tmp_path):
+    from hybrid_rl.data.gsm8k import default_dirs
+    from hybrid_rl.models.loading import load_tokenizer
+    from hybrid_rl.models.tiny_text import build_tiny_text_model_dir
+
+    tok = load_tokenizer(build_tiny_text_model_dir(str(tmp_path / "m")))
+    with open(os.path.join(default_dirs()[0], "test.jsonl")) as f:
+        texts = [(lambda r: r["question"] + "\n" + r["answer"])(json.loads(next(f))) for _ in range(50)]
+    for t in texts:
+        assert tok.decode(tok(t, add_special_tokens=False).input_ids) == t  # unicode included (GSM8K has some)
+    assert tok.convert_ids_to_tokens(tok("####", add_special_tokens=False).input_ids) == ["####"]
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>" and tok.chat_template

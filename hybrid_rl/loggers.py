@@ -1,0 +1,141 @@
+"""Where the per-step metrics go: `trainer.loggers` picks any of console, tensorboard, wandb;
+the jsonl file (out_dir/metrics.jsonl) is always written. Every logger gets the same dict
+under the same names (TensorBoard and W&B take its numbers; `bottleneck` is a word).
+
+Only rank 0 logs. TensorBoard (torch.utils.tensorboard, needs the `tensorboard`
+package) and W&B (`wandb`) are imported when asked for, so neither is a dependency;
+asking for one that is not installed fails at start-up with the pip command.
+W&B runs offline by default (`trainer.wandb_mode`): nothing needs a network, and
+`wandb sync out_dir/wandb/offline-run-*` uploads later.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+from dataclasses import asdict
+from typing import Optional, Protocol
+
+from hybrid_rl.metrics import append_jsonl, format_line, format_val_line
+
+
+class Logger(Protocol):
+    def log(self, metrics: dict, step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _numbers(metrics: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and k != "step"}
+
+
+class JsonlLogger:
+    """One JSON object per step, appended to `path` (the file is started empty)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        open(path, "w").close()
+
+    def log(self, metrics: dict, step: int) -> None:
+        append_jsonl(self.path, metrics)
+
+    def close(self) -> None:
+        pass
+
+
+class ConsoleLogger:
+    """One line every `every` steps (and a `val` line whenever validation ran), via `write`."""
+
+    def __init__(self, every: int, write=print):
+        self.every, self.write = every, write
+
+    def log(self, metrics: dict, step: int) -> None:
+        if self.every and step % self.every == 0 and "reward/mean" in metrics:
+            self.write(format_line(metrics))
+        if any(k.startswith("val/") for k in metrics):
+            self.write(format_val_line(metrics))
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardLogger:
+    def __init__(self, log_dir: str):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ImportError("trainer.loggers includes 'tensorboard' but the tensorboard package is not installed: "
+                              "pip install tensorboard (or drop it from trainer.loggers)") from None
+        self.log_dir = log_dir
+        self.writer = SummaryWriter(log_dir=log_dir)
+
+    def log(self, metrics: dict, step: int) -> None:
+        for k, v in _numbers(metrics).items():
+            self.writer.add_scalar(k, v, global_step=step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbLogger:
+    def __init__(self, project: str, name: str, out_dir: str, mode: str, config: Optional[dict] = None):
+        try:
+            import wandb
+        except ImportError:
+            raise ImportError("trainer.loggers includes 'wandb' but wandb is not installed: pip install wandb "
+                              "(or drop it from trainer.loggers)") from None
+        self.wandb = wandb
+        self.run = wandb.init(project=project, name=name, dir=out_dir, mode=mode, config=config)
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.run.log(_numbers(metrics), step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def build_loggers(cfg, write=print) -> list[Logger]:
+    """The loggers of `cfg.trainer` (a `Config`), jsonl first; call on rank 0 only."""
+    t = cfg.trainer
+    loggers: list[Logger] = [JsonlLogger(os.path.join(t.out_dir, "metrics.jsonl"))]
+    if "console" in t.loggers:
+        loggers.append(ConsoleLogger(t.log_every, write))
+    if "tensorboard" in t.loggers:
+        loggers.append(TensorBoardLogger(os.path.join(t.out_dir, "tensorboard")))
+    if "wandb" in t.loggers:
+        name = t.experiment or os.path.basename(os.path.normpath(t.out_dir))
+        loggers.append(WandbLogger(t.project, name, t.out_dir, t.wandb_mode, _plain(cfg)))
+    return loggers
+
+
+def _plain(cfg) -> dict:
+    try:
+        return asdict(cfg)
+    except TypeError:
+        return {}
+
+
+def check_loggers(names) -> None:
+    """On every rank, before anything is built: each optional logger asked for must be importable."""
+    import importlib.util
+
+    for name, module, pip in (("tensorboard", "tensorboard", "tensorboard"), ("wandb", "wandb", "wandb")):
+        if name in names and importlib.util.find_spec(module) is None:
+            raise ImportError(f"config key 'trainer.loggers': {name!r} needs the {pip} package, which is not "
+                              f"installed: pip install {pip} (or drop {name!r} from trainer.loggers)")
+
+
+def console_write(line: str) -> None:
+    """Print a line above any progress bar (tqdm.write), flushed so a log file shows it at once."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(line)
+    sys.stdout.flush()
+
+
+def interactive() -> bool:
+    """A progress bar only where a person watches (a terminal, a notebook): in a log file its
+    carriage-return redraws would interleave with the console lines."""
+    return sys.stderr.isatty() or "ipykernel" in sys.modules

@@ -1,0 +1,124 @@
+"""Validation: pass@1 with greedy decoding on the held-out prompts, through the rollout engine,
+and with `trainer.val_n=k` also mean@k / pass@k over k sampled completions per prompt.
+
+It runs inside a ROLLOUT phase (`trainer.phases.rollout()`: weights synced, KV cache
+resumed) and goes back to TRAIN the legal way (`with phases.train(): pass`), so what
+is resident stays decided by switch/phases.py alone. Its switch seconds are drained
+here and reported as `val/switch_s`, so no training step is billed for them.
+
+The validation set is walked in batches of `data.val_batch_size` prompts (over all
+ranks); each rank generates an interleaved slice of every batch, and every rank makes
+the same number of generate calls (an engine may be collective across ranks). Means
+are reduced over ranks. Metrics (`val/` prefix):
+  pass@1          fraction of prompts whose greedy completion is correct (reward >= the
+                  reward's success threshold)
+  reward_mean     mean greedy reward; response_length, truncated (cut at max_new_tokens)
+  mean@k, pass@k  with val_n=k: mean correctness of k samples; any of the k correct
+  reward_mean@k   mean reward of the k samples
+  prompts, time_s, switch_s
+Rank 0 appends its first `trainer.val_sample_rows` prompts with their completions and
+rewards to out_dir/val_samples.jsonl, one JSON object per prompt, tagged with the step.
+
+Legend: B prompts in this rank's slice of a validation batch, k samples per prompt.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Sequence
+
+import torch
+
+from hybrid_rl import distributed as D
+from hybrid_rl.metrics import MeanAccumulator
+from hybrid_rl.rewards.base import compute_rewards
+from hybrid_rl.rollout.base import Completion, SamplingParams
+
+
+def check_val_set(rows: Sequence[dict], batch_size: int, source: str) -> None:
+    """A validation set must fill at least one of its batches (raised before the first step)."""
+    if len(rows) < batch_size:
+        raise ValueError(f"the validation set ({source}) has {len(rows)} prompts, fewer than its batch of "
+                         f"{batch_size} (config key 'data.val_batch_size', null = data.batch_size); use a larger "
+                         "validation set (data.val_size, data.val_split) or a smaller data.val_batch_size")
+
+
+def decode(tokenizer, completions: Sequence[Completion], stop_ids: set[int]) -> tuple[list[str], list[int]]:
+    """(texts, response token counts) with a final stop token removed, as the training rewards see them."""
+    if not completions:  # (transformers decodes an empty batch as [""])
+        return [], []
+    bodies = [c.token_ids[:-1] if c.finish_reason == "stop" and c.token_ids and c.token_ids[-1] in stop_ids
+              else c.token_ids for c in completions]
+    return tokenizer.batch_decode(bodies, skip_special_tokens=True), [len(b) for b in bodies]
+
+
+def _score(trainer, rows: list[dict], completions: list[Completion], k: int) -> tuple[list[str], torch.Tensor]:
+    """(texts, rewards_N) of N = len(rows) * k completions, row-major."""
+    stops = {trainer.tokenizer.eos_token_id, *trainer.cfg.rollout.stop_token_ids}
+    texts, lengths = decode(trainer.tokenizer, completions, stops)
+    prompts = [rows[i // k]["prompt"] for i in range(len(completions))]
+    meta = [{**rows[i // k], "finish_reason": c.finish_reason, "response_tokens": n}
+            for i, (c, n) in enumerate(zip(completions, lengths))]
+    return texts, torch.tensor(compute_rewards(trainer.reward_name, trainer.reward, prompts, texts, meta),
+                               dtype=torch.float64)
+
+
+def validate(trainer, step: int) -> dict[str, float]:
+    """Run the validation set through the engine now (between steps, in TRAIN); returns the `val/*` metrics."""
+    cfg, rows = trainer.cfg, trainer.val_rows
+    r, k = cfg.rollout, cfg.trainer.val_n
+    batch = cfg.data.val_batch_size or cfg.data.batch_size
+    threshold = trainer.reward.success_threshold - 1e-9
+    stop = tuple(r.stop_token_ids)
+    acc, samples = MeanAccumulator(), []
+    t0 = time.perf_counter()
+    with trainer.phases.rollout() as engine:
+        for start in range(0, len(rows), batch):
+            mine = rows[start:start + batch][D.rank()::D.world_size()]
+            ids = [trainer.encode(row["prompt"]) for row in mine]
+            greedy = engine.generate(ids, SamplingParams(max_new_tokens=r.max_new_tokens, stop_token_ids=stop,
+                                                         greedy=True, seed=r.seed))
+            texts, rewards_B = _score(trainer, mine, greedy, 1)
+            n = len(mine)
+            acc.add("val/pass@1", (rewards_B >= threshold).sum(), n)
+            acc.add("val/reward_mean", rewards_B.sum(), n)
+            acc.add("val/response_length", sum(len(c.token_ids) for c in greedy), n)
+            acc.add("val/truncated", sum(c.finish_reason == "length" for c in greedy), n)
+            s_texts, s_rewards = [], torch.zeros(0, dtype=torch.float64)
+            if k:
+                seed = r.seed + 1_000_003 * step + 7919 * D.rank() + start
+                sampled = engine.generate([p for p in ids for _ in range(k)], SamplingParams(
+                    max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                    stop_token_ids=stop, seed=seed))
+                s_texts, s_rewards = _score(trainer, mine, sampled, k)
+                right_Bk = (s_rewards >= threshold).view(n, k)
+                acc.add(f"val/mean@{k}", right_Bk.sum(), n * k)
+                acc.add(f"val/pass@{k}", right_Bk.any(dim=1).sum(), n)
+                acc.add(f"val/reward_mean@{k}", s_rewards.sum(), n * k)
+            for i in range(min(n, cfg.trainer.val_sample_rows - len(samples))):
+                samples.append(_sample_record(step, mine[i], texts[i], greedy[i], rewards_B[i].item(),
+                                              s_texts[i * k:(i + 1) * k], s_rewards[i * k:(i + 1) * k].tolist()))
+    with trainer.phases.train():
+        pass  # back round the cycle: TRAIN -> ROLLOUT -> TRAIN
+    switch = trainer.phases.pop_stats()
+    metrics = acc.reduce()
+    metrics.update({"val/prompts": float(len(rows)), "val/time_s": time.perf_counter() - t0,
+                    "val/switch_s": sum(switch.seconds.values())})
+    if D.is_main() and samples:
+        with open(os.path.join(trainer.out_dir, "val_samples.jsonl"), "a") as f:
+            for record in samples:
+                f.write(json.dumps(record) + "\n")
+    return metrics
+
+
+def _sample_record(step: int, row: dict, text: str, c: Completion, reward: float, sampled: list[str],
+                   sampled_rewards: list[float]) -> dict:
+    record = {"step": step, "prompt": row["prompt"], "completion": text, "reward": reward,
+              "finish_reason": c.finish_reason}
+    for key in ("ground_truth", "answer"):
+        if key in row:
+            record[key] = str(row[key])
+    if sampled:
+        record["samples"] = [{"completion": t, "reward": x} for t, x in zip(sampled, sampled_rewards)]
+    return record

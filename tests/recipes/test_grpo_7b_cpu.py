@@ -1,0 +1,151 @@
+"""recipes/grpo_7b.py: the 7B GSM8K job, run on CPU with a tiny model substituted, and its memory plan.
+
+The end-to-end run launches the real script (as a user would, output to a pipe, so the log is
+non-interactive) on the real GSM8K rows with the real reward, chat template, validation and
+loggers. A tiny random model scores ~0 on GSM8K: the run checks the path, not the accuracy.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RECIPE = os.path.join(ROOT, "recipes", "grpo_7b.py")
+sys.path.insert(0, os.path.join(ROOT, "recipes"))
+import grpo_7b  # noqa: E402  (the recipe module itself: its planning helpers and main)
+
+CPU_OVERRIDES = ["trainer.device=cpu", "data.batch_size=4", "rollout.n=4", "rollout.max_new_tokens=24",
+                 "data.max_prompt_tokens=384", "data.num_prompts=48", "data.val_size=4", "data.val_batch_size=4",
+                 "algorithm.mini_batch_size=0", "trainer.micro_batch_size=16", "trainer.total_steps=4",
+                 "trainer.val_every=2", "trainer.val_n=2", "trainer.val_sample_rows=2"]
+
+
+def _gsm8k_rows(split: str, n: int) -> list[dict]:
+    from hybrid_rl.data.gsm8k import default_dirs
+
+    with open(os.path.join(default_dirs()[0], f"{split}.jsonl")) as f:
+        return [json.loads(next(f)) for _ in range(n)]
+
+
+@pytest.mark.slow
+def test_gsm8k_recipe_runs_end_to_end_on_cpu(tmp_path):
+    from hybrid_rl.data.gsm8k import INSTRUCTION
+    from hybrid_rl.models.loading import load_tokenizer
+    from hybrid_rl.models.tiny_text import build_tiny_text_model_dir
+
+    model = build_tiny_text_model_dir(str(tmp_path / "model"), max_positions=512)
+    out = tmp_path / "run"
+    loggers = "[console,tensorboard]" if importlib.util.find_spec("tensorboard") else "[console]"
+    cmd = [sys.executable, RECIPE, f"model.path={model}", f"trainer.out_dir={out}", f"trainer.loggers={loggers}",
+           *CPU_OVERRIDES]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    log = proc.stdout
+
+    # The log: the engine it chose, the data it read (long prompts dropped and counted), one line per step.
+    assert "rollout engine: native (sglang is not importable here" in log or "rollout engine: sglang" in log
+    tok = load_tokenizer(model)
+    rendered = [tok.apply_chat_template([{"role": "user", "content": f"{r['question']} {INSTRUCTION}"}],
+                                        tokenize=False, add_generation_prompt=True) for r in _gsm8k_rows("train", 48)]
+    too_long = sum(len(tok(t, add_special_tokens=False).input_ids) > 384 for t in rendered)
+    assert too_long > 0, "the test should exercise dropping"
+    m = re.search(r"data: (\d+) train prompts from (\S+), dropped (\d+) longer than data.max_prompt_tokens=384.*"
+                  r"chat template on\)", log)
+    assert m and (int(m.group(1)), int(m.group(3))) == (48 - too_long, too_long), log[:2000]
+    assert m.group(2).endswith(os.path.join("gsm8k", "train.jsonl"))
+    assert "\r" not in log and "\r" not in proc.stderr, "a progress bar was drawn into the log"
+    assert [line.split()[0] for line in log.splitlines() if line.startswith("step=")] == [f"step={i}" for i in (1, 2, 3, 4)]
+    assert [line.split()[1] for line in log.splitlines() if line.startswith("val ")] == ["step=0", "step=2", "step=4"]
+
+    # metrics.jsonl: validation before training (step 0), after step 2 and at the end.
+    with open(out / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    assert "reward/mean" not in records[0] and "val/pass@1" in records[0]
+    assert [("val/pass@1" in r) for r in records[1:]] == [False, True, False, True]
+    for r in records[1:]:
+        assert {"reward/mean", "reward/accuracy", "response/length", "actor/kl_ref", "time/rollout",
+                "time/switch"} <= set(r)
+    for r in (records[0], records[2], records[4]):
+        assert {"val/pass@1", "val/reward_mean", "val/mean@2", "val/pass@2", "val/response_length"} <= set(r)
+        assert 0.0 <= r["val/pass@1"] <= 1.0 and r["val/prompts"] == 4
+
+    # val_samples.jsonl: real GSM8K test prompts with their reference answers and the rewards they got.
+    with open(out / "val_samples.jsonl") as f:
+        samples = [json.loads(line) for line in f]
+    assert [s["step"] for s in samples] == [0, 0, 2, 2, 4, 4]
+    tests = {r["question"]: r["answer"].split("####")[-1].strip() for r in _gsm8k_rows("test", 8)}
+    for s in samples:
+        question = s["prompt"].removesuffix(" " + INSTRUCTION)
+        assert s["prompt"].endswith(INSTRUCTION) and s["ground_truth"] == tests[question]
+        assert s["reward"] in (0.0, 1.0) and len(s["samples"]) == 2
+
+    # The run directory: resolved config, the saved policy (with its chat template), TensorBoard scalars.
+    config = (out / "config.yaml").read_text()
+    assert "task: gsm8k" in config and "name: gsm8k" in config and "engine: native" in config
+    assert load_tokenizer(str(out / "final_model")).chat_template
+    if "tensorboard" in loggers:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        acc = EventAccumulator(str(out / "tensorboard"))
+        acc.Reload()
+        numeric = {k for r in records for k, v in r.items() if isinstance(v, (int, float)) and k != "step"}
+        assert set(acc.Tags()["scalars"]) == numeric
+
+
+def test_dry_run_prints_the_config_and_the_plan_for_8_x_80gb(capsys):
+    result = grpo_7b.main(["--dry-run"])
+    out = capsys.readouterr().out
+    assert result["fits"] is True
+    assert "task: gsm8k" in out and "batch_size: 1024" in out  # the resolved config
+    assert "model Qwen2.5-7B: N = 7,615,616,512 params" in out
+    assert "GPUs 8," in out and "batch 5120 seqs x context 1536 tokens; GPU memory 80 GiB" in out
+    assert "learner 16N = 121.85 GB" in out
+    for phase in ("train", "rollout", "score"):
+        assert re.search(rf"^{phase} .* per GPU: fits", out, re.M), phase
+    capsys.readouterr()
+    grpo_7b.main(["--dry-run", "rollout.engine=sglang", "rollout.tp_size=2"])
+    assert "rollout tp 2 x dp 4" in capsys.readouterr().out
+
+
+def test_dry_run_refuses_with_the_change_that_makes_it_fit(capsys):
+    # 75 GiB: the rollout phase is short unless the optimizer state goes to host memory.
+    with pytest.raises(SystemExit) as err:
+        grpo_7b.main(["--dry-run", "--gpu-mem-gib", "75", "rollout.engine=native"])
+    msg = str(err.value.code)
+    assert "refusing to start: rollout (short by" in msg and "suggested change: offload.optimizer=true" in msg
+    assert "does NOT fit" in capsys.readouterr().out  # the plan was printed first
+    assert grpo_7b.main(["--dry-run", "--gpu-mem-gib", "75", "rollout.engine=native", "offload.optimizer=true"])["fits"]
+    with pytest.raises(SystemExit, match="nothing fits"):
+        grpo_7b.main(["--dry-run", "--gpu-mem-gib", "20", "rollout.engine=native"])
+
+
+def test_a_real_start_refuses_before_any_weights_load(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(grpo_7b, "Trainer", lambda *a, **k: pytest.fail("the trainer was built"))
+    with pytest.raises(SystemExit, match="refusing to start"):
+        grpo_7b.main([f"model.path={tiny_model_dir}", f"trainer.out_dir={tmp_path}", "trainer.device=cpu",
+                      "--gpu-mem-gib", "0.0001", "--gpus", "1"])
+    assert "model model: N = " in capsys.readouterr().out  # planned from the directory's config.json
+
+
+def test_engine_is_sglang_when_importable_else_native(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "sglang" else real(name, *a))
+    assert grpo_7b.choose_engine([]) == ([], "rollout engine: sglang (importable here)")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
+    overrides, note = grpo_7b.choose_engine([])
+    assert overrides == ["rollout.engine=native", "rollout.tp_size=1"] and "native" in note
+    assert grpo_7b.choose_engine(["rollout.engine=sglang"])[0] == []  # the command line decides
+    assert grpo_7b.choose_engine(["rollout.engine=native"])[0] == ["rollout.tp_size=1"]  # native has no TP
+
+
+def test_the_recipe_reads_in_under_150_lines():
+    with open(RECIPE) as f:
+        assert len(f.read().splitlines()) < 150
