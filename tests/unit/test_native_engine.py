@@ -53,7 +53,11 @@ def _full_logits(model, prompts, responses):
 
 class ForceTokens(torch.nn.Module):
     """Wraps a causal LM: the `ban`ned tokens get logit -inf at every call, then at forward call c
-    (0 = prefill) logit `tok` of row `row` is set to 1e4 for each (row, tok) in schedule[c]."""
+    (0 = prefill) logit `tok` of row `row` is set to 1e4 for each (row, tok) in schedule[c].
+
+    `row` is the batch position at that call: the engine drops finished rows only at its stop
+    checks (every 8 tokens by default), so the schedules here stay before the first check or
+    stop every row at once (tests/unit/test_native_engine_speedups.py finds rows by position)."""
 
     def __init__(self, inner, schedule, ban=()):
         super().__init__()
@@ -136,27 +140,34 @@ def test_kv_cache_one_token_per_decode_call(sharp_model):
 
     handle = sharp_model.register_forward_pre_hook(record, with_kwargs=True)
     try:
-        eng = NativeEngine(sharp_model, pad_id=PAD, eos_id=EOS)
+        # Stop checks after every token: the loop ends, and finished rows leave the batch, at once.
+        eng = NativeEngine(sharp_model, pad_id=PAD, eos_id=EOS, stop_check_every=1)
         max_new = 9
-        comps = eng.generate(PROMPTS, SamplingParams(max_new_tokens=max_new, temperature=1.0, seed=2))
+        comps = eng.generate(PROMPTS, SamplingParams(max_new_tokens=max_new, temperature=1.0, seed=1, stop_token_ids=(7, 9)))
     finally:
         handle.remove()
-    longest = max(len(c.token_ids) for c in comps)
+    lengths = [len(c.token_ids) for c in comps]
+    longest = max(lengths)
     N, P = len(PROMPTS), max(len(p) for p in PROMPTS)
     # Prefill + one call per further token: exactly `longest` forward calls, never more than max_new_tokens.
     assert len(calls) == longest <= max_new
+    assert len(set(lengths)) > 1, "the seed should give ragged lengths"
     assert calls[0][0] == (N, P)
-    assert [c[0] for c in calls[1:]] == [(N, 1)] * (longest - 1)
+    # Decode call k feeds token k-1 of the rows that have not stopped by then (length > k).
+    assert [c[0] for c in calls[1:]] == [(sum(n > k for n in lengths), 1) for k in range(1, longest)]
     cache = calls[0][1]
     assert cache is not None and all(c[1] is cache for c in calls) and all(c[2] for c in calls)
     assert eng.last_kv_bytes > 0
 
 
-def test_forward_calls_stop_early_when_all_rows_stop(sharp_model):
+@pytest.mark.parametrize("every", [1, 3, 8])
+def test_forward_calls_stop_early_when_all_rows_stop(sharp_model, every):
     wrapped = ForceTokens(sharp_model, {2: [(r, EOS) for r in range(len(PROMPTS))]}, ban=[EOS])
-    eng = NativeEngine(wrapped, pad_id=PAD, eos_id=EOS)
+    eng = NativeEngine(wrapped, pad_id=PAD, eos_id=EOS, stop_check_every=every)
     comps = eng.generate(PROMPTS, SamplingParams(max_new_tokens=16, greedy=True))
-    assert wrapped.calls == 3  # prefill + 2 decode calls: EOS at step 2 in every row ends the loop
+    # EOS at step 2 in every row ends the loop at the first stop check after it (after token
+    # `every * ceil(3 / every)`): prefill + one decode call per token before that check.
+    assert wrapped.calls == every * math.ceil(3 / every)
     assert all(c.finish_reason == "stop" and len(c.token_ids) == 3 and c.token_ids[-1] == EOS for c in comps)
 
 

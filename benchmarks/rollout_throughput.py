@@ -1,0 +1,295 @@
+"""Decode throughput of the native rollout engine: the previous decode loop and the current one, in one run.
+
+For each model (random weights from a Qwen2 config, nothing downloaded), each
+completion length T and each scenario, both paths generate for the same batch of
+prompts, one after the other, and the table shows generated tokens per second:
+
+  old  the loop as it was before the static cache (kept here, `legacy_generate`, for
+       this comparison only): a growing DynamicCache, a host sync every token, every
+       row decoded until the last one stops, multinomial over a masked softmax;
+  new  NativeEngine.generate: preallocated cache, a stop check every 8 tokens, finished
+       rows dropped, sort-free sampling, CUDA graphs on CUDA.
+
+Scenarios: `full`, no stop token (every row decodes T tokens, the same work in both
+paths); `ragged`, a block of the vocabulary is a stop set so that a row stops with
+probability ~4/T per token (random weights give a near-uniform softmax): lengths are
+geometric with mean ~T/4 and a long tail, as in RL rollouts. The two paths sample with
+different random streams, so their ragged lengths differ by chance: tokens/s counts
+the tokens each actually generated.
+
+On a GPU the `new` rows also show the fraction of the HBM roofline: useful bytes read
+per decode step (all weights once, plus the KV cache of the rows still running at
+their current length) over the measured step time, against --peak-tbs (looked up for
+H100 / H200: 3.35 / 4.8 TB/s).
+
+    python benchmarks/rollout_throughput.py                     # CPU, ~2-3 minutes
+    python benchmarks/rollout_throughput.py --device cuda --models 0.1b,0.5b --new-tokens 128,512
+
+Prints a human table, then one JSON object as the last line. `main(argv) -> dict`.
+Legend: N sequences (the batch), P prompt tokens, T new tokens, V vocab.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import inspect
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Optional
+
+import torch
+
+from hybrid_rl.models.logprobs import left_pad, position_ids
+from hybrid_rl.rollout.base import Completion, SamplingParams
+from hybrid_rl.rollout.native import NativeEngine, filter_logits
+
+# name -> (hidden, layers, intermediate, heads, KV heads); vocab from --vocab, tied embeddings.
+MODELS = {
+    "tiny": (128, 2, 512, 4, 2),
+    "0.1b": (1024, 8, 2816, 16, 4),  # 123M parameters at V = 32000, as benchmarks/phase_swap.py
+    "0.5b": (896, 24, 4864, 14, 2),  # Qwen2.5-0.5B's shape (GPU)
+}
+PEAK_TBS = {"H200": 4.8, "H100": 3.35}
+PAD = 0
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--models", default="tiny,0.1b", help=f"comma list of {sorted(MODELS)}")
+    p.add_argument("--new-tokens", default=None, help="comma list of T per model 'tiny:32,128;0.1b:32' or one list for all "
+                   "(default: CPU tiny 32,128 and 0.1b 16; CUDA 128,512 for every model)")
+    p.add_argument("--scenarios", default="full,ragged")
+    p.add_argument("--paths", default="old,new")
+    p.add_argument("--batch", type=int, default=64, help="N")
+    p.add_argument("--prompt-len", type=int, default=None, help="P: prompts have P/2..P tokens, left-padded (default: CPU 16, CUDA 128)")
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--repeats", type=int, default=1, help="timed generate calls per case (median), after one warm-up per model")
+    p.add_argument("--threads", type=int, default=None, help="torch threads; default 1 on CPU (shared machine), torch's on CUDA")
+    p.add_argument("--peak-tbs", type=float, default=None, help="HBM peak in TB/s (default: looked up for H100/H200)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.batch <= 0 or (args.prompt_len or 2) <= 1 or args.repeats <= 0:
+        p.error("--batch and --repeats must be > 0, --prompt-len > 1")
+    args.models = args.models.split(",")
+    if bad := [m for m in args.models if m not in MODELS]:
+        p.error(f"unknown model(s) {bad}; valid: {sorted(MODELS)}")
+    args.scenarios, args.paths = args.scenarios.split(","), args.paths.split(",")
+    return args
+
+
+def lengths_for(args: argparse.Namespace, model: str, device: torch.device) -> list[int]:
+    if args.new_tokens is None:
+        if device.type == "cuda":
+            return [128, 512]
+        return {"tiny": [32, 128], "0.1b": [16]}.get(model, [16])
+    spec = args.new_tokens
+    if ":" in spec:
+        per = dict(part.split(":") for part in spec.split(";"))
+        spec = per.get(model, "16")
+    return [int(x) for x in spec.split(",")]
+
+
+def build_model(name: str, vocab: int, dtype: torch.dtype, device: torch.device, max_len: int):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    hidden, layers, inter, heads, kv_heads = MODELS[name]
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=True,
+                      max_position_embeddings=max(512, max_len))
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).to(device=device, dtype=dtype).eval()
+
+
+@torch.no_grad()
+def legacy_generate(model, prompts: list[list[int]], sp: SamplingParams, pad_id: int, eos_id: int) -> list[Completion]:
+    """The native engine's decode loop before the static cache (for this comparison only)."""
+    from transformers import DynamicCache
+
+    dev = next(model.parameters()).device
+    gen = torch.Generator(device=dev).manual_seed(sp.seed)
+    ids, attn = left_pad(prompts, pad_id, dev)
+    pos = position_ids(attn)
+    stop_ids = torch.tensor(sorted({eos_id, *sp.stop_token_ids}), device=dev)
+    cache = DynamicCache()
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
+                   use_cache=True, logits_to_keep=1).logits[:, -1]
+    next_pos = pos[:, -1:] + 1
+    finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=dev)
+    toks, lps = [], []
+    for t in range(sp.max_new_tokens):
+        scaled = logits.float() / sp.temperature
+        logp = scaled.log_softmax(-1)
+        if sp.greedy:
+            tok = scaled.argmax(-1)
+        else:
+            tok = torch.multinomial(filter_logits(scaled, sp.top_k, sp.top_p).softmax(-1), 1, generator=gen).squeeze(-1)
+        alive = ~finished
+        toks.append(torch.where(alive, tok, pad_id))
+        lps.append(logp.gather(-1, tok[:, None]).squeeze(-1))
+        finished = finished | torch.isin(tok, stop_ids)
+        if bool(finished.all()) or t == sp.max_new_tokens - 1:
+            break
+        attn = torch.cat([attn, alive.long()[:, None]], dim=1)
+        logits = model(input_ids=toks[-1][:, None], attention_mask=attn, position_ids=next_pos,
+                       past_key_values=cache, use_cache=True).logits[:, -1]
+        next_pos = next_pos + 1
+    engine = NativeEngine(model, pad_id, eos_id)
+    return engine._to_completions(torch.stack(toks, 1), torch.stack(lps, 1), stop_ids)
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def hardware(dev: torch.device) -> dict:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    hw = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "gpu": None}
+    if dev.type == "cuda":
+        hw["gpu"] = torch.cuda.get_device_name(dev)
+    return hw
+
+
+def useful_bytes(model, comps: list[Completion], P: int, elem: int) -> tuple[int, int]:
+    """(bytes, decode steps): weights once per step plus the KV cache of each row still running,
+    at its current length, summed over the decode steps (forwards after the prefill)."""
+    cfg = model.config
+    weights = sum(p.numel() for p in model.parameters()) * elem
+    if not cfg.tie_word_embeddings:  # an untied input embedding is looked up, not read whole
+        weights -= model.get_input_embeddings().weight.numel() * elem
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * elem
+    lengths = [len(c.token_ids) for c in comps]
+    steps = max(lengths) - 1
+    total = 0
+    for t in range(1, steps + 1):  # step t feeds token t-1 and attends to P + t slots
+        total += weights + sum(n > t for n in lengths) * (P + t) * kv_per_token
+    return total, steps
+
+
+def run_case(model, path: str, prompts, sp: SamplingParams, eos_id: int, dev, repeats: int) -> dict:
+    engine = NativeEngine(model, PAD, eos_id)
+    times, comps = [], None
+    for _ in range(repeats):
+        sync(dev)
+        t0 = time.perf_counter()
+        comps = engine.generate(prompts, sp) if path == "new" else legacy_generate(model, prompts, sp, PAD, eos_id)
+        sync(dev)
+        times.append(time.perf_counter() - t0)
+    s = statistics.median(times)
+    tokens = sum(len(c.token_ids) for c in comps)
+    return {"seconds": s, "tokens": tokens, "comps": comps,
+            "graph_error": engine.last_graph_error if path == "new" else None}
+
+
+def prefill_seconds(model, prompts, dev) -> float:
+    """Median time of the prompt forward alone (subtracted from generate to get decode time)."""
+    ids, attn = left_pad(prompts, PAD, dev)
+    out = []
+    for _ in range(2 if dev.type == "cpu" else 5):
+        sync(dev)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=attn, position_ids=position_ids(attn), use_cache=False, logits_to_keep=1)
+        sync(dev)
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    args = parse_args(argv)
+    dev = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                       ("cpu" if args.device == "auto" else args.device))
+    if args.threads is None:
+        args.threads = 1 if dev.type == "cpu" else 0
+    if args.prompt_len is None:
+        args.prompt_len = 16 if dev.type == "cpu" else 128
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype, torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    peak = args.peak_tbs
+    if peak is None and dev.type == "cuda":
+        name = torch.cuda.get_device_name(dev)
+        peak = next((v for k, v in PEAK_TBS.items() if k in name), None)
+    load_start = os.getloadavg()
+    g = torch.Generator().manual_seed(args.seed)
+    rows, started = [], time.perf_counter()
+    for name in args.models:
+        Ts = lengths_for(args, name, dev)
+        model = build_model(name, args.vocab, dtype, dev, args.prompt_len + max(Ts))
+        n_params = sum(p.numel() for p in model.parameters())
+        lens = torch.randint(args.prompt_len // 2, args.prompt_len + 1, (args.batch,), generator=g).tolist()
+        prompts = [torch.randint(3, args.vocab, (n,), generator=g).tolist() for n in lens]
+        pre_s = prefill_seconds(model, prompts, dev)
+        # Warm-up (allocator, kernels, first-call overheads), and a check that both paths agree.
+        greedy = SamplingParams(max_new_tokens=4, greedy=True)
+        same = ([c.token_ids for c in legacy_generate(model, prompts, greedy, PAD, -1)]
+                == [c.token_ids for c in NativeEngine(model, PAD, -1).generate(prompts, greedy)])
+        for T in Ts:
+            for scen in args.scenarios:
+                # ragged: the top ~4/T of the vocabulary ids stop a row (eos_id -1 never matches).
+                stops = tuple(range(args.vocab - max(1, round(4 * args.vocab / T)), args.vocab)) if scen == "ragged" else ()
+                sp = SamplingParams(max_new_tokens=T, temperature=1.0, stop_token_ids=stops, seed=args.seed)
+                for path in args.paths:
+                    r = run_case(model, path, prompts, sp, -1, dev, args.repeats)
+                    decode_s = max(r["seconds"] - pre_s, 1e-9)
+                    nbytes, steps = useful_bytes(model, r["comps"], args.prompt_len, dtype.itemsize)
+                    row = {"model": name, "params": n_params, "T": T, "scenario": scen, "path": path,
+                           "tokens": r["tokens"], "longest": max(len(c.token_ids) for c in r["comps"]),
+                           "generate_s": round(r["seconds"], 4), "prefill_s": round(pre_s, 4), "decode_s": round(decode_s, 4),
+                           "decode_tokens_per_s": round(r["tokens"] / decode_s, 1),
+                           "tokens_per_s_with_prefill": round(r["tokens"] / r["seconds"], 1),
+                           "step_ms": round(1e3 * decode_s / max(steps, 1), 3), "greedy_old_eq_new": same,
+                           "graph_error": r["graph_error"],
+                           "roofline_frac": round(nbytes / decode_s / (peak * 1e12), 4) if peak and dev.type == "cuda" else None}
+                    rows.append(row)
+                    print(f"  {name} T={T} {scen} {path}: {row['decode_tokens_per_s']} decode tok/s", file=sys.stderr, flush=True)
+        del model
+    speedups = {}
+    for r in rows:
+        if r["path"] == "new":
+            old = next((o for o in rows if o["path"] == "old" and all(o[k] == r[k] for k in ("model", "T", "scenario"))), None)
+            if old:
+                speedups[f"{r['model']}/T={r['T']}/{r['scenario']}"] = round(r["decode_tokens_per_s"] / old["decode_tokens_per_s"], 2)
+    roof = bool(peak and dev.type == "cuda")
+    print(f"\nrollout throughput: batch {args.batch}, prompts {args.prompt_len // 2}..{args.prompt_len} tokens, "
+          f"{dev.type} {str(dtype).replace('torch.', '')}, {args.threads or torch.get_num_threads()} thread(s), "
+          f"median of {args.repeats}" + (f", HBM peak {peak} TB/s" if roof else ""))
+    print(f"{'model':>6} {'T':>5} {'scenario':>8} {'path':>4} {'tokens':>7} {'longest':>7} {'generate s':>10} "
+          f"{'decode s':>9} {'decode tok/s':>12} {'step ms':>8} {'new/old':>7}" + (f" {'roofline':>8}" if roof else ""))
+    for r in rows:
+        key = f"{r['model']}/T={r['T']}/{r['scenario']}"
+        ratio = f"{speedups[key]}x" if r["path"] == "new" and key in speedups else ""
+        line = (f"{r['model']:>6} {r['T']:>5} {r['scenario']:>8} {r['path']:>4} {r['tokens']:>7} {r['longest']:>7} "
+                f"{r['generate_s']:>10.3f} {r['decode_s']:>9.3f} {r['decode_tokens_per_s']:>12.1f} {r['step_ms']:>8.2f} {ratio:>7}")
+        if roof:
+            line += f" {r['roofline_frac']:>8.3f}"
+        print(line)
+    if not all(r["greedy_old_eq_new"] for r in rows):
+        print("WARNING: greedy tokens of the old and new paths differ")
+    res = {
+        "benchmark": "rollout_throughput", "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__, "device": dev.type, "dtype": str(dtype).replace("torch.", ""),
+        "hardware": hardware(dev), "load_avg_start": [round(x, 2) for x in load_start],
+        "load_avg_end": [round(x, 2) for x in os.getloadavg()], "wall_s": round(time.perf_counter() - started, 1),
+        "settings": {"batch": args.batch, "prompt_len": args.prompt_len, "vocab": args.vocab, "repeats": args.repeats,
+                     "threads": args.threads, "seed": args.seed, "peak_tbs": peak, "temperature": 1.0, "top_p": 1.0,
+                     "stop_check_every": inspect.signature(NativeEngine).parameters["stop_check_every"].default},
+        "results": rows, "speedup_new_over_old": speedups,
+    }
+    print(json.dumps(res))
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""The native engine's decode step replayed as a CUDA graph, one graph per live-batch size.
+
+A decode step of a small batch is mostly kernel-launch latency: one token through
+every layer is hundreds of small kernels. Capturing the step once per batch size and
+replaying it removes the Python and launch cost. This needs fixed shapes and
+addresses, so the step reads a full-length `StaticKVCache` (all S slots, masked
+with a 4-D boolean mask the engine keeps), and its inputs are copied into buffers
+owned here. Each bucket is captured the first time it is used, after one eager run
+of the same step (the warm-up the capture needs, on a side stream), and the
+replay is checked against that eager result once; any failure raises, and the
+engine falls back to eager decoding. Imported only when graphs are asked for.
+
+Legend: N rows allocated, M rows live (a bucket size), S cache slots, V vocab.
+"""
+from __future__ import annotations
+
+import torch
+
+from hybrid_rl.rollout.kv_cache import StaticKVCache
+
+
+class DecodeGraphs:
+    """Captures and replays `model`'s one-token forward over `cache` for each live-batch size M."""
+
+    def __init__(self, model: torch.nn.Module, cache: StaticKVCache, device: torch.device, capture: bool = True):
+        """capture=False runs the same fixed-shape step eagerly, on any device (tests of the
+        graph path's full-length cache, masks and batch buckets on CPU)."""
+        if capture and device.type != "cuda":
+            raise RuntimeError(f"CUDA graphs need a CUDA device, the model is on {device}")
+        N, S = cache.max_rows, cache.max_len
+        self.model, self.cache = model, cache
+        self.ids_N1 = torch.zeros((N, 1), dtype=torch.long, device=device)
+        self.pos_N1 = torch.zeros((N, 1), dtype=torch.long, device=device)
+        self.mask_N11S = torch.zeros((N, 1, 1, S), dtype=torch.bool, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None  # one memory pool shared by every bucket's graph
+        self.capture = capture
+
+    def step(self, ids_M1: torch.Tensor, pos_M1: torch.Tensor, mask_MS: torch.Tensor) -> torch.Tensor:
+        """logits_MV of the next token. The result is a graph output: read it before the next step."""
+        M = ids_M1.shape[0]
+        self.ids_N1[:M].copy_(ids_M1)
+        self.pos_N1[:M].copy_(pos_M1)
+        self.mask_N11S[:M, 0, 0].copy_(mask_MS)
+        self.cache.sync_write_slot()
+        if not self.capture:
+            return self._forward(M)
+        if M not in self.graphs:
+            return self._capture(M)
+        graph, logits_MV = self.graphs[M]
+        graph.replay()
+        return logits_MV
+
+    def _forward(self, M: int) -> torch.Tensor:
+        return self.model(input_ids=self.ids_N1[:M], attention_mask=self.mask_N11S[:M], position_ids=self.pos_N1[:M],
+                          past_key_values=self.cache, use_cache=True).logits[:, -1]
+
+    def _capture(self, M: int) -> torch.Tensor:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            # Writes the same keys and values to the same slot as the replay below will.
+            eager_MV = self._forward(M).clone()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits_MV = self._forward(M)
+        self.pool = graph.pool()
+        graph.replay()
+        # One host sync per bucket: a capture that recorded the wrong thing (a hook that
+        # ran only at capture time, a stale address) must not decode silently.
+        err = (logits_MV.float() - eager_MV.float()).abs().max()
+        if not bool(err <= 1e-3 * (1.0 + eager_MV.float().abs().max())):
+            raise RuntimeError(f"CUDA graph replay differs from the eager step by {float(err):.3g}")
+        self.graphs[M] = (graph, logits_MV)
+        return logits_MV

@@ -1,0 +1,138 @@
+"""A KV cache allocated once per generate call, whose finished rows can be dropped in place.
+
+The native engine decodes left-padded prompts in lockstep: every row writes its
+keys and values to the same slot at each step, so one slot counter serves the whole
+batch. The buffers of a layer are allocated at its first update (the prefill), at
+their final size, and never grow: slot P + t holds the t-th fed-back token, and the
+last sampled token is never fed back, so S = P + max_new_tokens - 1 slots.
+
+Two read modes:
+* prefix (eager, CPU and CUDA): `update` returns the S_written slots filled so far,
+  so attention costs what a growing cache costs, without the per-token concatenation.
+* full-length (CUDA graphs): `update` writes at a device-side slot index and returns
+  all S slots; the caller masks the unwritten ones. Shapes and addresses stay fixed.
+
+Dropping rows copies the live rows to the front of the same buffers (the data
+pointers never change), and the layers then expose the first M rows only.
+
+Legend: N rows allocated, M rows live (M <= N), H KV heads, S slots, D head dim,
+Q query tokens of one forward.
+"""
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class _SlotLayer(CacheLayerMixin):
+    """One decoder layer's keys and values: buffers (N, H, S, D), views of the first M rows."""
+
+    is_sliding = False
+
+    def __init__(self, owner: "StaticKVCache"):
+        super().__init__()
+        self.owner = owner
+        self.buf_k: torch.Tensor | None = None
+        self.buf_v: torch.Tensor | None = None
+
+    @property
+    def is_compileable(self) -> bool:
+        # transformers then builds a fixed-length mask; in prefix mode it may skip an all-ones decode mask.
+        return self.owner.full_length
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        o = self.owner
+        # Zeros, not empty: in full-length mode unwritten slots are read with weight 0,
+        # and 0 * NaN from uninitialised memory would still poison the output.
+        self.buf_k = key_states.new_zeros((o.max_rows, key_states.shape[1], o.max_len, key_states.shape[-1]))
+        self.buf_v = value_states.new_zeros((o.max_rows, value_states.shape[1], o.max_len, value_states.shape[-1]))
+        self.keys, self.values = self.buf_k[:o.rows], self.buf_v[:o.rows]
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """key_states, value_states: (M, H, Q, D). Returns the cached keys and values (M, H, S_read, D)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        o = self.owner
+        assert key_states.shape[0] == o.rows, f"{key_states.shape[0]} rows fed, {o.rows} live in the cache"
+        if o.full_length:
+            self.keys.index_copy_(2, o.write_slot, key_states)
+            self.values.index_copy_(2, o.write_slot, value_states)
+            return self.keys, self.values
+        end = o.length + key_states.shape[2]
+        if end > o.max_len:
+            raise RuntimeError(f"KV cache overflow: {end} slots needed, {o.max_len} allocated")
+        self.keys[:, :, o.length:end].copy_(key_states)
+        self.values[:, :, o.length:end].copy_(value_states)
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.owner.full_length:
+            return self.owner.max_len, 0
+        return self.owner.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.length
+
+    def get_max_length(self) -> int:
+        return self.owner.max_len
+
+
+class StaticKVCache(Cache):
+    """A transformers `Cache` over preallocated (N, H, S, D) buffers per layer.
+
+    The engine calls `advance(Q)` after each forward (all layers have written Q slots)
+    and `keep_rows(idx_M)` to drop finished rows. Layers are created at their first
+    update, so the model's config need not be read here (the engine may wrap the model).
+    """
+
+    def __init__(self, max_rows: int, max_len: int):
+        if max_rows < 1 or max_len < 1:
+            raise ValueError(f"need at least one row and one slot, got {max_rows} rows, {max_len} slots")
+        super().__init__(layers=[])
+        self.max_rows, self.max_len = max_rows, max_len
+        self.rows = max_rows  # M
+        self.length = 0  # slots written, the same for every row
+        self.full_length = False
+        self.write_slot: torch.Tensor | None = None  # (1,) long, the slot a full-length forward writes
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        while len(self.layers) <= layer_idx:
+            self.layers.append(_SlotLayer(self))
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def advance(self, n: int) -> None:
+        """Every layer has written `n` more slots."""
+        self.length += n
+
+    def set_full_length(self, on: bool, device: torch.device | None = None) -> None:
+        """Full-length mode: `write_slot` (kept equal to `length` by `sync_write_slot`) says where to write."""
+        self.full_length = on
+        if on and self.write_slot is None:
+            self.write_slot = torch.zeros(1, dtype=torch.long, device=device)
+
+    def sync_write_slot(self) -> None:
+        """Point the device-side slot index at `length` (a fill kernel, no host sync)."""
+        self.write_slot.fill_(self.length)
+
+    def keep_rows(self, idx_M: torch.Tensor) -> None:
+        """Keep rows idx_M (indices into the current M rows), moved to the front of the buffers.
+
+        Only the written slots are copied. The gather makes a temporary of the kept rows
+        (once per compaction, not per token); the buffers themselves stay where they are.
+        """
+        m = int(idx_M.numel())
+        for layer in self.layers:
+            for view in (layer.keys, layer.values):
+                view[:m, :, :self.length] = view[idx_M, :, :self.length]
+            layer.keys, layer.values = layer.buf_k[:m], layer.buf_v[:m]
+        self.rows = m
+
+    def nbytes(self) -> int:
+        """Bytes of the allocated buffers (all N rows and S slots, whatever is live)."""
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.buf_k, layer.buf_v)
+                   if t is not None)
+
+    def data_ptrs(self) -> list[int]:
+        """Addresses of every buffer (for tests: they must not change during a generate call)."""
+        return [t.data_ptr() for layer in self.layers for t in (layer.buf_k, layer.buf_v) if t is not None]

@@ -1,0 +1,351 @@
+"""What makes the native engine fast, pinned: a cache allocated once, finished rows dropped,
+no host sync per token, no vocabulary sort without top-p, the fixed-shape (CUDA-graph)
+step, each still exact against the trainer's logprobs.
+
+Legend: N sequences, P prompt tokens (left-padded), T new tokens, S = P + T - 1 cache slots.
+The CUDA-graph capture itself needs a GPU (tests/gpu); here its fixed-shape step runs
+eagerly (`DecodeGraphs(capture=False)`), which exercises the same cache, masks and buckets.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from hybrid_rl.models.loading import load_causal_lm
+from hybrid_rl.models.logprobs import build_sequences, response_logprobs
+from hybrid_rl.rollout import native
+from hybrid_rl.rollout.base import SamplingParams
+from hybrid_rl.rollout.decode_graph import DecodeGraphs
+from hybrid_rl.rollout.kv_cache import StaticKVCache, _SlotLayer
+from hybrid_rl.rollout.native import NativeEngine
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+PAD, EOS = 0, 1
+PROMPTS = [[5, 6, 7, 14], [8, 14], [11, 12, 13, 4, 5, 6, 14], [9, 9, 14]]
+MANY = [p for p in PROMPTS for _ in range(4)]  # 16 rows, four prompt lengths
+
+
+@pytest.fixture(scope="module")
+def sharp_model(tiny_model_dir):
+    """The tiny model with seeded noise on every matrix: context-dependent, EOS sampled now and then."""
+    model = load_causal_lm(tiny_model_dir, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.add_(0.15 * torch.randn(p.shape, generator=g))
+    return model
+
+
+class Recorder:
+    """Forward pre-hook on the model: input shapes, the cache object and its buffer addresses per call."""
+
+    def __init__(self, model):
+        self.shapes, self.caches, self.ptrs, self.fed = [], [], [], []
+        self.handle = model.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, module, args, kwargs):
+        ids, cache = kwargs["input_ids"], kwargs["past_key_values"]
+        self.shapes.append(tuple(ids.shape))
+        self.caches.append(cache)
+        self.ptrs.append(cache.data_ptrs())
+        self.fed.append(ids[:, -1].tolist())
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+class ForceTokens(torch.nn.Module):
+    """`ban`ned tokens get logit -inf; at forward call c (0 = prefill), PROMPTS row r's logit
+    `tok` is set to 1e4 for each (r, tok) in schedule[c].
+
+    Rows are found by position, not by index, because dropped rows shift the batch: the
+    PROMPTS have distinct lengths, so at call c row r is the one at position len(PROMPTS[r]) + c - 1.
+    """
+
+    def __init__(self, inner, schedule, ban=()):
+        super().__init__()
+        self.inner, self.schedule, self.ban, self.calls = inner, schedule, list(ban), 0
+
+    def forward(self, **kw):
+        out = self.inner(**kw)
+        if self.ban:
+            out.logits[..., self.ban] = float("-inf")
+        pos_M = kw["position_ids"][:, -1]
+        for row, tok in self.schedule.get(self.calls, []):
+            out.logits[pos_M == len(PROMPTS[row]) + self.calls - 1, -1, tok] = 1e4
+        self.calls += 1
+        return out
+
+
+def counting(fn, counts: dict, key: str):
+    """`fn`, counting its calls in counts[key]."""
+    def wrapper(*args, **kwargs):
+        counts[key] += 1
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+def expected_batch_sizes(comps, T, every):
+    """The decode batch of every forward call after the prefill, by the engine's rule: at a
+    stop check (after token t, (t + 1) % every == 0) finished rows go once they are >= 1/8."""
+    done_after = [len(c.token_ids) - 1 if c.finish_reason == "stop" else T for c in comps]
+    live, sizes = list(range(len(comps))), []
+    for t in range(T - 1):
+        if (t + 1) % every == 0:
+            alive = [i for i in live if done_after[i] > t]
+            if not alive:
+                break
+            if len(live) - len(alive) >= max(1, len(live) // 8):
+                live = alive
+        sizes.append(len(live))
+    return sizes
+
+
+def assert_logprobs_match_trainer(model, prompts, comps, temperature):
+    ids, attn, _, P = build_sequences(prompts, [c.token_ids for c in comps], PAD)
+    with torch.no_grad():
+        logp_NT, _ = response_logprobs(model, ids, attn, P, temperature)
+    for i, c in enumerate(comps):
+        got = torch.tensor(c.logprobs, dtype=torch.float32)
+        torch.testing.assert_close(got, logp_NT[i, :len(got)], atol=1e-5, rtol=0, msg=f"row {i}")
+
+
+def fixed_shape_engine(model, **kw):
+    """An engine whose decode step takes the CUDA-graph path's shapes (full-length cache, 4-D
+    mask, power-of-two buckets), run eagerly so that it works on CPU."""
+    eng = NativeEngine(model, pad_id=PAD, eos_id=EOS, **kw)
+
+    def start(cache, dev, full_attention):
+        assert full_attention
+        cache.set_full_length(True, dev)
+        return DecodeGraphs(eng.model, cache, dev, capture=False)
+
+    eng._start_graphs = start
+    return eng
+
+
+# ---------------------------------------------------------------------------- cache
+def test_cache_allocated_once_at_final_size_and_never_moves(sharp_model, monkeypatch):
+    inits = []
+    real_init = _SlotLayer.lazy_initialization
+    monkeypatch.setattr(_SlotLayer, "lazy_initialization", lambda self, k, v: (inits.append(1), real_init(self, k, v)))
+    eng = NativeEngine(sharp_model, pad_id=PAD, eos_id=EOS, stop_check_every=2)
+    T = 12
+    with Recorder(sharp_model) as rec:
+        comps = eng.generate(MANY, SamplingParams(max_new_tokens=T, seed=4))
+    cfg = sharp_model.config
+    assert len(inits) == cfg.num_hidden_layers, "one allocation per layer per generate"
+    assert len(set(map(id, rec.caches))) == 1 and isinstance(rec.caches[0], StaticKVCache)
+    assert min(s[0] for s in rec.shapes[1:]) < len(MANY), "rows were dropped during this run"
+    assert all(p == rec.ptrs[1] for p in rec.ptrs[1:]), "a cache buffer moved during decoding"
+    assert len(rec.ptrs[1]) == 2 * cfg.num_hidden_layers
+    # Sized S = P + T - 1 slots per row, the planner's context (memory_plan.kv_cache_bytes).
+    P = max(map(len, MANY))
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    expect = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * len(MANY) * (P + T - 1) * 4
+    assert eng.memory_bytes()["kv_cache"] == eng.last_kv_bytes == expect
+    assert any(c.finish_reason == "stop" for c in comps)
+
+
+def test_keep_rows_moves_live_rows_to_the_front_in_place():
+    cache = StaticKVCache(max_rows=5, max_len=6)
+    k = torch.arange(5 * 2 * 4 * 3, dtype=torch.float32).reshape(5, 2, 4, 3)
+    cache.update(k, -k, 0)
+    cache.advance(4)
+    ptr = cache.layers[0].buf_k.data_ptr()
+    cache.keep_rows(torch.tensor([1, 3, 4]))
+    layer = cache.layers[0]
+    assert layer.keys.shape == (3, 2, 6, 3) and layer.keys.data_ptr() == ptr
+    assert torch.equal(layer.keys[:, :, :4], k[[1, 3, 4]]) and torch.equal(layer.values[:, :, :4], -k[[1, 3, 4]])
+    # The next write lands in slot 4 of the kept rows, and the read covers slots 0..4.
+    new = torch.ones(3, 2, 1, 3)
+    keys, _ = cache.update(new, new, 0)
+    assert keys.shape == (3, 2, 5, 3) and torch.equal(keys[:, :, 4:], new)
+    with pytest.raises(RuntimeError, match="overflow"):
+        cache.advance(1)
+        cache.update(torch.ones(3, 2, 2, 3), torch.ones(3, 2, 2, 3), 0)
+
+
+# ---------------------------------------------------------------------------- dropping rows
+@pytest.mark.parametrize("every", [1, 2, 8])
+def test_finished_rows_are_dropped_from_the_decode_batch(sharp_model, every):
+    T = 12
+    with Recorder(sharp_model) as rec:
+        comps = NativeEngine(sharp_model, PAD, EOS, stop_check_every=every).generate(
+            MANY, SamplingParams(max_new_tokens=T, seed=4))
+    assert rec.shapes[0] == (len(MANY), max(map(len, MANY)))
+    sizes = expected_batch_sizes(comps, T, every)
+    assert [s[0] for s in rec.shapes[1:]] == sizes
+    assert min(sizes) < len(MANY), "the seed should finish enough rows to drop some"
+
+
+def test_tokens_after_a_stop_are_fed_as_pad(sharp_model):
+    # Row 0 stops at step 1; no check comes before step 7, so it stays in the batch until then.
+    wrapped = ForceTokens(sharp_model, {1: [(0, EOS)]}, ban=[EOS])
+    with Recorder(sharp_model) as rec:
+        comps = NativeEngine(wrapped, PAD, EOS, stop_check_every=8).generate(PROMPTS, SamplingParams(max_new_tokens=10, seed=1))
+    fed_row0 = [f[0] for f in rec.fed[1:8]]  # decode call k feeds token k-1
+    assert fed_row0[1] == EOS and fed_row0[2:] == [PAD] * 5
+    assert comps[0].token_ids[-1] == EOS and len(comps[0].token_ids) == 2
+    assert [s[0] for s in rec.shapes[1:]] == [4] * 7 + [3] * 2
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_stop_on_the_last_token_and_on_a_check_boundary(sharp_model, every):
+    T = 8
+    # Row 0 stops on the last token (call T-1), row 1 on the token right before a check,
+    # row 2 on the token right after it; row 3 runs to the limit.
+    sched = {T - 1: [(0, EOS)], 3: [(1, EOS)], 4: [(2, EOS)]}
+    comps = NativeEngine(ForceTokens(sharp_model, sched, ban=[EOS]), PAD, EOS, stop_check_every=every).generate(
+        PROMPTS, SamplingParams(max_new_tokens=T, greedy=True))
+    assert [len(c.token_ids) for c in comps] == [T, 4, 5, T]
+    assert (comps[0].finish_reason, comps[0].token_ids[-1], len(comps[0].token_ids)) == ("stop", EOS, T)
+    assert (comps[1].finish_reason, len(comps[1].token_ids)) == ("stop", 4)
+    assert (comps[2].finish_reason, len(comps[2].token_ids)) == ("stop", 5)
+    assert comps[3].finish_reason == "length" and EOS not in comps[3].token_ids
+
+
+# ---------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("top_k,top_p,temperature", [(-1, 1.0, 1.0), (4, 1.0, 0.7), (-1, 0.8, 1.0), (5, 0.9, 0.7)])
+@pytest.mark.parametrize("fixed_shape", [False, True])
+def test_logprobs_match_trainer_with_rows_dropped(sharp_model, top_k, top_p, temperature, fixed_shape):
+    """Ragged prompts, rows stopping at different steps, rows dropped mid-run (eager: exactly the
+    finished ones; fixed shape: down to power-of-two buckets padded with finished rows)."""
+    T = 12
+    make = fixed_shape_engine if fixed_shape else (lambda m, **kw: NativeEngine(m, PAD, EOS, **kw))
+    eng = make(sharp_model, stop_check_every=2)
+    # Three common words as extra stop ids: most rows stop, at many different steps.
+    sp = SamplingParams(max_new_tokens=T, temperature=temperature, top_k=top_k, top_p=top_p, seed=4, stop_token_ids=(4, 7, 9))
+    with Recorder(sharp_model) as rec:
+        comps = eng.generate(MANY, sp)
+    lengths = [len(c.token_ids) for c in comps]
+    assert len(set(lengths)) > 4
+    sizes = [s[0] for s in rec.shapes[1:]]
+    assert min(sizes) < len(MANY), "no row was dropped: the test would not cover compaction"
+    if fixed_shape:
+        assert all(s & (s - 1) == 0 for s in sizes if s != len(MANY)), f"non power-of-two bucket in {sizes}"
+    assert_logprobs_match_trainer(sharp_model, MANY, comps, temperature)
+
+
+@pytest.mark.parametrize("fixed_shape", [False, True])
+def test_greedy_with_rows_dropped_equals_one_row_at_a_time(sharp_model, fixed_shape):
+    make = fixed_shape_engine if fixed_shape else (lambda m, **kw: NativeEngine(m, PAD, EOS, **kw))
+    sp = SamplingParams(max_new_tokens=10, greedy=True)
+    wrapped = ForceTokens(sharp_model, {2: [(1, EOS)], 3: [(3, EOS)]})  # two rows stop early
+    batched = make(wrapped, stop_check_every=1).generate(PROMPTS, sp)
+    alone = [NativeEngine(sharp_model, PAD, EOS).generate([p], sp)[0] for p in PROMPTS]
+    for i in (0, 2):
+        assert batched[i].token_ids == alone[i].token_ids, f"row {i}"
+        assert batched[i].logprobs == pytest.approx(alone[i].logprobs, abs=1e-5)
+    assert [len(batched[i].token_ids) for i in (1, 3)] == [3, 4]
+
+
+# ---------------------------------------------------------------------------- host syncs
+def test_host_checks_only_every_few_tokens(sharp_model, monkeypatch):
+    checks = []
+    real = native._alive_rows
+    monkeypatch.setattr(native, "_alive_rows", lambda done: (checks.append(done.numel()), real(done))[1])
+    eng = NativeEngine(ForceTokens(sharp_model, {}, ban=[EOS]), PAD, EOS)  # default: every 8
+    eng.generate(PROMPTS, SamplingParams(max_new_tokens=33, seed=0))
+    assert len(checks) == 4  # after tokens 8, 16, 24, 32 (none after the last token)
+
+
+def test_no_python_level_sync_grows_with_length(sharp_model, monkeypatch):
+    """Every Tensor -> Python conversion is counted: the count must not depend on T (the
+    decode loop's one sync, torch.nonzero in `_alive_rows`, is counted by the test above)."""
+    counts = {"n": 0}
+    for name in ("__bool__", "item", "tolist", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, counting(getattr(torch.Tensor, name), counts, "n"))
+    eng = NativeEngine(ForceTokens(sharp_model, {}, ban=[EOS]), PAD, EOS)
+    per_T = {}
+    for T in (9, 41):
+        counts["n"] = 0
+        eng.generate(PROMPTS, SamplingParams(max_new_tokens=T, seed=0))
+        per_T[T] = counts["n"]
+    assert per_T[9] == per_T[41] < 9, per_T
+
+
+# ---------------------------------------------------------------------------- sampling
+@pytest.mark.parametrize("top_k,top_p,sorts,topks", [(-1, 1.0, False, False), (4, 1.0, False, True),
+                                                      (-1, 0.9, True, False), (4, 0.9, True, True)])
+def test_vocabulary_sorted_only_for_top_p(sharp_model, monkeypatch, top_k, top_p, sorts, topks):
+    calls = {"sort": 0, "topk": 0}
+    for name in calls:  # both spellings: torch.sort(x) and x.sort()
+        monkeypatch.setattr(torch, name, counting(getattr(torch, name), calls, name))
+        monkeypatch.setattr(torch.Tensor, name, counting(getattr(torch.Tensor, name), calls, name))
+    sp = SamplingParams(max_new_tokens=6, top_k=top_k, top_p=top_p, seed=3)
+    NativeEngine(sharp_model, PAD, EOS).generate(PROMPTS, sp)
+    assert (calls["sort"] > 0, calls["topk"] > 0) == (sorts, topks), calls
+
+
+def test_sampler_draws_from_the_softmax():
+    """Softmax frequencies without filtering, top-k restricts the support, a masked (-inf)
+    token is never drawn, and the logprob is always the unfiltered one."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]]).repeat(20000, 1)
+    gen = torch.Generator().manual_seed(0)
+    tok, lp = native.sample_tokens(logits, SamplingParams(), gen)
+    freq = torch.bincount(tok, minlength=5).float() / len(tok)
+    torch.testing.assert_close(freq, logits[0].softmax(-1), atol=0.012, rtol=0)
+    torch.testing.assert_close(lp, logits.log_softmax(-1).gather(-1, tok[:, None]).squeeze(-1))
+    tok2, lp2 = native.sample_tokens(logits, SamplingParams(top_k=2, temperature=0.5), gen)
+    assert set(tok2.tolist()) == {0, 1}
+    torch.testing.assert_close(lp2, (logits / 0.5).log_softmax(-1).gather(-1, tok2[:, None]).squeeze(-1))
+    share = (tok2 == 0).float().mean().item()
+    assert abs(share - torch.tensor([4.0, 2.0]).softmax(-1)[0].item()) < 0.012
+    # Zero-probability entries first, last and between: never drawn.
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]]).repeat(20000, 1)
+    assert set(native._draw(probs, gen).tolist()) == {1, 3}
+    # A vocabulary of several draw blocks, the last one partial (1000 = 3 x 256 + 232).
+    big = torch.full((20000, 1000), float("-inf"))
+    support, values = [3, 255, 256, 700, 999], torch.tensor([1.0, 0.0, 2.0, -0.5, 0.5])
+    big[:, support] = values
+    tok3, lp3 = native.sample_tokens(big, SamplingParams(), gen)
+    assert set(tok3.tolist()) <= set(support)
+    freq3 = torch.bincount(tok3, minlength=1000)[support].float() / len(tok3)
+    torch.testing.assert_close(freq3, values.softmax(-1), atol=0.012, rtol=0)
+    torch.testing.assert_close(lp3, big.log_softmax(-1).gather(-1, tok3[:, None]).squeeze(-1))
+
+
+# ---------------------------------------------------------------------------- CUDA graphs flag
+def test_cuda_graphs_default_off_on_cpu_and_forced_on_falls_back(sharp_model):
+    sp = SamplingParams(max_new_tokens=6, seed=9)
+    plain = NativeEngine(sharp_model, PAD, EOS)
+    ref = plain.generate(PROMPTS, sp)
+    assert plain.last_graph_error is None
+    forced = NativeEngine(sharp_model, PAD, EOS, cuda_graphs=True)
+    with pytest.warns(UserWarning, match="cuda_graphs=True ignored"):
+        got = forced.generate(PROMPTS, sp)
+    assert "CUDA" in forced.last_graph_error
+    assert [c.token_ids for c in got] == [c.token_ids for c in ref]
+
+
+def test_failed_graph_step_falls_back_to_eager_mid_run(sharp_model):
+    class Broken:
+        def step(self, *args):
+            raise RuntimeError("capture failed")
+
+    sp = SamplingParams(max_new_tokens=7, seed=5)
+    ref = NativeEngine(sharp_model, PAD, EOS).generate(PROMPTS, sp)
+    eng = NativeEngine(sharp_model, PAD, EOS)
+    eng._start_graphs = lambda cache, dev, fa: (cache.set_full_length(True, dev), Broken())[1]
+    with pytest.warns(UserWarning, match="decoding eagerly"):
+        got = eng.generate(PROMPTS, sp)
+    assert "capture failed" in eng.last_graph_error
+    assert [c.token_ids for c in got] == [c.token_ids for c in ref]
+    for a, b in zip(got, ref):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-6)
+
+
+def test_bad_stop_check_every_raises(sharp_model):
+    with pytest.raises(ValueError, match="stop_check_every"):
+        NativeEngine(sharp_model, PAD, EOS, stop_check_every=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        NativeEngine(sharp_model, PAD, EOS, stop_check_every=1)
