@@ -49,6 +49,10 @@ from hybrid_rl.update import TrainBatch, policy_update, score_logprobs, scores_o
 from hybrid_rl.validation import check_val_set, validate
 
 
+# Built-in rewards and the built-in task each one scores (a mismatch is almost always a config slip).
+BUILTIN_REWARDS = {"digits": "digits", "gsm8k": "gsm8k", "gsm8k_format": "gsm8k"}
+
+
 class Trainer:
     def __init__(self, cfg: Config, reward_fn: Optional[RewardFn] = None):
         """`reward_fn`: a reward function (prompts, completions, metadata) -> floats, instead of the
@@ -77,6 +81,9 @@ class Trainer:
         torch.manual_seed(cfg.trainer.seed)
         r = cfg.reward
         self.reward_name, self.reward = resolve_reward(r.name, r.fn, r.kwargs, r.success_threshold, reward_fn)
+        if reward_fn is None and not r.fn and BUILTIN_REWARDS.get(r.name, cfg.data.task) != cfg.data.task:
+            warnings.warn(f"reward.name={r.name} is the reward of data.task={BUILTIN_REWARDS[r.name]}, but this run "
+                          f"trains on data.task={cfg.data.task}; set reward.name to the task's reward")
         self.tokenizer = load_tokenizer(cfg.model.path)
         # Prompt text -> token ids (chat template applied when used); each prompt is tokenized once.
         self.encode = PromptEncoder(self.tokenizer, use_chat_template(self.tokenizer, cfg.data.chat_template,

@@ -431,3 +431,8 @@ def test_validation_set_smaller_than_its_batch(tiny_trainer_overrides, no_model_
 def test_validation_without_a_validation_set(tiny_trainer_overrides, no_model_build):
     with pytest.raises(ValueError, match="'trainer.val_every'.*data.val_path or data.val_split"):
         _trainer(tiny_trainer_overrides, "trainer.val_every=5")
+
+
+def test_a_builtin_reward_on_another_builtin_task_warns(tiny_trainer_overrides):
+    with pytest.warns(UserWarning, match=r"reward.name=gsm8k is the reward of data.task=gsm8k.*data.task=digits"):
+        _trainer(tiny_trainer_overrides, "reward.name=gsm8k")
