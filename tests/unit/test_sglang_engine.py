@@ -210,3 +210,29 @@ def test_export_copies_the_weights_and_flushes_once_per_sync(setup, monkeypatch)
     _rollout(pm, PROMPTS, _greedy())
     assert calls.count("flush") == 1 and calls[-1] == "flush" and calls.count("bucket") > 1
     assert not any(p.is_shared() for p in policy.parameters()), "a policy parameter was moved into shared memory"
+
+
+def test_session_and_tag_rules_are_checked_before_sglang_sees_them(setup):
+    """An empty tag list means ALL tags to SGLang (cuda_graph too, never paired here); a second
+    begin, or resuming the KV cache or releasing inside a session, breaks the sync protocol."""
+    policy, engine, pm, _ = setup
+    with pytest.raises(ValueError, match="every tag"):
+        engine.release([])
+    with pytest.raises(ValueError, match="unknown memory tag"):
+        engine.resume(["cuda_graph"])
+    engine.resume(["weights"])
+    engine.begin_weight_update()
+    with pytest.raises(RuntimeError, match="twice"):
+        engine.begin_weight_update()
+    with pytest.raises(RuntimeError, match="inside a weight-update session"):
+        engine.resume(["kv_cache"])
+    with pytest.raises(RuntimeError, match="inside a weight-update session"):
+        engine.release(["weights"])
+    from hybrid_rl.switch.weights import iter_weight_buckets
+
+    for bucket in iter_weight_buckets(policy, 64 << 10):
+        engine.update_weights(bucket)
+    engine.end_weight_update()
+    engine.resume(["kv_cache"])
+    engine.release(["kv_cache", "weights"])
+    assert not engine.engine._debug_state()["session_active"]
