@@ -30,6 +30,9 @@ setup(
         "gpu": ["sglang==0.5.21", "flash-attn>=2.7", "triton>=3.3"],
         # tensorboard: for trainer.loggers=[tensorboard] and its test; it does not depend on torch.
         "test": ["pytest>=8", "pytest-timeout>=2.3", "triton>=3.3", "tensorboard>=2.14"],
+        # trl: only for benchmarks/grpo_step.py (our Trainer vs TRL's GRPOTrainer); never needed by the
+        # library or the tests. trl 1.16.0 pulls accelerate, datasets, pandas, pyarrow, not torch.
+        "bench": ["trl==1.16.0"],
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "triton>=3.3", "ruff>=0.6", "tensorboard>=2.14"],
     },
 )
