@@ -35,7 +35,6 @@ import datetime
 import inspect
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -46,6 +45,7 @@ import torch
 from hybrid_rl.models.logprobs import left_pad, position_ids
 from hybrid_rl.rollout.base import Completion, SamplingParams
 from hybrid_rl.rollout.native import NativeEngine, filter_logits
+from phase_swap import hardware, sync  # run as a script: benchmarks/ is on sys.path
 
 # name -> (hidden, layers, intermediate, heads, KV heads); vocab from --vocab, tied embeddings.
 MODELS = {
@@ -141,24 +141,6 @@ def legacy_generate(model, prompts: list[list[int]], sp: SamplingParams, pad_id:
         next_pos = next_pos + 1
     engine = NativeEngine(model, pad_id, eos_id)
     return engine._to_completions(torch.stack(toks, 1), torch.stack(lps, 1), stop_ids)
-
-
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def hardware(dev: torch.device) -> dict:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    hw = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "gpu": None}
-    if dev.type == "cuda":
-        hw["gpu"] = torch.cuda.get_device_name(dev)
-    return hw
 
 
 def useful_bytes(model, comps: list[Completion], P: int, elem: int) -> tuple[int, int]:

@@ -45,9 +45,6 @@ class MeanAccumulator:
             self.maxima.setdefault(name, []).extend(values)
         return self
 
-    def __contains__(self, name: str) -> bool:
-        return name in self.sums or name in self.maxima
-
     def reduce(self) -> dict[str, float]:
         """Means and maxima over every rank; every rank must call it with the same names."""
         means, maxes = sorted(self.sums), sorted(self.maxima)  # same order on every rank

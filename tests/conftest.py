@@ -7,6 +7,8 @@ the digits-task vocabulary (`<pad>`=0, `<eos>`=1, `<bos>`=2, `<unk>`=3, then
     tiny_model_dir          str path of that directory (session; treat as read-only)
     tiny_tokenizer          its tokenizer via `load_tokenizer` (session; do not mutate)
     tiny_model              a fresh fp32 copy of the model in eval mode (per test: mutate freely)
+    sharp_model             module-scoped: the tiny model with seeded noise on every matrix, so outputs
+                            depend on the context and EOS is sampled now and then (do not mutate)
     tiny_trainer_overrides  small `key=value` overrides for a fast `Trainer` in one process
     fake_sglang             module-scoped: `import sglang` resolves to the CPU stand-in (tests/fake_sglang)
                             while the module runs; undone after it
@@ -48,6 +50,21 @@ def tiny_model(tiny_model_dir):
     from hybrid_rl.models.loading import load_causal_lm
 
     return load_causal_lm(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def sharp_model(tiny_model_dir):
+    import torch
+
+    from hybrid_rl.models.loading import load_causal_lm
+
+    model = load_causal_lm(tiny_model_dir, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.add_(0.15 * torch.randn(p.shape, generator=g))
+    return model
 
 
 @pytest.fixture

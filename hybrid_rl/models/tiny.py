@@ -47,17 +47,23 @@ def build_tiny_model_dir(
 
     Re-running with the same arguments and seed gives bit-identical weights.
     """
+    if os.path.isfile(os.path.join(path, "config.json")) and not overwrite:
+        return path
+    return save_random_qwen2(path, build_word_tokenizer(words), hidden_size, num_layers, num_heads, num_kv_heads,
+                             intermediate_size or 4 * hidden_size, max_positions, seed)
+
+
+def save_random_qwen2(path: str, tokenizer, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
+                      intermediate_size: int, max_positions: int, seed: int) -> str:
+    """A seeded random-init Qwen2 over `tokenizer`'s vocabulary and special tokens, saved with it (atomically)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from hybrid_rl.models.saving import atomic_dir
 
-    if os.path.isfile(os.path.join(path, "config.json")) and not overwrite:
-        return path
-    tokenizer = build_word_tokenizer(words)
     cfg = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
-        intermediate_size=intermediate_size or 4 * hidden_size,
+        intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,

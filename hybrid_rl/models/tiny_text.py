@@ -13,8 +13,6 @@ from __future__ import annotations
 import os
 import sys
 
-import torch
-
 PAD, EOS, IM_START = "<|endoftext|>", "<|im_end|>", "<|im_start|>"  # pad as in Qwen2.5
 # ChatML, as Qwen2.5-Instruct formats a conversation (without its default system turn).
 CHAT_TEMPLATE = (
@@ -49,33 +47,12 @@ def build_tiny_text_model_dir(
     overwrite: bool = False,
 ) -> str:
     """Save a random-init Qwen2 causal LM plus the byte-level text tokenizer to `path` (atomically)."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    from hybrid_rl.models.saving import atomic_dir
+    from hybrid_rl.models.tiny import save_random_qwen2
 
     if os.path.isfile(os.path.join(path, "config.json")) and not overwrite:
         return path
-    tokenizer = build_text_tokenizer()
-    cfg = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=4 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with atomic_dir(path) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-    return path
+    return save_random_qwen2(path, build_text_tokenizer(), hidden_size, num_layers, num_heads, num_kv_heads,
+                             4 * hidden_size, max_positions, seed)
 
 
 if __name__ == "__main__":

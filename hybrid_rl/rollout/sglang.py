@@ -34,7 +34,7 @@ import torch
 
 from hybrid_rl import distributed as D
 from hybrid_rl.rollout.base import Completion, SamplingParams, check_tags
-from hybrid_rl.rollout.weight_transport import Export, export_bucket, release_exports
+from hybrid_rl.rollout.weight_transport import collect_ipc, export_bucket
 
 SGLANG_TAGS = ("weights", "kv_cache")  # cuda_graph stays resident: released and resumed only in pairs
 
@@ -212,23 +212,16 @@ class SGLangEngine:
             raise RuntimeError("update_weights outside a weight-update session; call begin_weight_update() first")
         bucket = list(named_tensors)
         self._check_bucket(bucket)
-        exports: list[Export] = [export_bucket(bucket, self.dtype)]
+        export = export_bucket(bucket, self.dtype)
         try:
-            payloads = D.gather_object_to(exports[0].payload, self.owner, self.group)
-            result = None
-            if self.is_owner:
-                try:
-                    result = self.engine.update_weights_from_tensor(
-                        named_tensors=payloads, load_format="flattened_bucket", flush_cache=False)
-                except Exception as err:  # noqa: BLE001 - the other ranks must hear about it, not hang
-                    result = (False, f"{type(err).__name__}: {err}")
-            ok, message = D.broadcast_object_from(result, self.owner, self.group)
+            payloads = D.gather_object_to(export.payload, self.owner, self.group)
+            self._owner_call("update_weights_from_tensor", named_tensors=payloads, load_format="flattened_bucket",
+                             flush_cache=False, check=True)
         finally:
-            # Only now may the buffers go: the scheduler has opened and copied them (sglang#6626).
-            nbytes = exports[0].nbytes
-            release_exports(exports)
-        if not ok:
-            raise RuntimeError(f"SGLang refused a weight bucket: {message}")
+            # Only now may the buffer go: the scheduler has opened and copied it (sglang#6626).
+            nbytes = export.nbytes
+            del export
+            collect_ipc()
         self._sent.update(n for n, _ in bucket)
         self.sync_stats["bytes"] += nbytes * self.tp_size
         self.sync_stats["payloads"] += self.tp_size
@@ -306,8 +299,9 @@ class SGLangEngine:
                 "top_p": p.top_p, "top_k": p.top_k, "stop_token_ids": stops, "sampling_seed": p.seed * 1_000_003 + i}
 
     # -- owner calls ----------------------------------------------------------
-    def _owner_call(self, method: str, *args, check: bool = False, optional: bool = False):
-        """Run engine.method(*args) on the owner; every rank of the group gets the outcome."""
+    def _owner_call(self, method: str, *args, check: bool = False, optional: bool = False, **kwargs):
+        """Run engine.method(*args, **kwargs) on the owner; every rank of the group gets the outcome
+        (an exception there is re-raised on every rank, so none waits in a collective forever)."""
         outcome = None
         if self.is_owner:
             fn = getattr(self.engine, method, None)
@@ -315,7 +309,7 @@ class SGLangEngine:
                 outcome = ("ok", None)
             else:
                 try:
-                    outcome = ("ok", fn(*args))
+                    outcome = ("ok", fn(*args, **kwargs))
                 except Exception as err:  # noqa: BLE001 - the other ranks must hear about it
                     outcome = ("error", f"{type(err).__name__}: {err}")
         status, value = D.broadcast_object_from(outcome, self.owner, self.group)

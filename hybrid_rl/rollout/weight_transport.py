@@ -31,7 +31,6 @@ class Export:
 
     payload: bytes
     buffer: torch.Tensor  # the flat uint8 buffer the handle points at
-    names: list[str]
     nbytes: int
 
 
@@ -61,11 +60,10 @@ def export_bucket(named_tensors: list[tuple[str, torch.Tensor]], dtype: torch.dt
     bucket = FlattenedTensorBucket(named_tensors=tensors)  # a copy: the source may be freed or reused
     flat = bucket.get_flattened_tensor()
     payload = MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": bucket.get_metadata()})
-    return Export(payload=payload, buffer=flat, names=[n for n, _ in tensors], nbytes=flat.numel())
+    return Export(payload=payload, buffer=flat, nbytes=flat.numel())
 
 
-def release_exports(exports: list[Export]) -> None:
-    """Drop the buffers after the engine call returned; free CUDA IPC limbo blocks."""
-    exports.clear()
+def collect_ipc() -> None:
+    """After the engine call returned and the buffers were dropped: free CUDA IPC limbo blocks."""
     if torch.cuda.is_available():
         torch.cuda.ipc_collect()

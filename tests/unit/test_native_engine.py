@@ -14,7 +14,6 @@ import math
 import pytest
 import torch
 
-from hybrid_rl.models.loading import load_causal_lm
 from hybrid_rl.models.logprobs import build_sequences, position_ids, response_logprobs
 from hybrid_rl.rollout.base import SamplingParams, engine_class
 from hybrid_rl.rollout.native import NativeEngine, filter_logits
@@ -24,17 +23,6 @@ pytestmark = pytest.mark.usefixtures("torch_one_thread")
 PAD, EOS = 0, 1
 # "1 2 3 =", "4 =", "7 8 9 0 1 2 =", "5 5 =" in the tiny vocabulary: four different prompt lengths.
 PROMPTS = [[5, 6, 7, 14], [8, 14], [11, 12, 13, 4, 5, 6, 14], [9, 9, 14]]
-
-
-@pytest.fixture(scope="module")
-def sharp_model(tiny_model_dir):
-    model = load_causal_lm(tiny_model_dir, dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(1234)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.add_(0.15 * torch.randn(p.shape, generator=g))
-    return model
 
 
 @pytest.fixture

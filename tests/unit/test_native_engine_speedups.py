@@ -13,7 +13,6 @@ import warnings
 import pytest
 import torch
 
-from hybrid_rl.models.loading import load_causal_lm
 from hybrid_rl.models.logprobs import build_sequences, response_logprobs
 from hybrid_rl.rollout import native
 from hybrid_rl.rollout.base import SamplingParams
@@ -26,18 +25,6 @@ pytestmark = pytest.mark.usefixtures("torch_one_thread")
 PAD, EOS = 0, 1
 PROMPTS = [[5, 6, 7, 14], [8, 14], [11, 12, 13, 4, 5, 6, 14], [9, 9, 14]]
 MANY = [p for p in PROMPTS for _ in range(4)]  # 16 rows, four prompt lengths
-
-
-@pytest.fixture(scope="module")
-def sharp_model(tiny_model_dir):
-    """The tiny model with seeded noise on every matrix: context-dependent, EOS sampled now and then."""
-    model = load_causal_lm(tiny_model_dir, dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(1234)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.add_(0.15 * torch.randn(p.shape, generator=g))
-    return model
 
 
 class Recorder:
