@@ -245,7 +245,7 @@ class OffloadConfig:
     # Policy parameter shards on host during ROLLOUT, for an engine with its own weight copy; the
     # native engine decodes with the policy's own weights, so there it warns and is ignored.
     params: bool = False
-    reward_model: bool = False  # no run has a reward model yet (rule rewards only): setting it only warns
+    reward_model: bool = False  # reward model (reward.model_path) on host outside the REWARD stage
     auto: bool = False  # ignore the flags above and take the planner's advice (python -m hybrid_rl.plan)
 
 
@@ -255,11 +255,40 @@ class RewardConfig:
     fn: str = ""  # package.module:function, imported at start-up; used instead of `name`
     kwargs: dict[str, Any] = field(default_factory=dict)  # keyword arguments, e.g. gsm8k's mode, format_score
     success_threshold: Optional[float] = None  # reward counted as correct (accuracy); null = the function's own (1.0)
+    # A learned reward model (rewards/model.py): a local HF directory with its own tokenizer, scored in
+    # the REWARD stage of the phase switch. "" = none.
+    model_path: str = ""
+    score_index: int = -1  # classifier: the label whose logit is the reward; -1 = the only label
+    score_token: str = ""  # causal LM reward model: the token whose logit at the last position is the reward
+    score_token_id: int = -1  # ... or its id (-1 = unset)
+    max_tokens_per_micro_batch: int = 8192  # padded tokens per reward-model forward
+    # Parts of the reward and their weights: {rule: w, model: w}; a part with weight 0 is computed and
+    # logged only. Empty: the rule reward alone, or the model alone when model_path is set.
+    weights: dict[str, float] = field(default_factory=dict)
+    normalize_model: bool = False  # standardise model scores by their running mean/std before weighting
 
     def __post_init__(self) -> None:
         _check(bool(self.name) or bool(self.fn), "reward.name", "is empty (and reward.fn is not set)")
         _check(not self.fn or (":" in self.fn and all(self.fn.partition(":")[::2])), "reward.fn",
                f"{self.fn!r} is not of the form package.module:function")
+        unknown = sorted(set(self.weights) - {"rule", "model"})
+        _check(not unknown, "reward.weights", f"unknown part(s) {unknown}; the parts are 'rule' and 'model'")
+        for part, w in self.weights.items():
+            _check(isinstance(w, (int, float)) and w == w and abs(w) != float("inf"), f"reward.weights.{part}",
+                   f"must be a finite number, got {w!r}")
+        _check(not self.weights or any(w != 0 for w in self.weights.values()), "reward.weights",
+               f"every weight is 0 ({dict(self.weights)}); nothing would be trained on")
+        has_model = bool(self.model_path)
+        _check(has_model or "model" not in self.weights, "reward.weights",
+               "has a 'model' weight but reward.model_path is empty; set reward.model_path to a reward model directory")
+        _check(not has_model or not self.weights or "model" in self.weights, "reward.weights",
+               f"{dict(self.weights)} has no 'model' weight although reward.model_path is set; add reward.weights.model")
+        _check(has_model or not self.normalize_model, "reward.normalize_model",
+               "normalises the reward model's score, but reward.model_path is empty")
+        _check(self.max_tokens_per_micro_batch > 0, "reward.max_tokens_per_micro_batch",
+               f"must be > 0, got {self.max_tokens_per_micro_batch}")
+        _check(self.score_index >= -1, "reward.score_index", f"must be >= 0 (or -1: the only label), got {self.score_index}")
+        _check(self.score_token_id >= -1, "reward.score_token_id", f"must be >= 0 (or -1: unset), got {self.score_token_id}")
 
 
 LOGGERS = ["console", "jsonl", "tensorboard", "wandb"]
@@ -285,6 +314,12 @@ class TrainerConfig:
     val_before_train: bool = False  # also validate the initial policy (step 0)
     val_n: int = 0  # k > 0: also k sampled completions per prompt at rollout.temperature, logged as val/mean@k
     val_sample_rows: int = 8  # prompts (with completions and rewards) written to val_samples.jsonl per validation
+    # Checkpoints (checkpoint.py): sharded, written between steps, visible only when complete.
+    save_every: int = 0  # a checkpoint every N steps and after the last one; 0 = only on a signal or save_pretrained
+    keep_last: int = 2  # complete checkpoints kept (older ones deleted); 0 = keep all
+    checkpoint_dir: str = ""  # "" = <out_dir>/checkpoints
+    resume: str = "auto"  # auto: the newest complete checkpoint, if any | none: start fresh | a step_* directory
+    resume_ignore: list[str] = field(default_factory=list)  # config keys allowed to differ from the checkpoint's
 
     def __post_init__(self) -> None:
         _check(self.total_steps > 0, "trainer.total_steps", "must be > 0")
@@ -301,6 +336,13 @@ class TrainerConfig:
         _check(self.val_every >= 0, "trainer.val_every", f"must be >= 0 (0 = never), got {self.val_every}")
         _check(self.val_n >= 0, "trainer.val_n", f"must be >= 0 (0 = greedy pass@1 only), got {self.val_n}")
         _check(self.val_sample_rows >= 0, "trainer.val_sample_rows", f"must be >= 0, got {self.val_sample_rows}")
+        _check(self.save_every >= 0, "trainer.save_every", f"must be >= 0 (0 = no periodic checkpoints), got {self.save_every}")
+        _check(self.keep_last >= 0, "trainer.keep_last", f"must be >= 0 (0 = keep all), got {self.keep_last}")
+        _check(bool(self.resume), "trainer.resume", "is empty; use auto, none or a checkpoint directory")
+
+    @property
+    def checkpoint_root(self) -> str:
+        return self.checkpoint_dir or os.path.join(self.out_dir, "checkpoints")
 
 
 @dataclass
@@ -321,6 +363,12 @@ class Config:
                f"directory {self.model.path!r} does not exist; give a local Hugging Face model directory")
         _check(os.path.isfile(os.path.join(self.model.path, "config.json")), "model.path",
                f"{self.model.path!r} has no config.json; is it a Hugging Face model directory?")
+        if self.reward.model_path:
+            rm = self.reward.model_path
+            _check(os.path.isdir(rm), "reward.model_path",
+                   f"directory {rm!r} does not exist; give a local Hugging Face reward model directory")
+            _check(os.path.isfile(os.path.join(rm, "config.json")), "reward.model_path",
+                   f"{rm!r} has no config.json; is it a Hugging Face model directory?")
         if self.rollout.engine == "sglang":
             local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
             _check(local % self.rollout.tp_size == 0, "rollout.tp_size",

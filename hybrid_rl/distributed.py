@@ -11,12 +11,23 @@ statistics); a plain `nccl` group serves only CUDA tensors and would fail at the
 first metric reduction of a GPU run. So a CUDA run joins `cpu:gloo,cuda:nccl`
 (as verl does): host tensors go over gloo, device tensors over NCCL. Every helper
 checks the tensor's device against what the group serves and says so if it cannot.
+
+When a rank dies the others must not wait for it: a dead peer fails their next gloo
+collective at once ("Connection closed by peer"), a hung one fails it after the group's
+timeout (`trainer.dist_timeout_s`), and torchrun tears the rest down. `report_failures`
+wraps a recipe's `main` so that each failing rank prints one line saying which rank it
+is and where it was, and a rank whose collective lost its peer names the ranks that
+failed first or never answered (the only way node 0's log can name a rank on node 1).
 """
 from __future__ import annotations
 
+import functools
 import os
+import socket
+import sys
+import traceback
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -174,3 +185,104 @@ def broadcast_object_from(obj: Any, src: int, group=None) -> Any:
 def local_world_size() -> int:
     """Ranks on this node (torchrun's LOCAL_WORLD_SIZE; the world size when unset)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))
+
+
+# -- when a rank fails ------------------------------------------------------
+_F = TypeVar("_F", bound=Callable[..., Any])
+_STORE_TIMEOUT_S = 5  # a failing rank spends at most about this long talking to the store
+
+
+def report_failures(main: _F) -> _F:
+    """Decorate a recipe's `main`. On a multi-rank run, a rank where it raises prints one line
+    to stderr and re-raises:
+
+        hybrid_rl: rank 1/2 (host, pid 123) failed at step 2, last phase rollout, in
+        Trainer.fit > Trainer.step > Trainer._rollout > ... > compute_rewards: RuntimeError: ...
+
+    The line is also left in the launcher's store; a rank whose collective failed (a peer
+    died or hung) appends what the other ranks reported, or names those that reported
+    nothing. Under torchrun the traceback goes into the agent's error summary too (`record`).
+    On one rank (a notebook, a test calling `main`) it only calls `main`."""
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        call = main
+        if "TORCHELASTIC_ERROR_FILE" in os.environ:
+            from torch.distributed.elastic.multiprocessing.errors import record
+
+            call = record(main)
+        try:
+            return call(*args, **kwargs)
+        except Exception as err:
+            if env_world_size() > 1:
+                print(failure_line(err), file=sys.stderr, flush=True)
+            raise
+
+    return wrapper  # type: ignore[return-value]
+
+
+def failure_line(err: BaseException) -> str:
+    """The one-line report of `err` on this rank (module docstring); tells the store as a side effect."""
+    me, world = int(os.environ.get("RANK", rank())), env_world_size()
+    message = (str(err).strip().splitlines() or [""])[0][:400]
+    line = (f"hybrid_rl: rank {me}/{world} ({socket.gethostname()}, pid {os.getpid()}) failed"
+            f"{_where(err.__traceback__)}: {type(err).__name__}: {message}")
+    return line + _exchange_reports(me, world, line, lost_peer=_in_collective(err.__traceback__))
+
+
+def _where(tb) -> str:
+    """' at step S, last phase P, in A > B > C' from the library frames of a traceback."""
+    pkg = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    chain: list[str] = []
+    trainer = None
+    for frame, _ in traceback.walk_tb(tb):
+        if not frame.f_code.co_filename.startswith(pkg):
+            continue
+        chain.append(getattr(frame.f_code, "co_qualname", frame.f_code.co_name))
+        me = frame.f_locals.get("self")
+        if trainer is None and isinstance(getattr(me, "step_idx", None), int) and hasattr(me, "phases"):
+            trainer = me
+    out = ""
+    if trainer is not None:
+        # step_idx counts finished steps; inside Trainer.step the failing step is the next one.
+        step = trainer.step_idx + (1 if any(c.endswith("Trainer.step") for c in chain) else 0)
+        phase = getattr(getattr(trainer.phases, "phase", None), "value", None)
+        out = f" at step {step}" + (f", last phase {phase}" if phase else "")
+    if chain:
+        out += (", in " if out else " in ") + " > ".join(chain[-5:])
+    return out
+
+
+def _in_collective(tb) -> bool:
+    """Whether the error was raised inside torch.distributed (a collective or the store), so maybe by a
+    lost peer; only the innermost frame counts (torchrun's `record` wrapper is in torch.distributed too)."""
+    frames = [frame for frame, _ in traceback.walk_tb(tb)]
+    marker = os.sep + os.path.join("torch", "distributed") + os.sep
+    return bool(frames) and marker in frames[-1].f_code.co_filename
+
+
+def _exchange_reports(me: int, world: int, line: str, lost_peer: bool) -> str:
+    """Leave `line` in the launcher's store; when a peer was lost, say what the others left there."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        return ""
+    prefix = f"hybrid_rl/failed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    try:
+        store = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=_STORE_TIMEOUT_S))
+        store.set(prefix + str(me), line)
+        if not lost_peer:
+            return ""
+        others = [r for r in range(world) if r != me]
+        keys = {r: prefix + str(r) for r in others}
+        reported = {r: store.get(k).decode(errors="replace") for r, k in keys.items() if store.check([k])}
+    except Exception as err:  # noqa: BLE001 - the report must not hide the error being reported
+        if not lost_peer:
+            return ""
+        return (f" | the launcher's store at {addr}:{port} is unreachable too ({type(err).__name__}): the node "
+                "that hosts it (node 0) is gone or hangs")
+    silent = [r for r in others if r not in reported]
+    parts = [f"rank {r} reported: {reported[r].removeprefix('hybrid_rl: ')}" for r in sorted(reported)]
+    if silent:
+        names = ", ".join(str(r) for r in silent)
+        parts.append(f"rank{'s' if len(silent) > 1 else ''} {names} reported no failure (yet): killed, hung, "
+                     "or on a node that is gone (see its launcher's log)")
+    return " | " + " | ".join(parts)

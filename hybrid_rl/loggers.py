@@ -10,6 +10,7 @@ W&B runs offline by default (`trainer.wandb_mode`): nothing needs a network, and
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -31,11 +32,26 @@ def _numbers(metrics: dict) -> dict[str, float]:
 
 
 class JsonlLogger:
-    """One JSON object per step, appended to `path` (the file is started empty)."""
+    """One JSON object per step, appended to `path`.
 
-    def __init__(self, path: str):
+    A new run starts the file empty; a resumed run keeps the lines up to the step it
+    resumed from and drops later ones (steps the interrupted run did after its last
+    checkpoint, which the resumed run does again), so every step appears once."""
+
+    def __init__(self, path: str, resume_step: Optional[int] = None):
         self.path = path
-        open(path, "w").close()
+        kept = []
+        if resume_step is not None and os.path.isfile(path):
+            with open(path) as f:
+                for line in f:
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError:
+                        break  # a line cut short by the crash: nothing after it is trusted
+                    if isinstance(record, dict) and record.get("step", resume_step + 1) <= resume_step:
+                        kept.append(line if line.endswith("\n") else line + "\n")
+        with open(path, "w") as f:
+            f.writelines(kept)
 
     def log(self, metrics: dict, step: int) -> None:
         append_jsonl(self.path, metrics)
@@ -61,14 +77,15 @@ class ConsoleLogger:
 
 
 class TensorBoardLogger:
-    def __init__(self, log_dir: str):
+    def __init__(self, log_dir: str, resume_step: Optional[int] = None):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise ImportError("trainer.loggers includes 'tensorboard' but the tensorboard package is not installed: "
                               "pip install tensorboard (or drop it from trainer.loggers)") from None
         self.log_dir = log_dir
-        self.writer = SummaryWriter(log_dir=log_dir)
+        # purge_step: events past the resumed step (written before the interruption) are hidden.
+        self.writer = SummaryWriter(log_dir=log_dir, purge_step=None if resume_step is None else resume_step + 1)
 
     def log(self, metrics: dict, step: int) -> None:
         for k, v in _numbers(metrics).items():
@@ -96,14 +113,16 @@ class WandbLogger:
         self.run.finish()
 
 
-def build_loggers(cfg, write=print) -> list[Logger]:
-    """The loggers of `cfg.trainer` (a `Config`), jsonl first; call on rank 0 only."""
+def build_loggers(cfg, write=print, resume_step: Optional[int] = None) -> list[Logger]:
+    """The loggers of `cfg.trainer` (a `Config`), jsonl first; call on rank 0 only.
+
+    resume_step: the step a resumed run starts after (its files keep what came before)."""
     t = cfg.trainer
-    loggers: list[Logger] = [JsonlLogger(os.path.join(t.out_dir, "metrics.jsonl"))]
+    loggers: list[Logger] = [JsonlLogger(os.path.join(t.out_dir, "metrics.jsonl"), resume_step)]
     if "console" in t.loggers:
         loggers.append(ConsoleLogger(t.log_every, write))
     if "tensorboard" in t.loggers:
-        loggers.append(TensorBoardLogger(os.path.join(t.out_dir, "tensorboard")))
+        loggers.append(TensorBoardLogger(os.path.join(t.out_dir, "tensorboard"), resume_step))
     if "wandb" in t.loggers:
         name = t.experiment or os.path.basename(os.path.normpath(t.out_dir))
         loggers.append(WandbLogger(t.project, name, t.out_dir, t.wandb_mode, _plain(cfg)))

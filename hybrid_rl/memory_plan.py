@@ -9,8 +9,9 @@ Parameter count N (``count_parameters``): exact, from the architecture:
   embeddings V*h; per layer q h*(H*d) [+H*d bias], k and v h*(K*d) [+K*d bias]
   each (GQA: K kv heads), o (H*d)*h [+h bias], MLP gate/up/down 3*h*I
   [+2I+h bias], two RMSNorm weights 2h [+ q/k norms 2d for Qwen3]; final norm h;
-  lm_head V*h unless tie_word_embeddings.  (h hidden, I intermediate, V vocab,
-  H heads, d head_dim.)  Qwen2 has q/k/v bias; Llama has none unless
+  lm_head V*h unless tie_word_embeddings; a sequence classifier (a reward
+  model, ``num_labels`` > 0) has a score head C*h (C labels, no bias) instead of
+  the lm_head.  (h hidden, I intermediate, V vocab, H heads, d head_dim.)  Qwen2 has q/k/v bias; Llama has none unless
   ``attention_bias``/``mlp_bias``.  ``ModelArch.num_params`` overrides the count
   (``--params 70e9``).
 
@@ -37,16 +38,19 @@ Phase residency (a role is on the GPU in a phase if the phase uses it, or if it
 is not offloaded; grads and the engine's weights and KV cache are freed outside
 the phase that uses them):
 
-  role            train  rollout  score   offload flag that parks it on CPU
-  policy_weights  yes    flag     yes     params
-  grads           yes    -        -       (freed after the optimizer step)
-  optimizer       yes    flag     flag    optimizer
-  engine_weights  -      yes      -       (engine sleeps / is released)
-  kv_cache        -      yes      -       (engine sleeps / is released)
-  ref             flag   flag     yes     ref
-  reward_model    flag   flag     yes     reward_model
+  role            train  rollout  reward  score   offload flag that parks it on CPU
+  policy_weights  yes    flag     flag    yes     params
+  grads           yes    -        -       -       (freed after the optimizer step)
+  optimizer       yes    flag     flag    flag    optimizer
+  engine_weights  -      yes      yes     -       (engine sleeps / is released)
+  kv_cache        -      yes      -       -       (engine sleeps / is released)
+  ref             flag   flag     flag    yes     ref
+  reward_model    flag   flag     yes     flag    reward_model
 
-("flag": resident unless that offload flag is set.)  Optionally the train phase
+("flag": resident unless that offload flag is set.)  "reward" is the REWARD stage
+nested in ROLLOUT (switch/phases.py): the engine keeps its weights, its KV cache is
+released, the reward model is onloaded; only a run with a reward model enters it (without
+one, ``phases["reward"]`` is empty: it holds nothing because it never happens).  Optionally the train phase
 also holds ``activations_estimate`` (an ESTIMATE, gradient checkpointing
 assumed; see ``activation_estimate``).  Sizes are decimal GB (1e9 bytes) in
 printed output; GPU capacity is given in GiB (80 GiB default).
@@ -62,7 +66,7 @@ from typing import Any, Mapping
 # The one definition of the memory roles: the runtime ledger (hybrid/memory.py) imports it
 # from here, because this module is torch-free and the ledger is not.
 ROLES = ("policy_weights", "grads", "optimizer", "engine_weights", "kv_cache", "ref", "reward_model")
-PHASES = ("train", "rollout", "score")
+PHASES = ("train", "rollout", "reward", "score")
 OFFLOAD_FLAGS = ("optimizer", "ref", "reward_model", "params")  # also the suggestion order
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 GB = 10**9
@@ -73,10 +77,10 @@ RESIDENCY: dict[str, tuple[frozenset, str | None]] = {
     "policy_weights": (frozenset({"train", "score"}), "params"),
     "grads": (frozenset({"train"}), None),
     "optimizer": (frozenset({"train"}), "optimizer"),
-    "engine_weights": (frozenset({"rollout"}), None),
+    "engine_weights": (frozenset({"rollout", "reward"}), None),
     "kv_cache": (frozenset({"rollout"}), None),
     "ref": (frozenset({"score"}), "ref"),
-    "reward_model": (frozenset({"score"}), "reward_model"),
+    "reward_model": (frozenset({"reward"}), "reward_model"),
 }
 
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -104,6 +108,7 @@ class ModelArch:
     head_dim_: int = 0  # explicit head_dim (0: hidden_size // num_attention_heads)
     max_position_embeddings: int = 0
     num_params: int | None = None  # overrides count_parameters
+    num_labels: int = 0  # > 0: a sequence classifier (reward model), score head C*h instead of the lm_head
 
     @property
     def head_dim(self) -> int:
@@ -144,6 +149,10 @@ class ModelArch:
             raise ValueError(f"HF config {source} is missing required key(s): {', '.join(missing)}")
         mtype = str(d.get("model_type", "")).lower()
         attn_bias = bool(d.get("attention_bias", False))
+        archs = cfg.get("architectures") or d.get("architectures") or []
+        classifier = any(str(a).endswith("ForSequenceClassification") for a in archs)
+        # transformers' own count: the label names if given, else num_labels, else 2.
+        labels = (len(d["id2label"]) if d.get("id2label") else int(d.get("num_labels") or 2)) if classifier else 0
         return cls(
             name=name or d.get("_name_or_path") or mtype or "custom",
             hidden_size=int(d["hidden_size"]),
@@ -159,6 +168,7 @@ class ModelArch:
             qk_norm=mtype.startswith("qwen3"),
             head_dim_=int(d.get("head_dim") or 0),
             max_position_embeddings=int(d.get("max_position_embeddings") or 0),
+            num_labels=labels,
         )
 
 
@@ -221,7 +231,8 @@ def count_parameters(arch: ModelArch) -> int:
     norms = 2 * h + (2 * d if arch.qk_norm else 0)
     layer = attn + mlp + norms
     embed = v * h
-    return embed + arch.num_hidden_layers * layer + h + (0 if arch.tie_word_embeddings else embed)
+    head = arch.num_labels * h if arch.num_labels else (0 if arch.tie_word_embeddings else embed)
+    return embed + arch.num_hidden_layers * layer + h + head
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -344,6 +355,8 @@ def plan_memory(arch: ModelArch, n_gpus: int, dtype: str, batch: int, context: i
     per_gpu["kv_cache"] = kv_cache_bytes(arch, dtype, batch, context, n_gpus, tp_size)
     per_gpu = {r: per_gpu[r] for r in ROLES}
     phases = phase_residency(per_gpu, off)
+    if reward_arch is None:
+        phases["reward"] = {}  # rule rewards: the run never enters the REWARD stage
     act = activation_estimate(arch, dtype, train_micro_batch, context)
     if act:
         phases["train"]["activations_estimate"] = act

@@ -7,6 +7,9 @@ Examples::
     python -m hybrid_rl.plan --model path/to/config.json --gpus 8 --batch 64 --context 8192
     python -m hybrid_rl.plan --params 70e9 --gpus 8 --batch 64 --context 4096 \\
         [--layers 80 --kv-heads 8 --head-dim 128]
+    python -m hybrid_rl.plan --model Qwen2.5-7B --reward-model Qwen2.5-7B --gpus 8 --batch 256 --context 4096
+        # a reward model (built-in name, or a *ForSequenceClassification config.json: score head, no lm_head)
+        # adds the REWARD stage's column
 
 Prints a table of roles x phases (GB = 1e9 bytes per GPU, and totals over all
 GPUs), whether each phase fits, a suggested offload line, and a JSON object as
@@ -121,8 +124,14 @@ def _arch_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     return arch, rm
 
 
+def shown_phases(plan: MemoryPlan) -> tuple[str, ...]:
+    """The phases a run goes through: REWARD only with a reward model (rule rewards need no device memory)."""
+    return PHASES if plan.reward_params else tuple(p for p in PHASES if p != "reward")
+
+
 def format_plan(plan: MemoryPlan, suggestion: dict) -> str:
     lines = []
+    phases = shown_phases(plan)
     n = plan.n_params
     lines.append(f"model {plan.model}: N = {n:,} params ({n / 1e9:.2f} B), dtype {plan.dtype}"
                  + (f"; reward model N = {plan.reward_params:,}" if plan.reward_params else ""))
@@ -137,7 +146,7 @@ def format_plan(plan: MemoryPlan, suggestion: dict) -> str:
                  + (f", reward model = {_gb(b['reward_model'])} GB" if plan.reward_params else ""))
     lines.append("")
     w = 22
-    head = f"{'role':<{w}}{'per GPU':>10}{'total':>11} |" + "".join(f"{p:>10}" for p in PHASES)
+    head = f"{'role':<{w}}{'per GPU':>10}{'total':>11} |" + "".join(f"{p:>10}" for p in phases)
     lines.append(head + "   (GB)")
     lines.append("-" * len(head))
     rows = list(ROLES) + (["activations_estimate"] if plan.activations_estimate else [])
@@ -147,7 +156,7 @@ def format_plan(plan: MemoryPlan, suggestion: dict) -> str:
         else:
             pg, tot = plan.per_gpu[role], plan.total[role]
         cells = []
-        for p in PHASES:
+        for p in phases:
             if role == "reward_model" and not plan.reward_params:
                 cells.append("-")
             elif role in plan.phases[p]:
@@ -157,9 +166,9 @@ def format_plan(plan: MemoryPlan, suggestion: dict) -> str:
                 cells.append("cpu" if flag and plan.offload.get(flag) else "-")
         lines.append(f"{role:<{w}}{_gb(pg):>10}{_gb(tot):>11} |" + "".join(f"{c:>10}" for c in cells))
     lines.append("-" * len(head))
-    lines.append(f"{'phase total per GPU':<{w + 21}} |" + "".join(f"{_gb(plan.phase_totals[p]):>10}" for p in PHASES))
+    lines.append(f"{'phase total per GPU':<{w + 21}} |" + "".join(f"{_gb(plan.phase_totals[p]):>10}" for p in phases))
     lines.append("")
-    for p in PHASES:
+    for p in phases:
         used = plan.phase_totals[p]
         verdict = (f"fits ({_gb(plan.gpu_mem_bytes - used)} GB free)" if plan.fits[p]
                    else f"does NOT fit (short by {_gb(plan.shortfall[p])} GB)")

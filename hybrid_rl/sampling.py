@@ -23,11 +23,16 @@ only on the step. So:
 Both are a single small all-reduce of a host tensor; on one rank they are no-ops.
 
 Reward metrics are taken over every completion generated this step (all rounds),
-an unbiased view of the policy, not only over the groups kept.
+an unbiased view of the policy, not only over the groups kept. A run whose reward has
+parts (rewards/combine.py: rule, model, model_norm) logs each one as
+`reward/<part>_mean` and `reward/<part>_std` next to the combined `reward/mean`;
+`reward/accuracy` is then the rule reward's (the part the success threshold is for), and
+a run on the reward model alone has none (a model's score has no threshold of "correct").
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping, Optional
 
 import torch
 
@@ -63,15 +68,17 @@ class GroupCollector:
         self._seen = MeanAccumulator()  # reward and length over every completion generated
 
     def add(self, rows: list[dict], prompt_ids: list[list[int]], completions: list[Completion],
-            rewards_N: torch.Tensor, scores_N: torch.Tensor) -> None:
-        """One round: B rows, their prompt ids, B*G completions and their rewards and scores (host tensors)."""
+            rewards_N: torch.Tensor, scores_N: torch.Tensor,
+            parts: Optional[Mapping[str, torch.Tensor]] = None) -> None:
+        """One round: B rows, their prompt ids, B*G completions and their rewards and scores (host tensors);
+        `parts`: the reward's named parts (each (N,)), logged separately; every rank passes the same names."""
         G, B = self.G, len(rows)
         if len(completions) != B * G or len(prompt_ids) != B:
             raise RuntimeError(f"engine returned {len(completions)} completions for {B} prompts x {G}")
         self.rounds += 1
         self.want = self.want or B
         self.generated += B
-        self._record(rewards_N, completions)
+        self._record(rewards_N, completions, parts or {})
         if self.dynamic:
             keep_B = filter_groups(scores_N, torch.arange(B * G) // G).view(B, G)[:, 0]
         else:
@@ -81,11 +88,18 @@ class GroupCollector:
             s = slice(b * G, (b + 1) * G)
             self._kept.append((rows[b], prompt_ids[b], completions[s], rewards_N[s], scores_N[s]))
 
-    def _record(self, rewards_N: torch.Tensor, completions: list[Completion]) -> None:
+    def _record(self, rewards_N: torch.Tensor, completions: list[Completion], parts: Mapping[str, torch.Tensor]) -> None:
         n = len(completions)
         self._seen.add("reward/mean", rewards_N.sum(), n)
         self._seen.add("reward/sq", (rewards_N.double() ** 2).sum(), n)
-        self._seen.add("reward/accuracy", (rewards_N >= self.success_threshold - 1e-9).sum(), n)
+        for name, part_N in parts.items():
+            if part_N.shape != rewards_N.shape:
+                raise RuntimeError(f"reward part {name!r} has shape {tuple(part_N.shape)}, expected {tuple(rewards_N.shape)}")
+            self._seen.add(f"reward/{name}_mean", part_N.sum(), n)
+            self._seen.add(f"reward/{name}_sq", (part_N.double() ** 2).sum(), n)
+        if not parts or "rule" in parts:
+            correct_N = parts["rule"] if parts else rewards_N
+            self._seen.add("reward/accuracy", (correct_N >= self.success_threshold - 1e-9).sum(), n)
         self._seen.add("response/length", sum(len(c.token_ids) for c in completions), n)
         self._seen.add("response/truncated", sum(c.finish_reason == "length" for c in completions), n)
 
@@ -104,7 +118,9 @@ class GroupCollector:
         totals = D.all_reduce_sum(torch.tensor([self.generated, self.filtered, surplus, K, self.want],
                                                dtype=torch.float64))
         m = self._seen.reduce()
-        m["reward/std"] = max(0.0, m.pop("reward/sq") - m["reward/mean"] ** 2) ** 0.5
+        for sq in [k for k in m if k.startswith("reward/") and k.endswith("sq")]:
+            base = sq[:-2]  # "reward/" or "reward/<part>_"
+            m[base + "std"] = max(0.0, m.pop(sq) - m[base + "mean"] ** 2) ** 0.5
         m.update({"sampling/rounds": float(self.rounds), "sampling/groups_generated": totals[0].item(),
                   "sampling/groups_filtered": totals[1].item(), "sampling/groups_surplus": totals[2].item(),
                   "sampling/groups_kept": totals[3].item(), "sampling/batch_fill": (totals[3] / totals[4]).item()})

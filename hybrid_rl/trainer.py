@@ -20,12 +20,17 @@ Legend: B prompts per step (global), G samples per prompt, N sequences, T tokens
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 import os
+import signal
+import time
 import warnings
 from typing import Optional
 
 import torch
 
+from hybrid_rl import checkpoint as ckpt
 from hybrid_rl import distributed as D
 from hybrid_rl.algorithms.advantages import compute_advantages
 from hybrid_rl.algorithms.correction import rollout_correction
@@ -41,8 +46,10 @@ from hybrid_rl.switch.phases import PhaseManager
 from hybrid_rl.metrics import MeanAccumulator, StageTimer, bottleneck, plot_curve, split_summary
 from hybrid_rl.models.fsdp import shard_model
 from hybrid_rl.models.loading import load_causal_lm, load_tokenizer
-from hybrid_rl.models.saving import save_pretrained
+from hybrid_rl.models.saving import write_hf_metadata
 from hybrid_rl.rewards.base import RewardFn, compute_rewards, resolve_reward
+from hybrid_rl.rewards.combine import RunningNorm, combine, resolve_weights
+from hybrid_rl.rewards.model import RewardModelScorer, inspect_reward_model, load_reward_model
 from hybrid_rl.rollout.base import Completion, SamplingParams, engine_class
 from hybrid_rl.sampling import GroupCollector
 from hybrid_rl.update import TrainBatch, policy_update, score_logprobs, scores_old_policy
@@ -61,6 +68,10 @@ class Trainer:
         self.device = D.init(cfg.trainer.device, cfg.trainer.dist_timeout_s)
         # Everything a user can get wrong is checked before a model is built.
         cfg.validate_runtime(D.world_size())
+        with open(os.path.join(cfg.model.path, "config.json")) as f:
+            self._model_config = json.load(f)
+        # The checkpoint to resume from is found and checked before anything is built or written.
+        self.resume_from, resume_meta = self._find_resume()
         a = cfg.algorithm
         buffer = a.overlong_buffer_len
         if buffer is not None and buffer > cfg.rollout.max_new_tokens:
@@ -78,10 +89,20 @@ class Trainer:
         self.kl_ctl = (AdaptiveKLController(a.kl_coef, a.target_kl, a.kl_horizon) if a.kl_controller == "adaptive"
                        else FixedKLController(a.kl_coef))
         check_loggers(cfg.trainer.loggers)
-        torch.manual_seed(cfg.trainer.seed)
+        ckpt.seed_all(cfg.trainer.seed)
         r = cfg.reward
         self.reward_name, self.reward = resolve_reward(r.name, r.fn, r.kwargs, r.success_threshold, reward_fn)
-        if reward_fn is None and not r.fn and BUILTIN_REWARDS.get(r.name, cfg.data.task) != cfg.data.task:
+        # The reward's parts (rule, model: rewards/combine.py); the reward model's directory, tokenizer
+        # and score are checked here, before any model loads.
+        self.reward_weights = resolve_weights(r.weights, bool(r.model_path))
+        if reward_fn is not None and "rule" not in self.reward_weights:
+            raise ValueError(f"config key 'reward.weights': a reward_fn was passed to Trainer, but the reward's parts "
+                             f"are {self.reward_weights} (no 'rule'); add reward.weights.rule to use it")
+        self.rm_spec, self.rm_tokenizer = (inspect_reward_model(r.model_path, r.score_index, r.score_token,
+                                                                r.score_token_id) if r.model_path else (None, None))
+        self.reward_norm = RunningNorm() if r.normalize_model else None
+        if ("rule" in self.reward_weights and reward_fn is None and not r.fn
+                and BUILTIN_REWARDS.get(r.name, cfg.data.task) != cfg.data.task):
             warnings.warn(f"reward.name={r.name} is the reward of data.task={BUILTIN_REWARDS[r.name]}, but this run "
                           f"trains on data.task={cfg.data.task}; set reward.name to the task's reward")
         self.tokenizer = load_tokenizer(cfg.model.path)
@@ -106,7 +127,7 @@ class Trainer:
         self.offload = decide_offload(cfg.offload, cfg.model.path, self.device, D.world_size(), mixed,
                                       sequences=cfg.data.batch_size * cfg.rollout.n,
                                       context=longest_prompt + cfg.rollout.max_new_tokens,
-                                      has_ref=cfg.algorithm.needs_ref_model)
+                                      has_ref=cfg.algorithm.needs_ref_model, reward_model_path=cfg.reward.model_path)
         policy = load_causal_lm(cfg.model.path, torch.float32, cfg.model.attn_implementation)
         if cfg.model.gradient_checkpointing:
             policy.gradient_checkpointing_enable()
@@ -115,6 +136,7 @@ class Trainer:
             ref = copy.deepcopy(policy).requires_grad_(False).eval()
         self.policy = shard_model(policy, self.device, mixed)
         self.ref = shard_model(ref, self.device, mixed) if ref is not None else None
+        self.reward_model, self.rm_scorer = self._build_reward_model(rows[:2], mixed)
 
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
@@ -124,15 +146,21 @@ class Trainer:
         self.engine = self._build_engine(torch.bfloat16 if mixed else None)
         self.phases = PhaseManager(self.policy, self.optimizer, self.engine, self.device, ref=self.ref,
                                    offload_optimizer=self.offload.optimizer, offload_ref=self.offload.ref,
-                                   offload_params=self.offload.params, bucket_bytes=cfg.rollout.bucket_mb << 20)
+                                   offload_params=self.offload.params, bucket_bytes=cfg.rollout.bucket_mb << 20,
+                                   reward_model=self.reward_model, offload_reward_model=self.offload.reward_model)
         self.step_idx = 0
         self.history: list[dict] = []
         self.out_dir = cfg.trainer.out_dir
         if D.is_main():
             os.makedirs(self.out_dir, exist_ok=True)
             save_config(cfg, os.path.join(self.out_dir, "config.yaml"))
-        self.loggers = build_loggers(cfg, console_write) if D.is_main() else []
+        resume_step = resume_meta["step"] if resume_meta else None
+        self.loggers = build_loggers(cfg, console_write, resume_step) if D.is_main() else []
         self._ledger_step = 0  # the phase-switch step of the last training rollout (memory report)
+        self._saved_step: Optional[int] = None  # the step of the last checkpoint this process wrote or loaded
+        ckpt.remove_stale_temporaries(cfg.trainer.checkpoint_root)
+        if self.resume_from:
+            self._restore(self.resume_from)
         D.barrier()
 
     def _build_engine(self, weights_dtype: Optional[torch.dtype]):
@@ -150,9 +178,22 @@ class Trainer:
         return os.path.join(self.out_dir, "metrics.jsonl")
 
     def _probe_reward(self, rows: list[dict]) -> None:
-        """Call the reward once on placeholder completions, so a broken function fails before training."""
+        """Call the rule reward once on placeholder completions, so a broken function fails before training."""
+        if "rule" not in self.reward_weights:
+            return  # a run on the reward model alone never calls it (its rows may lack what it reads)
         meta = [{**r, "finish_reason": "length", "response_tokens": 0} for r in rows]
         compute_rewards(self.reward_name, self.reward, [r["prompt"] for r in rows], ["" for _ in rows], meta)
+
+    def _build_reward_model(self, probe_rows: list[dict], mixed: bool):
+        """(sharded frozen module, scorer) of reward.model_path, or (None, None); probed once on placeholder
+        completions (every rank: the forward is a collective), so a model that scores NaN fails before training."""
+        if self.rm_spec is None:
+            return None, None
+        module = load_reward_model(self.rm_spec, self.device, bf16=mixed)
+        scorer = RewardModelScorer(self.rm_spec, self.rm_tokenizer, self.device,
+                                   self.cfg.reward.max_tokens_per_micro_batch)
+        scorer(module, [r["prompt"] for r in probe_rows], ["" for _ in probe_rows])
+        return module, scorer
 
     def _prepare_rows(self, rows: list[dict], source: str, what: str) -> list[dict]:
         """Rows the reward accepts, tokenized, without the prompts over data.max_prompt_tokens (counted)."""
@@ -217,8 +258,8 @@ class Trainer:
                 completions = engine.generate([p for p in prompt_ids for _ in range(G)],
                                               self._sampling_params(groups.rounds))
             with timer("reward"):
-                rewards_N, scores_N = self._reward(rows, completions)
-            groups.add(rows, prompt_ids, completions, rewards_N, scores_N)
+                rewards_N, scores_N, parts = self._reward_parts(rows, completions)
+            groups.add(rows, prompt_ids, completions, rewards_N, scores_N, parts)
             if not groups.need_another_round():
                 break
         kept, metrics = groups.finish()
@@ -237,6 +278,12 @@ class Trainer:
 
     def _reward(self, rows: list[dict], completions: list[Completion]) -> tuple[torch.Tensor, torch.Tensor]:
         """(task reward, score) per completion, on the host; the score adds the DAPO soft overlong penalty."""
+        rewards_N, scores_N, _ = self._reward_parts(rows, completions)
+        return rewards_N, scores_N
+
+    def _reward_parts(self, rows: list[dict], completions: list[Completion]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(reward, score, logged parts) per completion: the rule reward on the host and/or the reward model's
+        score from the completions' text in the REWARD stage (inside ROLLOUT), weighted (rewards/combine.py)."""
         G = self.cfg.rollout.n
         stops = {self.tokenizer.eos_token_id, *self.cfg.rollout.stop_token_ids}
         body = [c.token_ids[:-1] if c.finish_reason == "stop" and c.token_ids and c.token_ids[-1] in stops else c.token_ids
@@ -245,14 +292,25 @@ class Trainer:
         prompts = [rows[i // G]["prompt"] for i in range(len(completions))]
         meta = [{**rows[i // G], "finish_reason": c.finish_reason, "response_tokens": len(b)}
                 for i, (c, b) in enumerate(zip(completions, body))]
-        rewards_N = torch.tensor(compute_rewards(self.reward_name, self.reward, prompts, texts, meta))
+        parts = {}
+        if "rule" in self.reward_weights:
+            parts["rule"] = torch.tensor(compute_rewards(self.reward_name, self.reward, prompts, texts, meta))
+        if self.reward_model is not None:
+            # Text, never the policy's ids: the reward model has its own tokenizer (rewards/model.py). The
+            # policy's special tokens stay in it (the stop token is already cut), as verl keeps them: a decode
+            # that drops them lets "2 3 4 <unk>" pass for a finished "2 3 4", and a policy learns that fast.
+            rm_texts = self.tokenizer.batch_decode(body, skip_special_tokens=False)
+            with self.phases.reward() as rm:
+                parts["model"] = self.rm_scorer(rm, prompts, rm_texts)
+        rewards_N, logged = combine(parts, self.reward_weights, self.reward_norm)
+        logged = logged if self.reward_model is not None else {}  # a rule-only run logs reward/mean alone
         algo = self.cfg.algorithm
         if algo.overlong_penalty_factor == 0:
-            return rewards_N, rewards_N
+            return rewards_N, rewards_N, logged
         lengths_N = torch.tensor([len(c.token_ids) for c in completions])
         penalty_N = overlong_penalty(lengths_N, self.cfg.rollout.max_new_tokens, self.overlong_buffer,
                                      algo.overlong_penalty_factor)
-        return rewards_N, rewards_N + penalty_N
+        return rewards_N, rewards_N + penalty_N, logged
 
     # -- SCORE ----------------------------------------------------------------
     def _score(self, batch: RolloutBatch, ref: Optional[torch.nn.Module]):
@@ -342,10 +400,75 @@ class Trainer:
             shutdown()
 
     def save_pretrained(self, path: str) -> str:
-        """Save the current policy and tokenizer as a Hugging Face directory (call on every rank)."""
+        """Save the current policy and tokenizer as a Hugging Face directory (call on every rank).
+
+        The same code as `python -m hybrid_rl.export`: a checkpoint of this step (written now
+        unless one exists), exported by rank 0 without gathering the weights on any device."""
+        from hybrid_rl.export import export_checkpoint
+
         if self.phases.inside is not None:
             raise RuntimeError(f"cannot save inside the {self.phases.inside.value} phase; save between steps")
-        return save_pretrained(self.policy, self.tokenizer, path)
+        source = self._checkpoint_path if self._saved_step == self.step_idx else self.save_checkpoint()
+        if D.is_main():
+            export_checkpoint(source, path)
+        D.barrier()
+        return path
+
+    # -- checkpoints (checkpoint.py) ------------------------------------------
+    def _find_resume(self) -> tuple[Optional[str], Optional[dict]]:
+        """(path, meta) of the checkpoint `trainer.resume` names, checked against this run; (None, None) if none."""
+        t = self.cfg.trainer
+        if t.resume == "none":
+            return None, None
+        path = ckpt.latest(t.checkpoint_root) if t.resume == "auto" else t.resume
+        path = D.broadcast_object_from(path, 0)  # every rank resumes from what rank 0 found
+        if path is None:
+            return None, None
+        meta = ckpt.check_compatible(path, _plain_config(self.cfg), self._model_config, D.world_size(),
+                                     t.resume_ignore)
+        return path, meta
+
+    def _resume_state(self) -> dict:
+        """Everything this rank's next step reads besides weights and optimizer state."""
+        norm = getattr(self, "reward_norm", None)
+        return {"step": self.step_idx, "loader": self.loader.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "kl_coef": self.kl_ctl.value, "switch_step": self.phases.step, "ledger_step": self._ledger_step,
+                "reward_norm": norm.state_dict() if norm is not None else None, "rng": ckpt.rng_state()}
+
+    def save_checkpoint(self) -> str:
+        """Write a sharded checkpoint of this step (every rank calls it, between steps); returns its path."""
+        t = self.cfg.trainer
+        t0 = time.perf_counter()
+        meta = {"model": ckpt.model_fingerprint(self._model_config), "config": _plain_config(self.cfg)}
+        with self.phases.checkpointable():
+            path = ckpt.save(t.checkpoint_root, self.step_idx, self.policy, self.optimizer, self._resume_state(),
+                             meta, lambda d: write_hf_metadata(self.policy, self.tokenizer, d))
+        ckpt.prune(t.checkpoint_root, t.keep_last)
+        D.barrier()
+        self._saved_step, self._checkpoint_path = self.step_idx, path
+        if D.is_main():
+            print(f"checkpoint: step {self.step_idx} -> {path} ({time.perf_counter() - t0:.1f} s)")
+        return path
+
+    def _restore(self, path: str) -> None:
+        with self.phases.checkpointable():
+            state = ckpt.load(path, self.policy, self.optimizer)
+        self.step_idx = state["step"]
+        self.loader.load_state_dict(state["loader"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.kl_ctl.value = state["kl_coef"]
+        self.phases.step, self._ledger_step = state["switch_step"], state["ledger_step"]
+        norm = getattr(self, "reward_norm", None)
+        if (norm is None) != (state["reward_norm"] is None):
+            raise ckpt.CheckpointError(f"checkpoint {path!r} was written with the reward normaliser "
+                                       f"{'on' if state['reward_norm'] is not None else 'off'}; this run has it "
+                                       f"{'on' if norm is not None else 'off'}")
+        if norm is not None:
+            norm.load_state_dict(state["reward_norm"])
+        ckpt.set_rng_state(state["rng"])
+        self._saved_step, self._checkpoint_path = self.step_idx, path
+        if D.is_main():
+            print(f"resumed from {path} at step {self.step_idx}")
 
     def _write_memory_report(self) -> None:
         """The last step's memory ledger as a table and a timeline PNG, next to the metrics."""
@@ -362,13 +485,22 @@ class Trainer:
 
     # -- the loop -------------------------------------------------------------
     def fit(self, steps: Optional[int] = None) -> list[dict]:
-        """Run `steps` more steps (default: up to trainer.total_steps); returns the metrics history."""
+        """Run `steps` more steps (default: up to trainer.total_steps); returns the metrics history.
+
+        SIGTERM / SIGINT finish the current step, write a checkpoint, close the loggers and
+        raise `TrainingInterrupted` (a SystemExit with status 128 + signal); a second signal
+        stops at once. Checkpoints every `trainer.save_every` steps and after the last one."""
         from tqdm.auto import tqdm
 
         t = self.cfg.trainer
         total = steps if steps is not None else t.total_steps - self.step_idx
+        if total <= 0 and D.is_main():
+            print(f"nothing to do: the run is at step {self.step_idx} of trainer.total_steps={t.total_steps}"
+                  + (f" (resumed from {self.resume_from}); raise total_steps, or set trainer.resume=none or "
+                     "another out_dir to start over" if self.resume_from else ""))
         show = D.is_main() and t.progress_bar and interactive()
-        bar = tqdm(total=total, disable=not show, desc="grpo", dynamic_ncols=True)
+        bar = tqdm(total=max(total, 0), disable=not show, desc="grpo", dynamic_ncols=True)
+        stop = _StopSignal()
         try:
             if t.val_before_train and self.step_idx == 0:
                 self._log({"step": 0, **validate(self, 0)})
@@ -380,10 +512,74 @@ class Trainer:
                 self._log(m)
                 bar.set_postfix(reward=f"{m['reward/mean']:.3f}")
                 bar.update()
+                signum = stop.agreed()
+                if signum or (t.save_every and (self.step_idx % t.save_every == 0 or i == total - 1)):
+                    path = self.save_checkpoint()
+                if signum:
+                    self.close()
+                    raise TrainingInterrupted(signum, self.step_idx, path)
         finally:
+            stop.restore()
             bar.close()
             if D.is_main() and self.history:
                 plot_curve(self.history, os.path.join(self.out_dir, "reward_curve.png"))
                 self._write_memory_report()
                 print(split_summary(self.history))
         return self.history
+
+
+def _plain_config(cfg: Config) -> dict:
+    """The config as JSON-safe nested dicts (what a checkpoint records and resume compares)."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+class TrainingInterrupted(SystemExit):
+    """A run stopped by a signal after writing a checkpoint; exit status 128 + signal number."""
+
+    def __init__(self, signum: int, step: int, checkpoint: str):
+        name = signal.Signals(signum).name
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        self.message = (f"interrupted by {name} after step {step}; checkpoint {checkpoint} written. "
+                        "Run the same command again to resume (trainer.resume=auto)")
+        if D.is_main():
+            print(self.message, flush=True)
+        super().__init__(128 + signum)
+
+
+class _StopSignal:
+    """SIGTERM / SIGINT set a flag the loop reads between steps; all ranks agree on it there.
+
+    The ranks agree (one all-reduce per step) because a signal may reach only some of them,
+    and the checkpoint that follows is a collective. A second signal restores the default
+    handlers' behaviour at once (a second Ctrl-C stops without a checkpoint)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signum = 0
+        self._previous = {}
+        import threading
+
+        if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+            for s in self.SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum:  # the second one
+            self.restore()
+            signal.raise_signal(signum)
+            return
+        self.signum = signum
+        print(f"rank {D.rank()}: {signal.Signals(signum).name} received; stopping after this step "
+              "(a checkpoint follows; send it again to stop at once)", flush=True)
+
+    def agreed(self) -> int:
+        """The signal any rank received since the run started (0 if none); a collective."""
+        if not D.is_dist():
+            return self.signum
+        return int(D.all_reduce_max(torch.tensor([float(self.signum)])).item())
+
+    def restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}

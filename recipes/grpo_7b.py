@@ -68,6 +68,7 @@ def verdict(plan, suggestion) -> str:
     return f"refusing to start: {short} does not fit; suggested change: {change}"
 
 
+@distributed.report_failures
 def main(argv: list[str]) -> dict:
     # 1. Config: the YAML next to this file, the engine this machine can run, then the command line.
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

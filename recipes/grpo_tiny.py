@@ -16,6 +16,7 @@ from hybrid_rl.rewards.toy import DIGIT_WORDS
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+@distributed.report_failures
 def main(argv: list[str]) -> dict:
     # 1. Config: the YAML next to this file, then command-line overrides.
     cfg = load_config(os.path.join(HERE, "grpo_tiny.yaml"), argv)

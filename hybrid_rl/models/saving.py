@@ -1,8 +1,7 @@
-"""Save the policy as an ordinary Hugging Face directory (safetensors + tokenizer).
+"""Write ordinary Hugging Face directories (safetensors + config + tokenizer).
 
-Every rank takes part in gathering the full weights from the FSDP2 shards; rank 0
-writes them next to the target and renames into place, so an interrupted save never
-leaves a half-written model where a finished one is expected.
+A directory is written next to its target and renamed into place, so an interrupted
+save never leaves a half-written model where a finished one is expected.
 """
 from __future__ import annotations
 
@@ -53,19 +52,42 @@ def atomic_dir(path: str) -> Iterator[str]:
             shutil.rmtree(tmp)
 
 
+def write_hf_metadata(model: torch.nn.Module, tokenizer, path: str) -> None:
+    """config.json (+ generation config) and the tokenizer of `model`, as a HF directory holds them."""
+    os.makedirs(path, exist_ok=True)
+    model.config.save_pretrained(path)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None:
+        generation.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    _fix_config(os.path.join(path, "config.json"), _hf_class_name(model))
+
+
+def _fix_config(cfg_path: str, architecture: str) -> None:
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["architectures"] = [architecture]
+    cfg["use_cache"] = True  # training turned it off; inference wants it
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+def write_hf_dir(model: torch.nn.Module, state: dict[str, torch.Tensor], tokenizer, path: str) -> str:
+    """Write `state` (full weights on the host) as the weights of `model`'s HF directory at `path`, atomically."""
+    with atomic_dir(path) as tmp:
+        model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        _fix_config(os.path.join(tmp, "config.json"), _hf_class_name(model))
+    return path
+
+
 def save_pretrained(model: torch.nn.Module, tokenizer, path: str) -> str:
-    """Write `model` (+ tokenizer) to `path` as a HF directory; returns `path`. All ranks must call it."""
+    """Write `model` (+ tokenizer) to `path` as a HF directory; returns `path`. All ranks must call it.
+
+    Gathers the full weights (a collective); the trainer saves through a checkpoint and
+    `export.py` instead, which never gathers the model on one rank."""
     state = full_state_dict(model)
     if D.is_main():
-        with atomic_dir(path) as tmp:
-            model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
-            cfg_path = os.path.join(tmp, "config.json")
-            with open(cfg_path) as f:
-                cfg = json.load(f)
-            cfg["architectures"] = [_hf_class_name(model)]
-            cfg["use_cache"] = True  # training turned it off; inference wants it
-            with open(cfg_path, "w") as f:
-                json.dump(cfg, f, indent=2)
+        write_hf_dir(model, state, tokenizer, path)
     D.barrier()
     return path

@@ -15,41 +15,47 @@ from hybrid_rl import memory_plan
 
 @dataclass
 class OffloadDecision:
-    """The offload flags the phase switch acts on. No reward_model flag: no run has a reward
-    model yet (rewards are rule functions), so decide_offload only warns about it."""
+    """The offload flags the phase switch acts on."""
 
     optimizer: bool
     ref: bool
     params: bool
     message: str
+    reward_model: bool = False
 
 
 def decide_offload(offload, model_path: str, device: torch.device, world_size: int, mixed_precision: bool,
-                   sequences: int, context: int, has_ref: bool, has_reward_model: bool = False) -> OffloadDecision:
+                   sequences: int, context: int, has_ref: bool, reward_model_path: str = "") -> OffloadDecision:
     """Turn `cfg.offload` into the flags the phase switch uses.
 
     sequences: rollout sequences per step over all ranks (batch x samples); context:
-    prompt + response tokens per sequence. Warnings, not errors, for flags that name a
+    prompt + response tokens per sequence; reward_model_path: the run's reward model
+    directory ("" = none: rule rewards). Warnings, not errors, for flags that name a
     role the run does not have.
     """
-    if offload.reward_model and not has_reward_model:
-        warnings.warn("offload.reward_model is set but this run has no reward model (rule rewards); ignored")
+    has_rm = bool(reward_model_path)
+    if offload.reward_model and not has_rm:
+        warnings.warn("offload.reward_model is set but this run has no reward model (reward.model_path is empty); "
+                      "ignored")
     ref = offload.ref
     if offload.ref and not has_ref and not offload.auto:
         ref = False  # nothing to move; the default is on, so no warning
     if not offload.auto:
-        return OffloadDecision(offload.optimizer, ref, offload.params, "offload: as configured")
+        return OffloadDecision(offload.optimizer, ref, offload.params, "offload: as configured",
+                               reward_model=offload.reward_model and has_rm)
     if device.type != "cuda":
         return OffloadDecision(False, False, False,
                                "offload.auto: on CPU the device is the host memory, so nothing is offloaded")
     arch = memory_plan.ModelArch.from_hf_config(os.path.join(model_path, "config.json"))
+    rm_arch = memory_plan.ModelArch.from_hf_config(os.path.join(reward_model_path, "config.json")) if has_rm else None
     gib = torch.cuda.get_device_properties(device).total_memory / memory_plan.GIB
     # Roles this run does not have are treated as already "offloaded" (they hold nothing).
-    base = {"ref": not has_ref, "reward_model": not has_reward_model}
+    base = {"ref": not has_ref, "reward_model": not has_rm}
     advice = memory_plan.suggest_offload(arch, world_size, "bf16" if mixed_precision else "fp32", sequences, context,
-                                     offload=base, gpu_mem_gib=gib)
+                                     offload=base, gpu_mem_gib=gib, reward_arch=rm_arch)
     flags = advice["offload"]
     if not advice["fits"]:
         warnings.warn(f"offload.auto: {advice['message']}")
     return OffloadDecision(flags["optimizer"], has_ref and flags["ref"], flags["params"],
-                           f"offload.auto ({gib:.0f} GiB per GPU): {advice['message']}")
+                           f"offload.auto ({gib:.0f} GiB per GPU): {advice['message']}",
+                           reward_model=has_rm and flags["reward_model"])

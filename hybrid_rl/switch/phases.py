@@ -4,18 +4,31 @@ States and the only legal moves (one training step goes round the cycle):
 
     TRAIN --rollout()--> ROLLOUT --score()--> SCORE --train()--> TRAIN
                             \\-----------train()-------------------/
+                         ROLLOUT --reward()--> REWARD --(leave)--> ROLLOUT   (a stage nested in ROLLOUT)
 
 to ROLLOUT: zero grads (set_to_none) -> offload optimizer state (if configured) ->
             engine.resume(["weights"]) -> sync weights inside engine.begin/end_weight_update
             (skipped when the engine runs the policy module itself) -> engine.resume(["kv_cache"])
             (+ offload policy shards, offload.params, for engines with their own copy)
 leaving ROLLOUT: engine.release(["kv_cache", "weights"]) (+ onload policy shards)
+to REWARD:  (inside ROLLOUT, after a round is generated) engine.release(["kv_cache"]) ->
+            onload the reward model (offload.reward_model); leaving REWARD: offload it -> resume the KV cache
 to SCORE:   onload the reference model; leaving SCORE: offload it (if configured)
 to TRAIN:   onload optimizer state
 
+Why the reward model scores in a stage nested in ROLLOUT, not in SCORE or a phase of its own:
+with dynamic sampling (sampling.py) each round's rewards decide whether another round is
+generated, so the rewards of a round are needed while the engine is still live; a REWARD
+phase between ROLLOUT and SCORE would wake the engine again for every extra round (a
+second weight sync per round for an engine with its own copy). Nested, the engine's
+weights stay (synced once per step) and only its KV cache, the rollout's largest transient,
+is released, so the reward model takes the KV cache's place instead of stacking on it:
+REWARD holds engine weights + reward model (+ whatever is not offloaded), never the KV cache.
+A run without a reward model never enters it (rule rewards need no device memory).
+
 Every stage is timed and its bytes counted into `self.stats` (drained per step), and
 the memory ledger records the bytes per role at each boundary:
-rollout:ready, rollout:generated, score:ready, train:ready, train:end.
+rollout:ready, [reward:ready per round,] rollout:generated, score:ready, train:ready, train:end.
 """
 from __future__ import annotations
 
@@ -38,6 +51,7 @@ from hybrid_rl.models.fsdp import reshard
 class Phase(enum.Enum):
     TRAIN = "train"
     ROLLOUT = "rollout"
+    REWARD = "reward"  # nested in ROLLOUT (module docstring), never a step of the cycle itself
     SCORE = "score"
 
 
@@ -63,7 +77,7 @@ class SwitchStats:
 
 
 class PhaseManager:
-    """Owns the residency of policy, optimizer state, reference model and engine memory.
+    """Owns the residency of policy, optimizer state, reference and reward models and engine memory.
 
     always_copy: on CPU, run the offload copies anyway (tests, the CPU benchmark).
     """
@@ -80,8 +94,11 @@ class PhaseManager:
         offload_params: bool = False,
         bucket_bytes: int = 256 << 20,
         always_copy: bool = False,
+        reward_model: Optional[torch.nn.Module] = None,
+        offload_reward_model: bool = False,
     ):
         self.policy, self.optimizer, self.engine, self.ref = policy, optimizer, engine, ref
+        self.reward_model = reward_model
         self.device = device
         self.bucket_bytes = bucket_bytes
         self.phase = Phase.TRAIN
@@ -97,9 +114,14 @@ class PhaseManager:
         self.opt_offload = O.OptimizerOffloader(optimizer, device, always_copy) if offload_optimizer else None
         self.param_offload = O.ModuleOffloader(policy, device, always_copy) if offload_params else None
         self.ref_offload = O.ModuleOffloader(ref, device, always_copy) if ref is not None and offload_ref else None
+        self.rm_offload = (O.ModuleOffloader(reward_model, device, always_copy)
+                           if reward_model is not None and offload_reward_model else None)
         self._policy_bytes = memory.module_bytes(policy, device)  # sharded: 1/world of the weights
+        self._kv_peak = 0  # KV cache of this rollout's earlier rounds (released for each REWARD stage)
         if self.ref_offload is not None:
             self.ref_offload.offload()
+        if self.rm_offload is not None:
+            self.rm_offload.offload()
 
     # -- bookkeeping ----------------------------------------------------------
     def _transition(self, target: Phase) -> None:
@@ -135,13 +157,16 @@ class PhaseManager:
             return offloader is None or offloader.on_device
 
         engine = self._engine_bytes()
+        kv = max(engine.get("kv_cache", 0), self._kv_peak) if self.inside is Phase.ROLLOUT else 0
+        rm = self.reward_model
         return {
             "policy_weights": self._policy_bytes if here(self.param_offload) else 0,
             "grads": memory.grad_bytes(self.policy, self.device),
             "optimizer": memory.optimizer_bytes(self.optimizer, self.device) if here(self.opt_offload) else 0,
             "engine_weights": engine.get("engine_weights", 0),
-            "kv_cache": engine.get("kv_cache", 0) if self.inside is Phase.ROLLOUT else 0,
+            "kv_cache": kv,
             "ref": memory.module_bytes(self.ref, self.device) if self.ref is not None and here(self.ref_offload) else 0,
+            "reward_model": memory.module_bytes(rm, self.device) if rm is not None and here(self.rm_offload) else 0,
         }
 
     def snapshot(self, label: str) -> None:
@@ -175,6 +200,7 @@ class PhaseManager:
                     moved[0] = self.param_offload.offload()
         with self._stage("resume_kv"):
             self.engine.resume(["kv_cache"])
+        self._kv_peak = 0
         self.phase, self.inside = Phase.ROLLOUT, Phase.ROLLOUT
         self.snapshot("rollout:ready")
         try:
@@ -187,6 +213,39 @@ class PhaseManager:
                 with self._stage("onload_params") as moved:
                     moved[0] = self.param_offload.onload()
             self.inside = None
+
+    @contextlib.contextmanager
+    def reward(self) -> Iterator[torch.nn.Module]:
+        """The REWARD stage, inside ROLLOUT after a round is generated: yields the resident reward model.
+
+        Entered once per sampling round (every rank together: the forwards are FSDP collectives).
+        """
+        if self.reward_model is None:
+            raise PhaseError("no reward model was given to the phase manager; rule rewards need no REWARD stage")
+        if self.inside is not Phase.ROLLOUT:
+            where = self.inside.value if self.inside is not None else f"between phases (last: {self.phase.value})"
+            raise PhaseError(f"the reward stage runs inside the rollout phase, after a round is generated; "
+                             f"called {where}")
+        # The ledger's rollout:generated reports this rollout's KV peak, which this release would hide.
+        self._kv_peak = max(self._kv_peak, self._engine_bytes().get("kv_cache", 0))
+        with self._stage("release_kv_for_reward"):
+            self.engine.release(["kv_cache"])
+        if self.rm_offload is not None:
+            with self._stage("onload_reward_model") as moved:
+                moved[0] = self.rm_offload.onload()
+        self.inside = Phase.REWARD
+        self.snapshot("reward:ready")
+        try:
+            yield self.reward_model
+        finally:
+            # FSDP2 keeps the root's parameters gathered after a forward (it expects a backward).
+            reshard(self.reward_model)
+            if self.rm_offload is not None:
+                with self._stage("offload_reward_model") as moved:
+                    moved[0] = self.rm_offload.offload()
+            with self._stage("resume_kv_after_reward"):
+                self.engine.resume(["kv_cache"])
+            self.inside = Phase.ROLLOUT
 
     @contextlib.contextmanager
     def score(self) -> Iterator[Optional[torch.nn.Module]]:
@@ -222,3 +281,20 @@ class PhaseManager:
             self.snapshot("train:end")
         finally:
             self.inside = None
+
+    @contextlib.contextmanager
+    def checkpointable(self) -> Iterator[None]:
+        """Between steps: the policy and its optimizer state resident (as live DTensors) while a
+        checkpoint reads or writes them, then back where the switch keeps them."""
+        if self.inside is not None:
+            raise PhaseError(f"cannot checkpoint inside the {self.inside.value} phase; save between steps")
+        opt_was_off = self.opt_offload is not None and not self.opt_offload.on_device
+        if opt_was_off:
+            with self._stage("onload_optimizer") as moved:
+                moved[0] = self.opt_offload.onload()
+        try:
+            yield
+        finally:
+            if opt_was_off:
+                with self._stage("offload_optimizer") as moved:
+                    moved[0] = self.opt_offload.offload()

@@ -112,7 +112,8 @@ def test_phase_rules_with_offload_flags():
                                                  "reward_model": True}, reward_arch=rm)
     assert set(allf.phases["train"]) == {"policy_weights", "grads", "optimizer"}
     assert set(allf.phases["rollout"]) == {"engine_weights", "kv_cache"}
-    assert set(allf.phases["score"]) == {"policy_weights", "ref", "reward_model"}
+    assert set(allf.phases["score"]) == {"policy_weights", "ref"}
+    assert set(allf.phases["reward"]) == {"engine_weights", "reward_model"}  # the REWARD stage (switch/phases.py)
 
     opt = plan_memory(a, 4, "bf16", 16, 1024, {"optimizer": True}, reward_arch=rm)
     assert "optimizer" not in opt.phases["rollout"] and "optimizer" not in opt.phases["score"]

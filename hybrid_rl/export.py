@@ -1,0 +1,100 @@
+"""Write a normal Hugging Face directory from a sharded checkpoint, on a CPU, in one process.
+
+    python -m hybrid_rl.export <checkpoint> <hf_dir> [--dtype auto|float32|bfloat16|float16]
+
+<checkpoint> is a step_* directory (or a checkpoints root: its newest complete one).
+The model is built on the meta device from the checkpoint's own config.json, given
+host memory, and filled from the DCP shards by parameter name; no process group, no
+GPU, no gather. `Trainer.save_pretrained` (the recipes' final save) calls the same
+`export_checkpoint`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from hybrid_rl import checkpoint as ckpt
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _resolve(path: str) -> str:
+    if os.path.isfile(os.path.join(path, "meta.json")):
+        return path
+    newest = ckpt.latest(path)
+    if newest is None:
+        ckpt.read_meta(path)  # raises with the reason (missing, or incomplete)
+    return newest
+
+
+def _target_dtype(config, dtype: str) -> torch.dtype:
+    if dtype != "auto":
+        return DTYPES[dtype]
+    declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    declared = str(declared).replace("torch.", "") if declared is not None else "float32"
+    return DTYPES.get(declared, torch.float32)
+
+
+def export_checkpoint(checkpoint: str, out: str, dtype: str = "auto") -> str:
+    """The policy of `checkpoint` as a HF directory at `out` (written atomically); returns `out`.
+
+    dtype: "auto" = the dtype the model's config.json declares (float32 if none)."""
+    from torch.distributed.checkpoint import load as dcp_load
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from hybrid_rl.models.saving import write_hf_dir
+
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: use auto or one of {sorted(DTYPES)}")
+    path = _resolve(checkpoint)
+    ckpt.read_meta(path)
+    hf = os.path.join(path, "hf")
+    config = AutoConfig.from_pretrained(hf)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.to_empty(device="cpu")
+    state = model.state_dict()
+    # Tied weights appear under one name in the checkpoint and two in state_dict(): load the
+    # names the checkpoint has and let tie_weights() point the others at them.
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = set(FileSystemReader(os.path.join(path, "state")).read_metadata().state_dict_metadata)
+    wanted = {k: v for k, v in state.items() if f"model.{k}" in saved}
+    missing = sorted(k for k in state if f"model.{k}" not in saved and not _is_tied(model, k))
+    if missing:
+        raise ckpt.CheckpointError(f"checkpoint {path!r} has no weights for {missing[:5]} "
+                                   f"({len(missing)} missing); it was not written for this model")
+    dcp_load({"model": wanted}, checkpoint_id=os.path.join(path, "state"), no_dist=True)
+    model.tie_weights()
+    target = _target_dtype(config, dtype)
+    full = {k: v.to(target) for k, v in model.state_dict().items()}
+    return write_hf_dir(model, full, AutoTokenizer.from_pretrained(hf), out)
+
+
+def _is_tied(model: torch.nn.Module, name: str) -> bool:
+    tied = getattr(model, "_tied_weights_keys", None) or []
+    if isinstance(tied, dict):
+        tied = list(tied)
+    return name in tied
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hybrid_rl.export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="a step_* checkpoint directory, or a checkpoints root (its newest)")
+    parser.add_argument("out", help="the Hugging Face directory to write")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    args = parser.parse_args(argv)
+    try:
+        out = export_checkpoint(args.checkpoint, args.out, args.dtype)
+    except ckpt.CheckpointError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,66 @@
+"""Checkpoints on 2 real gloo ranks: resume is bit-exact (plain and with dynamic sampling),
+each rank writes its own shards, and the export (one process, no group) gives the full model."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.distributed.launch import run_ranks
+
+pytestmark = pytest.mark.slow
+
+
+def _resume_on_rank(rank: int, model_dir: str, out: str, extra: tuple):
+    from tests.checkpoint_helpers import straight_and_resumed
+
+    return straight_and_resumed(model_dir, out, 2, "data.batch_size=8", *extra, offload_copies=True), None
+
+
+# 16 prompts = 2 batches of 8: the resume point (step 2) is exactly an epoch boundary; the optimizer
+# state goes through the offload copies every step.
+@pytest.mark.parametrize("extra", [("data.num_prompts=16", "offload.optimizer=true"),
+                                   ("algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=3")],
+                         ids=["epoch_boundary_offload", "dynamic_sampling"])
+def test_two_rank_resume_is_bit_exact(tiny_model_dir, tmp_path, extra):
+    from tests.checkpoint_helpers import assert_same_run
+
+    results = run_ranks(_resume_on_rank, world=2, args=(tiny_model_dir, str(tmp_path), extra), timeout=300)
+    for rank, (result, _) in enumerate(results):
+        assert_same_run(result)
+        if "data.num_prompts=16" in extra:
+            assert result["loader"][1]["epoch"] >= 1, "the run must cross the epoch boundary"
+    # The ranks trained different shards: a resume that loaded rank 0's shards on both would not pass above.
+    w0, w1 = results[0][0]["resumed_weights"], results[1][0]["resumed_weights"]
+    assert any(not torch.equal(w0[k], w1[k]) for k in w0 if w0[k].shape == w1[k].shape)
+    ckpt_dir = os.path.join(results[0][0]["resumed_dir"], "checkpoints")
+    newest = sorted(os.listdir(ckpt_dir))[-1]
+    shards = sorted(f for f in os.listdir(os.path.join(ckpt_dir, newest, "state")) if f.endswith(".distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"], f"each rank writes its own shard file: {shards}"
+    assert sorted(f for f in os.listdir(os.path.join(ckpt_dir, newest)) if f.startswith("rank_")) == \
+        ["rank_00000.pt", "rank_00001.pt"]
+
+
+def _save_on_rank(rank: int, model_dir: str, out: str):
+    from hybrid_rl import Trainer, load_config
+    from hybrid_rl.models.saving import full_state_dict
+    from tests.checkpoint_helpers import ROOT, overrides
+
+    tr = Trainer(load_config(os.path.join(ROOT, "recipes", "grpo_tiny.yaml"),
+                             overrides(model_dir, out, "data.batch_size=8", "trainer.total_steps=2",
+                                       "trainer.save_every=2")))
+    tr.fit()
+    return full_state_dict(tr.policy)
+
+
+def test_export_of_a_two_rank_checkpoint_is_the_full_model(tiny_model_dir, tmp_path):
+    from hybrid_rl.export import export_checkpoint
+    from hybrid_rl.models.loading import load_causal_lm
+
+    full = run_ranks(_save_on_rank, world=2, args=(tiny_model_dir, str(tmp_path / "run")), timeout=240)[0]
+    export_checkpoint(str(tmp_path / "run" / "checkpoints"), str(tmp_path / "hf"))
+    exported = load_causal_lm(str(tmp_path / "hf")).state_dict()
+    assert set(full) <= set(exported)
+    for name, t in full.items():
+        assert torch.equal(exported[name], t), name
