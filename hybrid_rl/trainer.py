@@ -1,8 +1,10 @@
 """The GRPO loop, one `Trainer.step()` at a time, in the stages of DESIGN.md's loop:
 
     ROLLOUT    this rank's prompts (tokenized once) x G samples through the engine;
-    REWARD     rule rewards on the host (+ DAPO soft overlong penalty); with dynamic
-               sampling, rounds repeat until enough informative groups (sampling.py)
+    REWARD     rule rewards on the host and/or the reward model in its own stage
+               (phases.reward(), nested in ROLLOUT), weighted (rewards/combine.py), + DAPO
+               soft overlong penalty; with dynamic sampling, rounds repeat until enough
+               informative groups (sampling.py)
     SCORE      old-policy log-probs (when `scores_old_policy` says so) + reference log-probs
     ADVANTAGE  loss mask (overlong filter, rollout correction), KL as a reward penalty,
                advantages of this rank's groups (whitening statistics over all ranks)
@@ -11,8 +13,9 @@
                the KL controller is updated here, once, from the KL this step measured
 
 `fit` runs steps, validates every `trainer.val_every` (validation.py: its own
-ROLLOUT -> TRAIN round of the phase cycle, between steps) and hands each step's
-metrics to the loggers (loggers.py).
+ROLLOUT -> TRAIN round of the phase cycle, between steps), hands each step's metrics
+to the loggers (loggers.py), writes checkpoints every `trainer.save_every` steps
+(checkpoint.py; resume is decided in `__init__`) and stops cleanly on SIGTERM / SIGINT.
 
 Works under `torchrun` (one process per device) and in a plain process.
 Legend: B prompts per step (global), G samples per prompt, N sequences, T tokens.
@@ -20,11 +23,8 @@ Legend: B prompts per step (global), G samples per prompt, N sequences, T tokens
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import os
-import signal
-import time
 import warnings
 from typing import Optional
 
@@ -46,12 +46,13 @@ from hybrid_rl.switch.phases import PhaseManager
 from hybrid_rl.metrics import MeanAccumulator, StageTimer, bottleneck, plot_curve, split_summary
 from hybrid_rl.models.fsdp import shard_model
 from hybrid_rl.models.loading import load_causal_lm, load_tokenizer
-from hybrid_rl.models.saving import write_hf_metadata
 from hybrid_rl.rewards.base import RewardFn, compute_rewards, resolve_reward
 from hybrid_rl.rewards.combine import RunningNorm, combine, resolve_weights
 from hybrid_rl.rewards.model import RewardModelScorer, inspect_reward_model, load_reward_model
 from hybrid_rl.rollout.base import Completion, SamplingParams, engine_class
 from hybrid_rl.sampling import GroupCollector
+from hybrid_rl.stop import StopSignal, TrainingInterrupted
+from hybrid_rl.trainer_state import Checkpointing
 from hybrid_rl.update import TrainBatch, policy_update, score_logprobs, scores_old_policy
 from hybrid_rl.validation import check_val_set, validate
 
@@ -60,7 +61,7 @@ from hybrid_rl.validation import check_val_set, validate
 BUILTIN_REWARDS = {"digits": "digits", "gsm8k": "gsm8k", "gsm8k_format": "gsm8k"}
 
 
-class Trainer:
+class Trainer(Checkpointing):
     def __init__(self, cfg: Config, reward_fn: Optional[RewardFn] = None):
         """`reward_fn`: a reward function (prompts, completions, metadata) -> floats, instead of the
         registry's `reward.name` or an imported `reward.fn`; it gets the same checks (rewards/base.py)."""
@@ -414,62 +415,6 @@ class Trainer:
         D.barrier()
         return path
 
-    # -- checkpoints (checkpoint.py) ------------------------------------------
-    def _find_resume(self) -> tuple[Optional[str], Optional[dict]]:
-        """(path, meta) of the checkpoint `trainer.resume` names, checked against this run; (None, None) if none."""
-        t = self.cfg.trainer
-        if t.resume == "none":
-            return None, None
-        path = ckpt.latest(t.checkpoint_root) if t.resume == "auto" else t.resume
-        path = D.broadcast_object_from(path, 0)  # every rank resumes from what rank 0 found
-        if path is None:
-            return None, None
-        meta = ckpt.check_compatible(path, _plain_config(self.cfg), self._model_config, D.world_size(),
-                                     t.resume_ignore)
-        return path, meta
-
-    def _resume_state(self) -> dict:
-        """Everything this rank's next step reads besides weights and optimizer state."""
-        norm = getattr(self, "reward_norm", None)
-        return {"step": self.step_idx, "loader": self.loader.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "kl_coef": self.kl_ctl.value, "switch_step": self.phases.step, "ledger_step": self._ledger_step,
-                "reward_norm": norm.state_dict() if norm is not None else None, "rng": ckpt.rng_state()}
-
-    def save_checkpoint(self) -> str:
-        """Write a sharded checkpoint of this step (every rank calls it, between steps); returns its path."""
-        t = self.cfg.trainer
-        t0 = time.perf_counter()
-        meta = {"model": ckpt.model_fingerprint(self._model_config), "config": _plain_config(self.cfg)}
-        with self.phases.checkpointable():
-            path = ckpt.save(t.checkpoint_root, self.step_idx, self.policy, self.optimizer, self._resume_state(),
-                             meta, lambda d: write_hf_metadata(self.policy, self.tokenizer, d))
-        ckpt.prune(t.checkpoint_root, t.keep_last)
-        D.barrier()
-        self._saved_step, self._checkpoint_path = self.step_idx, path
-        if D.is_main():
-            print(f"checkpoint: step {self.step_idx} -> {path} ({time.perf_counter() - t0:.1f} s)")
-        return path
-
-    def _restore(self, path: str) -> None:
-        with self.phases.checkpointable():
-            state = ckpt.load(path, self.policy, self.optimizer)
-        self.step_idx = state["step"]
-        self.loader.load_state_dict(state["loader"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.kl_ctl.value = state["kl_coef"]
-        self.phases.step, self._ledger_step = state["switch_step"], state["ledger_step"]
-        norm = getattr(self, "reward_norm", None)
-        if (norm is None) != (state["reward_norm"] is None):
-            raise ckpt.CheckpointError(f"checkpoint {path!r} was written with the reward normaliser "
-                                       f"{'on' if state['reward_norm'] is not None else 'off'}; this run has it "
-                                       f"{'on' if norm is not None else 'off'}")
-        if norm is not None:
-            norm.load_state_dict(state["reward_norm"])
-        ckpt.set_rng_state(state["rng"])
-        self._saved_step, self._checkpoint_path = self.step_idx, path
-        if D.is_main():
-            print(f"resumed from {path} at step {self.step_idx}")
-
     def _write_memory_report(self) -> None:
         """The last step's memory ledger as a table and a timeline PNG, next to the metrics."""
         step = self._ledger_step
@@ -500,7 +445,7 @@ class Trainer:
                      "another out_dir to start over" if self.resume_from else ""))
         show = D.is_main() and t.progress_bar and interactive()
         bar = tqdm(total=max(total, 0), disable=not show, desc="grpo", dynamic_ncols=True)
-        stop = _StopSignal()
+        stop = StopSignal()
         try:
             if t.val_before_train and self.step_idx == 0:
                 self._log({"step": 0, **validate(self, 0)})
@@ -526,60 +471,3 @@ class Trainer:
                 self._write_memory_report()
                 print(split_summary(self.history))
         return self.history
-
-
-def _plain_config(cfg: Config) -> dict:
-    """The config as JSON-safe nested dicts (what a checkpoint records and resume compares)."""
-    return json.loads(json.dumps(dataclasses.asdict(cfg)))
-
-
-class TrainingInterrupted(SystemExit):
-    """A run stopped by a signal after writing a checkpoint; exit status 128 + signal number."""
-
-    def __init__(self, signum: int, step: int, checkpoint: str):
-        name = signal.Signals(signum).name
-        self.signum, self.step, self.checkpoint = signum, step, checkpoint
-        self.message = (f"interrupted by {name} after step {step}; checkpoint {checkpoint} written. "
-                        "Run the same command again to resume (trainer.resume=auto)")
-        if D.is_main():
-            print(self.message, flush=True)
-        super().__init__(128 + signum)
-
-
-class _StopSignal:
-    """SIGTERM / SIGINT set a flag the loop reads between steps; all ranks agree on it there.
-
-    The ranks agree (one all-reduce per step) because a signal may reach only some of them,
-    and the checkpoint that follows is a collective. A second signal restores the default
-    handlers' behaviour at once (a second Ctrl-C stops without a checkpoint)."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self):
-        self.signum = 0
-        self._previous = {}
-        import threading
-
-        if threading.current_thread() is threading.main_thread():  # handlers can only be set there
-            for s in self.SIGNALS:
-                self._previous[s] = signal.signal(s, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        if self.signum:  # the second one
-            self.restore()
-            signal.raise_signal(signum)
-            return
-        self.signum = signum
-        print(f"rank {D.rank()}: {signal.Signals(signum).name} received; stopping after this step "
-              "(a checkpoint follows; send it again to stop at once)", flush=True)
-
-    def agreed(self) -> int:
-        """The signal any rank received since the run started (0 if none); a collective."""
-        if not D.is_dist():
-            return self.signum
-        return int(D.all_reduce_max(torch.tensor([float(self.signum)])).item())
-
-    def restore(self) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-        self._previous = {}

@@ -197,7 +197,7 @@ def test_sigint_mid_step_finishes_the_step_then_checkpoints(tiny_model_dir, tmp_
     are closed, and fit raises TrainingInterrupted (exit status 130); the handlers are restored."""
     import signal
 
-    from hybrid_rl.trainer import TrainingInterrupted
+    from hybrid_rl.stop import TrainingInterrupted
     from tests import checkpoint_helpers as H
 
     out = str(tmp_path / "run")

@@ -1,0 +1,78 @@
+"""The trainer's checkpoints: what it saves besides weights and optimizer state, how it finds
+and checks the checkpoint to resume from, and how it restores one (the files themselves:
+checkpoint.py). A mixin of `Trainer`, kept here so trainer.py reads as the step."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Optional
+
+from hybrid_rl import checkpoint as ckpt
+from hybrid_rl import distributed as D
+from hybrid_rl.models.saving import write_hf_metadata
+
+
+class Checkpointing:
+    """Needs the Trainer's cfg, policy, optimizer, scheduler, loader, kl_ctl, phases, tokenizer,
+    step_idx and _model_config; `reward_norm` when the run normalises model scores."""
+
+    def _find_resume(self) -> tuple[Optional[str], Optional[dict]]:
+        """(path, meta) of the checkpoint `trainer.resume` names, checked against this run; (None, None) if none."""
+        t = self.cfg.trainer
+        if t.resume == "none":
+            return None, None
+        path = ckpt.latest(t.checkpoint_root) if t.resume == "auto" else t.resume
+        path = D.broadcast_object_from(path, 0)  # every rank resumes from what rank 0 found
+        if path is None:
+            return None, None
+        meta = ckpt.check_compatible(path, _plain_config(self.cfg), self._model_config, D.world_size(),
+                                     t.resume_ignore)
+        return path, meta
+
+    def _resume_state(self) -> dict:
+        """Everything this rank's next step reads besides weights and optimizer state."""
+        norm = getattr(self, "reward_norm", None)
+        return {"step": self.step_idx, "loader": self.loader.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "kl_coef": self.kl_ctl.value, "switch_step": self.phases.step, "ledger_step": self._ledger_step,
+                "reward_norm": norm.state_dict() if norm is not None else None, "rng": ckpt.rng_state()}
+
+    def save_checkpoint(self) -> str:
+        """Write a sharded checkpoint of this step (every rank calls it, between steps); returns its path."""
+        t = self.cfg.trainer
+        t0 = time.perf_counter()
+        meta = {"model": ckpt.model_fingerprint(self._model_config), "config": _plain_config(self.cfg)}
+        with self.phases.checkpointable():
+            path = ckpt.save(t.checkpoint_root, self.step_idx, self.policy, self.optimizer, self._resume_state(),
+                             meta, lambda d: write_hf_metadata(self.policy, self.tokenizer, d))
+        ckpt.prune(t.checkpoint_root, t.keep_last)
+        D.barrier()
+        self._saved_step, self._checkpoint_path = self.step_idx, path
+        if D.is_main():
+            print(f"checkpoint: step {self.step_idx} -> {path} ({time.perf_counter() - t0:.1f} s)")
+        return path
+
+    def _restore(self, path: str) -> None:
+        with self.phases.checkpointable():
+            state = ckpt.load(path, self.policy, self.optimizer)
+        self.step_idx = state["step"]
+        self.loader.load_state_dict(state["loader"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.kl_ctl.value = state["kl_coef"]
+        self.phases.step, self._ledger_step = state["switch_step"], state["ledger_step"]
+        norm = getattr(self, "reward_norm", None)
+        if (norm is None) != (state["reward_norm"] is None):
+            raise ckpt.CheckpointError(f"checkpoint {path!r} was written with the reward normaliser "
+                                       f"{'on' if state['reward_norm'] is not None else 'off'}; this run has it "
+                                       f"{'on' if norm is not None else 'off'}")
+        if norm is not None:
+            norm.load_state_dict(state["reward_norm"])
+        ckpt.set_rng_state(state["rng"])
+        self._saved_step, self._checkpoint_path = self.step_idx, path
+        if D.is_main():
+            print(f"resumed from {path} at step {self.step_idx}")
+
+
+def _plain_config(cfg) -> dict:
+    """The config as JSON-safe nested dicts (what a checkpoint records and resume compares)."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
