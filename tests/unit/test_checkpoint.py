@@ -228,3 +228,13 @@ def test_no_checkpoint_inside_a_phase(tiny_model_dir, tmp_path):
         with pytest.raises(PhaseError, match="between steps"):
             tr.save_checkpoint()
     assert not os.path.exists(os.path.join(str(tmp_path / "run"), "checkpoints", "step_00000000"))
+
+
+def test_resume_with_a_normalised_reward_model_is_bit_exact(tiny_model_dir, tmp_path):
+    """The running mean/std of the model scores is state the next step reads: it is checkpointed."""
+    from hybrid_rl.models.tiny_reward import random_reward_model_dir
+
+    rm = random_reward_model_dir(str(tmp_path / "rm"))
+    result = straight_and_resumed(tiny_model_dir, str(tmp_path), K, f"reward.model_path={rm}",
+                                  "reward.normalize_model=true", "reward.weights.rule=1.0", "reward.weights.model=0.5")
+    assert_same_run(result)
