@@ -66,7 +66,11 @@ def straight_and_resumed(model_dir: str, out: str, k: int, *extra: str, offload_
     second = make(os.path.join(out, "resumed"), f"trainer.total_steps={2 * k}")
     assert second.step_idx == k, f"resumed at step {second.step_idx}, expected {k}"
     rest = second.fit()
-    return {"straight": [comparable(m) for m in full[k:]], "resumed": [comparable(m) for m in rest],
+    second.save_checkpoint()  # step 2k: what the export checks read
+    from hybrid_rl.models.saving import full_state_dict
+
+    return {"full_weights": full_state_dict(second.policy),  # a collective: every rank calls it
+            "straight": [comparable(m) for m in full[k:]], "resumed": [comparable(m) for m in rest],
             "straight_weights": weights(straight), "resumed_weights": weights(second),
             "loader": (straight.loader.state_dict(), second.loader.state_dict()),
             "resumed_dir": os.path.join(out, "resumed")}
