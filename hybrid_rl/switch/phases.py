@@ -140,6 +140,11 @@ class PhaseManager:
             torch.cuda.synchronize(self.device)
         self.stats.add(name, time.perf_counter() - t0, moved[0])
 
+    def _move(self, name: str, move) -> None:
+        """Run one offload/onload `move` (returns the bytes it copied) as a timed, counted stage."""
+        with self._stage(name) as moved:
+            moved[0] = move()
+
     def pop_stats(self) -> SwitchStats:
         stats, self.stats = self.stats, SwitchStats()
         return stats
@@ -180,8 +185,7 @@ class PhaseManager:
         with self._stage("zero_grad"):
             self.optimizer.zero_grad(set_to_none=True)
         if self.opt_offload is not None:
-            with self._stage("offload_optimizer") as moved:
-                moved[0] = self.opt_offload.offload()
+            self._move("offload_optimizer", self.opt_offload.offload)
         with self._stage("resume_weights") as moved:
             self.engine.resume(["weights"])
             # The native engine gathers the policy's shards (bytes moved); an engine with its own
@@ -196,8 +200,7 @@ class PhaseManager:
                     del bucket  # peak extra memory: one bucket
                 self.engine.end_weight_update()
             if self.param_offload is not None:
-                with self._stage("offload_params") as moved:
-                    moved[0] = self.param_offload.offload()
+                self._move("offload_params", self.param_offload.offload)
         with self._stage("resume_kv"):
             self.engine.resume(["kv_cache"])
         self._kv_peak = 0
@@ -210,8 +213,7 @@ class PhaseManager:
             with self._stage("release_engine"):
                 self.engine.release(["kv_cache", "weights"])
             if self.param_offload is not None:
-                with self._stage("onload_params") as moved:
-                    moved[0] = self.param_offload.onload()
+                self._move("onload_params", self.param_offload.onload)
             self.inside = None
 
     @contextlib.contextmanager
@@ -231,8 +233,7 @@ class PhaseManager:
         with self._stage("release_kv_for_reward"):
             self.engine.release(["kv_cache"])
         if self.rm_offload is not None:
-            with self._stage("onload_reward_model") as moved:
-                moved[0] = self.rm_offload.onload()
+            self._move("onload_reward_model", self.rm_offload.onload)
         self.inside = Phase.REWARD
         self.snapshot("reward:ready")
         try:
@@ -241,8 +242,7 @@ class PhaseManager:
             # FSDP2 keeps the root's parameters gathered after a forward (it expects a backward).
             reshard(self.reward_model)
             if self.rm_offload is not None:
-                with self._stage("offload_reward_model") as moved:
-                    moved[0] = self.rm_offload.offload()
+                self._move("offload_reward_model", self.rm_offload.offload)
             with self._stage("resume_kv_after_reward"):
                 self.engine.resume(["kv_cache"])
             self.inside = Phase.ROLLOUT
@@ -251,8 +251,7 @@ class PhaseManager:
     def score(self) -> Iterator[Optional[torch.nn.Module]]:
         self._transition(Phase.SCORE)
         if self.ref_offload is not None:
-            with self._stage("onload_ref") as moved:
-                moved[0] = self.ref_offload.onload()
+            self._move("onload_ref", self.ref_offload.onload)
         self.phase, self.inside = Phase.SCORE, Phase.SCORE
         self.snapshot("score:ready")
         try:
@@ -264,16 +263,14 @@ class PhaseManager:
             if self.ref is not None:
                 reshard(self.ref)
             if self.ref_offload is not None:
-                with self._stage("offload_ref") as moved:
-                    moved[0] = self.ref_offload.offload()
+                self._move("offload_ref", self.ref_offload.offload)
             self.inside = None
 
     @contextlib.contextmanager
     def train(self) -> Iterator[torch.optim.Optimizer]:
         self._transition(Phase.TRAIN)
         if self.opt_offload is not None:
-            with self._stage("onload_optimizer") as moved:
-                moved[0] = self.opt_offload.onload()
+            self._move("onload_optimizer", self.opt_offload.onload)
         self.phase, self.inside = Phase.TRAIN, Phase.TRAIN
         self.snapshot("train:ready")
         try:
@@ -290,11 +287,9 @@ class PhaseManager:
             raise PhaseError(f"cannot checkpoint inside the {self.inside.value} phase; save between steps")
         opt_was_off = self.opt_offload is not None and not self.opt_offload.on_device
         if opt_was_off:
-            with self._stage("onload_optimizer") as moved:
-                moved[0] = self.opt_offload.onload()
+            self._move("onload_optimizer", self.opt_offload.onload)
         try:
             yield
         finally:
             if opt_was_off:
-                with self._stage("offload_optimizer") as moved:
-                    moved[0] = self.opt_offload.offload()
+                self._move("offload_optimizer", self.opt_offload.offload)

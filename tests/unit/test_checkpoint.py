@@ -148,7 +148,6 @@ def test_save_while_optimizer_offloaded_equals_resident(tiny_model_dir, tmp_path
     tr = _trainer(tiny_model_dir, str(tmp_path / "run"), "trainer.total_steps=2", "offload.optimizer=true")
     tr.phases.opt_offload.always_copy = True
     tr.fit()
-    resident = C.load  # noqa: F841 - readability: both saves are loaded through the same code below
     a = tr.save_checkpoint()
     tr.phases.opt_offload.offload()
     tr.cfg.trainer.checkpoint_dir = str(tmp_path / "offloaded")
@@ -162,15 +161,14 @@ def test_save_while_optimizer_offloaded_equals_resident(tiny_model_dir, tmp_path
     ma = FileSystemReader(os.path.join(a, "state")).read_metadata().state_dict_metadata
     mb = FileSystemReader(os.path.join(b, "state")).read_metadata().state_dict_metadata
     assert ma.keys() == mb.keys() and any(k.startswith("optim.state.") for k in ma)
-    for d in (a, b):  # both restore the same optimizer state
-        fresh = _trainer(tiny_model_dir, str(tmp_path / f"check{len(d)}"), f"trainer.resume={d}")
+    for i, d in enumerate((a, b)):  # both resume; the resident save restores the optimizer state exactly
+        fresh = _trainer(tiny_model_dir, str(tmp_path / f"check{i}"), f"trainer.resume={d}")
         assert fresh.step_idx == 2
-        got = {k: v for k, v in fresh.optimizer.state_dict()["state"].items()}
-        want = tr.optimizer.state_dict()["state"] if d == a else None
-        if want is not None:
-            for i in want:
-                for key in want[i]:
-                    assert torch.equal(torch.as_tensor(got[i][key]), torch.as_tensor(want[i][key]).cpu())
+        if d == a:
+            got, want = fresh.optimizer.state_dict()["state"], tr.optimizer.state_dict()["state"]
+            for j in want:
+                for key in want[j]:
+                    assert torch.equal(torch.as_tensor(got[j][key]), torch.as_tensor(want[j][key]).cpu())
 
 
 def test_export_cli_writes_the_policy(two_checkpoints, tmp_path):

@@ -51,12 +51,16 @@ class ForceTokens(torch.nn.Module):
         super().__init__()
         self.inner, self.schedule, self.ban, self.calls = inner, schedule, list(ban), 0
 
+    def select(self, row: int, kw: dict):
+        """The batch index (or mask) of schedule row `row` at this call."""
+        return row
+
     def forward(self, **kw):
         out = self.inner(**kw)
         if self.ban:
             out.logits[..., self.ban] = float("-inf")
         for row, tok in self.schedule.get(self.calls, []):
-            out.logits[row, -1, tok] = 1e4
+            out.logits[self.select(row, kw), -1, tok] = 1e4
         self.calls += 1
         return out
 

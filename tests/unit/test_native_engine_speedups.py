@@ -19,6 +19,7 @@ from hybrid_rl.rollout.base import SamplingParams
 from hybrid_rl.rollout.decode_graph import DecodeGraphs
 from hybrid_rl.rollout.kv_cache import StaticKVCache, _SlotLayer
 from hybrid_rl.rollout.native import NativeEngine
+from tests.unit.test_native_engine import ForceTokens as BaseForceTokens
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -48,7 +49,7 @@ class Recorder:
         self.handle.remove()
 
 
-class ForceTokens(torch.nn.Module):
+class ForceTokens(BaseForceTokens):
     """`ban`ned tokens get logit -inf; at forward call c (0 = prefill), PROMPTS row r's logit
     `tok` is set to 1e4 for each (r, tok) in schedule[c].
 
@@ -56,19 +57,8 @@ class ForceTokens(torch.nn.Module):
     PROMPTS have distinct lengths, so at call c row r is the one at position len(PROMPTS[r]) + c - 1.
     """
 
-    def __init__(self, inner, schedule, ban=()):
-        super().__init__()
-        self.inner, self.schedule, self.ban, self.calls = inner, schedule, list(ban), 0
-
-    def forward(self, **kw):
-        out = self.inner(**kw)
-        if self.ban:
-            out.logits[..., self.ban] = float("-inf")
-        pos_M = kw["position_ids"][:, -1]
-        for row, tok in self.schedule.get(self.calls, []):
-            out.logits[pos_M == len(PROMPTS[row]) + self.calls - 1, -1, tok] = 1e4
-        self.calls += 1
-        return out
+    def select(self, row: int, kw: dict):
+        return kw["position_ids"][:, -1] == len(PROMPTS[row]) + self.calls - 1
 
 
 def counting(fn, counts: dict, key: str):
