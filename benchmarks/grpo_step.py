@@ -75,6 +75,8 @@ def worker_ours(a) -> None:
         f"trainer.out_dir={os.path.join(a.work, 'ours_out')}", "trainer.device=cpu", "trainer.log_every=0",
         "trainer.progress_bar=false", f"trainer.seed={a.seed}",
     ]
+    if a.worker == "padded":  # the same library with every row padded to the longest (before packing)
+        overrides.append("trainer.packing=false")
     cfg = load_config(os.path.join(ROOT, "recipes", "grpo_tiny.yaml"), overrides)
     distributed.init(cfg.trainer.device, cfg.trainer.dist_timeout_s)
     torch.set_num_threads(a.threads)
@@ -257,14 +259,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch threads per worker")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", choices=["ours", "trl"], default=None)
+    ap.add_argument("--padded", action="store_true",
+                    help="also run our trainer with trainer.packing=false (a third worker, interleaved)")
     ap.add_argument("--json-only", action="store_true")
-    ap.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["ours", "padded", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
 
     if a.worker:
         a.max_new_tokens = int(a.max_new_tokens)
-        (worker_ours if a.worker == "ours" else worker_trl)(a)
+        (worker_trl if a.worker == "trl" else worker_ours)(a)
         return
 
     t_start = time.perf_counter()
@@ -275,6 +279,8 @@ def main() -> None:
     except ImportError:
         have_trl = False
     kinds = [k for k in ("ours", "trl") if (a.only in (None, k)) and (k == "ours" or have_trl)]
+    if a.padded and "ours" in kinds:
+        kinds.insert(1, "padded")
     say = (lambda *x, **kw: None) if a.json_only else print
 
     import torch
@@ -305,6 +311,10 @@ def main() -> None:
                     c[k] = summarize(workers[k], a.warmup)
                 if "ours" in c and "trl" in c:
                     c["ratio_trl_over_ours"] = c["trl"]["median_step_s"] / c["ours"]["median_step_s"]
+                if "padded" in c:
+                    c["ratio_padded_over_ours"] = c["padded"]["median_step_s"] / c["ours"]["median_step_s"]
+                    if "trl" in c:
+                        c["ratio_trl_over_padded"] = c["trl"]["median_step_s"] / c["padded"]["median_step_s"]
                 configs.append(c)
             finally:
                 for w in workers.values():
@@ -323,20 +333,23 @@ def main() -> None:
         print()
         print(f"GRPO step, {a.prompts} prompts x {a.n} samples, {a.threads} threads per worker, "
               f"median of {a.steps} steps after {a.warmup} warm-up")
-        print(f"{'new_tok':>7} {'side':<5} {'median_s':>9} {'min_s':>7} {'startup_s':>9} {'total_s':>8} "
+        print(f"{'new_tok':>7} {'side':<6} {'median_s':>9} {'min_s':>7} {'startup_s':>9} {'total_s':>8} "
               f"{'reward_last':>11} {'reward_last5':>12} {'TRL/ours':>8}")
         for c in configs:
             for k in kinds:
                 s = c[k]
                 ratio = f"{c['ratio_trl_over_ours']:.2f}x" if k == "trl" and "ratio_trl_over_ours" in c else ""
-                print(f"{c['max_new_tokens']:>7} {k:<5} {s['median_step_s']:>9.3f} {s['min_step_s']:>7.3f} "
+                if k == "padded" and "ratio_trl_over_padded" in c:
+                    ratio = f"{c['ratio_trl_over_padded']:.2f}x"
+                print(f"{c['max_new_tokens']:>7} {k:<6} {s['median_step_s']:>9.3f} {s['min_step_s']:>7.3f} "
                       f"{s['startup_s']:>9.1f} {s['total_wall_s']:>8.1f} {s['reward_last']:>11.3f} "
                       f"{s['reward_last5']:>12.3f} {ratio:>8}")
         for c in configs:
-            if "ours" in c and "phases_median_s" in c["ours"]:
-                ph = c["ours"]["phases_median_s"]
-                print(f"ours phases (median s), {c['max_new_tokens']} new tokens: "
-                      + ", ".join(f"{k} {v:.3f}" for k, v in ph.items()))
+            for k in ("ours", "padded"):
+                if k in c and "phases_median_s" in c[k]:
+                    ph = c[k]["phases_median_s"]
+                    print(f"{k} phases (median s), {c['max_new_tokens']} new tokens: "
+                          + ", ".join(f"{name} {v:.3f}" for name, v in ph.items()))
         print(f"load average start {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f}, "
               f"end {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}; wall {result['wall_s']:.1f}s")
     print(json.dumps(result), flush=True)

@@ -299,6 +299,7 @@ class TrainerConfig:
     total_steps: int = 100
     micro_batch_size: int = 64  # sequences per forward/backward on one rank
     max_tokens_per_micro_batch: int = 0  # > 0: micro-batches by a token budget (sequences grouped by length)
+    packing: bool = True  # padding-free forward/backward (models/packing.py); false: every row padded to the longest
     out_dir: str = "runs/default"
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda

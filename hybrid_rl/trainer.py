@@ -316,12 +316,14 @@ class Trainer(Checkpointing):
     # -- SCORE ----------------------------------------------------------------
     def _score(self, batch: RolloutBatch, ref: Optional[torch.nn.Module]):
         """(old_logp_NT or None, ref_logp_NT or None) for the batch's response tokens."""
-        t, mb = self.cfg.rollout.temperature, self.cfg.trainer.micro_batch_size
-        old = None
-        if scores_old_policy(self.cfg.algorithm, len(batch) * D.world_size()):
-            old = score_logprobs(self.policy, batch.ids_NL, batch.attn_NL, batch.P, t, mb)
-        ref_logp = score_logprobs(ref, batch.ids_NL, batch.attn_NL, batch.P, t, mb) if ref is not None else None
-        return old, ref_logp
+        tc = self.cfg.trainer
+
+        def score(model):
+            return score_logprobs(model, batch.ids_NL, batch.attn_NL, batch.P, self.cfg.rollout.temperature,
+                                  tc.micro_batch_size, tc.max_tokens_per_micro_batch, tc.packing)
+
+        old = score(self.policy) if scores_old_policy(self.cfg.algorithm, len(batch) * D.world_size()) else None
+        return old, score(ref) if ref is not None else None
 
     # -- ADVANTAGE ------------------------------------------------------------
     def _advantage(self, batch: RolloutBatch, old_logp_NT, ref_logp_NT, kl_coef: float) -> tuple[TrainBatch, MeanAccumulator]:
@@ -377,7 +379,8 @@ class Trainer(Checkpointing):
                              algo=cfg.algorithm, temperature=cfg.rollout.temperature,
                              micro_batch_size=cfg.trainer.micro_batch_size, grad_clip=cfg.optim.grad_clip,
                              norm_length=cfg.rollout.max_new_tokens, seed=cfg.trainer.seed + self.step_idx,
-                             kl_coef=kl_coef, max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch)
+                             kl_coef=kl_coef, max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch,
+                             packing=cfg.trainer.packing)
 
     # -- metrics --------------------------------------------------------------
     def _time_metrics(self, timer: StageTimer) -> dict[str, float]:

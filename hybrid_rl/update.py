@@ -30,6 +30,7 @@ from hybrid_rl.algorithms.losses import compute_policy_loss
 from hybrid_rl.config import AlgorithmConfig
 from hybrid_rl.metrics import MeanAccumulator
 from hybrid_rl.models.logprobs import response_logprobs
+from hybrid_rl.models.packing import packed_response_logprobs
 
 
 @dataclass
@@ -116,15 +117,30 @@ def scores_old_policy(algo: AlgorithmConfig, n_global: int) -> bool:
     return not is_on_policy(algo, n_global) or algo.rollout_correction != "none" or kl_in_reward
 
 
+def logprob_function(packing: bool):
+    """The forward that scores a micro-batch: padding-free (`models.packing`) or padded."""
+    return packed_response_logprobs if packing else response_logprobs
+
+
 @torch.no_grad()
 def score_logprobs(model: torch.nn.Module, ids_NL: torch.Tensor, attn_NL: torch.Tensor, P: int,
-                   temperature: float, micro_batch_size: int) -> torch.Tensor:
-    """logp_NT of the response tokens, micro-batched; no gradients."""
-    logps = []
-    for s in range(0, ids_NL.shape[0], micro_batch_size):
-        lp, _ = response_logprobs(model, ids_NL[s:s + micro_batch_size], attn_NL[s:s + micro_batch_size], P, temperature)
-        logps.append(lp)
-    return torch.cat(logps)
+                   temperature: float, micro_batch_size: int, max_tokens: int = 0, packing: bool = False) -> torch.Tensor:
+    """logp_NT of the response tokens (0 on padding), no gradients, in the update's micro-batches.
+
+    Same grouping and trimming as the update (`micro_batches`, `trimmed`): rows by length
+    under a token budget, each micro-batch cut to its longest response.
+    """
+    N, T = ids_NL.shape[0], ids_NL.shape[1] - P
+    resp_mask_NT = attn_NL[:, P:]
+    ends = response_ends(resp_mask_NT)
+    forward = logprob_function(packing)
+    logp_NT = torch.zeros((N, T), dtype=torch.float32, device=ids_NL.device)
+    for group in micro_batches(list(range(N)), ends, P, micro_batch_size, max_tokens):
+        rows = torch.tensor(group, device=ids_NL.device)
+        Tg = max(1, max(ends[r] for r in group))
+        logp, _ = forward(model, ids_NL[rows, :P + Tg], attn_NL[rows, :P + Tg], P, temperature)
+        logp_NT[rows, :Tg] = logp * resp_mask_NT[rows, :Tg]
+    return logp_NT
 
 
 def policy_update(
@@ -141,6 +157,7 @@ def policy_update(
     seed: int,
     kl_coef: float | None = None,
     max_tokens_per_micro_batch: int = 0,
+    packing: bool = False,
 ) -> dict[str, float]:
     """Epochs x mini-batches x micro-batches of `batch`; returns the update's metrics (reduced over ranks).
 
@@ -161,6 +178,7 @@ def policy_update(
     acc = MeanAccumulator()
     gen = torch.Generator().manual_seed(seed)
     ends = response_ends(batch.mask_NT)
+    forward = logprob_function(packing)
     for epoch in range(algo.ppo_epochs):
         shuffle = algo.ppo_epochs > 1 or mb_local < len(batch)
         order = torch.randperm(len(batch), generator=gen) if shuffle else torch.arange(len(batch))
@@ -177,7 +195,7 @@ def policy_update(
                                        max_tokens_per_micro_batch):
                 rows = torch.tensor(group, device=batch.ids_NL.device)
                 ids, attn, mask, T = trimmed(batch, rows)
-                logp, ent = response_logprobs(policy, ids, attn, batch.P, temperature)
+                logp, ent = forward(policy, ids, attn, batch.P, temperature)
                 # On-policy: no scoring forward ran; the policy being updated generated the batch.
                 old = batch.old_logp_NT[rows, :T] if batch.old_logp_NT is not None else logp.detach()
                 ref = batch.ref_logp_NT[rows, :T] if batch.ref_logp_NT is not None else None

@@ -91,12 +91,7 @@ def response_logprobs(
 
     The logits at position P-1+t predict response token t. The temperature matches
     the sampler's, so these are comparable to the engine's sampled-token logprobs.
-
-    No (N*T, V) logits exist at any time, in the forward or the backward: the LM head
-    is folded into `chunked_logprob_entropy`, which builds chunk_tokens rows of logits
-    at a time (None: a default that keeps a chunk near 256 MiB of fp32) and rebuilds
-    them in the backward. Gradients reach the hidden states and the head's weight
-    (and bias), so a tied embedding gets both of its contributions.
+    Every column is computed, padding included (`models.packing` skips the padding).
     """
     if ids_NL.shape != attn_NL.shape or ids_NL.dim() != 2:
         raise ValueError(f"ids {tuple(ids_NL.shape)} and attention mask {tuple(attn_NL.shape)} must be the same (N, L)")
@@ -104,35 +99,58 @@ def response_logprobs(
     T = L - P
     if T < 1 or P < 1:
         raise ValueError(f"need P >= 1 prompt and T >= 1 response columns, got P={P} for L={L}")
+
+    def select(hidden_NKH: torch.Tensor) -> torch.Tensor:
+        # K = T + 1 kept positions: the last one predicts past the response.
+        return hidden_NKH[:, :-1].reshape(N * T, hidden_NKH.shape[-1])
+
+    # Only the last T+1 positions reach the head: prompt positions are never scored.
+    logp_R, ent_R = head_logprobs(model, select, ids_NL[:, P:].reshape(N * T), temperature, chunk_tokens,
+                                  input_ids=ids_NL, attention_mask=attn_NL, position_ids=position_ids(attn_NL),
+                                  logits_to_keep=T + 1)
+    return logp_R.view(N, T).contiguous(), ent_R.view(N, T).contiguous()
+
+
+def head_logprobs(
+    model: torch.nn.Module,
+    select: Callable[[torch.Tensor], torch.Tensor],
+    targets_R: torch.Tensor,
+    temperature: float,
+    chunk_tokens: int | None,
+    **model_inputs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logp_R and entropy_R (fp32) of `targets_R`, predicted by the hidden states `select` picks (R rows, H).
+
+    No (R, V) logits exist at any time, in the forward or the backward: the LM head
+    is folded into `chunked_logprob_entropy`, which builds chunk_tokens rows of logits
+    at a time (None: a default that keeps a chunk near 256 MiB of fp32) and rebuilds
+    them in the backward. Gradients reach the hidden states and the head's weight
+    (and bias), so a tied embedding gets both of its contributions.
+    """
     if getattr(getattr(model, "config", None), "final_logit_softcapping", None) is not None:
         raise NotImplementedError("the chunked LM head does not apply final_logit_softcapping")
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
         raise TypeError(f"expected the model's output embedding to be an nn.Linear LM head, got {type(head).__name__}")
-    targets_R = ids_NL[:, P:].reshape(N * T)
 
     # The head runs inside the model's own forward, so the weight it reads is the one
     # the forward sees: under FSDP2 the root module (which owns lm_head and, when
     # tied, embed_tokens) has all-gathered it in its pre-forward hook, and the weight
     # saved for the backward is that unsharded parameter, whose grad FSDP2
     # reduce-scatters, exactly as for nn.Linear. Outside the forward it would be a
-    # sharded DTensor. The (N, T, 2) result stands in for the logits so that FSDP2's
+    # sharded DTensor. The (1, R, 2) result stands in for the logits so that FSDP2's
     # pre-backward hook on the model's outputs fires before our backward.
-    def logp_and_entropy(hidden_NKH: torch.Tensor) -> torch.Tensor:
-        # K = T + 1 kept positions: the last one predicts past the response.
+    def logp_and_entropy(hidden: torch.Tensor) -> torch.Tensor:
         weight_VH = head.weight
         if _is_dtensor(weight_VH):
             raise RuntimeError("lm_head.weight is still sharded inside the model's forward: "
                                "fully_shard the root module (models/fsdp.py), not the head on its own with another mesh")
-        H = hidden_NKH.shape[-1]
-        logp_R, ent_R = chunked_logprob_entropy(hidden_NKH[:, :-1].reshape(N * T, H), weight_VH, head.bias,
-                                                targets_R, temperature, chunk_tokens)
-        return torch.stack([logp_R.view(N, T), ent_R.view(N, T)], dim=-1)
+        logp_R, ent_R = chunked_logprob_entropy(select(hidden), weight_VH, head.bias, targets_R, temperature, chunk_tokens)
+        return torch.stack([logp_R, ent_R], dim=-1)[None]
 
     with _head_replaced(head, logp_and_entropy):
-        # Only the last T+1 positions reach the head: prompt positions are never scored.
-        out = model(input_ids=ids_NL, attention_mask=attn_NL, position_ids=position_ids(attn_NL),
-                    use_cache=False, logits_to_keep=T + 1)
-    both_NT2 = out.logits
-    assert both_NT2.shape == (N, T, 2), f"the model transformed the head's output: {tuple(both_NT2.shape)}"
-    return both_NT2[..., 0].contiguous(), both_NT2[..., 1].contiguous()
+        out = model(**model_inputs, use_cache=False)
+    both_1R2 = out.logits
+    R = targets_R.shape[0]
+    assert both_1R2.shape == (1, R, 2), f"the model transformed the head's output: {tuple(both_1R2.shape)}"
+    return both_1R2[0, :, 0], both_1R2[0, :, 1]

@@ -25,7 +25,8 @@ def _batch(model_dir: str):
     return ids, attn, mask.float(), P, adv
 
 
-def _train(model_dir: str, rows: slice, steps: int, loss_agg: str, keep_model: str = "", max_tokens: int = 0):
+def _train(model_dir: str, rows: slice, steps: int, loss_agg: str, keep_model: str = "", max_tokens: int = 0,
+           packing: bool = False):
     from hybrid_rl import distributed as D
     from hybrid_rl.config import AlgorithmConfig
     from hybrid_rl.models.fsdp import shard_model
@@ -44,10 +45,11 @@ def _train(model_dir: str, rows: slice, steps: int, loss_agg: str, keep_model: s
     algo = AlgorithmConfig(loss_agg=loss_agg, kl_coef=0.0)
     losses = []
     for step in range(steps):
-        old = score_logprobs(model, ids, attn, P, 1.0, micro_batch_size=3) + shift
+        old = score_logprobs(model, ids, attn, P, 1.0, micro_batch_size=3, max_tokens=max_tokens, packing=packing) + shift
         batch = TrainBatch(ids_NL=ids, attn_NL=attn, mask_NT=mask, P=P, adv_NT=adv[:, None] * mask, old_logp_NT=old)
         m = policy_update(policy=model, optimizer=opt, scheduler=sched, batch=batch, algo=algo, temperature=1.0,
-                          micro_batch_size=3, grad_clip=1.0, norm_length=6, seed=step, max_tokens_per_micro_batch=max_tokens)
+                          micro_batch_size=3, grad_clip=1.0, norm_length=6, seed=step, max_tokens_per_micro_batch=max_tokens,
+                          packing=packing)
         # The gradient of the step just taken (clipped in place; kept until the next zero_grad).
         grads = {n: _full(p.grad) for n, p in model.named_parameters()}
         losses.append((m["actor/loss"], m["actor/grad_norm"], grads))
@@ -64,8 +66,9 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
-def _rank_fn(rank: int, model_dir: str, loss_agg: str, max_tokens: int = 0):
-    return _train(model_dir, slice(rank * 4, rank * 4 + 4), steps=3, loss_agg=loss_agg, max_tokens=max_tokens)
+def _rank_fn(rank: int, model_dir: str, loss_agg: str, max_tokens: int = 0, packing: bool = False):
+    return _train(model_dir, slice(rank * 4, rank * 4 + 4), steps=3, loss_agg=loss_agg, max_tokens=max_tokens,
+                  packing=packing)
 
 
 def _save_fn(rank: int, model_dir: str, out: str):
@@ -87,13 +90,15 @@ def test_two_rank_save_writes_the_full_trained_model(tiny_model_dir, tmp_path):
         assert torch.equal(loaded[name].detach(), ref), name
 
 
-@pytest.mark.parametrize("loss_agg,max_tokens", [("token-mean", 0), ("seq-mean-token-sum", 0),
-                                                 ("seq-mean-token-mean", 0), ("seq-mean-token-sum-norm", 0),
-                                                 ("seq-mean-token-mean", 16)])
-def test_two_rank_fsdp_matches_one_process(tiny_model_dir, loss_agg, max_tokens):
+@pytest.mark.parametrize("loss_agg,max_tokens,packing", [
+    ("token-mean", 0, False), ("seq-mean-token-sum", 0, False), ("seq-mean-token-mean", 0, False),
+    ("seq-mean-token-sum-norm", 0, False), ("seq-mean-token-mean", 16, False),
+    ("token-mean", 0, True), ("seq-mean-token-sum-norm", 16, True)])
+def test_two_rank_fsdp_matches_one_process(tiny_model_dir, loss_agg, max_tokens, packing):
     """max_tokens=16: micro-batches by a token budget; rank 0's rows pack into 4 groups, rank 1's
-    into 3, so rank 1 must split one to keep the FSDP collectives in step (else: a hang)."""
-    (w0, l0), (w1, l1) = run_ranks(_rank_fn, world=2, args=(tiny_model_dir, loss_agg, max_tokens))
+    into 3, so rank 1 must split one to keep the FSDP collectives in step (else: a hang).
+    packing: the ranks score and train padding-free, the single process padded: same gradients."""
+    (w0, l0), (w1, l1) = run_ranks(_rank_fn, world=2, args=(tiny_model_dir, loss_agg, max_tokens, packing))
     ref_w, ref_l = _train(tiny_model_dir, slice(0, 8), steps=3, loss_agg=loss_agg)
     assert [x[:2] for x in l0] == [x[:2] for x in l1], "both ranks must report the same global loss and grad norm"
     for step, ((loss, norm, grads), (ref_loss, ref_norm, ref_grads)) in enumerate(zip(l0, ref_l)):

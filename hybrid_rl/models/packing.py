@@ -1,0 +1,137 @@
+"""Padding-free scoring: a micro-batch's sequences packed end to end, log-probs back in the padded layout.
+
+The padded layout (`models.logprobs`) runs every row to the longest one: at 32 new
+tokens with answers of ~17 on average, four tokens of ten are padding. Packed, each
+sequence (its real prompt tokens, then its response tokens) is laid end to end in
+rows of `capacity` slots, with position ids restarting at 0 where a sequence starts.
+Transformers reads that layout from the position ids when no attention mask is given:
+flash-attention 2 runs it as varlen (cu_seqlens; one row only), sdpa and eager get a
+block-diagonal causal mask (any number of rows, each row's attention costing what a
+padded row of the same length costs). Either way no sequence sees another's tokens,
+and the positions are exactly the padded layout's (`position_ids`: real tokens only).
+
+The result is the padded layout's (N, T) log-probs and entropies, with 0 at padding,
+so the loss, its normaliser and every metric are computed as before: packing changes
+which matrix shapes the model runs, not the loss.
+
+Legend: N sequences, P prompt columns (left-padded), T response columns, L = P + T,
+R packed rows of C slots, K real tokens, Q scored (response) tokens, H hidden size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybrid_rl.models.logprobs import head_logprobs
+
+VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
+
+
+def attention_implementation(model: torch.nn.Module) -> str:
+    config = next((m.config for m in model.modules() if hasattr(m, "config")), None)
+    return getattr(config, "_attn_implementation", None) or "eager"
+
+
+def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Indices of `lengths` in bins whose sums stay within capacity (longest first, each into the first bin it fits)."""
+    if lengths and max(lengths) > capacity:
+        raise ValueError(f"a sequence of {max(lengths)} tokens does not fit in a packed row of {capacity}")
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        b = next((b for b, r in enumerate(room) if r >= lengths[i]), None)
+        if b is None:
+            bins.append([])
+            room.append(capacity)
+            b = len(bins) - 1
+        bins[b].append(i)
+        room[b] -= lengths[i]
+    return bins
+
+
+@dataclass
+class PackedLayout:
+    """Where each padded (n, column) goes in the packed (R, C) rows, and which slots are scored."""
+
+    ids_RC: torch.Tensor
+    pos_RC: torch.Tensor
+    pred_Q: torch.Tensor  # flat packed slot whose hidden state predicts response token q
+    target_Q: torch.Tensor  # that token's id
+    row_Q: torch.Tensor  # (n, t) of response token q in the padded layout
+    col_Q: torch.Tensor
+    real_tokens: int
+
+    @property
+    def unused_fraction(self) -> float:
+        """Slots the packed rows run on without a real token (the padded layout's share is usually far larger)."""
+        return 1.0 - self.real_tokens / max(1, self.ids_RC.numel())
+
+
+def pack(ids_NL: torch.Tensor, attn_NL: torch.Tensor, P: int, one_row: bool) -> PackedLayout:
+    """Lay the real tokens of each row end to end.
+
+    one_row: a single row holding everything (varlen attention); otherwise rows as long as
+    the longest sequence, filled first-fit-decreasing, so attention per row never costs more
+    than the padded layout's. The prompt's real tokens must end at column P (left padding)
+    and the response's start there (right padding): the layout both engines produce.
+    """
+    N, L = ids_NL.shape
+    dev = ids_NL.device
+    p_N = attn_NL[:, :P].sum(1)
+    n_N = attn_NL[:, P:].sum(1)
+    len_N = p_N + n_N
+    # Host copy, on purpose: the packing plan is Python lists of sizes (one per micro-batch).
+    lengths = len_N.tolist()
+    capacity = sum(lengths) if one_row else max(lengths)
+    bins = first_fit_decreasing(lengths, capacity)
+    row_of, offset_of = [0] * N, [0] * N
+    for r, members in enumerate(bins):
+        used = 0
+        for i in members:
+            row_of[i], offset_of[i] = r, used
+            used += lengths[i]
+    R, C = len(bins), capacity
+    # Every real token k: its sequence, its place in it, its padded column, its packed slot.
+    seq_K = torch.repeat_interleave(torch.arange(N, device=dev), len_N)
+    start_N = torch.cumsum(len_N, 0) - len_N
+    j_K = torch.arange(seq_K.numel(), device=dev) - start_N[seq_K]
+    col_K = P - p_N[seq_K] + j_K
+    slot_K = torch.tensor(row_of, device=dev)[seq_K] * C + torch.tensor(offset_of, device=dev)[seq_K] + j_K
+    ids_RC = torch.zeros(R * C, dtype=ids_NL.dtype, device=dev)
+    ids_RC[slot_K] = ids_NL[seq_K, col_K]
+    # Unused slots (at a row's end) read position 0: causal attention never lets an earlier slot see them.
+    pos_flat = torch.zeros(R * C, dtype=torch.long, device=dev)
+    pos_flat[slot_K] = j_K
+    resp_K = j_K >= p_N[seq_K]
+    return PackedLayout(ids_RC=ids_RC.view(R, C), pos_RC=pos_flat.view(R, C), pred_Q=slot_K[resp_K] - 1,
+                        target_Q=ids_NL[seq_K[resp_K], col_K[resp_K]], row_Q=seq_K[resp_K], col_Q=col_K[resp_K] - P,
+                        real_tokens=sum(lengths))
+
+
+def packed_response_logprobs(
+    model: torch.nn.Module,
+    ids_NL: torch.Tensor,
+    attn_NL: torch.Tensor,
+    P: int,
+    temperature: float = 1.0,
+    chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`response_logprobs` without computing padding: (N, T) logp and entropy, 0 where attn_NL is 0."""
+    if ids_NL.shape != attn_NL.shape or ids_NL.dim() != 2:
+        raise ValueError(f"ids {tuple(ids_NL.shape)} and attention mask {tuple(attn_NL.shape)} must be the same (N, L)")
+    N, L = ids_NL.shape
+    T = L - P
+    if T < 1 or P < 1:
+        raise ValueError(f"need P >= 1 prompt and T >= 1 response columns, got P={P} for L={L}")
+    layout = pack(ids_NL, attn_NL, P, one_row=attention_implementation(model) in VARLEN_ATTENTION)
+
+    def select(hidden_RCH: torch.Tensor) -> torch.Tensor:
+        return hidden_RCH.reshape(-1, hidden_RCH.shape[-1])[layout.pred_Q]
+
+    logp_Q, ent_Q = head_logprobs(model, select, layout.target_Q, temperature, chunk_tokens,
+                                  input_ids=layout.ids_RC, position_ids=layout.pos_RC, attention_mask=None,
+                                  logits_to_keep=0)
+    index = (layout.row_Q, layout.col_Q)
+    zeros_NT = torch.zeros((N, T), dtype=logp_Q.dtype, device=logp_Q.device)
+    return zeros_NT.index_put(index, logp_Q), zeros_NT.index_put(index, ent_Q)
