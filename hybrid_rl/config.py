@@ -383,6 +383,9 @@ class Config:
                f"{mb} does not divide the {n_seq} sequences of a step (data.batch_size x rollout.n)")
         _check(mb % world_size == 0, "algorithm.mini_batch_size",
                f"{mb} sequences do not divide over {world_size} ranks")
+        buffer = self.algorithm.overlong_buffer_len
+        _check(buffer is None or buffer <= self.rollout.max_new_tokens, "algorithm.overlong_buffer_len",
+               f"{buffer} is longer than rollout.max_new_tokens={self.rollout.max_new_tokens}; use at most that (or null)")
 
 
 def _schema_error(err: OmegaConfBaseException) -> ValueError:

@@ -46,9 +46,9 @@ from hybrid_rl.switch.phases import PhaseManager
 from hybrid_rl.metrics import MeanAccumulator, StageTimer, bottleneck, plot_curve, split_summary
 from hybrid_rl.models.fsdp import shard_model
 from hybrid_rl.models.loading import load_causal_lm, load_tokenizer
-from hybrid_rl.rewards.base import RewardFn, compute_rewards, resolve_reward
-from hybrid_rl.rewards.combine import RunningNorm, combine, resolve_weights
-from hybrid_rl.rewards.model import RewardModelScorer, inspect_reward_model, load_reward_model
+from hybrid_rl.rewards.base import RewardFn, compute_rewards
+from hybrid_rl.rewards.combine import combine
+from hybrid_rl.rewards.setup import RewardSetup
 from hybrid_rl.rollout.base import Completion, SamplingParams, engine_class
 from hybrid_rl.sampling import GroupCollector
 from hybrid_rl.stop import StopSignal, TrainingInterrupted
@@ -56,9 +56,6 @@ from hybrid_rl.trainer_state import Checkpointing
 from hybrid_rl.update import TrainBatch, policy_update, score_logprobs, scores_old_policy
 from hybrid_rl.validation import check_val_set, validate
 
-
-# Built-in rewards and the built-in task each one scores (a mismatch is almost always a config slip).
-BUILTIN_REWARDS = {"digits": "digits", "gsm8k": "gsm8k", "gsm8k_format": "gsm8k"}
 
 
 class Trainer(Checkpointing):
@@ -74,10 +71,6 @@ class Trainer(Checkpointing):
         # The checkpoint to resume from is found and checked before anything is built or written.
         self.resume_from, resume_meta = self._find_resume()
         a = cfg.algorithm
-        buffer = a.overlong_buffer_len
-        if buffer is not None and buffer > cfg.rollout.max_new_tokens:
-            raise ValueError(f"config key 'algorithm.overlong_buffer_len': {buffer} is longer than "
-                             f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}; use at most that (or null)")
         if cfg.rollout.engine == "sglang":
             from hybrid_rl.rollout.sglang import check_available
 
@@ -86,26 +79,16 @@ class Trainer(Checkpointing):
             warnings.warn("model.dtype=bfloat16 is ignored on CPU: the policy trains in float32 there "
                           "(bf16 mixed precision is a CUDA path)")
         # DAPO's buffer is a fifth of the maximum length (4096 of 20480); rounded down.
+        buffer = a.overlong_buffer_len
         self.overlong_buffer = buffer if buffer is not None else cfg.rollout.max_new_tokens // 5
         self.kl_ctl = (AdaptiveKLController(a.kl_coef, a.target_kl, a.kl_horizon) if a.kl_controller == "adaptive"
                        else FixedKLController(a.kl_coef))
         check_loggers(cfg.trainer.loggers)
         ckpt.seed_all(cfg.trainer.seed)
-        r = cfg.reward
-        self.reward_name, self.reward = resolve_reward(r.name, r.fn, r.kwargs, r.success_threshold, reward_fn)
-        # The reward's parts (rule, model: rewards/combine.py); the reward model's directory, tokenizer
-        # and score are checked here, before any model loads.
-        self.reward_weights = resolve_weights(r.weights, bool(r.model_path))
-        if reward_fn is not None and "rule" not in self.reward_weights:
-            raise ValueError(f"config key 'reward.weights': a reward_fn was passed to Trainer, but the reward's parts "
-                             f"are {self.reward_weights} (no 'rule'); add reward.weights.rule to use it")
-        self.rm_spec, self.rm_tokenizer = (inspect_reward_model(r.model_path, r.score_index, r.score_token,
-                                                                r.score_token_id) if r.model_path else (None, None))
-        self.reward_norm = RunningNorm() if r.normalize_model else None
-        if ("rule" in self.reward_weights and reward_fn is None and not r.fn
-                and BUILTIN_REWARDS.get(r.name, cfg.data.task) != cfg.data.task):
-            warnings.warn(f"reward.name={r.name} is the reward of data.task={BUILTIN_REWARDS[r.name]}, but this run "
-                          f"trains on data.task={cfg.data.task}; set reward.name to the task's reward")
+        # The reward's parts (rule, model); the reward model's directory, tokenizer and score are checked here.
+        self.rewards = RewardSetup.resolve(cfg, reward_fn)
+        self.reward_name, self.reward, self.reward_weights = self.rewards.name, self.rewards.rule, self.rewards.weights
+        self.reward_norm = self.rewards.norm
         self.tokenizer = load_tokenizer(cfg.model.path)
         # Prompt text -> token ids (chat template applied when used); each prompt is tokenized once.
         self.encode = PromptEncoder(self.tokenizer, use_chat_template(self.tokenizer, cfg.data.chat_template,
@@ -120,7 +103,7 @@ class Trainer(Checkpointing):
                                  f"validation set; set data.val_path or data.val_split (data.task={cfg.data.task} "
                                  "has none of its own)")
             check_val_set(self.val_rows, cfg.data.val_batch_size or cfg.data.batch_size, data.val_source)
-        self._probe_reward(rows[:2])
+        self.rewards.probe(rows[:2])
         self.loader = PromptLoader(rows, cfg.data.batch_size, D.rank(), D.world_size(), cfg.data.seed)
 
         mixed = self.device.type == "cuda" and cfg.model.dtype in ("auto", "bfloat16")
@@ -137,7 +120,7 @@ class Trainer(Checkpointing):
             ref = copy.deepcopy(policy).requires_grad_(False).eval()
         self.policy = shard_model(policy, self.device, mixed)
         self.ref = shard_model(ref, self.device, mixed) if ref is not None else None
-        self.reward_model, self.rm_scorer = self._build_reward_model(rows[:2], mixed)
+        self.reward_model, self.rm_scorer = self.rewards.build_model(rows[:2], self.device, mixed)
 
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
@@ -177,24 +160,6 @@ class Trainer(Checkpointing):
     @property
     def metrics_path(self) -> str:
         return os.path.join(self.out_dir, "metrics.jsonl")
-
-    def _probe_reward(self, rows: list[dict]) -> None:
-        """Call the rule reward once on placeholder completions, so a broken function fails before training."""
-        if "rule" not in self.reward_weights:
-            return  # a run on the reward model alone never calls it (its rows may lack what it reads)
-        meta = [{**r, "finish_reason": "length", "response_tokens": 0} for r in rows]
-        compute_rewards(self.reward_name, self.reward, [r["prompt"] for r in rows], ["" for _ in rows], meta)
-
-    def _build_reward_model(self, probe_rows: list[dict], mixed: bool):
-        """(sharded frozen module, scorer) of reward.model_path, or (None, None); probed once on placeholder
-        completions (every rank: the forward is a collective), so a model that scores NaN fails before training."""
-        if self.rm_spec is None:
-            return None, None
-        module = load_reward_model(self.rm_spec, self.device, bf16=mixed)
-        scorer = RewardModelScorer(self.rm_spec, self.rm_tokenizer, self.device,
-                                   self.cfg.reward.max_tokens_per_micro_batch)
-        scorer(module, [r["prompt"] for r in probe_rows], ["" for _ in probe_rows])
-        return module, scorer
 
     def _prepare_rows(self, rows: list[dict], source: str, what: str) -> list[dict]:
         """Rows the reward accepts, tokenized, without the prompts over data.max_prompt_tokens (counted)."""
@@ -403,30 +368,6 @@ class Trainer(Checkpointing):
         if shutdown is not None:
             shutdown()
 
-    def save_pretrained(self, path: str) -> str:
-        """Save the current policy and tokenizer as a Hugging Face directory (call on every rank).
-
-        The same code as `python -m hybrid_rl.export`: a checkpoint of this step (written now
-        unless one exists), exported by rank 0 without gathering the weights on any device."""
-        from hybrid_rl.export import export_checkpoint
-
-        if self.phases.inside is not None:
-            raise RuntimeError(f"cannot save inside the {self.phases.inside.value} phase; save between steps")
-        source = self._checkpoint_path if self._saved_step == self.step_idx else self.save_checkpoint()
-        if D.is_main():
-            export_checkpoint(source, path)
-        D.barrier()
-        return path
-
-    def _write_memory_report(self) -> None:
-        """The last step's memory ledger as a table and a timeline PNG, next to the metrics."""
-        step = self._ledger_step
-        if not self.phases.ledger.step_snapshots(step):
-            return
-        with open(os.path.join(self.out_dir, "memory.txt"), "w") as f:
-            f.write(f"{self.offload.message}\n\n{self.phases.ledger.table(step)}\n")
-        self.phases.ledger.plot(step, os.path.join(self.out_dir, "memory_timeline.png"))
-
     def _log(self, metrics: dict) -> None:
         for logger in self.loggers:  # rank 0 only: the other ranks have none
             logger.log(metrics, metrics["step"])
@@ -471,6 +412,6 @@ class Trainer(Checkpointing):
             bar.close()
             if D.is_main() and self.history:
                 plot_curve(self.history, os.path.join(self.out_dir, "reward_curve.png"))
-                self._write_memory_report()
+                self.phases.ledger.write_report(self._ledger_step, self.out_dir, self.offload.message)
                 print(split_summary(self.history))
         return self.history

@@ -1,6 +1,7 @@
 """The trainer's checkpoints: what it saves besides weights and optimizer state, how it finds
 and checks the checkpoint to resume from, and how it restores one (the files themselves:
-checkpoint.py). A mixin of `Trainer`, kept here so trainer.py reads as the step."""
+checkpoint.py), and `save_pretrained` (a checkpoint of the step, exported to a Hugging Face
+directory). A mixin of `Trainer`, kept here so trainer.py reads as the step."""
 from __future__ import annotations
 
 import dataclasses
@@ -71,6 +72,21 @@ class Checkpointing:
         self._saved_step, self._checkpoint_path = self.step_idx, path
         if D.is_main():
             print(f"resumed from {path} at step {self.step_idx}")
+
+    def save_pretrained(self, path: str) -> str:
+        """Save the current policy and tokenizer as a Hugging Face directory (call on every rank).
+
+        The same code as `python -m hybrid_rl.export`: a checkpoint of this step (written now
+        unless one exists), exported by rank 0 without gathering the weights on any device."""
+        from hybrid_rl.export import export_checkpoint
+
+        if self.phases.inside is not None:
+            raise RuntimeError(f"cannot save inside the {self.phases.inside.value} phase; save between steps")
+        source = self._checkpoint_path if self._saved_step == self.step_idx else self.save_checkpoint()
+        if D.is_main():
+            export_checkpoint(source, path)
+        D.barrier()
+        return path
 
 
 def _plain_config(cfg) -> dict:

@@ -95,6 +95,14 @@ class MemoryLedger:
             rows.append(f"{s.label:<22}" + "".join(f"{s.roles[r] / 1e6:>16.2f}" for r in ROLES) + f"{s.total / 1e6:>12.2f}")
         return "\n".join(rows)
 
+    def write_report(self, step: int, out_dir: str, header: str) -> None:
+        """memory.txt (header, then the step's table) and memory_timeline.png in out_dir; nothing if no snapshots."""
+        if not self.step_snapshots(step):
+            return
+        with open(os.path.join(out_dir, "memory.txt"), "w") as f:
+            f.write(f"{header}\n\n{self.table(step)}\n")
+        self.plot(step, os.path.join(out_dir, "memory_timeline.png"))
+
     def plot(self, step: int, path: str) -> None:
         """Memory timeline of one step: one lane per role, one column per phase boundary."""
         import matplotlib
