@@ -115,6 +115,23 @@ class StaticKVCache(Cache):
         """Point the device-side slot index at `length` (a fill kernel, no host sync)."""
         self.write_slot.fill_(self.length)
 
+    def prefill_rows(self, u: int) -> None:
+        """The next forward (the prefill) writes u <= N rows; `expand_rows` then makes them N."""
+        if not 1 <= u <= self.max_rows or self.length:
+            raise ValueError(f"prefill_rows({u}) needs 1 <= u <= {self.max_rows} before anything is written")
+        self.rows = u
+
+    def expand_rows(self, src_N: torch.Tensor) -> None:
+        """Row n becomes a copy of prefilled row src_N[n] (a prompt shared by several samples is prefilled once)."""
+        n = int(src_N.numel())
+        if n > self.max_rows:
+            raise ValueError(f"{n} rows do not fit the {self.max_rows} allocated")
+        for layer in self.layers:
+            layer.buf_k[:n, :, :self.length] = layer.keys[src_N, :, :self.length]
+            layer.buf_v[:n, :, :self.length] = layer.values[src_N, :, :self.length]
+            layer.keys, layer.values = layer.buf_k[:n], layer.buf_v[:n]
+        self.rows = n
+
     def keep_rows(self, idx_M: torch.Tensor) -> None:
         """Keep rows idx_M (indices into the current M rows), moved to the front of the buffers.
 

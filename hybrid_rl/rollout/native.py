@@ -6,6 +6,7 @@ collectives), `release(["weights"])` frees the gathered copy. This is the
 zero-copy limit other engines are measured against, and it runs on CPU.
 
 Decoding (`_generate_batch`) keeps the work proportional to the live rows:
+* a prompt repeated in the batch (its G samples) is prefilled once and its cache rows copied;
 * the KV cache is allocated once per batch at its final size (`kv_cache.StaticKVCache`);
 * the loop never waits for the device except every `stop_check_every` tokens, where
   it asks which rows are still alive; tokens a row samples after its stop are
@@ -257,19 +258,28 @@ class NativeEngine:
 
     def _generate_batch(self, prompts: list[list[int]], sp: SamplingParams, gen: torch.Generator) -> list[Completion]:
         dev = self._device()
-        ids_NP, attn_NP = left_pad(prompts, self.pad_id, dev)
-        N, P = ids_NP.shape
+        # A prompt's G samples share its prefill: the unique prompts run once, then their rows of the
+        # cache, logits and masks are copied to every sample (src_N: the unique prompt of each row).
+        first: dict[tuple[int, ...], int] = {}
+        src = [first.setdefault(tuple(p), len(first)) for p in prompts]
+        unique = [list(p) for p in first]
+        ids_UP, attn_UP = left_pad(unique, self.pad_id, dev)
+        N, (U, P) = len(prompts), ids_UP.shape
+        src_N = torch.tensor(src, device=dev)
         T = sp.max_new_tokens
         stop_K = torch.tensor(sorted({self.eos_id, *sp.stop_token_ids}), device=dev)
         cache = StaticKVCache(N, P + T - 1)
+        cache.prefill_rows(U)
         # True = a slot the next forward may attend to: the prompt's real tokens, then each
         # fed-back token (finished rows included: their outputs are discarded anyway).
         attn_NS = torch.zeros((N, P + T - 1), dtype=torch.bool, device=dev)
-        attn_NS[:, :P] = attn_NP.bool()
-        pos_NP = position_ids(attn_NP)
-        logits_MV = self.model(input_ids=ids_NP, attention_mask=attn_NP, position_ids=pos_NP,
+        attn_NS[:, :P] = attn_UP.bool()[src_N]
+        pos_UP = position_ids(attn_UP)
+        logits_UV = self.model(input_ids=ids_UP, attention_mask=attn_UP, position_ids=pos_UP,
                                past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         cache.advance(P)
+        cache.expand_rows(src_N)
+        logits_MV, pos_NP = logits_UV[src_N], pos_UP[src_N]
         pos_M1 = pos_NP[:, -1:] + 1
         full_attention = _all_full_attention(self.model)
         graphs = self._start_graphs(cache, dev, full_attention)

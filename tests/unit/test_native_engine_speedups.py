@@ -157,10 +157,33 @@ def test_finished_rows_are_dropped_from_the_decode_batch(sharp_model, every):
     with Recorder(sharp_model) as rec:
         comps = NativeEngine(sharp_model, PAD, EOS, stop_check_every=every).generate(
             MANY, SamplingParams(max_new_tokens=T, seed=4))
-    assert rec.shapes[0] == (len(MANY), max(map(len, MANY)))
+    assert rec.shapes[0] == (len(PROMPTS), max(map(len, MANY))), "each distinct prompt is prefilled once"
     sizes = expected_batch_sizes(comps, T, every)
     assert [s[0] for s in rec.shapes[1:]] == sizes
     assert min(sizes) < len(MANY), "the seed should finish enough rows to drop some"
+
+
+def test_a_shared_prompt_is_prefilled_once_and_its_samples_match_a_separate_prefill(sharp_model):
+    """Rows of one prompt, interleaved with others: one prefill row per distinct prompt, and each
+    row's greedy tokens and logprobs equal those of that prompt generated on its own."""
+    order = [2, 0, 2, 1, 3, 0, 2, 1]
+    prompts = [PROMPTS[i] for i in order]
+    sp = SamplingParams(max_new_tokens=6, greedy=True)
+    with Recorder(sharp_model) as rec:
+        comps = NativeEngine(sharp_model, PAD, EOS).generate(prompts, sp)
+    assert rec.shapes[0] == (4, max(map(len, PROMPTS)))
+    alone = {i: NativeEngine(sharp_model, PAD, EOS).generate([PROMPTS[i]], sp)[0] for i in set(order)}
+    for row, i in enumerate(order):
+        assert comps[row].token_ids == alone[i].token_ids, f"row {row} (prompt {i})"
+        torch.testing.assert_close(torch.tensor(comps[row].logprobs), torch.tensor(alone[i].logprobs),
+                                   atol=1e-5, rtol=0)
+    assert_logprobs_match_trainer(sharp_model, prompts, comps, 1.0)
+
+
+def test_sampled_rows_of_a_shared_prompt_get_their_own_draws(sharp_model):
+    comps = NativeEngine(sharp_model, PAD, EOS).generate([PROMPTS[0]] * 8, SamplingParams(max_new_tokens=6, seed=3))
+    assert len({tuple(c.token_ids) for c in comps}) > 1, "copies of one prefill must not share their samples"
+    assert_logprobs_match_trainer(sharp_model, [PROMPTS[0]] * 8, comps, 1.0)
 
 
 def test_tokens_after_a_stop_are_fed_as_pad(sharp_model):
