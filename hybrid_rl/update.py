@@ -66,13 +66,15 @@ def response_ends(mask_NT: torch.Tensor) -> list[int]:
             torch.zeros(mask_NT.shape[0], dtype=torch.long)).tolist()
 
 
-def micro_batches(rows: list[int], ends: list[int], P: int, micro_batch_size: int, max_tokens: int) -> list[list[int]]:
+def micro_batches(rows: list[int], ends: list[int], P: int, micro_batch_size: int, max_tokens: int,
+                  packed: bool = False) -> list[list[int]]:
     """Split a mini-batch's rows into micro-batches, the same NUMBER on every rank.
 
     max_tokens == 0: consecutive groups of micro_batch_size rows. Otherwise rows are sorted
-    by length and packed while rows x (P + the longest response in the group) stays within
-    max_tokens (each micro-batch is trimmed to its longest response, so that is its padded
-    cost); a row longer than the budget goes alone. Every micro-batch forward is an FSDP
+    by length and grouped while the group's cost stays within max_tokens: padded, rows x
+    (P + the longest response in the group) (each micro-batch is trimmed to its longest
+    response); packed, the sum of P + each row's response (at most its real tokens: no
+    padding is computed). A row longer than the budget goes alone. Every micro-batch forward is an FSDP
     collective, so the ranks agree on the count (an all-reduce of the max) and a rank with
     fewer splits its largest groups until it has as many. The loss is unchanged: its
     normaliser is global, so grouping only changes the summation order.
@@ -80,14 +82,15 @@ def micro_batches(rows: list[int], ends: list[int], P: int, micro_batch_size: in
     if max_tokens <= 0:
         # Same rows on every rank, same count: nothing to agree on.
         return [rows[i:i + micro_batch_size] for i in range(0, len(rows), micro_batch_size)]
-    groups, current, longest = [], [], 0
+    groups, current, longest, total = [], [], 0, 0
     for r in sorted(rows, key=lambda i: ends[i]):
         cost = P + max(1, ends[r])
-        if current and max(longest, cost) * (len(current) + 1) > max_tokens:
+        group_cost = total + cost if packed else max(longest, cost) * (len(current) + 1)
+        if current and group_cost > max_tokens:
             groups.append(current)
-            current, longest = [], 0
+            current, longest, total = [], 0, 0
         current.append(r)
-        longest = max(longest, cost)
+        longest, total = max(longest, cost), total + cost
     if current:
         groups.append(current)
     target = int(D.all_reduce_max(torch.tensor([len(groups)], dtype=torch.int64)).item())
@@ -135,7 +138,7 @@ def score_logprobs(model: torch.nn.Module, ids_NL: torch.Tensor, attn_NL: torch.
     ends = response_ends(resp_mask_NT)
     forward = logprob_function(packing)
     logp_NT = torch.zeros((N, T), dtype=torch.float32, device=ids_NL.device)
-    for group in micro_batches(list(range(N)), ends, P, micro_batch_size, max_tokens):
+    for group in micro_batches(list(range(N)), ends, P, micro_batch_size, max_tokens, packing):
         rows = torch.tensor(group, device=ids_NL.device)
         Tg = max(1, max(ends[r] for r in group))
         logp, _ = forward(model, ids_NL[rows, :P + Tg], attn_NL[rows, :P + Tg], P, temperature)
@@ -192,7 +195,7 @@ def policy_update(
             optimizer.zero_grad(set_to_none=True)
             mini_loss = torch.zeros((), device=batch.ids_NL.device)
             for group in micro_batches(order[m0:m0 + mb_local].tolist(), ends, batch.P, micro_batch_size,
-                                       max_tokens_per_micro_batch):
+                                       max_tokens_per_micro_batch, packing):
                 rows = torch.tensor(group, device=batch.ids_NL.device)
                 ids, attn, mask, T = trimmed(batch, rows)
                 logp, ent = forward(policy, ids, attn, batch.P, temperature)

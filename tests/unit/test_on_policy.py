@@ -72,6 +72,20 @@ def test_token_budget_micro_batches_cover_every_row_once_within_the_budget():
     assert micro_batches(list(range(9)), ends, P=5, micro_batch_size=4, max_tokens=0) == [[0, 1, 2, 3], [4, 5, 6, 7], [8]]
 
 
+def test_packed_token_budget_counts_each_rows_tokens_not_the_longest():
+    from hybrid_rl.update import micro_batches
+
+    ends = [1, 6, 5, 4, 3, 2, 1, 6, 0]
+    cost = {r: 5 + max(1, e) for r, e in enumerate(ends)}  # 6, 11, 10, 9, 8, 7, 6, 11, 6
+    groups = micro_batches(list(range(9)), ends, P=5, micro_batch_size=3, max_tokens=24, packed=True)
+    assert sorted(r for g in groups for r in g) == list(range(9))
+    assert all(sum(cost[r] for r in g) <= 24 for g in groups)
+    assert [[cost[r] for r in g] for g in groups] == [[6, 6, 6], [7, 8, 9], [10, 11], [11]]
+    # Padded, the same budget holds rows x the longest: 7 + 8 + 9 would cost 27.
+    padded = micro_batches(list(range(9)), ends, P=5, micro_batch_size=3, max_tokens=24)
+    assert [[cost[r] for r in g] for g in padded] == [[6, 6, 6], [7, 8], [9, 10], [11, 11]]
+
+
 def test_token_budget_gives_the_same_update_as_row_micro_batches(tiny_model):
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(4, 15, (2 + i % 3,), generator=g).tolist() for i in range(8)]
