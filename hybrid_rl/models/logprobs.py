@@ -79,6 +79,16 @@ def _head_replaced(head: torch.nn.Module, forward: Callable[[torch.Tensor], torc
             head.forward = shadowed
 
 
+def check_layout(ids_NL: torch.Tensor, attn_NL: torch.Tensor, P: int) -> tuple[int, int]:
+    """(N, T) of a scored batch; raises unless ids and mask are one (N, L) shape with P, T >= 1."""
+    if ids_NL.shape != attn_NL.shape or ids_NL.dim() != 2:
+        raise ValueError(f"ids {tuple(ids_NL.shape)} and attention mask {tuple(attn_NL.shape)} must be the same (N, L)")
+    N, L = ids_NL.shape
+    if L - P < 1 or P < 1:
+        raise ValueError(f"need P >= 1 prompt and T >= 1 response columns, got P={P} for L={L}")
+    return N, L - P
+
+
 def response_logprobs(
     model: torch.nn.Module,
     ids_NL: torch.Tensor,
@@ -93,12 +103,7 @@ def response_logprobs(
     the sampler's, so these are comparable to the engine's sampled-token logprobs.
     Every column is computed, padding included (`models.packing` skips the padding).
     """
-    if ids_NL.shape != attn_NL.shape or ids_NL.dim() != 2:
-        raise ValueError(f"ids {tuple(ids_NL.shape)} and attention mask {tuple(attn_NL.shape)} must be the same (N, L)")
-    N, L = ids_NL.shape
-    T = L - P
-    if T < 1 or P < 1:
-        raise ValueError(f"need P >= 1 prompt and T >= 1 response columns, got P={P} for L={L}")
+    N, T = check_layout(ids_NL, attn_NL, P)
 
     def select(hidden_NKH: torch.Tensor) -> torch.Tensor:
         # K = T + 1 kept positions: the last one predicts past the response.

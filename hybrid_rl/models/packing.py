@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid_rl.models.logprobs import head_logprobs
+from hybrid_rl.models.logprobs import check_layout, head_logprobs
 
 VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
 
@@ -118,12 +118,7 @@ def packed_response_logprobs(
     chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`response_logprobs` without computing padding: (N, T) logp and entropy, 0 where attn_NL is 0."""
-    if ids_NL.shape != attn_NL.shape or ids_NL.dim() != 2:
-        raise ValueError(f"ids {tuple(ids_NL.shape)} and attention mask {tuple(attn_NL.shape)} must be the same (N, L)")
-    N, L = ids_NL.shape
-    T = L - P
-    if T < 1 or P < 1:
-        raise ValueError(f"need P >= 1 prompt and T >= 1 response columns, got P={P} for L={L}")
+    N, T = check_layout(ids_NL, attn_NL, P)
     layout = pack(ids_NL, attn_NL, P, one_row=attention_implementation(model) in VARLEN_ATTENTION)
 
     def select(hidden_RCH: torch.Tensor) -> torch.Tensor:
