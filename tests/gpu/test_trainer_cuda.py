@@ -55,3 +55,31 @@ def test_two_gpu_recipe_under_torchrun(tmp_path):
     with open(out / "metrics.jsonl") as f:
         lines = [json.loads(line) for line in f]
     assert len(lines) == 5 and all(math.isfinite(m["actor/loss"]) for m in lines)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_scoring_equals_padded_on_cuda(tiny_model_dir, dtype):
+    """sdpa on CUDA with the packed block-diagonal mask, and flash-attention varlen when it is installed."""
+    from hybrid_rl.models.loading import load_causal_lm
+    from hybrid_rl.models.logprobs import build_sequences, response_logprobs
+    from hybrid_rl.models.packing import packed_response_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 15, (1 + i % 5,), generator=g).tolist() for i in range(16)]
+    responses = [torch.randint(3, 15, ((i * 7) % 10,), generator=g).tolist() for i in range(16)]
+    ids, attn, mask, P = build_sequences(prompts, responses, pad_id=0, device=torch.device("cuda"))
+    impls = ["sdpa"]
+    try:
+        import flash_attn  # noqa: F401
+        impls.append("flash_attention_2")
+    except ImportError:
+        pass
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for impl in impls:
+        if impl.startswith("flash") and dtype == torch.float32:
+            continue
+        model = load_causal_lm(tiny_model_dir, dtype, attn_implementation=impl).cuda()
+        with torch.no_grad():
+            ref, _ = response_logprobs(model, ids, attn, P)
+            got, _ = packed_response_logprobs(model, ids, attn, P)
+        torch.testing.assert_close(got, ref * mask, atol=tol, rtol=0, msg=lambda m: f"{impl} {dtype}: {m}")
