@@ -46,6 +46,7 @@ class RewardModelSpec:
     index: int  # classifier: the label whose logit is the score; causal_lm: the token id
     architecture: str
     chat_template: bool
+    max_positions: int | None = None  # config's max_position_embeddings: the longest input it was built for
 
 
 def _fail(key: str, msg: str) -> NoReturn:
@@ -140,8 +141,9 @@ def inspect_reward_model(path: str, score_index: int = -1, score_token: str = ""
             index = score_token_id
         if vocab is not None and index >= vocab:
             _fail("reward.score_token_id", f"{index} is outside the reward model's vocab_size {vocab}")
+    max_positions = cfg.get("max_position_embeddings") or (cfg.get("text_config") or {}).get("max_position_embeddings")
     spec = RewardModelSpec(path=path, kind=kind, index=index, architecture=arch,
-                           chat_template=bool(getattr(tok, "chat_template", None)))
+                           chat_template=bool(getattr(tok, "chat_template", None)), max_positions=max_positions)
     return spec, tok
 
 
@@ -226,6 +228,7 @@ class RewardModelScorer:
 
         ids = encode_texts(self.tokenizer, prompts, completions)
         lengths = [len(x) for x in ids]
+        check_lengths(lengths, self.spec, prompts, completions)
         groups = micro_batches(list(range(len(ids))), lengths, 0, len(ids), self.max_tokens)
         score_N = torch.empty(len(ids), dtype=torch.float32)
         for rows in groups:
@@ -234,6 +237,19 @@ class RewardModelScorer:
         self.last_micro_batches = len(groups)
         check_scores(score_N, prompts, completions, self.spec.path)
         return score_N
+
+
+def check_lengths(lengths: Sequence[int], spec: RewardModelSpec, prompts: Sequence[str],
+                  completions: Sequence[str]) -> None:
+    """An input longer than the reward model's positions would be scored from positions it never saw
+    (rotary embeddings extrapolate without an error): stop with the sample named instead."""
+    if spec.max_positions is None or not lengths or max(lengths) <= spec.max_positions:
+        return
+    i = max(range(len(lengths)), key=lambda k: lengths[k])
+    raise ValueError(f"completion {i} ({completions[i][:80]!r}, of prompt {prompts[i][:80]!r}) is {lengths[i]} tokens "
+                     f"for the reward model in {spec.path!r}, longer than its max_position_embeddings "
+                     f"{spec.max_positions}; lower rollout.max_new_tokens or data.max_prompt_tokens, or use a reward "
+                     "model with a longer context")
 
 
 def check_scores(score_N: torch.Tensor, prompts: Sequence[str], completions: Sequence[str], path: str) -> None:

@@ -151,6 +151,17 @@ def test_a_nan_or_infinite_score_names_the_sample():
         check_scores(torch.tensor([0.0, math.nan, math.inf]), ["q0", "q1", "q2"], ["ok", "bad", "worse"], "/rm")
 
 
+def test_an_input_longer_than_the_reward_models_positions_names_the_sample(rm_dirs, tmp_path):
+    short = shutil.copytree(rm_dirs["no_template"], tmp_path / "short_context")
+    _edit_json(os.path.join(short, "config.json"), max_position_embeddings=4)
+    scorer, module, spec, _ = _scorer(str(short))
+    assert spec.max_positions == 4
+    assert scorer(module, ["1 2"], [" 3"]).shape == (1,), "3 tokens fit"
+    with pytest.raises(ValueError, match=r"completion 1 \(' 3 4 5'.*5 tokens.*max_position_embeddings 4; lower "
+                                         r"rollout\.max_new_tokens"):
+        scorer(module, ["1 2", "1 2"], [" 3", " 3 4 5"])
+
+
 # ---------------------------------------------------------------------------- bad directories
 def test_bad_reward_model_directories_name_what_to_fix(rm_dirs, tmp_path):
     with pytest.raises(ValueError, match=r"'reward.model_path'.*does not exist"):
