@@ -227,10 +227,16 @@ class OptimConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     grad_clip: float = 1.0
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # optimizer steps of linear warm-up from lr / warmup_steps to lr
+    # After warm-up: "constant", or "cosine" / "linear" decay to lr * min_lr_ratio at the last
+    # optimizer step of trainer.total_steps (lr_schedule.py).
+    lr_schedule: str = "constant"
+    min_lr_ratio: float = 0.0
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
+        _one_of(self.lr_schedule, "optim.lr_schedule", ["constant", "cosine", "linear"])
+        _check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
         _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas", "must be two values in [0, 1)")
         _check(self.grad_clip > 0, "optim.grad_clip", "must be > 0")
         _check(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")

@@ -23,6 +23,7 @@ Legend: B prompts per step (global), G samples per prompt, N sequences, T tokens
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import warnings
@@ -40,6 +41,7 @@ from hybrid_rl.batch import RolloutBatch
 from hybrid_rl.config import Config, save_config
 from hybrid_rl.data.chat import PromptEncoder, drop_long_prompts, use_chat_template
 from hybrid_rl.data.prompts import PromptLoader, load_datasets
+from hybrid_rl.lr_schedule import lr_factor, optimizer_steps
 from hybrid_rl.loggers import build_loggers, check_loggers, console_write, interactive
 from hybrid_rl.switch.advice import decide_offload
 from hybrid_rl.switch.phases import PhaseManager
@@ -125,8 +127,11 @@ class Trainer(Checkpointing):
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                            weight_decay=o.weight_decay)
-        warm = o.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+        total = optimizer_steps(cfg.trainer.total_steps, cfg.data.batch_size * cfg.rollout.n,
+                                cfg.algorithm.mini_batch_size, cfg.algorithm.ppo_epochs)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, functools.partial(lr_factor, warmup=o.warmup_steps, total=total, kind=o.lr_schedule,
+                                              min_ratio=o.min_lr_ratio))
         self.engine = self._build_engine(torch.bfloat16 if mixed else None)
         self.phases = PhaseManager(self.policy, self.optimizer, self.engine, self.device, ref=self.ref,
                                    offload_optimizer=self.offload.optimizer, offload_ref=self.offload.ref,

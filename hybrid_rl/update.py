@@ -229,10 +229,10 @@ def policy_update(
             # Host sync, on purpose: a non-finite step must stop before it reaches the weights.
             if not torch.isfinite(grad_norm):
                 raise FloatingPointError(f"gradient norm is {grad_norm.item()}; lower optim.lr or check the reward scale")
+            acc.add("actor/lr", optimizer.param_groups[0]["lr"])  # the lr this update uses
             optimizer.step()
             scheduler.step()
             acc.add("actor/grad_norm", grad_norm)
-            acc.add("actor/lr", scheduler.get_last_lr()[0])
     return acc.reduce()
 
 
