@@ -10,6 +10,11 @@ block-diagonal causal mask (any number of rows, each row's attention costing wha
 padded row of the same length costs). Either way no sequence sees another's tokens,
 and the positions are exactly the padded layout's (`position_ids`: real tokens only).
 
+Packing is not free (the layout's index copies, the block-diagonal mask transformers
+builds from the position ids), so a micro-batch whose packed rows would save less than
+`min_saving` of the padded slots (short responses of similar length: nothing to pack
+together) is scored padded instead; both give the same values.
+
 The result is the padded layout's (N, T) log-probs and entropies, with 0 at padding,
 so the loss, its normaliser and every metric are computed as before: packing changes
 which matrix shapes the model runs, not the loss.
@@ -23,9 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid_rl.models.logprobs import check_layout, head_logprobs
+from hybrid_rl.models.logprobs import check_layout, head_logprobs, response_logprobs
 
 VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
+MIN_SAVING = 0.1  # pack a micro-batch only when that runs at least 10% fewer slots than padding
 
 
 def attention_implementation(model: torch.nn.Module) -> str:
@@ -116,10 +122,20 @@ def packed_response_logprobs(
     P: int,
     temperature: float = 1.0,
     chunk_tokens: int | None = None,
+    min_saving: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`response_logprobs` without computing padding: (N, T) logp and entropy, 0 where attn_NL is 0."""
+    """`response_logprobs` without computing padding: (N, T) logp and entropy, 0 where attn_NL is 0.
+
+    Padded instead when packing would save less than `min_saving` (default `MIN_SAVING`) of
+    the N x L slots; 0: always packed.
+    """
+    min_saving = MIN_SAVING if min_saving is None else min_saving
     N, T = check_layout(ids_NL, attn_NL, P)
     layout = pack(ids_NL, attn_NL, P, one_row=attention_implementation(model) in VARLEN_ATTENTION)
+    if layout.ids_RC.numel() > (1.0 - min_saving) * ids_NL.numel():
+        resp_NT = attn_NL[:, P:]
+        logp_NT, ent_NT = response_logprobs(model, ids_NL, attn_NL, P, temperature, chunk_tokens)
+        return logp_NT * resp_NT, ent_NT * resp_NT
 
     def select(hidden_RCH: torch.Tensor) -> torch.Tensor:
         return hidden_RCH.reshape(-1, hidden_RCH.shape[-1])[layout.pred_Q]

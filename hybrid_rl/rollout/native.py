@@ -8,13 +8,16 @@ zero-copy limit other engines are measured against, and it runs on CPU.
 Decoding (`_generate_batch`) keeps the work proportional to the live rows:
 * a prompt repeated in the batch (its G samples) is prefilled once and its cache rows copied;
 * the KV cache is allocated once per batch at its final size (`kv_cache.StaticKVCache`);
-* the loop never waits for the device except every `stop_check_every` tokens, where
+* the loop never waits for the device except every `stop_check_every` tokens (on CUDA;
+  on CPU there is nothing to wait for, so it checks every token), where
   it asks which rows are still alive; tokens a row samples after its stop are
   replaced by pad on the device, so checking late changes no output;
 * at those checks, once enough rows have finished, they are dropped from the batch
   (cache and per-row state compacted in place);
 * sampling sorts the vocabulary only for top-p, draws by inverse CDF (one uniform
   per row, no host sync), and computes one log-sum-exp per row for the logprob;
+* the one-token step skips transformers' generic forward for the Llama family
+  (`lean_step.py`: the model's own modules, attention written out, no mask building);
 * on CUDA the one-token step is replayed as a CUDA graph (`decode_graph.py`), one per
   live-batch size (a power of two), falling back to eager decoding if capture fails.
 
@@ -35,6 +38,7 @@ from hybrid_rl.models.fsdp import fsdp_modules, gather_full_weights, release_ful
 from hybrid_rl.models.logprobs import left_pad, position_ids
 from hybrid_rl.rollout.base import Completion, SamplingParams, check_tags
 from hybrid_rl.rollout.kv_cache import StaticKVCache
+from hybrid_rl.rollout.lean_step import LeanStep, unsupported_reason
 
 
 def filter_logits(logits_NV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -116,6 +120,11 @@ def _alive_rows(done_M: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(~done_M).squeeze(1)
 
 
+def check_every(requested: int | None, device_type: str) -> int:
+    """Tokens between stop checks: as requested, else 8 on CUDA (a check waits for the device), else 1."""
+    return requested or (8 if device_type == "cuda" else 1)
+
+
 def _bucket(n: int) -> int:
     """The CUDA-graph batch size for n live rows: the next power of two."""
     return 1 << (n - 1).bit_length()
@@ -143,17 +152,20 @@ class NativeEngine:
 
     def __init__(self, model: torch.nn.Module, pad_id: int, eos_id: int, max_batch_size: int = 0,
                  weights_dtype: torch.dtype | None = None, own_weights: bool = False,
-                 stop_check_every: int = 8, cuda_graphs: bool | None = None):
+                 stop_check_every: int | None = None, cuda_graphs: bool | None = None,
+                 lean_step: bool | None = None):
         """own_weights: `model` is the engine's private copy (not the policy); releasing its
         weights frees their memory, and their contents, until the next update_weights,
         the way SGLang's memory saver does.
 
         stop_check_every: tokens between the host checks for finished rows (where the loop
         may end early and finished rows are dropped); at most this many - 1 steps are
-        decoded after the last row stops. cuda_graphs: replay the decode step as CUDA
-        graphs; None = on when the model is on CUDA and every layer is full attention.
+        decoded after the last row stops. None: 8 on CUDA (a check waits for the device),
+        1 elsewhere. cuda_graphs: replay the decode step as CUDA graphs; None = on when the
+        model is on CUDA and every layer is full attention. lean_step: decode eagerly through
+        `LeanStep` instead of the model's forward; None = where the model is supported.
         """
-        if stop_check_every < 1:
+        if stop_check_every is not None and stop_check_every < 1:
             raise ValueError(f"stop_check_every must be >= 1, got {stop_check_every}")
         self.model = model
         self.own_weights = own_weights
@@ -163,6 +175,8 @@ class NativeEngine:
         self.max_batch_size = max_batch_size  # 0: all prompts in one batch
         self.stop_check_every = stop_check_every
         self.cuda_graphs = cuda_graphs
+        self.lean_step = lean_step
+        self.last_decode_path = ""  # how the last batch decoded: "cuda_graph", "lean" or "forward"
         self._sharded = bool(fsdp_modules(model))
         self._weights_ready = not self._sharded
         self._kv_ready = True
@@ -283,6 +297,8 @@ class NativeEngine:
         pos_M1 = pos_NP[:, -1:] + 1
         full_attention = _all_full_attention(self.model)
         graphs = self._start_graphs(cache, dev, full_attention)
+        lean = None if graphs is not None else self._start_lean()
+        every = check_every(self.stop_check_every, dev.type)
 
         toks_NT = torch.full((N, T), self.pad_id, dtype=torch.long, device=dev)
         lps_NT = torch.zeros((N, T), dtype=torch.float32, device=dev)
@@ -296,7 +312,7 @@ class NativeEngine:
             done_M = done_M | torch.isin(tok_M, stop_K)
             if t == T - 1:
                 break
-            if (t + 1) % self.stop_check_every == 0:
+            if (t + 1) % every == 0:
                 alive_A = _alive_rows(done_M)
                 if alive_A.numel() == 0:
                     break
@@ -315,15 +331,27 @@ class NativeEngine:
                     warnings.warn(f"CUDA-graph decode failed, decoding eagerly: {self.last_graph_error}")
                     graphs = None
                     cache.set_full_length(False)
-            if graphs is None:
+            if graphs is None and lean is not None:
+                logits_MV = lean(tok_M[:, None], pos_M1, attn_NS[:M, :P + t + 1], cache)
+            elif graphs is None:
                 mask = attn_NS[:M, None, None, :P + t + 1] if full_attention else attn_NS[:M, :P + t + 1]
                 logits_MV = self.model(input_ids=tok_M[:, None], attention_mask=mask,
                                        position_ids=pos_M1, past_key_values=cache, use_cache=True).logits[:, -1]
             cache.advance(1)
             pos_M1 = pos_M1 + 1
         self.last_kv_bytes = max(self.last_kv_bytes, cache.nbytes())
+        self.last_decode_path = "cuda_graph" if graphs is not None else "lean" if lean is not None else "forward"
         del cache, graphs
         return self._to_completions(toks_NT, lps_NT, stop_K)
+
+    def _start_lean(self) -> LeanStep | None:
+        """The lean decode step, or None: off, or the model is not supported (asked for: a warning)."""
+        if self.lean_step is False:
+            return None
+        lean = LeanStep.build(self.model)
+        if lean is None and self.lean_step:
+            warnings.warn(f"lean_step=True ignored: {unsupported_reason(self.model)}; decoding with the model's forward")
+        return lean
 
     @staticmethod
     def _rows_to_keep(alive_A: torch.Tensor, done_M: torch.Tensor, graphs: bool) -> torch.Tensor | None:

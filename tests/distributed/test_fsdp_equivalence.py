@@ -34,6 +34,10 @@ def _train(model_dir: str, rows: slice, steps: int, loss_agg: str, keep_model: s
     from hybrid_rl.update import TrainBatch, policy_update, score_logprobs
 
     dev = D.init("cpu", timeout_s=60)
+    if packing:  # every micro-batch packed, even one where packing would save little
+        from hybrid_rl.models import packing as packing_mod
+
+        packing_mod.MIN_SAVING = 0.0
     torch.manual_seed(0)
     model = shard_model(load_causal_lm(model_dir), dev, mixed_precision=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

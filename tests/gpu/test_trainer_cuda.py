@@ -81,5 +81,5 @@ def test_packed_scoring_equals_padded_on_cuda(tiny_model_dir, dtype):
         model = load_causal_lm(tiny_model_dir, dtype, attn_implementation=impl).cuda()
         with torch.no_grad():
             ref, _ = response_logprobs(model, ids, attn, P)
-            got, _ = packed_response_logprobs(model, ids, attn, P)
+            got, _ = packed_response_logprobs(model, ids, attn, P, min_saving=0.0)
         torch.testing.assert_close(got, ref * mask, atol=tol, rtol=0, msg=lambda m: f"{impl} {dtype}: {m}")

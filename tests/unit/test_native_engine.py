@@ -16,6 +16,7 @@ import torch
 
 from hybrid_rl.models.logprobs import build_sequences, position_ids, response_logprobs
 from hybrid_rl.rollout.base import SamplingParams, engine_class
+from hybrid_rl.rollout.lean_step import LeanStep
 from hybrid_rl.rollout.native import NativeEngine, filter_logits
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -124,20 +125,30 @@ def test_engine_logprobs_match_trainer_recompute(engine, sharp_model, temperatur
 
 
 # ---------------------------------------------------------------------------- KV cache
-def test_kv_cache_one_token_per_decode_call(sharp_model):
+@pytest.mark.parametrize("lean", [False, True])
+def test_kv_cache_one_token_per_decode_call(sharp_model, monkeypatch, lean):
+    """Through the model's forward or the lean decode step (which gets the cache directly)."""
     calls = []
 
     def record(module, args, kwargs):
         calls.append((tuple(kwargs["input_ids"].shape), kwargs.get("past_key_values"), kwargs.get("use_cache")))
 
+    real_lean = LeanStep.__call__
+
+    def record_lean(step, ids, pos, attn, cache):
+        calls.append((tuple(ids.shape), cache, True))
+        return real_lean(step, ids, pos, attn, cache)
+
+    monkeypatch.setattr(LeanStep, "__call__", record_lean)
     handle = sharp_model.register_forward_pre_hook(record, with_kwargs=True)
     try:
         # Stop checks after every token: the loop ends, and finished rows leave the batch, at once.
-        eng = NativeEngine(sharp_model, pad_id=PAD, eos_id=EOS, stop_check_every=1)
+        eng = NativeEngine(sharp_model, pad_id=PAD, eos_id=EOS, stop_check_every=1, lean_step=lean)
         max_new = 9
         comps = eng.generate(PROMPTS, SamplingParams(max_new_tokens=max_new, temperature=1.0, seed=1, stop_token_ids=(7, 9)))
     finally:
         handle.remove()
+    assert eng.last_decode_path == ("lean" if lean else "forward")
     lengths = [len(c.token_ids) for c in comps]
     longest = max(lengths)
     N, P = len(PROMPTS), max(len(p) for p in PROMPTS)
@@ -181,7 +192,9 @@ def test_stop_on_eos(sharp_model):
     # EOS is banned except where forced: row 0 at step 3, row 2 at step 5; rows 1 and 3 run to the limit.
     sp = SamplingParams(max_new_tokens=10, greedy=True)
     plain = NativeEngine(ForceTokens(sharp_model, {}, ban=[EOS]), pad_id=PAD, eos_id=EOS).generate(PROMPTS, sp)
-    eng = NativeEngine(ForceTokens(sharp_model, {3: [(0, EOS)], 5: [(2, EOS)]}, ban=[EOS]), pad_id=PAD, eos_id=EOS)
+    # Checks every 8 tokens: the schedule's rows are batch positions, which no drop moves before then.
+    eng = NativeEngine(ForceTokens(sharp_model, {3: [(0, EOS)], 5: [(2, EOS)]}, ban=[EOS]), pad_id=PAD, eos_id=EOS,
+                       stop_check_every=8)
     comps = eng.generate(PROMPTS, sp)
     for row, step in ((0, 3), (2, 5)):
         c = comps[row]

@@ -18,6 +18,7 @@ from hybrid_rl.rollout import native
 from hybrid_rl.rollout.base import SamplingParams
 from hybrid_rl.rollout.decode_graph import DecodeGraphs
 from hybrid_rl.rollout.kv_cache import StaticKVCache, _SlotLayer
+from hybrid_rl.rollout.lean_step import LeanStep
 from hybrid_rl.rollout.native import NativeEngine
 from tests.unit.test_native_engine import ForceTokens as BaseForceTokens
 
@@ -29,14 +30,26 @@ MANY = [p for p in PROMPTS for _ in range(4)]  # 16 rows, four prompt lengths
 
 
 class Recorder:
-    """Forward pre-hook on the model: input shapes, the cache object and its buffer addresses per call."""
+    """Every step the engine runs, through the model's forward (a pre-hook) or the lean decode
+    step (`LeanStep.__call__` wrapped): input shapes, the cache object and its buffer addresses."""
 
     def __init__(self, model):
-        self.shapes, self.caches, self.ptrs, self.fed = [], [], [], []
+        self.shapes, self.caches, self.ptrs, self.fed, self.lean_calls = [], [], [], [], 0
         self.handle = model.register_forward_pre_hook(self, with_kwargs=True)
+        self.real_lean = LeanStep.__call__
+        recorder = self
+
+        def lean_call(step, ids_M1, pos_M1, attn_MS, cache):
+            recorder.lean_calls += 1
+            recorder.record(ids_M1, cache)
+            return recorder.real_lean(step, ids_M1, pos_M1, attn_MS, cache)
+
+        LeanStep.__call__ = lean_call
 
     def __call__(self, module, args, kwargs):
-        ids, cache = kwargs["input_ids"], kwargs["past_key_values"]
+        self.record(kwargs["input_ids"], kwargs["past_key_values"])
+
+    def record(self, ids, cache):
         self.shapes.append(tuple(ids.shape))
         self.caches.append(cache)
         self.ptrs.append(cache.data_ptrs())
@@ -47,6 +60,7 @@ class Recorder:
 
     def __exit__(self, *exc):
         self.handle.remove()
+        LeanStep.__call__ = self.real_lean
 
 
 class ForceTokens(BaseForceTokens):
@@ -252,9 +266,20 @@ def test_host_checks_only_every_few_tokens(sharp_model, monkeypatch):
     checks = []
     real = native._alive_rows
     monkeypatch.setattr(native, "_alive_rows", lambda done: (checks.append(done.numel()), real(done))[1])
-    eng = NativeEngine(ForceTokens(sharp_model, {}, ban=[EOS]), PAD, EOS)  # default: every 8
+    eng = NativeEngine(ForceTokens(sharp_model, {}, ban=[EOS]), PAD, EOS, stop_check_every=8)
     eng.generate(PROMPTS, SamplingParams(max_new_tokens=33, seed=0))
     assert len(checks) == 4  # after tokens 8, 16, 24, 32 (none after the last token)
+
+
+def test_default_checks_every_8_tokens_on_cuda_and_every_token_on_cpu(sharp_model, monkeypatch):
+    """On CPU a check waits for nothing, and checking every token drops finished rows at once."""
+    checks = []
+    real = native._alive_rows
+    monkeypatch.setattr(native, "_alive_rows", lambda done: (checks.append(done.numel()), real(done))[1])
+    NativeEngine(ForceTokens(sharp_model, {}, ban=[EOS]), PAD, EOS).generate(PROMPTS, SamplingParams(max_new_tokens=9))
+    assert len(checks) == 8
+    assert [native.check_every(None, d) for d in ("cpu", "cuda")] == [1, 8]
+    assert native.check_every(3, "cuda") == 3
 
 
 def test_no_python_level_sync_grows_with_length(sharp_model, monkeypatch):

@@ -81,7 +81,7 @@ def test_packed_logprobs_and_gradients_equal_the_padded_path(tiny_model_dir, mon
     ref_ge = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
 
-    lp, ent = packed_response_logprobs(model, ids, attn, P, temperature=0.7)
+    lp, ent = packed_response_logprobs(model, ids, attn, P, temperature=0.7, min_saving=0.0)  # always packed
     assert lp.shape == ent.shape == mask.shape
     torch.testing.assert_close(lp, ref_lp * mask, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ent, ref_ent * mask, rtol=1e-5, atol=1e-5)
@@ -93,6 +93,26 @@ def test_packed_logprobs_and_gradients_equal_the_padded_path(tiny_model_dir, mon
     (ent * mask).sum().backward()
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref_ge[n], rtol=1e-4, atol=1e-5, msg=lambda m: f"entropy grad {n}: {m}")
+
+
+@pytest.mark.parametrize("similar", [False, True])
+def test_micro_batch_packed_only_when_it_saves_slots(tiny_model_dir, monkeypatch, similar):
+    """Responses of one length (nothing to pack together): scored padded, with the same values."""
+    model = load_causal_lm(tiny_model_dir)
+    if similar:
+        ids, attn, _, P = build_sequences([[5, 6, 7], [8, 9, 4], [5, 5, 5]], [[7, 8], [10, 4], [3, 3]], pad_id=0)
+    else:
+        ids, attn, _, P = _batch()
+    padded_calls = []
+    real = packing.response_logprobs
+    monkeypatch.setattr(packing, "response_logprobs", lambda *a, **k: padded_calls.append(1) or real(*a, **k))
+    with torch.no_grad():
+        lp, ent = packed_response_logprobs(model, ids, attn, P)
+        ref_lp, ref_ent = real(model, ids, attn, P)
+    assert len(padded_calls) == (1 if similar else 0)
+    mask = attn[:, P:]
+    torch.testing.assert_close(lp, ref_lp * mask, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, ref_ent * mask, rtol=1e-5, atol=1e-5)
 
 
 def test_packing_runs_fewer_slots_than_padding(tiny_model_dir):
