@@ -40,19 +40,30 @@ def attention_implementation(model: torch.nn.Module) -> str:
 
 
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
-    """Indices of `lengths` in bins whose sums stay within capacity (longest first, each into the first bin it fits)."""
+    """Indices of `lengths` in bins whose sums stay within capacity (longest first, each into the first bin it fits).
+
+    A bin whose room is below the shortest length can take nothing more and leaves the
+    scan, so short sequences of similar length (every bin full after one) cost O(N).
+    """
     if lengths and max(lengths) > capacity:
         raise ValueError(f"a sequence of {max(lengths)} tokens does not fit in a packed row of {capacity}")
+    shortest = min(lengths, default=0)
     bins: list[list[int]] = []
     room: list[int] = []
+    open_bins: list[int] = []  # bins that may still take a sequence, in creation order
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        b = next((b for b, r in enumerate(room) if r >= lengths[i]), None)
-        if b is None:
+        n = lengths[i]
+        k = next((k for k, b in enumerate(open_bins) if room[b] >= n), None)
+        if k is None:
             bins.append([])
             room.append(capacity)
-            b = len(bins) - 1
+            open_bins.append(len(bins) - 1)
+            k = len(open_bins) - 1
+        b = open_bins[k]
         bins[b].append(i)
-        room[b] -= lengths[i]
+        room[b] -= n
+        if room[b] < shortest:
+            del open_bins[k]
     return bins
 
 
@@ -74,23 +85,31 @@ class PackedLayout:
         return 1.0 - self.real_tokens / max(1, self.ids_RC.numel())
 
 
-def pack(ids_NL: torch.Tensor, attn_NL: torch.Tensor, P: int, one_row: bool) -> PackedLayout:
-    """Lay the real tokens of each row end to end.
+def plan_rows(attn_NL: torch.Tensor, one_row: bool) -> tuple[list[int], int, list[list[int]]]:
+    """(lengths, capacity C, bins): each sequence's real tokens and the packed rows' members.
 
     one_row: a single row holding everything (varlen attention); otherwise rows as long as
     the longest sequence, filled first-fit-decreasing, so attention per row never costs more
-    than the padded layout's. The prompt's real tokens must end at column P (left padding)
-    and the response's start there (right padding): the layout both engines produce.
+    than the padded layout's.
+    """
+    # Host copy, on purpose: the packing plan is Python lists of sizes (one per micro-batch).
+    lengths = attn_NL.sum(1).tolist()
+    capacity = sum(lengths) if one_row else max(lengths)
+    return lengths, capacity, first_fit_decreasing(lengths, capacity)
+
+
+def pack(ids_NL: torch.Tensor, attn_NL: torch.Tensor, P: int, one_row: bool,
+         plan: tuple[list[int], int, list[list[int]]] | None = None) -> PackedLayout:
+    """Lay the real tokens of each row end to end, in the rows of `plan` (default `plan_rows`).
+
+    The prompt's real tokens must end at column P (left padding) and the response's start
+    there (right padding): the layout both engines produce.
     """
     N, L = ids_NL.shape
     dev = ids_NL.device
     p_N = attn_NL[:, :P].sum(1)
-    n_N = attn_NL[:, P:].sum(1)
-    len_N = p_N + n_N
-    # Host copy, on purpose: the packing plan is Python lists of sizes (one per micro-batch).
-    lengths = len_N.tolist()
-    capacity = sum(lengths) if one_row else max(lengths)
-    bins = first_fit_decreasing(lengths, capacity)
+    len_N = attn_NL.sum(1)
+    lengths, capacity, bins = plan or plan_rows(attn_NL, one_row)
     row_of, offset_of = [0] * N, [0] * N
     for r, members in enumerate(bins):
         used = 0
@@ -131,11 +150,14 @@ def packed_response_logprobs(
     """
     min_saving = MIN_SAVING if min_saving is None else min_saving
     N, T = check_layout(ids_NL, attn_NL, P)
-    layout = pack(ids_NL, attn_NL, P, one_row=attention_implementation(model) in VARLEN_ATTENTION)
-    if layout.ids_RC.numel() > (1.0 - min_saving) * ids_NL.numel():
+    one_row = attention_implementation(model) in VARLEN_ATTENTION
+    plan = plan_rows(attn_NL, one_row)
+    _, capacity, bins = plan
+    if len(bins) * capacity > (1.0 - min_saving) * ids_NL.numel():
         resp_NT = attn_NL[:, P:]
         logp_NT, ent_NT = response_logprobs(model, ids_NL, attn_NL, P, temperature, chunk_tokens)
         return logp_NT * resp_NT, ent_NT * resp_NT
+    layout = pack(ids_NL, attn_NL, P, one_row, plan)
 
     def select(hidden_RCH: torch.Tensor) -> torch.Tensor:
         return hidden_RCH.reshape(-1, hidden_RCH.shape[-1])[layout.pred_Q]

@@ -38,6 +38,31 @@ def test_first_fit_decreasing_places_every_index_once_within_capacity():
         first_fit_decreasing([3, 10], 9)
 
 
+def test_first_fit_decreasing_equals_the_textbook_loop():
+    """The scan skips bins too full for the shortest sequence; the bins must be the textbook ones."""
+
+    def textbook(lengths, capacity):
+        bins, room = [], []
+        for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+            for b in range(len(bins)):
+                if room[b] >= lengths[i]:
+                    break
+            else:
+                bins.append([])
+                room.append(capacity)
+                b = len(bins) - 1
+            bins[b].append(i)
+            room[b] -= lengths[i]
+        return bins
+
+    rng = random.Random(0)
+    for _ in range(300):
+        lo = rng.randint(1, 12)
+        lengths = [rng.randint(lo, 20) for _ in range(rng.randint(1, 40))]
+        capacity = max(lengths) + rng.choice([0, 0, 3, 17])
+        assert first_fit_decreasing(lengths, capacity) == textbook(lengths, capacity), (lengths, capacity)
+
+
 def test_layout_of_a_hand_made_batch():
     # Row 0: prompt [5, 6], response [7, 8];  row 1: prompt [9], response [10];  row 2: prompt [11, 12], response [].
     ids, attn, _, P = build_sequences([[5, 6], [9], [11, 12]], [[7, 8], [10], []], pad_id=0)
