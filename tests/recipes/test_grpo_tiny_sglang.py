@@ -8,11 +8,16 @@ last 10% of steps) of at least 0.8, and each stand-in run must be within 0.05 of
 The engines draw different sampling streams (native: one torch generator; the stand-in: a seed
 per sample), so at a fixed number of steps they differ as runs with different seeds do. The
 settings below (OVERRIDES) make that difference small: 128 prompts x 8 samples a step in
-mini-batches of 128 sequences, and a cosine learning-rate decay to 5% of a high peak, so every
-stream has learned the digits and the stop token well before the last 10% of steps and the
-small final learning rate holds it there (with a constant rate a converged run can fall back
-by ~0.1 within a few steps). The search for this setting (and the runs on three seeds) is in
-benchmarks/results/sglang_vs_native_cpu_2026-11-22.md.
+mini-batches of 128 sequences, and a cosine learning-rate decay from a high peak (2.5e-3) to
+20% of it, so that in the runs measured every stream had learned the digits and the stop token
+before the last 10% of steps, and the lower final rate holds it there (with a constant rate a
+converged run can fall back by ~0.1 within a few steps). It is not immune: the stop token is a
+rare event learned abruptly, and a stream that learns it only in the last steps ends ~0.08 low
+(1 such stream in the ~30 measured of this family of settings). The search and every run are in
+benchmarks/results/sglang_vs_native_cpu_2026-11-22.md. The runs are bit-reproducible on one
+machine (two tp2 runs of 8 steps gave identical metrics), so for given code and CPU the outcome
+is fixed, not a coin toss; a change to sampling or numerics moves every stream, and if a stream
+then learns late the assertion prints its reward curve.
 
 SGLang starts its schedulers as child processes, so this runs under torchrun (a launcher with
 daemonic workers cannot). The stand-in decodes for real in those processes and receives the
@@ -34,7 +39,7 @@ STEPS = 40
 SEED = 0
 OVERRIDES = (
     "data.batch_size=128", "algorithm.mini_batch_size=128",
-    "optim.lr=2.5e-3", "optim.betas=[0.9,0.99]", "optim.lr_schedule=cosine", "optim.min_lr_ratio=0.05",
+    "optim.lr=2.5e-3", "optim.betas=[0.9,0.99]", "optim.lr_schedule=cosine", "optim.min_lr_ratio=0.2",
     "algorithm.kl_placement=reward", "algorithm.kl_estimator=k1", "algorithm.kl_coef=0.01",
     "algorithm.entropy_coef=0.01",
 )
@@ -86,9 +91,19 @@ def native_history(runs_root):
 def test_recipe_native_reference_run_learns(runs_root, native_history):
     """The reference the stand-in is compared with; it also checks what the recipe writes."""
     _check_run(native_history, "native")
+    k = max(1, STEPS // 10)
+    first = sum(h["reward/mean"] for h in native_history[:k]) / k
+    assert first < 0.2, f"a random-init policy should score low, got first-10% reward {first:.3f}"
     out = runs_root / "native"
     assert (out / "reward_curve.png").is_file() and (out / "config.yaml").is_file()
-    assert (out / "final_model" / "config.json").is_file()
+    # The trained policy is saved as a normal HF directory that the ordinary loader reads back.
+    from hybrid_rl.models.loading import load_causal_lm, load_tokenizer
+
+    saved = str(out / "final_model")
+    assert load_tokenizer(saved).eos_token_id is not None
+    trained = dict(load_causal_lm(saved).named_parameters())
+    initial = dict(load_causal_lm(str(runs_root / "model")).named_parameters())
+    assert max((trained[n] - initial[n]).abs().max().item() for n in initial) > 1e-3
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])
