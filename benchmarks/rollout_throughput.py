@@ -7,8 +7,11 @@ prompts, one after the other, and the table shows generated tokens per second:
   old  the loop as it was before the static cache (kept here, `legacy_generate`, for
        this comparison only): a growing DynamicCache, a host sync every token, every
        row decoded until the last one stops, multinomial over a masked softmax;
-  new  NativeEngine.generate: preallocated cache, a stop check every 8 tokens, finished
-       rows dropped, sort-free sampling, CUDA graphs on CUDA.
+  new  NativeEngine.generate: preallocated cache, stop checks (every token on CPU, every 8
+       on CUDA), finished rows dropped, sort-free sampling; the one-token step as a CUDA
+       graph on CUDA, elsewhere through the lean step (`rollout/lean_step.py`);
+  forward  the same engine with the lean step off (lean_step=False): each token through
+       the model's Hugging Face forward (`--paths old,forward,new` to include it).
 
 Scenarios: `full`, no stop token (every row decodes T tokens, the same work in both
 paths); `ragged`, a block of the vocabulary is a stop set so that a row stops with
@@ -32,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import inspect
 import json
 import os
 import statistics
@@ -44,7 +46,7 @@ import torch
 
 from hybrid_rl.models.logprobs import left_pad, position_ids
 from hybrid_rl.rollout.base import Completion, SamplingParams
-from hybrid_rl.rollout.native import NativeEngine, filter_logits
+from hybrid_rl.rollout.native import NativeEngine, check_every, filter_logits
 from phase_swap import hardware, sync  # run as a script: benchmarks/ is on sys.path
 
 # name -> (hidden, layers, intermediate, heads, KV heads); vocab from --vocab, tied embeddings.
@@ -63,7 +65,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--new-tokens", default=None, help="comma list of T per model 'tiny:32,128;0.1b:32' or one list for all "
                    "(default: CPU tiny 32,128 and 0.1b 16; CUDA 128,512 for every model)")
     p.add_argument("--scenarios", default="full,ragged")
-    p.add_argument("--paths", default="old,new")
+    p.add_argument("--paths", default="old,new", help="comma list of old, forward, new")
     p.add_argument("--batch", type=int, default=64, help="N")
     p.add_argument("--prompt-len", type=int, default=None, help="P: prompts have P/2..P tokens, left-padded (default: CPU 16, CUDA 128)")
     p.add_argument("--vocab", type=int, default=32000)
@@ -160,18 +162,18 @@ def useful_bytes(model, comps: list[Completion], P: int, elem: int) -> tuple[int
 
 
 def run_case(model, path: str, prompts, sp: SamplingParams, eos_id: int, dev, repeats: int) -> dict:
-    engine = NativeEngine(model, PAD, eos_id)
+    engine = NativeEngine(model, PAD, eos_id, lean_step=False if path == "forward" else None)
     times, comps = [], None
     for _ in range(repeats):
         sync(dev)
         t0 = time.perf_counter()
-        comps = engine.generate(prompts, sp) if path == "new" else legacy_generate(model, prompts, sp, PAD, eos_id)
+        comps = legacy_generate(model, prompts, sp, PAD, eos_id) if path == "old" else engine.generate(prompts, sp)
         sync(dev)
         times.append(time.perf_counter() - t0)
     s = statistics.median(times)
     tokens = sum(len(c.token_ids) for c in comps)
-    return {"seconds": s, "tokens": tokens, "comps": comps,
-            "graph_error": engine.last_graph_error if path == "new" else None}
+    return {"seconds": s, "tokens": tokens, "comps": comps, "decode_path": engine.last_decode_path or "legacy",
+            "graph_error": engine.last_graph_error if path != "old" else None}
 
 
 def prefill_seconds(model, prompts, dev) -> float:
@@ -232,7 +234,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
                            "decode_tokens_per_s": round(r["tokens"] / decode_s, 1),
                            "tokens_per_s_with_prefill": round(r["tokens"] / r["seconds"], 1),
                            "step_ms": round(1e3 * decode_s / max(steps, 1), 3), "greedy_old_eq_new": same,
-                           "graph_error": r["graph_error"],
+                           "decode_path": r["decode_path"], "graph_error": r["graph_error"],
                            "roofline_frac": round(nbytes / decode_s / (peak * 1e12), 4) if peak and dev.type == "cuda" else None}
                     rows.append(row)
                     print(f"  {name} T={T} {scen} {path}: {row['decode_tokens_per_s']} decode tok/s", file=sys.stderr, flush=True)
@@ -247,12 +249,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
     print(f"\nrollout throughput: batch {args.batch}, prompts {args.prompt_len // 2}..{args.prompt_len} tokens, "
           f"{dev.type} {str(dtype).replace('torch.', '')}, {args.threads or torch.get_num_threads()} thread(s), "
           f"median of {args.repeats}" + (f", HBM peak {peak} TB/s" if roof else ""))
-    print(f"{'model':>6} {'T':>5} {'scenario':>8} {'path':>4} {'tokens':>7} {'longest':>7} {'generate s':>10} "
+    print(f"{'model':>6} {'T':>5} {'scenario':>8} {'path':>7} {'tokens':>7} {'longest':>7} {'generate s':>10} "
           f"{'decode s':>9} {'decode tok/s':>12} {'step ms':>8} {'new/old':>7}" + (f" {'roofline':>8}" if roof else ""))
     for r in rows:
         key = f"{r['model']}/T={r['T']}/{r['scenario']}"
         ratio = f"{speedups[key]}x" if r["path"] == "new" and key in speedups else ""
-        line = (f"{r['model']:>6} {r['T']:>5} {r['scenario']:>8} {r['path']:>4} {r['tokens']:>7} {r['longest']:>7} "
+        line = (f"{r['model']:>6} {r['T']:>5} {r['scenario']:>8} {r['path']:>7} {r['tokens']:>7} {r['longest']:>7} "
                 f"{r['generate_s']:>10.3f} {r['decode_s']:>9.3f} {r['decode_tokens_per_s']:>12.1f} {r['step_ms']:>8.2f} {ratio:>7}")
         if roof:
             line += f" {r['roofline_frac']:>8.3f}"
@@ -266,7 +268,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "load_avg_end": [round(x, 2) for x in os.getloadavg()], "wall_s": round(time.perf_counter() - started, 1),
         "settings": {"batch": args.batch, "prompt_len": args.prompt_len, "vocab": args.vocab, "repeats": args.repeats,
                      "threads": args.threads, "seed": args.seed, "peak_tbs": peak, "temperature": 1.0, "top_p": 1.0,
-                     "stop_check_every": inspect.signature(NativeEngine).parameters["stop_check_every"].default},
+                     "stop_check_every": check_every(None, dev.type)},
         "results": rows, "speedup_new_over_old": speedups,
     }
     print(json.dumps(res))
