@@ -108,8 +108,8 @@ def pack(ids_NL: torch.Tensor, attn_NL: torch.Tensor, P: int, one_row: bool,
     N, L = ids_NL.shape
     dev = ids_NL.device
     p_N = attn_NL[:, :P].sum(1)
-    len_N = attn_NL.sum(1)
     lengths, capacity, bins = plan or plan_rows(attn_NL, one_row)
+    len_N = torch.tensor(lengths, device=dev)
     row_of, offset_of = [0] * N, [0] * N
     for r, members in enumerate(bins):
         used = 0

@@ -38,6 +38,22 @@ _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn
 _ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
+def all_full_attention(model: torch.nn.Module) -> bool:
+    """True when every layer of the (possibly wrapped) model attends to the whole past.
+
+    The lean step needs it, and so do the engine's ready 4-D decode mask and its CUDA
+    graphs: transformers' own mask builder is the only one that knows sliding windows.
+    """
+    config = next((m.config for m in model.modules() if hasattr(m, "config")), None)
+    if config is None:
+        return False
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return all(t == "full_attention" for t in types)
+    # Configs without layer_types (Llama, Mistral): a window or chunk applies to every layer.
+    return getattr(config, "sliding_window", None) is None and getattr(config, "attention_chunk_size", None) is None
+
+
 def _inner(model: torch.nn.Module) -> Optional[torch.nn.Module]:
     """The decoder stack (`model.model` of a *ForCausalLM) when it has the parts the step uses."""
     inner = getattr(model, "model", None)
@@ -53,10 +69,8 @@ def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
     kind = getattr(config, "model_type", None)
     if kind not in SUPPORTED:
         return f"model_type {kind!r} is not one of {SUPPORTED}"
-    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
-        return "a sliding attention window"
-    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
-        return f"layer types {sorted(set(config.layer_types))}, not all full attention"
+    if not all_full_attention(model):
+        return "not every layer attends to the whole past (a sliding window or attention chunks)"
     inner = _inner(model)
     if inner is None:
         return "no model.embed_tokens / layers / norm / rotary_emb or lm_head"
@@ -66,8 +80,6 @@ def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
         attn = layer.self_attn
         if not all(hasattr(attn, p) for p in _ATTN_PARTS + ("head_dim", "scaling")):
             return f"layer {i}'s attention lacks one of {_ATTN_PARTS}, head_dim, scaling"
-        if getattr(attn, "sliding_window", None) is not None:
-            return f"layer {i} has a sliding window"
     return None
 
 

@@ -38,7 +38,7 @@ from hybrid_rl.models.fsdp import fsdp_modules, gather_full_weights, release_ful
 from hybrid_rl.models.logprobs import left_pad, position_ids
 from hybrid_rl.rollout.base import Completion, SamplingParams, check_tags
 from hybrid_rl.rollout.kv_cache import StaticKVCache
-from hybrid_rl.rollout.lean_step import LeanStep, unsupported_reason
+from hybrid_rl.rollout.lean_step import LeanStep, all_full_attention, unsupported_reason
 
 
 def filter_logits(logits_NV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -128,23 +128,6 @@ def check_every(requested: int | None, device_type: str) -> int:
 def _bucket(n: int) -> int:
     """The CUDA-graph batch size for n live rows: the next power of two."""
     return 1 << (n - 1).bit_length()
-
-
-def _all_full_attention(model: torch.nn.Module) -> bool:
-    """True when every layer of the (possibly wrapped) model attends to the whole past.
-
-    Then the decode step can take a ready 4-D mask: transformers' own mask builder
-    checks the mask on the host at every call, and it is the only one that knows
-    sliding windows, so other models keep the 2-D mask (and that sync).
-    """
-    config = next((m.config for m in model.modules() if hasattr(m, "config")), None)
-    if config is None:
-        return False
-    types = getattr(config, "layer_types", None)
-    if types is not None:
-        return all(t == "full_attention" for t in types)
-    # Configs without layer_types (Llama, Mistral): a window or chunk applies to every layer.
-    return getattr(config, "sliding_window", None) is None and getattr(config, "attention_chunk_size", None) is None
 
 
 class NativeEngine:
@@ -295,7 +278,7 @@ class NativeEngine:
         cache.expand_rows(src_N)
         logits_MV, pos_NP = logits_UV[src_N], pos_UP[src_N]
         pos_M1 = pos_NP[:, -1:] + 1
-        full_attention = _all_full_attention(self.model)
+        full_attention = all_full_attention(self.model)
         graphs = self._start_graphs(cache, dev, full_attention)
         lean = None if graphs is not None else self._start_lean()
         every = check_every(self.stop_check_every, dev.type)
