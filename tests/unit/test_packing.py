@@ -122,10 +122,11 @@ def test_packed_logprobs_and_gradients_equal_the_padded_path(tiny_model_dir, mon
 
 @pytest.mark.parametrize("similar", [False, True])
 def test_micro_batch_packed_only_when_it_saves_slots(tiny_model_dir, monkeypatch, similar):
-    """Responses of one length (nothing to pack together): scored padded, with the same values."""
+    """Sequences too long to share a row (5, 4, 5 tokens in rows of 5): scored padded, with the same
+    values and 0 on the one padded response slot."""
     model = load_causal_lm(tiny_model_dir)
     if similar:
-        ids, attn, _, P = build_sequences([[5, 6, 7], [8, 9, 4], [5, 5, 5]], [[7, 8], [10, 4], [3, 3]], pad_id=0)
+        ids, attn, _, P = build_sequences([[5, 6, 7], [8, 9, 4], [5, 5, 5]], [[7, 8], [10], [3, 3]], pad_id=0)
     else:
         ids, attn, _, P = _batch()
     padded_calls = []
