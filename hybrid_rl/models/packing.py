@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybrid_rl.models import shared_prefix
 from hybrid_rl.models.logprobs import check_layout, head_logprobs, response_logprobs
 
 VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
@@ -142,21 +143,32 @@ def packed_response_logprobs(
     temperature: float = 1.0,
     chunk_tokens: int | None = None,
     min_saving: float | None = None,
+    share_prompts: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`response_logprobs` without computing padding: (N, T) logp and entropy, 0 where attn_NL is 0.
 
-    Padded instead when packing would save less than `min_saving` (default `MIN_SAVING`) of
-    the N x L slots; 0: always packed.
+    Where the model supports it (`shared_prefix.unsupported_reason`; share_prompts None)
+    the micro-batch runs as one row of distinct tokens, each distinct prompt once
+    (`models.shared_prefix`); otherwise (share_prompts False, or varlen attention, or
+    another model) as first-fit-decreasing packed rows. Padded instead when the chosen
+    layout would save less than `min_saving` (default `MIN_SAVING`) of the N x L slots;
+    0: never padded.
     """
     min_saving = MIN_SAVING if min_saving is None else min_saving
     N, T = check_layout(ids_NL, attn_NL, P)
+    limit = (1.0 - min_saving) * ids_NL.numel()
+    if share_prompts is None:
+        share_prompts = shared_prefix.unsupported_reason(model) is None
+    if share_prompts:
+        shared = shared_prefix.build_layout(ids_NL, attn_NL, P)
+        if shared.tokens <= limit:
+            return shared_prefix.shared_prefix_logprobs(model, ids_NL, attn_NL, P, temperature, chunk_tokens, shared)
+        return _padded(model, ids_NL, attn_NL, P, temperature, chunk_tokens)
     one_row = attention_implementation(model) in VARLEN_ATTENTION
     plan = plan_rows(attn_NL, one_row)
     _, capacity, bins = plan
-    if len(bins) * capacity > (1.0 - min_saving) * ids_NL.numel():
-        resp_NT = attn_NL[:, P:]
-        logp_NT, ent_NT = response_logprobs(model, ids_NL, attn_NL, P, temperature, chunk_tokens)
-        return logp_NT * resp_NT, ent_NT * resp_NT
+    if len(bins) * capacity > limit:
+        return _padded(model, ids_NL, attn_NL, P, temperature, chunk_tokens)
     layout = pack(ids_NL, attn_NL, P, one_row, plan)
 
     def select(hidden_RCH: torch.Tensor) -> torch.Tensor:
@@ -168,3 +180,9 @@ def packed_response_logprobs(
     index = (layout.row_Q, layout.col_Q)
     zeros_NT = torch.zeros((N, T), dtype=logp_Q.dtype, device=logp_Q.device)
     return zeros_NT.index_put(index, logp_Q), zeros_NT.index_put(index, ent_Q)
+
+
+def _padded(model, ids_NL, attn_NL, P, temperature, chunk_tokens) -> tuple[torch.Tensor, torch.Tensor]:
+    resp_NT = attn_NL[:, P:]
+    logp_NT, ent_NT = response_logprobs(model, ids_NL, attn_NL, P, temperature, chunk_tokens)
+    return logp_NT * resp_NT, ent_NT * resp_NT

@@ -91,10 +91,11 @@ def test_unused_slots_sit_at_the_end_of_a_row():
 
 
 @pytest.mark.parametrize("attn_impl", ["sdpa", "eager"])
-@pytest.mark.parametrize("one_row", [False, True])
-def test_packed_logprobs_and_gradients_equal_the_padded_path(tiny_model_dir, monkeypatch, attn_impl, one_row):
-    """one_row=True is the layout flash-attention varlen gets; run here through the block-diagonal mask."""
-    if one_row:
+@pytest.mark.parametrize("layout", ["rows", "one_row", "shared"])
+def test_packed_logprobs_and_gradients_equal_the_padded_path(tiny_model_dir, monkeypatch, attn_impl, layout):
+    """rows: first-fit-decreasing rows; one_row: the layout flash-attention varlen gets, run here
+    through the block-diagonal mask; shared: the distinct-token row (models/shared_prefix.py)."""
+    if layout == "one_row":
         monkeypatch.setattr(packing, "attention_implementation", lambda model: "flash_attention_2")
     model = load_causal_lm(tiny_model_dir, attn_implementation=attn_impl)
     ids, attn, mask, P = _batch()
@@ -106,7 +107,8 @@ def test_packed_logprobs_and_gradients_equal_the_padded_path(tiny_model_dir, mon
     ref_ge = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
 
-    lp, ent = packed_response_logprobs(model, ids, attn, P, temperature=0.7, min_saving=0.0)  # always packed
+    lp, ent = packed_response_logprobs(model, ids, attn, P, temperature=0.7, min_saving=0.0,  # never padded
+                                       share_prompts=layout == "shared")
     assert lp.shape == ent.shape == mask.shape
     torch.testing.assert_close(lp, ref_lp * mask, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ent, ref_ent * mask, rtol=1e-5, atol=1e-5)
@@ -120,10 +122,11 @@ def test_packed_logprobs_and_gradients_equal_the_padded_path(tiny_model_dir, mon
         torch.testing.assert_close(p.grad, ref_ge[n], rtol=1e-4, atol=1e-5, msg=lambda m: f"entropy grad {n}: {m}")
 
 
+@pytest.mark.parametrize("share_prompts", [False, True])
 @pytest.mark.parametrize("similar", [False, True])
-def test_micro_batch_packed_only_when_it_saves_slots(tiny_model_dir, monkeypatch, similar):
-    """Sequences too long to share a row (5, 4, 5 tokens in rows of 5): scored padded, with the same
-    values and 0 on the one padded response slot."""
+def test_micro_batch_packed_only_when_it_saves_slots(tiny_model_dir, monkeypatch, similar, share_prompts):
+    """Sequences too long to share a row (5, 4, 5 tokens in rows of 5; distinct prompts, so 14 distinct
+    tokens of 15 slots): scored padded, with the same values and 0 on the one padded response slot."""
     model = load_causal_lm(tiny_model_dir)
     if similar:
         ids, attn, _, P = build_sequences([[5, 6, 7], [8, 9, 4], [5, 5, 5]], [[7, 8], [10], [3, 3]], pad_id=0)
@@ -133,7 +136,7 @@ def test_micro_batch_packed_only_when_it_saves_slots(tiny_model_dir, monkeypatch
     real = packing.response_logprobs
     monkeypatch.setattr(packing, "response_logprobs", lambda *a, **k: padded_calls.append(1) or real(*a, **k))
     with torch.no_grad():
-        lp, ent = packed_response_logprobs(model, ids, attn, P)
+        lp, ent = packed_response_logprobs(model, ids, attn, P, share_prompts=share_prompts)
         ref_lp, ref_ent = real(model, ids, attn, P)
     assert len(padded_calls) == (1 if similar else 0)
     mask = attn[:, P:]

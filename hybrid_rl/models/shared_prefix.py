@@ -1,0 +1,232 @@
+"""Scoring a micro-batch with each distinct prompt computed once: GRPO's G samples share it.
+
+A GRPO micro-batch holds G samples of each prompt. The padded layout runs every
+prompt G times (and every row to the longest); packing (`models.packing`) drops the
+padding but still runs each prompt G times. Here the model runs on ONE row of the
+distinct tokens: each distinct prompt's real tokens once, then every response's real
+tokens, with the positions of the padded layout (`position_ids`: real tokens only).
+Everything per token (projections, MLP, norms, the LM head) costs the distinct tokens
+only: at 4-token prompts and ~22-token answers that is 13% fewer tokens than packing,
+at GSM8K prompt lengths several times more.
+
+Attention is the one step that mixes tokens. `SharedPrefixLayout` goes in as the
+model's attention mask, and the attention function registered here (`install`)
+gathers the queries, keys and values of the distinct tokens back into the padded
+(N, L) layout (a response row reads its prompt's keys from the shared tokens), runs
+the base implementation's attention there with the padded layout's causal mask, and
+takes each distinct token's output from the one padded slot that owns it. The keys
+each query sees, and their order, are the padded layout's, so values equal the padded
+path's up to summation order, and gradients reach a prompt token from all G of its
+samples through the gather's backward.
+
+Any other mask goes to the base implementation unchanged, so the installed name is
+`sdpa` (or `eager`) for every other forward of the model (generation, the engine).
+Supported: decoders whose attention is plain scaled dot-product over rotated q and k
+(`SUPPORTED`, every layer full attention); others use `models.packing`.
+
+Legend: N sequences, P prompt columns (left-padded), T response columns, L = P + T,
+K distinct tokens (one row), U distinct prompts, Q scored response tokens, H query
+heads, KV key/value heads, D head dim.
+"""
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hybrid_rl.models.logprobs import head_logprobs, position_ids
+from hybrid_rl.rollout.lean_step import all_full_attention
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+BASES = ("sdpa", "eager")
+_PREFIX = "hybrid_rl_shared_prefix+"
+
+
+@dataclass
+class SharedPrefixLayout:
+    """One row of distinct tokens and the maps between it and the padded (N, L) layout."""
+
+    ids_1K: torch.Tensor
+    pos_1K: torch.Tensor
+    gather_NL: torch.Tensor  # distinct token at each padded slot (0 at padding: read, never used)
+    owner_K: torch.Tensor  # flat padded slot n * L + c whose attention output distinct token k takes
+    mask_N1LL: torch.Tensor  # bool, True = may attend; a padding query row sees every key (finite, discarded)
+    pred_Q: torch.Tensor  # distinct token whose hidden state predicts response token q
+    target_Q: torch.Tensor
+    row_Q: torch.Tensor  # (n, t) of response token q in the padded layout
+    col_Q: torch.Tensor
+    prompts: int  # U
+
+    @property
+    def tokens(self) -> int:
+        return self.ids_1K.shape[1]
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
+               dropout: float) -> torch.Tensor:
+        """query (1, H, K, D), key and value (1, KV, K, D) of the distinct tokens -> (1, K, H, D)."""
+        N, L = self.gather_NL.shape
+        idx = self.gather_NL.reshape(-1)
+
+        def padded(x_1hKD: torch.Tensor) -> torch.Tensor:
+            h, D = x_1hKD.shape[1], x_1hKD.shape[-1]
+            return x_1hKD[0].index_select(1, idx).view(h, N, L, D).transpose(0, 1)
+
+        q, k, v = padded(query), padded(key), padded(value)
+        H, KV = q.shape[1], k.shape[1]
+        if KV != H:  # query head h reads kv head h // (H / KV), transformers' repeat_kv order
+            k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
+        out_NHLD = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask_N1LL, dropout_p=dropout, scale=scaling)
+        out_SHD = out_NHLD.transpose(1, 2).reshape(N * L, H, -1)
+        return out_SHD.index_select(0, self.owner_K)[None]
+
+
+def _attention(base: str):
+    def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                  shared_prefix: SharedPrefixLayout | None = None, **kwargs):
+        if shared_prefix is None:
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+            return ALL_ATTENTION_FUNCTIONS[base](module, query, key, value, attention_mask, dropout=dropout,
+                                                scaling=scaling, **kwargs)
+        if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
+            raise NotImplementedError("shared-prefix attention supports full attention without softcapping only")
+        return shared_prefix.attend(query, key, value, scaling, dropout), None
+
+    return attention
+
+
+_BUILDING_SHARED = contextvars.ContextVar("hybrid_rl_shared_prefix_forward", default=False)
+
+
+def _mask(base: str):
+    """The base implementation's mask builder, skipped in a shared-prefix forward (the layout has its own)."""
+    def mask(*args, **kwargs):
+        if _BUILDING_SHARED.get():
+            return None
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+        return ALL_MASK_ATTENTION_FUNCTIONS[base](*args, **kwargs)
+
+    return mask
+
+
+def _register(base: str) -> str:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    name = _PREFIX + base
+    if name not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+        AttentionInterface.register(name, _attention(base))
+        AttentionMaskInterface.register(name, _mask(base))
+    return name
+
+
+def _config(model: torch.nn.Module):
+    return next((m.config for m in model.modules() if hasattr(m, "config")), None)
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why `model` cannot run the shared-prefix layout (None when it can)."""
+    config = _config(model)
+    kind = getattr(config, "model_type", None)
+    if kind not in SUPPORTED:
+        return f"model_type {kind!r} is not one of {SUPPORTED}"
+    impl = getattr(config, "_attn_implementation", None) or "eager"
+    if impl.removeprefix(_PREFIX) not in BASES:
+        return f"attention implementation {impl!r} is not one of {BASES}"
+    if not all_full_attention(model):
+        return "not every layer attends to the whole past (a sliding window or attention chunks)"
+    return None
+
+
+def install(model: torch.nn.Module) -> None:
+    """Route the model's attention through the shared-prefix function (idempotent).
+
+    The name stays installed: every forward without a `SharedPrefixLayout` mask runs
+    the base implementation as before, and an activation-checkpointed layer recomputed
+    in the backward finds the same function it ran in the forward.
+    """
+    config = _config(model)
+    impl = getattr(config, "_attn_implementation", None) or "eager"
+    if not impl.startswith(_PREFIX):
+        config._attn_implementation = _register(impl)
+
+
+def build_layout(ids_NL: torch.Tensor, attn_NL: torch.Tensor, P: int) -> SharedPrefixLayout:
+    """The distinct-token row of a left-padded prompt / right-padded response batch.
+
+    Rows whose real prompt tokens are equal share them (found on the host: one copy of
+    the prompt columns per micro-batch).
+    """
+    N, L = ids_NL.shape
+    dev = ids_NL.device
+    attn = attn_NL.bool()
+    p_N, r_N = attn[:, :P].sum(1), attn[:, P:].sum(1)
+    if bool((p_N == 0).any()):
+        raise ValueError("every row needs at least one real prompt token (its last one predicts the first response token)")
+    first: dict[tuple[int, ...], int] = {}
+    src, rep = [], []
+    for n, (row, p) in enumerate(zip(ids_NL[:, :P].tolist(), p_N.tolist())):
+        key = tuple(row[P - p:])
+        if key not in first:
+            first[key] = len(first)
+            rep.append(n)
+        src.append(first[key])
+    src_N = torch.tensor(src, device=dev)
+    rep_U = torch.tensor(rep, device=dev)
+    p_U = p_N[rep_U]
+    Kp = int(p_U.sum())
+    poff_U = torch.cumsum(p_U, 0) - p_U
+    roff_N = Kp + torch.cumsum(r_N, 0) - r_N
+    col_L = torch.arange(L, device=dev)
+    j_NL = col_L - (P - p_N)[:, None]  # place in the prompt (prompt columns)
+    t_NL = col_L - P  # place in the response (response columns)
+    gather_NL = torch.where(col_L < P, poff_U[src_N][:, None] + j_NL, roff_N[:, None] + t_NL)
+    gather_NL = torch.where(attn, gather_NL, 0)
+    # Owners: a response token's own slot; a prompt token's slot in its prompt's first row.
+    is_rep_N = torch.zeros(N, dtype=torch.bool, device=dev)
+    is_rep_N[rep_U] = True
+    owns_NL = attn & ((col_L >= P)[None, :] | is_rep_N[:, None])
+    K = Kp + int(r_N.sum())
+    slot_NL = torch.arange(N * L, device=dev).view(N, L)
+    owner_K = torch.empty(K, dtype=torch.long, device=dev)
+    owner_K[gather_NL[owns_NL]] = slot_NL[owns_NL]
+    ids_1K = ids_NL.reshape(-1)[owner_K][None]
+    pos_1K = position_ids(attn_NL).reshape(-1)[owner_K][None]
+    causal_LL = torch.ones((L, L), dtype=torch.bool, device=dev).tril()
+    mask_N1LL = (causal_LL[None] & attn[:, None, :]) | ~attn[:, :, None]
+    # Response token t of row n is predicted at slot (n, P + t - 1): the prompt's last token for t = 0.
+    resp_NT = attn[:, P:]
+    row_Q, col_Q = resp_NT.nonzero(as_tuple=True)
+    pred_Q = gather_NL[row_Q, P + col_Q - 1]
+    return SharedPrefixLayout(ids_1K=ids_1K, pos_1K=pos_1K, gather_NL=gather_NL, owner_K=owner_K,
+                              mask_N1LL=mask_N1LL[:, None], pred_Q=pred_Q, target_Q=ids_NL[row_Q, P + col_Q],
+                              row_Q=row_Q, col_Q=col_Q, prompts=len(rep))
+
+
+def shared_prefix_logprobs(model: torch.nn.Module, ids_NL: torch.Tensor, attn_NL: torch.Tensor, P: int,
+                           temperature: float = 1.0, chunk_tokens: int | None = None,
+                           layout: SharedPrefixLayout | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, T) logp and entropy of the response tokens (0 at padding), each distinct prompt run once."""
+    reason = unsupported_reason(model)
+    if reason is not None:
+        raise ValueError(f"the shared-prefix layout cannot run this model: {reason}")
+    install(model)
+    layout = layout or build_layout(ids_NL, attn_NL, P)
+
+    def select(hidden_1KH: torch.Tensor) -> torch.Tensor:
+        return hidden_1KH[0].index_select(0, layout.pred_Q)
+
+    token = _BUILDING_SHARED.set(True)
+    try:
+        logp_Q, ent_Q = head_logprobs(model, select, layout.target_Q, temperature, chunk_tokens,
+                                      input_ids=layout.ids_1K, position_ids=layout.pos_1K, attention_mask=None,
+                                      logits_to_keep=0, shared_prefix=layout)
+    finally:
+        _BUILDING_SHARED.reset(token)
+    N, T = ids_NL.shape[0], ids_NL.shape[1] - P
+    index = (layout.row_Q, layout.col_Q)
+    zeros_NT = torch.zeros((N, T), dtype=logp_Q.dtype, device=logp_Q.device)
+    return zeros_NT.index_put(index, logp_Q), zeros_NT.index_put(index, ent_Q)

@@ -1,0 +1,145 @@
+"""The distinct-token layout (models/shared_prefix.py) against the padded path.
+
+A GRPO micro-batch: a few prompts of different lengths (left-padded), each with several
+samples of different lengths (an empty one included). Run as one row of distinct tokens,
+the log-probs, entropies and the gradients of every parameter must equal the padded
+layout's, on each supported family (Qwen2 GQA and MHA, Llama with rope scaling, Qwen3);
+each prompt is computed once; forwards without the layout are untouched by the install.
+Legend: N sequences, P prompt columns, T response columns, K distinct tokens.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from hybrid_rl.models import shared_prefix
+from hybrid_rl.models.logprobs import build_sequences, position_ids, response_logprobs
+from hybrid_rl.models.packing import packed_response_logprobs
+from hybrid_rl.models.shared_prefix import build_layout, install, shared_prefix_logprobs, unsupported_reason
+from tests.unit.test_lean_step import COMMON, KINDS, V, _build, _sharpen
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+PROMPTS = [[5, 6, 7, 14], [8, 14], [11, 12, 13, 4, 5, 6, 14]]
+RESPONSES = [[3, 4, 1], [9], [4, 4, 4, 4, 4, 4, 4, 4], [], [7, 7], [20, 21, 22, 1], [3], [5, 6], [10, 11, 12, 13, 1]]
+
+
+def _group_batch():
+    """3 prompts x 3 samples, rows grouped by prompt as the trainer lays them out."""
+    prompts = [p for p in PROMPTS for _ in range(3)]
+    ids, attn, mask, P = build_sequences(prompts, RESPONSES, pad_id=0)
+    return ids, attn, mask.float(), P
+
+
+def test_layout_of_a_grouped_batch():
+    ids, attn, _, P = _group_batch()
+    lay = build_layout(ids, attn, P)
+    assert lay.prompts == 3
+    assert lay.tokens == sum(map(len, PROMPTS)) + sum(map(len, RESPONSES))
+    real = attn.bool()
+    # Every real slot reads the distinct token with its id and position; each distinct token has one owner.
+    assert torch.equal(lay.ids_1K[0][lay.gather_NL[real]], ids[real])
+    assert torch.equal(lay.pos_1K[0][lay.gather_NL[real]], position_ids(attn)[real])
+    assert torch.equal(lay.gather_NL.reshape(-1)[lay.owner_K], torch.arange(lay.tokens))
+    # The G samples of a prompt read the same distinct prompt tokens.
+    for u in range(3):
+        rows = lay.gather_NL[3 * u:3 * u + 3, :P]
+        assert (rows == rows[0]).all()
+    # Response token q is predicted by the slot before it: the prompt's last token for the first one.
+    n, t = lay.row_Q, lay.col_Q
+    assert torch.equal(lay.target_Q, ids[n, P + t])
+    assert torch.equal(lay.pred_Q, lay.gather_NL[n, P + t - 1])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_logprobs_entropy_and_gradients_equal_the_padded_path(kind):
+    model = _build(kind)
+    ids, attn, mask, P = _group_batch()
+    w = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1)) * mask
+    ref_lp, ref_ent = response_logprobs(model, ids, attn, P, temperature=0.7)
+    ((ref_lp * w).sum() + (ref_ent * w).sum()).backward()
+    ref_g = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    lp, ent = shared_prefix_logprobs(model, ids, attn, P, temperature=0.7)
+    torch.testing.assert_close(lp, ref_lp * mask, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, ref_ent * mask, rtol=1e-5, atol=1e-5)
+    assert not lp[mask == 0].any() and not ent[mask == 0].any(), "padding reads 0"
+    ((lp * w).sum() + (ent * w).sum()).backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_g[n], rtol=1e-4, atol=1e-5, msg=lambda m: f"grad {n}: {m}")
+
+
+def test_the_micro_batch_forward_runs_each_prompt_once():
+    """packed_response_logprobs picks the layout for a supported model; the model sees K distinct tokens."""
+    model = _build("qwen2_gqa")
+    ids, attn, _, P = _group_batch()
+    seen = []
+    model.model.embed_tokens.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape))
+    with torch.no_grad():
+        packed_response_logprobs(model, ids, attn, P, min_saving=0.0)
+    assert seen == [torch.Size([1, sum(map(len, PROMPTS)) + sum(map(len, RESPONSES))])]
+
+
+def test_other_forwards_run_the_base_attention_after_install():
+    model = _build("qwen2_gqa")
+    ids, attn, _, _ = _group_batch()
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=attn, position_ids=position_ids(attn)).logits
+        install(model)
+        install(model)  # idempotent
+        assert model.config._attn_implementation == "hybrid_rl_shared_prefix+sdpa"
+        after = model(input_ids=ids, attention_mask=attn, position_ids=position_ids(attn)).logits
+    assert torch.equal(before, after)
+    assert unsupported_reason(model) is None
+
+
+def test_unsupported_models_use_packed_rows():
+    mistral = transformers.MistralConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2, sliding_window=4)
+    model = _sharpen(transformers.AutoModelForCausalLM.from_config(mistral, dtype=torch.float32))
+    assert "sliding" in unsupported_reason(model)
+    gpt2 = transformers.GPT2Config(vocab_size=V, n_embd=32, n_layer=1, n_head=2, n_positions=64)
+    assert "model_type" in unsupported_reason(transformers.GPT2LMHeadModel(gpt2))
+    ids, attn, mask, P = _group_batch()
+    with torch.no_grad():
+        lp, _ = packed_response_logprobs(model, ids, attn, P, min_saving=0.0)
+        ref, _ = response_logprobs(model, ids, attn, P)
+    torch.testing.assert_close(lp, ref * mask, rtol=1e-5, atol=1e-5)
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match="sliding"):
+        shared_prefix_logprobs(model, ids, attn, P)
+
+
+def test_a_row_without_prompt_tokens_is_refused():
+    ids, attn, _, P = _group_batch()
+    attn[0, :P] = 0
+    with pytest.raises(ValueError, match="prompt token"):
+        build_layout(ids, attn, P)
+
+
+def test_the_padded_mask_lets_padding_queries_see_every_key():
+    """A fully masked query row would make NaN in the attention; its output is discarded anyway."""
+    ids, attn, _, P = _group_batch()
+    mask = build_layout(ids, attn, P).mask_N1LL[:, 0]
+    assert mask.any(-1).all()
+    real = attn.bool()
+    L = ids.shape[1]
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    assert torch.equal(mask[real], (causal[None] & real[:, None, :]).expand(len(ids), L, L)[real])
+    assert shared_prefix.SUPPORTED == ("llama", "mistral", "qwen2", "qwen3")
+
+
+def test_activation_checkpointing_recomputes_the_shared_attention():
+    """A checkpointed layer re-runs its attention in the backward, outside the forward's context."""
+    model = _build("qwen2_gqa").train()
+    model.gradient_checkpointing_enable()
+    ids, attn, mask, P = _group_batch()
+    ref_lp, _ = response_logprobs(model, ids, attn, P)
+    (ref_lp * mask).sum().backward()
+    ref_g = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    lp, _ = shared_prefix_logprobs(model, ids, attn, P)
+    lp.sum().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_g[n], rtol=1e-4, atol=1e-5, msg=lambda m: f"grad {n}: {m}")
