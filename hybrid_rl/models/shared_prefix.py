@@ -42,6 +42,7 @@ from hybrid_rl.rollout.lean_step import all_full_attention
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 BASES = ("sdpa", "eager")
 _PREFIX = "hybrid_rl_shared_prefix+"
+SMALL_ATTENTION_MAX_LEN = 64  # rows up to this long: attention as two batched products (`_small_attention`)
 
 
 @dataclass
@@ -58,6 +59,7 @@ class SharedPrefixLayout:
     row_Q: torch.Tensor  # (n, t) of response token q in the padded layout
     col_Q: torch.Tensor
     prompts: int  # U
+    _bias: torch.Tensor | None = None  # additive mask of the small-row attention, built at its first layer
 
     @property
     def tokens(self) -> int:
@@ -75,11 +77,36 @@ class SharedPrefixLayout:
 
         q, k, v = padded(query), padded(key), padded(value)
         H, KV = q.shape[1], k.shape[1]
-        if KV != H:  # query head h reads kv head h // (H / KV), transformers' repeat_kv order
-            k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
-        out_NHLD = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask_N1LL, dropout_p=dropout, scale=scaling)
+        if L <= SMALL_ATTENTION_MAX_LEN and dropout == 0.0:
+            out_NHLD = self._small_attention(q, k, v, scaling)
+        else:
+            if KV != H:  # query head h reads kv head h // (H / KV), transformers' repeat_kv order
+                k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
+            out_NHLD = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask_N1LL, dropout_p=dropout,
+                                                      scale=scaling)
         out_SHD = out_NHLD.transpose(1, 2).reshape(N * L, H, -1)
         return out_SHD.index_select(0, self.owner_K)[None]
+
+    def _small_attention(self, q_NHLD, k_NKLD, v_NKLD, scaling: float | None) -> torch.Tensor:
+        """Attention written out as two batched products, for short rows.
+
+        At L of a few dozen, torch's CPU flash kernel spends its time per (row, head) tile;
+        two batched products over (row, kv head) with the G query heads of a kv head stacked
+        (no repeated keys) and one softmax cost about half. The scores are materialised,
+        (N, H, L, L), which is why this is for short rows only.
+        """
+        N, H, L, D = q_NHLD.shape
+        KV = k_NKLD.shape[1]
+        G = H // KV
+        if self._bias is None or self._bias.shape[0] != N * KV or self._bias.shape[1] != G * L:
+            bias_N1LL = torch.zeros(self.mask_N1LL.shape, dtype=q_NHLD.dtype, device=q_NHLD.device)
+            bias_N1LL.masked_fill_(~self.mask_N1LL, float("-inf"))
+            self._bias = bias_N1LL.expand(N, KV * G, L, L).reshape(N * KV, G * L, L)
+        scale = D ** -0.5 if scaling is None else scaling
+        scores = torch.baddbmm(self._bias, q_NHLD.reshape(N * KV, G * L, D), k_NKLD.reshape(N * KV, L, D).transpose(1, 2),
+                               alpha=scale)
+        out = torch.bmm(scores.softmax(-1), v_NKLD.reshape(N * KV, L, D))
+        return out.view(N, H, L, D)
 
 
 def _attention(base: str):

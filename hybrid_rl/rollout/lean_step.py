@@ -92,6 +92,8 @@ class LeanStep:
         config = model.config
         self.H = config.num_attention_heads
         self.K = getattr(config, "num_key_value_heads", None) or self.H
+        self._cos_SD: torch.Tensor | None = None  # the rotary table, built at the first step
+        self._sin_SD: torch.Tensor | None = None  # sin with its first half negated (see _rotate)
 
     @classmethod
     def build(cls, model: torch.nn.Module) -> Optional["LeanStep"]:
@@ -107,7 +109,7 @@ class LeanStep:
         if attn_MS.shape != (M, slot + 1):
             raise ValueError(f"mask {tuple(attn_MS.shape)} for {M} rows and {slot + 1} slots")
         x = inner.embed_tokens(ids_M1)  # (M, 1, hidden)
-        cos, sin = inner.rotary_emb(x, pos_M1)  # (M, 1, D) each, in x's dtype
+        cos, sin = self._rotary(x, pos_M1, cache.max_len + 1)
         x = x[:, 0]
         # Additive mask in the scores' shape (M, K, G, S) by broadcasting.
         bias_M11S = torch.zeros(attn_MS.shape, dtype=torch.float32, device=x.device).masked_fill_(
@@ -117,6 +119,16 @@ class LeanStep:
             x = x + self._attention(layer.self_attn, h, cos, sin, bias_M11S, cache.layers[i], slot)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.model.lm_head(inner.norm(x))
+
+    def _rotary(self, x: torch.Tensor, pos_M1: torch.Tensor, n_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin (M, 1, D) at pos_M1: rows of a table over positions 0..n_pos-1 that the
+        model's rotary module computes once (a decode step then indexes it instead of recomputing)."""
+        if self._cos_SD is None or self._cos_SD.shape[0] < n_pos:
+            cos_1SD, sin_1SD = self.inner.rotary_emb(x, torch.arange(n_pos, device=x.device)[None])
+            half = cos_1SD.shape[-1] // 2
+            self._cos_SD = cos_1SD[0]
+            self._sin_SD = torch.cat((-sin_1SD[0, :, :half], sin_1SD[0, :, half:]), dim=-1)
+        return self._cos_SD[pos_M1], self._sin_SD[pos_M1]
 
     def _attention(self, attn, h_MC, cos_M1D, sin_M1D, bias_M11S, cache_layer, slot: int) -> torch.Tensor:
         M, H, K, D = h_MC.shape[0], self.H, self.K, attn.head_dim
@@ -137,8 +149,7 @@ class LeanStep:
         return attn.o_proj(out_MKGD.reshape(M, H * D))
 
 
-def _rotate(x_MHD: torch.Tensor, cos_M1D: torch.Tensor, sin_M1D: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding as transformers applies it: x * cos + rotate_half(x) * sin."""
-    half = x_MHD.shape[-1] // 2
-    rotated = torch.cat((-x_MHD[..., half:], x_MHD[..., :half]), dim=-1)
-    return x_MHD * cos_M1D + rotated * sin_M1D
+def _rotate(x_MHD: torch.Tensor, cos_M1D: torch.Tensor, signed_sin_M1D: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding as transformers applies it, x * cos + rotate_half(x) * sin, in fewer ops:
+    rotate_half(x) = cat(-x2, x1), so rotate_half(x) * sin = roll(x, D/2) * cat(-sin1, sin2) (bit-exact)."""
+    return x_MHD * cos_M1D + x_MHD.roll(x_MHD.shape[-1] // 2, dims=-1) * signed_sin_M1D
