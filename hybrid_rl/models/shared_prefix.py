@@ -6,23 +6,26 @@ padding but still runs each prompt G times. Here the model runs on ONE row of th
 distinct tokens: each distinct prompt's real tokens once, then every response's real
 tokens, with the positions of the padded layout (`position_ids`: real tokens only).
 Everything per token (projections, MLP, norms, the LM head) costs the distinct tokens
-only: at 4-token prompts and ~22-token answers that is 13% fewer tokens than packing,
-at GSM8K prompt lengths several times more.
+only: at 4-token prompts and ~22-token answers, 8 samples each, that is 13% fewer
+tokens than packing; at GSM8K prompt lengths far more.
 
-Attention is the one step that mixes tokens. `SharedPrefixLayout` goes in as the
-model's attention mask, and the attention function registered here (`install`)
-gathers the queries, keys and values of the distinct tokens back into the padded
-(N, L) layout (a response row reads its prompt's keys from the shared tokens), runs
-the base implementation's attention there with the padded layout's causal mask, and
+Attention is the one step that mixes tokens. The layout goes down to every layer as a
+keyword argument of the model's forward (`shared_prefix=`), and the attention function
+registered here (`install`) gathers the queries, keys and values of the distinct tokens
+back into the padded (N, L) layout (a response row reads its prompt's keys from the
+shared tokens), runs the attention there with the padded layout's causal mask, and
 takes each distinct token's output from the one padded slot that owns it. The keys
 each query sees, and their order, are the padded layout's, so values equal the padded
 path's up to summation order, and gradients reach a prompt token from all G of its
-samples through the gather's backward.
+samples through the gather's backward. Rows up to `SMALL_ATTENTION_MAX_LEN` run the
+attention as two batched products (faster than torch's CPU flash kernel at a few dozen
+tokens); longer ones run sdpa.
 
-Any other mask goes to the base implementation unchanged, so the installed name is
-`sdpa` (or `eager`) for every other forward of the model (generation, the engine).
-Supported: decoders whose attention is plain scaled dot-product over rotated q and k
-(`SUPPORTED`, every layer full attention); others use `models.packing`.
+A forward without the keyword goes to the base implementation unchanged, so the
+installed name is `sdpa` (or `eager`) for every other forward of the model (generation,
+the engine), and an activation-checkpointed layer recomputed in the backward gets the
+keyword again. Supported: decoders whose attention is plain scaled dot-product over
+rotated q and k (`SUPPORTED`, every layer full attention); others use `models.packing`.
 
 Legend: N sequences, P prompt columns (left-padded), T response columns, L = P + T,
 K distinct tokens (one row), U distinct prompts, Q scored response tokens, H query
@@ -124,6 +127,8 @@ def _attention(base: str):
     return attention
 
 
+# Set while `shared_prefix_logprobs` runs the model: transformers then builds no mask (the
+# layout carries its own), instead of a (K, K) one from the restarting position ids.
 _BUILDING_SHARED = contextvars.ContextVar("hybrid_rl_shared_prefix_forward", default=False)
 
 
@@ -171,9 +176,10 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 def install(model: torch.nn.Module) -> None:
     """Route the model's attention through the shared-prefix function (idempotent).
 
-    The name stays installed: every forward without a `SharedPrefixLayout` mask runs
-    the base implementation as before, and an activation-checkpointed layer recomputed
-    in the backward finds the same function it ran in the forward.
+    The name stays installed: every forward without the `shared_prefix=` keyword runs
+    the base implementation (attention and mask builder) as before, and an
+    activation-checkpointed layer recomputed in the backward finds the same function
+    it ran in the forward.
     """
     config = _config(model)
     impl = getattr(config, "_attn_implementation", None) or "eager"
