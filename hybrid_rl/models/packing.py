@@ -1,5 +1,9 @@
 """Padding-free scoring: a micro-batch's sequences packed end to end, log-probs back in the padded layout.
 
+`packed_response_logprobs` is the micro-batch forward of SCORE and TRAIN. For the models
+`shared_prefix` supports it runs the distinct-token row there (each prompt once); for the
+others (and flash-attention varlen) the packed rows below.
+
 The padded layout (`models.logprobs`) runs every row to the longest one: at 32 new
 tokens with answers of ~17 on average, four tokens of ten are padding. Packed, each
 sequence (its real prompt tokens, then its response tokens) is laid end to end in
