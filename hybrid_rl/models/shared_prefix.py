@@ -11,15 +11,15 @@ tokens than packing; at GSM8K prompt lengths far more.
 
 Attention is the one step that mixes tokens. The layout goes down to every layer as a
 keyword argument of the model's forward (`shared_prefix=`), and the attention function
-registered here (`install`) gathers the queries, keys and values of the distinct tokens
-back into the padded (N, L) layout (a response row reads its prompt's keys from the
-shared tokens), runs the attention there with the padded layout's causal mask, and
-takes each distinct token's output from the one padded slot that owns it. The keys
-each query sees, and their order, are the padded layout's, so values equal the padded
-path's up to summation order, and gradients reach a prompt token from all G of its
-samples through the gather's backward. Rows up to `SMALL_ATTENTION_MAX_LEN` run the
-attention as two batched products (faster than torch's CPU flash kernel at a few dozen
-tokens); longer ones run sdpa.
+registered here (`install`) runs it in two parts, each in a padded layout gathered from
+the distinct tokens: every distinct prompt's columns over themselves (U rows), and every
+row's response columns over its prompt's columns and its own (N rows). Each distinct
+token then takes its output from the one query slot that holds it. The keys each query
+sees, and their order, are the padded layout's, so values equal the padded path's up to
+summation order, and gradients reach a prompt token from all G of its samples through
+the gathers' backward; no prompt query is computed twice. Parts with up to
+`SMALL_ATTENTION_MAX_LEN` keys run the attention as two batched products (faster than
+torch's CPU flash kernel at a few dozen keys); longer ones run sdpa.
 
 A forward without the keyword goes to the base implementation unchanged, so the
 installed name is `sdpa` (or `eager`) for every other forward of the model (generation,
@@ -45,24 +45,79 @@ from hybrid_rl.rollout.lean_step import all_full_attention
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 BASES = ("sdpa", "eager")
 _PREFIX = "hybrid_rl_shared_prefix+"
-SMALL_ATTENTION_MAX_LEN = 64  # rows up to this long: attention as two batched products (`_small_attention`)
+SMALL_ATTENTION_MAX_LEN = 64  # keys up to this many: attention as two batched products (`_small_attention`)
+
+
+def _rows(x_1hKD: torch.Tensor, gather_RL: torch.Tensor) -> torch.Tensor:
+    """(R, h, L, D): the distinct tokens' per-head vectors (1, h, K, D) at the slots of gather_RL."""
+    R, L = gather_RL.shape
+    h, D = x_1hKD.shape[1], x_1hKD.shape[-1]
+    return x_1hKD[0].index_select(1, gather_RL.reshape(-1)).view(h, R, L, D).transpose(0, 1)
+
+
+@dataclass
+class AttentionPart:
+    """One attention call in a padded layout: R rows, queries at Lq slots, keys at Lk slots."""
+
+    gather_q: torch.Tensor  # (R, Lq) distinct token of each query slot (0 at padding: read, never used)
+    gather_k: torch.Tensor  # (R, Lk)
+    mask: torch.Tensor  # (R, 1, Lq, Lk) bool, True = may attend; a padding query sees every key (finite, discarded)
+    _bias: torch.Tensor | None = None  # additive mask of the short-row attention, built at its first layer
+
+    def run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
+            dropout: float) -> torch.Tensor:
+        """(R * Lq, H, D): the attention output of every query slot, row-major."""
+        q, k, v = _rows(query, self.gather_q), _rows(key, self.gather_k), _rows(value, self.gather_k)
+        (R, H, Lq, D), KV, Lk = q.shape, k.shape[1], k.shape[2]
+        if Lk <= SMALL_ATTENTION_MAX_LEN and dropout == 0.0:
+            out_RHQD = self._small_attention(q, k, v, D ** -0.5 if scaling is None else scaling)
+        else:
+            if KV != H:  # query head h reads kv head h // (H / KV), transformers' repeat_kv order
+                k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
+            out_RHQD = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, dropout_p=dropout, scale=scaling)
+        return out_RHQD.transpose(1, 2).reshape(R * Lq, H, D)
+
+    def _small_attention(self, q_RHQD, k_RKLD, v_RKLD, scale: float) -> torch.Tensor:
+        """Attention written out as two batched products, for short rows.
+
+        At a few dozen keys, torch's CPU flash kernel spends its time per (row, head) tile;
+        two batched products over (row, kv head) with the G query heads of a kv head stacked
+        (no repeated keys) and one softmax cost about half. The scores are materialised,
+        (R, H, Lq, Lk), which is why this is for short rows only.
+        """
+        R, H, Lq, D = q_RHQD.shape
+        KV, Lk = k_RKLD.shape[1], k_RKLD.shape[2]
+        G = H // KV
+        if self._bias is None or self._bias.shape[0] != R * KV or self._bias.dtype != q_RHQD.dtype:
+            bias_R1QL = torch.zeros(self.mask.shape, dtype=q_RHQD.dtype, device=q_RHQD.device)
+            bias_R1QL.masked_fill_(~self.mask, float("-inf"))
+            self._bias = bias_R1QL.expand(R, H, Lq, Lk).reshape(R * KV, G * Lq, Lk)
+        scores = torch.baddbmm(self._bias, q_RHQD.reshape(R * KV, G * Lq, D), k_RKLD.reshape(R * KV, Lk, D).transpose(1, 2),
+                               alpha=scale)
+        out = torch.bmm(scores.softmax(-1), v_RKLD.reshape(R * KV, Lk, D))
+        return out.view(R, H, Lq, D)
 
 
 @dataclass
 class SharedPrefixLayout:
-    """One row of distinct tokens and the maps between it and the padded (N, L) layout."""
+    """One row of distinct tokens and the maps between it and the padded (N, L) layout.
+
+    Attention runs in two parts: each distinct prompt's P columns over themselves (U rows),
+    and every row's T response columns over its prompt's P columns and its own T (N rows),
+    so no prompt query is computed more than once.
+    """
 
     ids_1K: torch.Tensor
     pos_1K: torch.Tensor
-    gather_NL: torch.Tensor  # distinct token at each padded slot (0 at padding: read, never used)
-    owner_K: torch.Tensor  # flat padded slot n * L + c whose attention output distinct token k takes
-    mask_N1LL: torch.Tensor  # bool, True = may attend; a padding query row sees every key (finite, discarded)
+    gather_NL: torch.Tensor  # distinct token at each padded slot (0 at padding)
+    prompt: AttentionPart  # (U, P) queries over (U, P) keys
+    response: AttentionPart  # (N, T) queries over (N, L) keys
+    owner_K: torch.Tensor  # slot of distinct token k in the two parts' outputs laid end to end (U * P + N * T)
     pred_Q: torch.Tensor  # distinct token whose hidden state predicts response token q
     target_Q: torch.Tensor
     row_Q: torch.Tensor  # (n, t) of response token q in the padded layout
     col_Q: torch.Tensor
     prompts: int  # U
-    _bias: torch.Tensor | None = None  # additive mask of the small-row attention, built at its first layer
 
     @property
     def tokens(self) -> int:
@@ -71,45 +126,8 @@ class SharedPrefixLayout:
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
                dropout: float) -> torch.Tensor:
         """query (1, H, K, D), key and value (1, KV, K, D) of the distinct tokens -> (1, K, H, D)."""
-        N, L = self.gather_NL.shape
-        idx = self.gather_NL.reshape(-1)
-
-        def padded(x_1hKD: torch.Tensor) -> torch.Tensor:
-            h, D = x_1hKD.shape[1], x_1hKD.shape[-1]
-            return x_1hKD[0].index_select(1, idx).view(h, N, L, D).transpose(0, 1)
-
-        q, k, v = padded(query), padded(key), padded(value)
-        H, KV = q.shape[1], k.shape[1]
-        if L <= SMALL_ATTENTION_MAX_LEN and dropout == 0.0:
-            out_NHLD = self._small_attention(q, k, v, scaling)
-        else:
-            if KV != H:  # query head h reads kv head h // (H / KV), transformers' repeat_kv order
-                k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
-            out_NHLD = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask_N1LL, dropout_p=dropout,
-                                                      scale=scaling)
-        out_SHD = out_NHLD.transpose(1, 2).reshape(N * L, H, -1)
-        return out_SHD.index_select(0, self.owner_K)[None]
-
-    def _small_attention(self, q_NHLD, k_NKLD, v_NKLD, scaling: float | None) -> torch.Tensor:
-        """Attention written out as two batched products, for short rows.
-
-        At L of a few dozen, torch's CPU flash kernel spends its time per (row, head) tile;
-        two batched products over (row, kv head) with the G query heads of a kv head stacked
-        (no repeated keys) and one softmax cost about half. The scores are materialised,
-        (N, H, L, L), which is why this is for short rows only.
-        """
-        N, H, L, D = q_NHLD.shape
-        KV = k_NKLD.shape[1]
-        G = H // KV
-        if self._bias is None or self._bias.shape[0] != N * KV or self._bias.shape[1] != G * L:
-            bias_N1LL = torch.zeros(self.mask_N1LL.shape, dtype=q_NHLD.dtype, device=q_NHLD.device)
-            bias_N1LL.masked_fill_(~self.mask_N1LL, float("-inf"))
-            self._bias = bias_N1LL.expand(N, KV * G, L, L).reshape(N * KV, G * L, L)
-        scale = D ** -0.5 if scaling is None else scaling
-        scores = torch.baddbmm(self._bias, q_NHLD.reshape(N * KV, G * L, D), k_NKLD.reshape(N * KV, L, D).transpose(1, 2),
-                               alpha=scale)
-        out = torch.bmm(scores.softmax(-1), v_NKLD.reshape(N * KV, L, D))
-        return out.view(N, H, L, D)
+        outs = [part.run(query, key, value, scaling, dropout) for part in (self.prompt, self.response)]
+        return torch.cat(outs).index_select(0, self.owner_K)[None]
 
 
 def _attention(base: str):
@@ -218,26 +236,30 @@ def build_layout(ids_NL: torch.Tensor, attn_NL: torch.Tensor, P: int) -> SharedP
     t_NL = col_L - P  # place in the response (response columns)
     gather_NL = torch.where(col_L < P, poff_U[src_N][:, None] + j_NL, roff_N[:, None] + t_NL)
     gather_NL = torch.where(attn, gather_NL, 0)
-    # Owners: a response token's own slot; a prompt token's slot in its prompt's first row.
-    is_rep_N = torch.zeros(N, dtype=torch.bool, device=dev)
-    is_rep_N[rep_U] = True
-    owns_NL = attn & ((col_L >= P)[None, :] | is_rep_N[:, None])
     K = Kp + int(r_N.sum())
     slot_NL = torch.arange(N * L, device=dev).view(N, L)
-    owner_K = torch.empty(K, dtype=torch.long, device=dev)
-    owner_K[gather_NL[owns_NL]] = slot_NL[owns_NL]
-    ids_1K = ids_NL.reshape(-1)[owner_K][None]
-    pos_1K = position_ids(attn_NL).reshape(-1)[owner_K][None]
-    causal_LL = torch.ones((L, L), dtype=torch.bool, device=dev).tril()
-    mask_N1LL = (causal_LL[None] & attn[:, None, :]) | ~attn[:, :, None]
+    first_NL = torch.empty(K, dtype=torch.long, device=dev)  # a padded slot holding each distinct token
+    first_NL[gather_NL[attn]] = slot_NL[attn]
+    ids_1K = ids_NL.reshape(-1)[first_NL][None]
+    pos_1K = position_ids(attn_NL).reshape(-1)[first_NL][None]
+    # The two attention parts. Distinct prompt u is row rep_U[u]'s prompt columns.
+    attn_UP, resp_NT = attn[rep_U, :P], attn[:, P:]
+    T = L - P
+    causal_PP = torch.ones((P, P), dtype=torch.bool, device=dev).tril()
+    prompt = AttentionPart(gather_q=gather_NL[rep_U, :P], gather_k=gather_NL[rep_U, :P],
+                           mask=((causal_PP[None] & attn_UP[:, None, :]) | ~attn_UP[:, :, None])[:, None])
+    sees_TL = col_L[None, :] <= P + torch.arange(T, device=dev)[:, None]  # response column t sees slots <= P + t
+    response = AttentionPart(gather_q=gather_NL[:, P:], gather_k=gather_NL,
+                             mask=((sees_TL[None] & attn[:, None, :]) | ~resp_NT[:, :, None])[:, None])
+    # Distinct tokens are ordered prompt by prompt, then row by row: the real slots of each part, row-major.
+    owner_K = torch.cat([attn_UP.reshape(-1).nonzero().squeeze(1),
+                         len(rep) * P + resp_NT.reshape(-1).nonzero().squeeze(1)])
     # Response token t of row n is predicted at slot (n, P + t - 1): the prompt's last token for t = 0.
-    resp_NT = attn[:, P:]
     row_Q, col_Q = resp_NT.nonzero(as_tuple=True)
     pred_Q = gather_NL[row_Q, P + col_Q - 1]
-    return SharedPrefixLayout(ids_1K=ids_1K, pos_1K=pos_1K, gather_NL=gather_NL, owner_K=owner_K,
-                              mask_N1LL=mask_N1LL[:, None], pred_Q=pred_Q, target_Q=ids_NL[row_Q, P + col_Q],
-                              row_Q=row_Q, col_Q=col_Q, prompts=len(rep))
-
+    return SharedPrefixLayout(ids_1K=ids_1K, pos_1K=pos_1K, gather_NL=gather_NL, prompt=prompt, response=response,
+                              owner_K=owner_K, pred_Q=pred_Q, target_Q=ids_NL[row_Q, P + col_Q], row_Q=row_Q,
+                              col_Q=col_Q, prompts=len(rep))
 
 def shared_prefix_logprobs(model: torch.nn.Module, ids_NL: torch.Tensor, attn_NL: torch.Tensor, P: int,
                            temperature: float = 1.0, chunk_tokens: int | None = None,

@@ -49,7 +49,10 @@ def test_layout_of_a_grouped_batch():
     # Every real slot reads the distinct token with its id and position; each distinct token has one owner.
     assert torch.equal(lay.ids_1K[0][lay.gather_NL[real]], ids[real])
     assert torch.equal(lay.pos_1K[0][lay.gather_NL[real]], position_ids(attn)[real])
-    assert torch.equal(lay.gather_NL.reshape(-1)[lay.owner_K], torch.arange(lay.tokens))
+    # Each distinct token takes its attention output from a query slot of one of the two parts that holds it.
+    query_slots = torch.cat([lay.prompt.gather_q.reshape(-1), lay.response.gather_q.reshape(-1)])
+    assert torch.equal(query_slots[lay.owner_K], torch.arange(lay.tokens))
+    assert lay.prompt.gather_q.shape == (3, P) and lay.response.gather_q.shape == (9, ids.shape[1] - P)
     # The G samples of a prompt read the same distinct prompt tokens.
     for u in range(3):
         rows = lay.gather_NL[3 * u:3 * u + 3, :P]
@@ -129,15 +132,20 @@ def test_a_row_without_prompt_tokens_is_refused():
         build_layout(ids, attn, P)
 
 
-def test_the_padded_mask_lets_padding_queries_see_every_key():
+def test_the_masks_are_the_padded_layouts_and_padding_queries_see_every_key():
     """A fully masked query row would make NaN in the attention; its output is discarded anyway."""
     ids, attn, _, P = _group_batch()
-    mask = build_layout(ids, attn, P).mask_N1LL[:, 0]
-    assert mask.any(-1).all()
-    real = attn.bool()
-    L = ids.shape[1]
-    causal = torch.ones(L, L, dtype=torch.bool).tril()
-    assert torch.equal(mask[real], (causal[None] & real[:, None, :]).expand(len(ids), L, L)[real])
+    lay = build_layout(ids, attn, P)
+    real, L = attn.bool(), ids.shape[1]
+    causal_LL = torch.ones(L, L, dtype=torch.bool).tril()
+    full_NLL = causal_LL[None] & real[:, None, :]  # the padded layout's mask, query x key
+    resp = lay.response.mask[:, 0]  # (N, T, L)
+    assert resp.any(-1).all()
+    assert torch.equal(resp[real[:, P:]], full_NLL[:, P:][real[:, P:]])
+    prompt = lay.prompt.mask[:, 0]  # (U, P, P)
+    assert prompt.any(-1).all()
+    rep = [0, 3, 6]
+    assert torch.equal(prompt[real[rep, :P]], full_NLL[rep, :P, :P][real[rep, :P]])
     assert shared_prefix.SUPPORTED == ("llama", "mistral", "qwen2", "qwen3")
 
 
