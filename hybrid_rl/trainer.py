@@ -316,7 +316,7 @@ class Trainer(Checkpointing):
             acc.add("reward/overlong_penalty", (batch.scores_N - batch.rewards_N).sum(), len(batch))
         train_batch = TrainBatch(ids_NL=batch.ids_NL, attn_NL=batch.attn_NL, mask_NT=loss_mask_NT, P=batch.P,
                                  adv_NT=adv_NT, old_logp_NT=old_logp_NT, ref_logp_NT=ref_logp_NT, weight_NT=weight_NT,
-                                 engine_logp_NT=batch.engine_logp_NT)
+                                 engine_logp_NT=batch.engine_logp_NT, group_size=batch.group_size)
         return train_batch, acc
 
     def _loss_mask(self, batch: RolloutBatch, old_logp_NT) -> tuple[torch.Tensor, Optional[torch.Tensor], MeanAccumulator]:

@@ -46,6 +46,7 @@ class TrainBatch:
     ref_logp_NT: torch.Tensor | None = None
     weight_NT: torch.Tensor | None = None  # rollout-correction importance weight (TIS), detached
     engine_logp_NT: torch.Tensor | None = None  # the sampler's log-probs, for the mismatch metric
+    group_size: int = 1  # rows per prompt, laid out contiguously (G); mini-batches are shuffled group by group
 
     def __len__(self) -> int:
         return self.ids_NL.shape[0]
@@ -102,6 +103,19 @@ def micro_batches(rows: list[int], ends: list[int], P: int, micro_batch_size: in
         half = len(groups[big]) // 2
         groups[big:big + 1] = [groups[big][:half], groups[big][half:]]
     return groups
+
+
+def shuffled_rows(n: int, group_size: int, gen: torch.Generator) -> torch.Tensor:
+    """A random order of n rows that keeps each group of `group_size` contiguous rows together.
+
+    A prompt's G samples then land in the same mini-batch (as in verl, which splits without
+    shuffling), where the micro-batch forward computes their shared prompt once
+    (`models.shared_prefix`). Rows that do not divide into groups are shuffled one by one.
+    """
+    if group_size <= 1 or n % group_size:
+        return torch.randperm(n, generator=gen)
+    groups = torch.randperm(n // group_size, generator=gen)
+    return (groups[:, None] * group_size + torch.arange(group_size)).reshape(-1)
 
 
 def is_on_policy(algo: AlgorithmConfig, n_global: int) -> bool:
@@ -184,7 +198,7 @@ def policy_update(
     forward = logprob_function(packing)
     for epoch in range(algo.ppo_epochs):
         shuffle = algo.ppo_epochs > 1 or mb_local < len(batch)
-        order = torch.randperm(len(batch), generator=gen) if shuffle else torch.arange(len(batch))
+        order = shuffled_rows(len(batch), batch.group_size, gen) if shuffle else torch.arange(len(batch))
         for m0 in range(0, len(batch), mb_local):
             mini = order[m0:m0 + mb_local].to(batch.ids_NL.device)
             # Host round trip: the normaliser is a count the ranks sum before any micro-batch runs.

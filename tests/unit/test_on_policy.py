@@ -104,3 +104,33 @@ def test_token_budget_gives_the_same_update_as_row_micro_batches(tiny_model):
         out.append(m)
     assert out[1]["actor/loss"] == pytest.approx(out[0]["actor/loss"], rel=1e-5)
     assert out[1]["actor/grad_norm"] == pytest.approx(out[0]["actor/grad_norm"], rel=1e-5)
+
+
+def test_mini_batches_are_shuffled_group_by_group():
+    """A prompt's G samples stay together (so a micro-batch can share their prompt); the groups'
+    order is random and every row comes once. Rows that do not divide into groups: one by one."""
+    from hybrid_rl.update import shuffled_rows
+
+    gen = torch.Generator().manual_seed(0)
+    orders = [shuffled_rows(24, 4, gen).tolist() for _ in range(5)]
+    for order in orders:
+        assert sorted(order) == list(range(24))
+        for g in range(6):
+            block = order[4 * g:4 * g + 4]
+            assert block == list(range(block[0], block[0] + 4)) and block[0] % 4 == 0, order
+    assert len({tuple(o) for o in orders}) > 1
+    assert sorted(shuffled_rows(10, 4, gen).tolist()) == list(range(10))
+    assert shuffled_rows(8, 1, torch.Generator().manual_seed(3)).tolist() == \
+        torch.randperm(8, generator=torch.Generator().manual_seed(3)).tolist()
+
+
+def test_the_trainer_hands_the_group_size_to_the_update(tiny_trainer_overrides, monkeypatch):
+    from hybrid_rl import trainer as trainer_module
+
+    seen = []
+    real = trainer_module.policy_update
+    monkeypatch.setattr(trainer_module, "policy_update", lambda **kw: seen.append(kw["batch"].group_size) or real(**kw))
+    from hybrid_rl import Trainer, load_config
+
+    Trainer(load_config(None, [*tiny_trainer_overrides, "rollout.n=3"])).step()
+    assert seen == [3]
