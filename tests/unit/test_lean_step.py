@@ -132,12 +132,18 @@ def test_step_rejects_a_mask_of_the_wrong_width():
         LeanStep.build(model)(torch.tensor([[3], [4]]), torch.tensor([[2], [2]]), torch.ones(2, 2, dtype=torch.bool), cache)
 
 
-def test_unsupported_models_decode_through_the_forward():
+def unsupported_models():
+    """A Mistral with a sliding window and a GPT-2: what the Llama-family fast paths must refuse."""
     mistral = transformers.MistralConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2, sliding_window=4)
-    model = _sharpen(transformers.AutoModelForCausalLM.from_config(mistral, dtype=torch.float32))
-    assert "sliding" in unsupported_reason(model)
     gpt2 = transformers.GPT2Config(vocab_size=V, n_embd=32, n_layer=1, n_head=2, n_positions=64)
-    assert "model_type" in unsupported_reason(transformers.GPT2LMHeadModel(gpt2))
+    return (_sharpen(transformers.AutoModelForCausalLM.from_config(mistral, dtype=torch.float32)),
+            transformers.GPT2LMHeadModel(gpt2))
+
+
+def test_unsupported_models_decode_through_the_forward():
+    model, gpt2 = unsupported_models()
+    assert "sliding" in unsupported_reason(model)
+    assert "model_type" in unsupported_reason(gpt2)
     eng = NativeEngine(model, PAD, EOS, lean_step=True)
     with pytest.warns(UserWarning, match="lean_step=True ignored: .*sliding"):
         eng.generate(PROMPTS, SamplingParams(max_new_tokens=3, seed=0))

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 from hybrid_rl.models import shared_prefix
 from hybrid_rl.models.logprobs import build_sequences, position_ids, response_logprobs
 from hybrid_rl.models.packing import packed_response_logprobs
 from hybrid_rl.models.shared_prefix import build_layout, install, shared_prefix_logprobs, unsupported_reason
-from tests.unit.test_lean_step import COMMON, KINDS, V, _build, _sharpen
+from tests.unit.test_lean_step import KINDS, _build, unsupported_models
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -110,11 +109,9 @@ def test_other_forwards_run_the_base_attention_after_install():
 
 
 def test_unsupported_models_use_packed_rows():
-    mistral = transformers.MistralConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2, sliding_window=4)
-    model = _sharpen(transformers.AutoModelForCausalLM.from_config(mistral, dtype=torch.float32))
+    model, gpt2 = unsupported_models()
     assert "sliding" in unsupported_reason(model)
-    gpt2 = transformers.GPT2Config(vocab_size=V, n_embd=32, n_layer=1, n_head=2, n_positions=64)
-    assert "model_type" in unsupported_reason(transformers.GPT2LMHeadModel(gpt2))
+    assert "model_type" in unsupported_reason(gpt2)
     ids, attn, mask, P = _group_batch()
     with torch.no_grad():
         lp, _ = packed_response_logprobs(model, ids, attn, P, min_saving=0.0)
