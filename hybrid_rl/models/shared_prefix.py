@@ -17,9 +17,9 @@ row's response columns over its prompt's columns and its own (N rows). Each dist
 token then takes its output from the one query slot that holds it. The keys each query
 sees, and their order, are the padded layout's, so values equal the padded path's up to
 summation order, and gradients reach a prompt token from all G of its samples through
-the gathers' backward; no prompt query is computed twice. Parts with up to
+the gathers' backward; no prompt query is computed twice. On CPU, parts with up to
 `SMALL_ATTENTION_MAX_LEN` keys run the attention as two batched products (faster than
-torch's CPU flash kernel at a few dozen keys); longer ones run sdpa.
+torch's CPU flash kernel at a few dozen keys); everything else runs sdpa.
 
 A forward without the keyword goes to the base implementation unchanged, so the
 installed name is `sdpa` (or `eager`) for every other forward of the model (generation,
@@ -45,7 +45,7 @@ from hybrid_rl.rollout.lean_step import all_full_attention
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 BASES = ("sdpa", "eager")
 _PREFIX = "hybrid_rl_shared_prefix+"
-SMALL_ATTENTION_MAX_LEN = 64  # keys up to this many: attention as two batched products (`_small_attention`)
+SMALL_ATTENTION_MAX_LEN = 64  # on CPU, keys up to this many: attention as two batched products (`_small_attention`)
 
 
 def _rows(x_1hKD: torch.Tensor, gather_RL: torch.Tensor) -> torch.Tensor:
@@ -69,7 +69,7 @@ class AttentionPart:
         """(R * Lq, H, D): the attention output of every query slot, row-major."""
         q, k, v = _rows(query, self.gather_q), _rows(key, self.gather_k), _rows(value, self.gather_k)
         (R, H, Lq, D), KV, Lk = q.shape, k.shape[1], k.shape[2]
-        if Lk <= SMALL_ATTENTION_MAX_LEN and dropout == 0.0:
+        if q.device.type == "cpu" and Lk <= SMALL_ATTENTION_MAX_LEN and dropout == 0.0:
             out_RHQD = self._small_attention(q, k, v, D ** -0.5 if scaling is None else scaling)
         else:
             if KV != H:  # query head h reads kv head h // (H / KV), transformers' repeat_kv order
