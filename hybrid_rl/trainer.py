@@ -290,7 +290,7 @@ class Trainer(Checkpointing):
 
         def score(model):
             return score_logprobs(model, batch.ids_NL, batch.attn_NL, batch.P, self.cfg.rollout.temperature,
-                                  tc.micro_batch_size, tc.max_tokens_per_micro_batch, tc.packing)
+                                  tc.micro_batch_size, tc.max_tokens_per_micro_batch, tc.packing, batch.group_size)
 
         old = score(self.policy) if scores_old_policy(self.cfg.algorithm, len(batch) * D.world_size()) else None
         return old, score(ref) if ref is not None else None

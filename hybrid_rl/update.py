@@ -68,14 +68,17 @@ def response_ends(mask_NT: torch.Tensor) -> list[int]:
 
 
 def micro_batches(rows: list[int], ends: list[int], P: int, micro_batch_size: int, max_tokens: int,
-                  packed: bool = False) -> list[list[int]]:
+                  packed: bool = False, group_size: int = 1) -> list[list[int]]:
     """Split a mini-batch's rows into micro-batches, the same NUMBER on every rank.
 
     max_tokens == 0: consecutive groups of micro_batch_size rows. Otherwise rows are sorted
     by length and grouped while the group's cost stays within max_tokens: padded, rows x
     (P + the longest response in the group) (each micro-batch is trimmed to its longest
     response); packed, the sum of P + each row's response (at most its real tokens: no
-    padding is computed). A row longer than the budget goes alone. Every micro-batch forward is an FSDP
+    padding is computed). Packed with group_size G > 1 (rows r with equal r // G share a
+    prompt), a prompt's rows stay together: a group costs P + its responses (the prompt runs
+    once, `models.shared_prefix`), groups are sorted by cost, and a group over the budget is
+    split into its rows. A row longer than the budget goes alone. Every micro-batch forward is an FSDP
     collective, so the ranks agree on the count (an all-reduce of the max) and a rank with
     fewer splits its largest groups until it has as many. The loss is unchanged: its
     normaliser is global, so grouping only changes the summation order.
@@ -83,14 +86,26 @@ def micro_batches(rows: list[int], ends: list[int], P: int, micro_batch_size: in
     if max_tokens <= 0:
         # Same rows on every rank, same count: nothing to agree on.
         return [rows[i:i + micro_batch_size] for i in range(0, len(rows), micro_batch_size)]
+
+    def packed_cost(unit: list[int]) -> int:
+        return P + sum(max(1, ends[r]) for r in unit)
+
+    if packed and group_size > 1:
+        by_prompt: dict[int, list[int]] = {}
+        for r in rows:
+            by_prompt.setdefault(r // group_size, []).append(r)
+        units = [u for g in by_prompt.values() for u in ([g] if packed_cost(g) <= max_tokens else [[r] for r in g])]
+        units.sort(key=packed_cost)
+    else:
+        units = [[r] for r in sorted(rows, key=lambda i: ends[i])]
     groups, current, longest, total = [], [], 0, 0
-    for r in sorted(rows, key=lambda i: ends[i]):
-        cost = P + max(1, ends[r])
+    for unit in units:
+        cost = packed_cost(unit)
         group_cost = total + cost if packed else max(longest, cost) * (len(current) + 1)
         if current and group_cost > max_tokens:
             groups.append(current)
             current, longest, total = [], 0, 0
-        current.append(r)
+        current += unit
         longest, total = max(longest, cost), total + cost
     if current:
         groups.append(current)
@@ -141,7 +156,8 @@ def logprob_function(packing: bool):
 
 @torch.no_grad()
 def score_logprobs(model: torch.nn.Module, ids_NL: torch.Tensor, attn_NL: torch.Tensor, P: int,
-                   temperature: float, micro_batch_size: int, max_tokens: int = 0, packing: bool = False) -> torch.Tensor:
+                   temperature: float, micro_batch_size: int, max_tokens: int = 0, packing: bool = False,
+                   group_size: int = 1) -> torch.Tensor:
     """logp_NT of the response tokens (0 on padding), no gradients, in the update's micro-batches.
 
     Same grouping and trimming as the update (`micro_batches`, `trimmed`): rows by length
@@ -152,7 +168,7 @@ def score_logprobs(model: torch.nn.Module, ids_NL: torch.Tensor, attn_NL: torch.
     ends = response_ends(resp_mask_NT)
     forward = logprob_function(packing)
     logp_NT = torch.zeros((N, T), dtype=torch.float32, device=ids_NL.device)
-    for group in micro_batches(list(range(N)), ends, P, micro_batch_size, max_tokens, packing):
+    for group in micro_batches(list(range(N)), ends, P, micro_batch_size, max_tokens, packing, group_size):
         rows = torch.tensor(group, device=ids_NL.device)
         Tg = max(1, max(ends[r] for r in group))
         logp, _ = forward(model, ids_NL[rows, :P + Tg], attn_NL[rows, :P + Tg], P, temperature)
@@ -209,7 +225,7 @@ def policy_update(
             optimizer.zero_grad(set_to_none=True)
             mini_loss = torch.zeros((), device=batch.ids_NL.device)
             for group in micro_batches(order[m0:m0 + mb_local].tolist(), ends, batch.P, micro_batch_size,
-                                       max_tokens_per_micro_batch, packing):
+                                       max_tokens_per_micro_batch, packing, batch.group_size):
                 rows = torch.tensor(group, device=batch.ids_NL.device)
                 ids, attn, mask, T = trimmed(batch, rows)
                 logp, ent = forward(policy, ids, attn, batch.P, temperature)

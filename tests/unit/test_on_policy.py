@@ -134,3 +134,21 @@ def test_the_trainer_hands_the_group_size_to_the_update(tiny_trainer_overrides, 
 
     Trainer(load_config(None, [*tiny_trainer_overrides, "rollout.n=3"])).step()
     assert seen == [3]
+
+
+def test_packed_token_budget_keeps_a_prompts_rows_together():
+    """With G rows per prompt, a micro-batch takes whole prompt groups, costed with the prompt once
+    (P + the group's responses); a group over the budget is split into its rows."""
+    from hybrid_rl.update import micro_batches
+
+    ends = [1, 6, 5, 4, 3, 2, 1, 6, 0, 9, 9, 9]  # 4 groups of 3 rows: costs 5+12, 5+9, 5+8, 5+27
+    groups = micro_batches(list(range(12)), ends, P=5, micro_batch_size=3, max_tokens=30, packed=True, group_size=3)
+    assert sorted(r for g in groups for r in g) == list(range(12))
+    # Units by cost: group 2 (13), group 1 (14), rows 9, 10, 11 (14 each), group 0 (17).
+    assert groups == [[6, 7, 8, 3, 4, 5], [9, 10], [11], [0, 1, 2]]
+    cost = lambda rows: 5 + sum(max(1, ends[r]) for r in rows)  # noqa: E731
+    for g in groups:
+        assert cost(g) <= 30 or len(g) == 1, g
+        whole = {r // 3 for r in g if r < 9}
+        assert all(set(range(3 * k, 3 * k + 3)) <= set(g) for k in whole), f"group split: {g}"
+    assert [sorted(g) for g in groups if set(g) & {9, 10, 11}] == [[9, 10], [11]], "the over-budget group goes by rows"
