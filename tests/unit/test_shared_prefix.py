@@ -68,9 +68,14 @@ def test_logprobs_entropy_and_gradients_equal_the_padded_path(kind, attention, m
     """small: the batched-product attention of short rows; sdpa: the base kernel that long rows use."""
     if attention == "sdpa":
         monkeypatch.setattr(shared_prefix, "SMALL_ATTENTION_MAX_LEN", 0)
-    model = _build(kind)
-    ids, attn, mask, P = _group_batch()
-    w = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1)) * mask
+    check_equals_the_padded_path(_build(kind))
+
+
+def check_equals_the_padded_path(model) -> None:
+    """Shared-prefix log-probs, entropies and gradients against the padded path's, on the model's device."""
+    dev = next(model.parameters()).device
+    ids, attn, mask, P = (t.to(dev) if isinstance(t, torch.Tensor) else t for t in _group_batch())
+    w = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1)).to(dev) * mask
     ref_lp, ref_ent = response_logprobs(model, ids, attn, P, temperature=0.7)
     ((ref_lp * w).sum() + (ref_ent * w).sum()).backward()
     ref_g = {n: p.grad.clone() for n, p in model.named_parameters()}
