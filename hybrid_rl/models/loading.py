@@ -82,6 +82,15 @@ def load_causal_lm(path: str, dtype: torch.dtype = torch.float32, attn_implement
     return model
 
 
+def model_config(model: torch.nn.Module):
+    """The transformers config of a (possibly wrapped) model: the first module that has one, or None."""
+    return next((m.config for m in model.modules() if hasattr(m, "config")), None)
+
+
+def attention_implementation(model: torch.nn.Module) -> str:
+    return getattr(model_config(model), "_attn_implementation", None) or "eager"
+
+
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated transformer blocks (the FSDP2 wrapping unit)."""
     inner = getattr(model, "model", None)

@@ -89,6 +89,12 @@ def check_layout(ids_NL: torch.Tensor, attn_NL: torch.Tensor, P: int) -> tuple[i
     return N, L - P
 
 
+def scatter_responses(values_Q: Sequence[torch.Tensor], row_Q: torch.Tensor, col_Q: torch.Tensor, N: int,
+                      T: int) -> tuple[torch.Tensor, ...]:
+    """Each per-token vector (Q,) of the scored response tokens back in the padded (N, T) layout, 0 elsewhere."""
+    return tuple(torch.zeros((N, T), dtype=v.dtype, device=v.device).index_put((row_Q, col_Q), v) for v in values_Q)
+
+
 def response_logprobs(
     model: torch.nn.Module,
     ids_NL: torch.Tensor,

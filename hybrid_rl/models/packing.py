@@ -33,15 +33,11 @@ from dataclasses import dataclass
 import torch
 
 from hybrid_rl.models import shared_prefix
-from hybrid_rl.models.logprobs import check_layout, head_logprobs, response_logprobs
+from hybrid_rl.models.loading import attention_implementation
+from hybrid_rl.models.logprobs import check_layout, head_logprobs, response_logprobs, scatter_responses
 
 VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
 MIN_SAVING = 0.1  # pack a micro-batch only when that runs at least 10% fewer slots than padding
-
-
-def attention_implementation(model: torch.nn.Module) -> str:
-    config = next((m.config for m in model.modules() if hasattr(m, "config")), None)
-    return getattr(config, "_attn_implementation", None) or "eager"
 
 
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -181,9 +177,7 @@ def packed_response_logprobs(
     logp_Q, ent_Q = head_logprobs(model, select, layout.target_Q, temperature, chunk_tokens,
                                   input_ids=layout.ids_RC, position_ids=layout.pos_RC, attention_mask=None,
                                   logits_to_keep=0)
-    index = (layout.row_Q, layout.col_Q)
-    zeros_NT = torch.zeros((N, T), dtype=logp_Q.dtype, device=logp_Q.device)
-    return zeros_NT.index_put(index, logp_Q), zeros_NT.index_put(index, ent_Q)
+    return scatter_responses((logp_Q, ent_Q), layout.row_Q, layout.col_Q, N, T)
 
 
 def _padded(model, ids_NL, attn_NL, P, temperature, chunk_tokens) -> tuple[torch.Tensor, torch.Tensor]:

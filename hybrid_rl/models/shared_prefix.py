@@ -39,7 +39,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hybrid_rl.models.logprobs import head_logprobs, position_ids
+from hybrid_rl.models.loading import attention_implementation, model_config
+from hybrid_rl.models.logprobs import head_logprobs, position_ids, scatter_responses
 from hybrid_rl.rollout.lean_step import all_full_attention
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -173,17 +174,12 @@ def _register(base: str) -> str:
     return name
 
 
-def _config(model: torch.nn.Module):
-    return next((m.config for m in model.modules() if hasattr(m, "config")), None)
-
-
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why `model` cannot run the shared-prefix layout (None when it can)."""
-    config = _config(model)
-    kind = getattr(config, "model_type", None)
+    kind = getattr(model_config(model), "model_type", None)
     if kind not in SUPPORTED:
         return f"model_type {kind!r} is not one of {SUPPORTED}"
-    impl = getattr(config, "_attn_implementation", None) or "eager"
+    impl = attention_implementation(model)
     if impl.removeprefix(_PREFIX) not in BASES:
         return f"attention implementation {impl!r} is not one of {BASES}"
     if not all_full_attention(model):
@@ -199,10 +195,9 @@ def install(model: torch.nn.Module) -> None:
     activation-checkpointed layer recomputed in the backward finds the same function
     it ran in the forward.
     """
-    config = _config(model)
-    impl = getattr(config, "_attn_implementation", None) or "eager"
+    impl = attention_implementation(model)
     if not impl.startswith(_PREFIX):
-        config._attn_implementation = _register(impl)
+        model_config(model)._attn_implementation = _register(impl)
 
 
 def build_layout(ids_NL: torch.Tensor, attn_NL: torch.Tensor, P: int) -> SharedPrefixLayout:
@@ -211,7 +206,7 @@ def build_layout(ids_NL: torch.Tensor, attn_NL: torch.Tensor, P: int) -> SharedP
     Rows whose real prompt tokens are equal share them (found on the host: one copy of
     the prompt columns per micro-batch).
     """
-    N, L = ids_NL.shape
+    L = ids_NL.shape[1]
     dev = ids_NL.device
     attn = attn_NL.bool()
     p_N, r_N = attn[:, :P].sum(1), attn[:, P:].sum(1)
@@ -236,14 +231,11 @@ def build_layout(ids_NL: torch.Tensor, attn_NL: torch.Tensor, P: int) -> SharedP
     t_NL = col_L - P  # place in the response (response columns)
     gather_NL = torch.where(col_L < P, poff_U[src_N][:, None] + j_NL, roff_N[:, None] + t_NL)
     gather_NL = torch.where(attn, gather_NL, 0)
-    K = Kp + int(r_N.sum())
-    slot_NL = torch.arange(N * L, device=dev).view(N, L)
-    first_NL = torch.empty(K, dtype=torch.long, device=dev)  # a padded slot holding each distinct token
-    first_NL[gather_NL[attn]] = slot_NL[attn]
-    ids_1K = ids_NL.reshape(-1)[first_NL][None]
-    pos_1K = position_ids(attn_NL).reshape(-1)[first_NL][None]
-    # The two attention parts. Distinct prompt u is row rep_U[u]'s prompt columns.
+    # Distinct tokens, in order: each distinct prompt's (row rep_U[u]'s prompt columns), then each row's response.
     attn_UP, resp_NT = attn[rep_U, :P], attn[:, P:]
+    pos_NL = position_ids(attn_NL)
+    ids_1K = torch.cat([ids_NL[rep_U, :P][attn_UP], ids_NL[:, P:][resp_NT]])[None]
+    pos_1K = torch.cat([pos_NL[rep_U, :P][attn_UP], pos_NL[:, P:][resp_NT]])[None]
     T = L - P
     causal_PP = torch.ones((P, P), dtype=torch.bool, device=dev).tril()
     prompt = AttentionPart(gather_q=gather_NL[rep_U, :P], gather_k=gather_NL[rep_U, :P],
@@ -251,7 +243,7 @@ def build_layout(ids_NL: torch.Tensor, attn_NL: torch.Tensor, P: int) -> SharedP
     sees_TL = col_L[None, :] <= P + torch.arange(T, device=dev)[:, None]  # response column t sees slots <= P + t
     response = AttentionPart(gather_q=gather_NL[:, P:], gather_k=gather_NL,
                              mask=((sees_TL[None] & attn[:, None, :]) | ~resp_NT[:, :, None])[:, None])
-    # Distinct tokens are ordered prompt by prompt, then row by row: the real slots of each part, row-major.
+    # The same order over the parts' query slots: the real slots of each part, row-major.
     owner_K = torch.cat([attn_UP.reshape(-1).nonzero().squeeze(1),
                          len(rep) * P + resp_NT.reshape(-1).nonzero().squeeze(1)])
     # Response token t of row n is predicted at slot (n, P + t - 1): the prompt's last token for t = 0.
@@ -260,6 +252,7 @@ def build_layout(ids_NL: torch.Tensor, attn_NL: torch.Tensor, P: int) -> SharedP
     return SharedPrefixLayout(ids_1K=ids_1K, pos_1K=pos_1K, gather_NL=gather_NL, prompt=prompt, response=response,
                               owner_K=owner_K, pred_Q=pred_Q, target_Q=ids_NL[row_Q, P + col_Q], row_Q=row_Q,
                               col_Q=col_Q, prompts=len(rep))
+
 
 def shared_prefix_logprobs(model: torch.nn.Module, ids_NL: torch.Tensor, attn_NL: torch.Tensor, P: int,
                            temperature: float = 1.0, chunk_tokens: int | None = None,
@@ -281,7 +274,4 @@ def shared_prefix_logprobs(model: torch.nn.Module, ids_NL: torch.Tensor, attn_NL
                                       logits_to_keep=0, shared_prefix=layout)
     finally:
         _BUILDING_SHARED.reset(token)
-    N, T = ids_NL.shape[0], ids_NL.shape[1] - P
-    index = (layout.row_Q, layout.col_Q)
-    zeros_NT = torch.zeros((N, T), dtype=logp_Q.dtype, device=logp_Q.device)
-    return zeros_NT.index_put(index, logp_Q), zeros_NT.index_put(index, ent_Q)
+    return scatter_responses((logp_Q, ent_Q), layout.row_Q, layout.col_Q, ids_NL.shape[0], ids_NL.shape[1] - P)

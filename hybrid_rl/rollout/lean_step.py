@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from hybrid_rl.models.loading import model_config
 from hybrid_rl.rollout.kv_cache import StaticKVCache
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -44,7 +45,7 @@ def all_full_attention(model: torch.nn.Module) -> bool:
     The lean step needs it, and so do the engine's ready 4-D decode mask and its CUDA
     graphs: transformers' own mask builder is the only one that knows sliding windows.
     """
-    config = next((m.config for m in model.modules() if hasattr(m, "config")), None)
+    config = model_config(model)
     if config is None:
         return False
     types = getattr(config, "layer_types", None)
