@@ -310,6 +310,9 @@ class TrainerConfig:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     dist_timeout_s: int = 300
+    # CPU device: glibc malloc keeps freed activation buffers for the next step instead of
+    # unmapping them and page-faulting them back (host_malloc.py); resident memory stays at its peak.
+    keep_host_memory: bool = True
     progress_bar: bool = True  # shown only in an interactive terminal (never written into a log file)
     log_every: int = 1  # one console line every N steps (0 = none)
     # metrics.jsonl is always written; add tensorboard (out_dir/tensorboard) and/or wandb (when installed).

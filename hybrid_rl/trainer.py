@@ -41,6 +41,7 @@ from hybrid_rl.batch import RolloutBatch
 from hybrid_rl.config import Config, save_config
 from hybrid_rl.data.chat import PromptEncoder, drop_long_prompts, use_chat_template
 from hybrid_rl.data.prompts import PromptLoader, load_datasets
+from hybrid_rl.host_malloc import keep_freed_blocks
 from hybrid_rl.lr_schedule import lr_factor, optimizer_steps
 from hybrid_rl.loggers import build_loggers, check_loggers, console_write, interactive
 from hybrid_rl.switch.advice import decide_offload
@@ -66,6 +67,8 @@ class Trainer(Checkpointing):
         registry's `reward.name` or an imported `reward.fn`; it gets the same checks (rewards/base.py)."""
         self.cfg = cfg
         self.device = D.init(cfg.trainer.device, cfg.trainer.dist_timeout_s)
+        if self.device.type == "cpu" and cfg.trainer.keep_host_memory:
+            keep_freed_blocks()
         # Everything a user can get wrong is checked before a model is built.
         cfg.validate_runtime(D.world_size())
         with open(os.path.join(cfg.model.path, "config.json")) as f:
