@@ -7,7 +7,9 @@ distinct tokens: each distinct prompt's real tokens once, then every response's 
 tokens, with the positions of the padded layout (`position_ids`: real tokens only).
 Everything per token (projections, MLP, norms, the LM head) costs the distinct tokens
 only: at 4-token prompts and ~22-token answers, 8 samples each, that is 13% fewer
-tokens than packing; at GSM8K prompt lengths far more.
+tokens than packing; at GSM8K prompt lengths far more. Each row's last response token
+is left out too: it is a target, but no log-prob is read at its position, so feeding it
+would cost one token per sequence for nothing.
 
 Attention is the one step that mixes tokens. The layout goes down to every layer as a
 keyword argument of the model's forward (`shared_prefix=`), and the attention function
@@ -104,15 +106,16 @@ class SharedPrefixLayout:
     """One row of distinct tokens and the maps between it and the padded (N, L) layout.
 
     Attention runs in two parts: each distinct prompt's P columns over themselves (U rows),
-    and every row's T response columns over its prompt's P columns and its own T (N rows),
-    so no prompt query is computed more than once.
+    and every row's Ti fed response columns over its prompt's P columns and its own Ti
+    (N rows), so no prompt query is computed more than once. Ti is the longest response
+    less one: a row's last token is a target only (`build_layout`).
     """
 
     ids_1K: torch.Tensor
     pos_1K: torch.Tensor
-    gather_NL: torch.Tensor  # distinct token at each padded slot (0 at padding)
+    gather_NL: torch.Tensor  # (N, P + Ti) distinct token at each fed slot (0 at padding and each row's last token)
     prompt: AttentionPart  # (U, P) queries over (U, P) keys
-    response: AttentionPart  # (N, T) queries over (N, L) keys
+    response: AttentionPart  # (N, Ti) queries over (N, P + Ti) keys
     owner_K: torch.Tensor  # slot of distinct token k in the two parts' outputs laid end to end (U * P + N * T)
     pred_Q: torch.Tensor  # distinct token whose hidden state predicts response token q
     target_Q: torch.Tensor
@@ -204,9 +207,11 @@ def build_layout(ids_NL: torch.Tensor, attn_NL: torch.Tensor, P: int) -> SharedP
     """The distinct-token row of a left-padded prompt / right-padded response batch.
 
     Rows whose real prompt tokens are equal share them (found on the host: one copy of
-    the prompt columns per micro-batch).
+    the prompt columns per micro-batch). A row's last response token predicts nothing:
+    it is scored (a target) but never fed to the model, so the model runs on the prompt
+    columns and the first r - 1 response tokens of a row with r (the `_in` masks below).
     """
-    L = ids_NL.shape[1]
+    N, L = ids_NL.shape
     dev = ids_NL.device
     attn = attn_NL.bool()
     p_N, r_N = attn[:, :P].sum(1), attn[:, P:].sum(1)
@@ -220,34 +225,39 @@ def build_layout(ids_NL: torch.Tensor, attn_NL: torch.Tensor, P: int) -> SharedP
             first[key] = len(first)
             rep.append(n)
         src.append(first[key])
+    # The fed layout: Ti response columns (the longest response less its last token), Li = P + Ti.
+    Ti = max(int(r_N.max()) - 1, 0) if N else 0
+    Li = P + Ti
+    fed_NT = torch.arange(Ti, device=dev)[None, :] < (r_N - 1)[:, None]
+    attn_in = torch.cat([attn[:, :P], fed_NT], 1)
     src_N = torch.tensor(src, device=dev)
     rep_U = torch.tensor(rep, device=dev)
     p_U = p_N[rep_U]
     Kp = int(p_U.sum())
     poff_U = torch.cumsum(p_U, 0) - p_U
-    roff_N = Kp + torch.cumsum(r_N, 0) - r_N
-    col_L = torch.arange(L, device=dev)
+    fed_N = fed_NT.sum(1)
+    roff_N = Kp + torch.cumsum(fed_N, 0) - fed_N
+    col_L = torch.arange(Li, device=dev)
     j_NL = col_L - (P - p_N)[:, None]  # place in the prompt (prompt columns)
     t_NL = col_L - P  # place in the response (response columns)
     gather_NL = torch.where(col_L < P, poff_U[src_N][:, None] + j_NL, roff_N[:, None] + t_NL)
-    gather_NL = torch.where(attn, gather_NL, 0)
-    # Distinct tokens, in order: each distinct prompt's (row rep_U[u]'s prompt columns), then each row's response.
-    attn_UP, resp_NT = attn[rep_U, :P], attn[:, P:]
+    gather_NL = torch.where(attn_in, gather_NL, 0)
+    # Distinct tokens, in order: each distinct prompt's (row rep_U[u]'s prompt columns), then each row's fed response.
+    attn_UP = attn[rep_U, :P]
     pos_NL = position_ids(attn_NL)
-    ids_1K = torch.cat([ids_NL[rep_U, :P][attn_UP], ids_NL[:, P:][resp_NT]])[None]
-    pos_1K = torch.cat([pos_NL[rep_U, :P][attn_UP], pos_NL[:, P:][resp_NT]])[None]
-    T = L - P
+    ids_1K = torch.cat([ids_NL[rep_U, :P][attn_UP], ids_NL[:, P:Li][fed_NT]])[None]
+    pos_1K = torch.cat([pos_NL[rep_U, :P][attn_UP], pos_NL[:, P:Li][fed_NT]])[None]
     causal_PP = torch.ones((P, P), dtype=torch.bool, device=dev).tril()
     prompt = AttentionPart(gather_q=gather_NL[rep_U, :P], gather_k=gather_NL[rep_U, :P],
                            mask=((causal_PP[None] & attn_UP[:, None, :]) | ~attn_UP[:, :, None])[:, None])
-    sees_TL = col_L[None, :] <= P + torch.arange(T, device=dev)[:, None]  # response column t sees slots <= P + t
+    sees_TL = col_L[None, :] <= P + torch.arange(Ti, device=dev)[:, None]  # response column t sees slots <= P + t
     response = AttentionPart(gather_q=gather_NL[:, P:], gather_k=gather_NL,
-                             mask=((sees_TL[None] & attn[:, None, :]) | ~resp_NT[:, :, None])[:, None])
+                             mask=((sees_TL[None] & attn_in[:, None, :]) | ~fed_NT[:, :, None])[:, None])
     # The same order over the parts' query slots: the real slots of each part, row-major.
     owner_K = torch.cat([attn_UP.reshape(-1).nonzero().squeeze(1),
-                         len(rep) * P + resp_NT.reshape(-1).nonzero().squeeze(1)])
+                         len(rep) * P + fed_NT.reshape(-1).nonzero().squeeze(1)])
     # Response token t of row n is predicted at slot (n, P + t - 1): the prompt's last token for t = 0.
-    row_Q, col_Q = resp_NT.nonzero(as_tuple=True)
+    row_Q, col_Q = attn[:, P:].nonzero(as_tuple=True)
     pred_Q = gather_NL[row_Q, P + col_Q - 1]
     return SharedPrefixLayout(ids_1K=ids_1K, pos_1K=pos_1K, gather_NL=gather_NL, prompt=prompt, response=response,
                               owner_K=owner_K, pred_Q=pred_Q, target_Q=ids_NL[row_Q, P + col_Q], row_Q=row_Q,

@@ -125,11 +125,13 @@ def test_packed_logprobs_and_gradients_equal_the_padded_path(tiny_model_dir, mon
 @pytest.mark.parametrize("share_prompts", [False, True])
 @pytest.mark.parametrize("similar", [False, True])
 def test_micro_batch_packed_only_when_it_saves_slots(tiny_model_dir, monkeypatch, similar, share_prompts):
-    """Sequences too long to share a row (5, 4, 5 tokens in rows of 5; distinct prompts, so 14 distinct
-    tokens of 15 slots): scored padded, with the same values and 0 on the one padded response slot."""
+    """Sequences too long to share a row (15, 14, 15 tokens in rows of 15) and distinct prompts, so the shared
+    layout runs 41 tokens of the 45 slots (each response less its last token): both would save under 10%,
+    so the micro-batch is scored padded, with the same values and 0 on the one padded response slot."""
     model = load_causal_lm(tiny_model_dir)
     if similar:
-        ids, attn, _, P = build_sequences([[5, 6, 7], [8, 9, 4], [5, 5, 5]], [[7, 8], [10], [3, 3]], pad_id=0)
+        responses = [[7, 8] * 6, [10] * 11, [3, 3, 4] * 4]
+        ids, attn, _, P = build_sequences([[5, 6, 7], [8, 9, 4], [5, 5, 5]], responses, pad_id=0)
     else:
         ids, attn, _, P = _batch()
     padded_calls = []

@@ -39,19 +39,29 @@ def _assert_grads_close(model, ref_g: dict[str, torch.Tensor], rel: float = 1e-5
         assert err < rel, f"grad {n}: relative error {err:.2e}"
 
 
+# The tokens the model runs on: each distinct prompt once, each response without its last token.
+DISTINCT_TOKENS = sum(map(len, PROMPTS)) + sum(max(len(r) - 1, 0) for r in RESPONSES)
+
+
 def test_layout_of_a_grouped_batch():
     ids, attn, _, P = _group_batch()
     lay = build_layout(ids, attn, P)
     assert lay.prompts == 3
-    assert lay.tokens == sum(map(len, PROMPTS)) + sum(map(len, RESPONSES))
-    real = attn.bool()
-    # Every real slot reads the distinct token with its id and position; each distinct token has one owner.
-    assert torch.equal(lay.ids_1K[0][lay.gather_NL[real]], ids[real])
-    assert torch.equal(lay.pos_1K[0][lay.gather_NL[real]], position_ids(attn)[real])
+    assert lay.tokens == DISTINCT_TOKENS
+    Ti = max(map(len, RESPONSES)) - 1
+    assert lay.gather_NL.shape == (9, P + Ti)
+    # The fed slots: every real prompt token, every response token but a row's last.
+    real = attn.bool()[:, :P + Ti].clone()
+    for n, r in enumerate(RESPONSES):
+        real[n, P + max(len(r) - 1, 0):] = False
+    # Every fed slot reads the distinct token with its id and position; each distinct token has one owner.
+    assert torch.equal(lay.ids_1K[0][lay.gather_NL[real]], ids[:, :P + Ti][real])
+    assert torch.equal(lay.pos_1K[0][lay.gather_NL[real]], position_ids(attn)[:, :P + Ti][real])
+    assert torch.equal(lay.gather_NL[real].unique(), torch.arange(lay.tokens))
     # Each distinct token takes its attention output from a query slot of one of the two parts that holds it.
     query_slots = torch.cat([lay.prompt.gather_q.reshape(-1), lay.response.gather_q.reshape(-1)])
     assert torch.equal(query_slots[lay.owner_K], torch.arange(lay.tokens))
-    assert lay.prompt.gather_q.shape == (3, P) and lay.response.gather_q.shape == (9, ids.shape[1] - P)
+    assert lay.prompt.gather_q.shape == (3, P) and lay.response.gather_q.shape == (9, Ti)
     # The G samples of a prompt read the same distinct prompt tokens.
     for u in range(3):
         rows = lay.gather_NL[3 * u:3 * u + 3, :P]
@@ -97,7 +107,7 @@ def test_the_micro_batch_forward_runs_each_prompt_once():
     model.model.embed_tokens.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape))
     with torch.no_grad():
         packed_response_logprobs(model, ids, attn, P, min_saving=0.0)
-    assert seen == [torch.Size([1, sum(map(len, PROMPTS)) + sum(map(len, RESPONSES))])]
+    assert seen == [torch.Size([1, DISTINCT_TOKENS])]
 
 
 def test_other_forwards_run_the_base_attention_after_install():
@@ -127,6 +137,24 @@ def test_unsupported_models_use_packed_rows():
         shared_prefix_logprobs(model, ids, attn, P)
 
 
+def test_one_token_answers_feed_the_prompts_only():
+    """Every answer a single token (or none): no response column is fed, the prompts predict them all."""
+    model = _build("qwen2_gqa")
+    prompts = [p for p in PROMPTS for _ in range(2)]
+    ids, attn, mask, P = build_sequences(prompts, [[3], [1], [], [9], [4], [1]], pad_id=0)
+    lay = build_layout(ids, attn, P)
+    assert lay.tokens == sum(map(len, PROMPTS)) and lay.response.gather_q.shape == (6, 0)
+    w = torch.randn(mask.shape, generator=torch.Generator().manual_seed(2)) * mask
+    ref_lp, _ = response_logprobs(model, ids, attn, P)
+    (ref_lp * w).sum().backward()
+    ref_g = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    lp, _ = shared_prefix_logprobs(model, ids, attn, P)
+    torch.testing.assert_close(lp, ref_lp * mask, rtol=1e-5, atol=1e-5)
+    (lp * w).sum().backward()
+    _assert_grads_close(model, ref_g)
+
+
 def test_a_row_without_prompt_tokens_is_refused():
     ids, attn, _, P = _group_batch()
     attn[0, :P] = 0
@@ -141,9 +169,13 @@ def test_the_masks_are_the_padded_layouts_and_padding_queries_see_every_key():
     real, L = attn.bool(), ids.shape[1]
     causal_LL = torch.ones(L, L, dtype=torch.bool).tril()
     full_NLL = causal_LL[None] & real[:, None, :]  # the padded layout's mask, query x key
-    resp = lay.response.mask[:, 0]  # (N, T, L)
+    Li = lay.gather_NL.shape[1]
+    fed = real[:, :Li].clone()
+    for n, r in enumerate(RESPONSES):
+        fed[n, P + max(len(r) - 1, 0):] = False  # a row's last token is never a query or a key
+    resp = lay.response.mask[:, 0]  # (N, Ti, P + Ti)
     assert resp.any(-1).all()
-    assert torch.equal(resp[real[:, P:]], full_NLL[:, P:][real[:, P:]])
+    assert torch.equal(resp[fed[:, P:]], full_NLL[:, P:Li, :Li][fed[:, P:]])
     prompt = lay.prompt.mask[:, 0]  # (U, P, P)
     assert prompt.any(-1).all()
     rep = [0, 3, 6]
