@@ -55,7 +55,9 @@ def _rows(x_1hKD: torch.Tensor, gather_RL: torch.Tensor) -> torch.Tensor:
     """(R, h, L, D): the distinct tokens' per-head vectors (1, h, K, D) at the slots of gather_RL."""
     R, L = gather_RL.shape
     h, D = x_1hKD.shape[1], x_1hKD.shape[-1]
-    return x_1hKD[0].index_select(1, gather_RL.reshape(-1)).view(h, R, L, D).transpose(0, 1)
+    # Gathered along the first dim of a (K, h, D) view (the projections' own layout): its backward, an
+    # index_add_ over dim 0, runs ~4x faster on CPU than one over dim 1.
+    return x_1hKD[0].transpose(0, 1).index_select(0, gather_RL.reshape(-1)).view(R, L, h, D).transpose(1, 2)
 
 
 @dataclass
