@@ -71,7 +71,11 @@ def micro_batches(rows: list[int], ends: list[int], P: int, micro_batch_size: in
                   packed: bool = False, group_size: int = 1) -> list[list[int]]:
     """Split a mini-batch's rows into micro-batches, the same NUMBER on every rank.
 
-    max_tokens == 0: consecutive groups of micro_batch_size rows. Otherwise rows are sorted
+    max_tokens == 0: consecutive groups of micro_batch_size rows; packed with group_size G > 1
+    and micro_batch_size >= G, of the largest multiple of G rows within micro_batch_size
+    (the rows come in whole prompt groups, `shuffled_rows`, so each micro-batch then holds
+    whole groups and runs each prompt once: 15 rows at micro_batch_size 16 and G = 5,
+    instead of 16 rows that split a group). Otherwise rows are sorted
     by length and grouped while the group's cost stays within max_tokens: padded, rows x
     (P + the longest response in the group) (each micro-batch is trimmed to its longest
     response); packed, the sum of P + each row's response (at most its real tokens: no
@@ -84,8 +88,11 @@ def micro_batches(rows: list[int], ends: list[int], P: int, micro_batch_size: in
     normaliser is global, so grouping only changes the summation order.
     """
     if max_tokens <= 0:
-        # Same rows on every rank, same count: nothing to agree on.
-        return [rows[i:i + micro_batch_size] for i in range(0, len(rows), micro_batch_size)]
+        # Same number of rows on every rank, so the same count: nothing to agree on.
+        size = micro_batch_size
+        if packed and 1 < group_size <= micro_batch_size:
+            size -= micro_batch_size % group_size
+        return [rows[i:i + size] for i in range(0, len(rows), size)]
 
     def packed_cost(unit: list[int]) -> int:
         return P + sum(max(1, ends[r]) for r in unit)

@@ -136,6 +136,21 @@ def test_the_trainer_hands_the_group_size_to_the_update(tiny_trainer_overrides, 
     assert seen == [3]
 
 
+def test_packed_row_micro_batches_take_whole_prompt_groups():
+    """micro_batch_size 16 at G = 5 (grpo_7b.yaml): micro-batches of 15 rows, three whole groups each,
+    whatever order the groups come in; padded, or with G above the size, plain chunks of the size."""
+    from hybrid_rl.update import micro_batches, shuffled_rows
+
+    order = shuffled_rows(40, 5, torch.Generator().manual_seed(0)).tolist()
+    groups = micro_batches(order, [3] * 40, P=5, micro_batch_size=16, max_tokens=0, packed=True, group_size=5)
+    assert [len(g) for g in groups] == [15, 15, 10]
+    assert sorted(r for g in groups for r in g) == list(range(40))
+    for g in groups:
+        assert all(sum(1 for r in g if r // 5 == k) in (0, 5) for k in range(8)), f"a prompt group split: {g}"
+    assert [len(g) for g in micro_batches(order, [3] * 40, 5, 16, 0, packed=False, group_size=5)] == [16, 16, 8]
+    assert [len(g) for g in micro_batches(order, [3] * 40, 5, 4, 0, packed=True, group_size=5)] == [4] * 10
+
+
 def test_packed_token_budget_keeps_a_prompts_rows_together():
     """With G rows per prompt, a micro-batch takes whole prompt groups, costed with the prompt once
     (P + the group's responses); a group over the budget is split into its rows."""
