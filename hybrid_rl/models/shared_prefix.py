@@ -118,7 +118,7 @@ class SharedPrefixLayout:
     gather_NL: torch.Tensor  # (N, P + Ti) distinct token at each fed slot (0 at padding and each row's last token)
     prompt: AttentionPart  # (U, P) queries over (U, P) keys
     response: AttentionPart  # (N, Ti) queries over (N, P + Ti) keys
-    owner_K: torch.Tensor  # slot of distinct token k in the two parts' outputs laid end to end (U * P + N * T)
+    owner_K: torch.Tensor  # slot of distinct token k in the two parts' outputs laid end to end (U * P + N * Ti)
     pred_Q: torch.Tensor  # distinct token whose hidden state predicts response token q
     target_Q: torch.Tensor
     row_Q: torch.Tensor  # (n, t) of response token q in the padded layout
