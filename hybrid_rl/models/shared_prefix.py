@@ -211,9 +211,9 @@ def build_layout(ids_NL: torch.Tensor, attn_NL: torch.Tensor, P: int) -> SharedP
     Rows whose real prompt tokens are equal share them (found on the host: one copy of
     the prompt columns per micro-batch). A row's last response token predicts nothing:
     it is scored (a target) but never fed to the model, so the model runs on the prompt
-    columns and the first r - 1 response tokens of a row with r (the `_in` masks below).
+    columns and the first r - 1 response tokens of a row with r (`fed_NT`, `attn_in` below).
     """
-    N, L = ids_NL.shape
+    N = ids_NL.shape[0]
     dev = ids_NL.device
     attn = attn_NL.bool()
     p_N, r_N = attn[:, :P].sum(1), attn[:, P:].sum(1)

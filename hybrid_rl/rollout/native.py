@@ -76,7 +76,7 @@ def _draw(w_MV: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         v_M1 = (1.0 - torch.rand((M, 1), generator=gen, dtype=torch.float64, device=w_MV.device)) * total_M1
         cum_MV = w_MV.cumsum(-1, dtype=torch.float64)
         return torch.searchsorted(cum_MV, torch.minimum(v_M1, cum_MV[:, -1:])).squeeze(1)
-    B = min(_DRAW_BLOCK, V)
+    B = _DRAW_BLOCK  # V > B here
     nb = -(-V // B)
     if nb * B != V:
         w_MV = torch.nn.functional.pad(w_MV, (0, nb * B - V))
