@@ -129,7 +129,10 @@ class LeanStep:
             half = cos_1SD.shape[-1] // 2
             self._cos_SD = cos_1SD[0]
             self._sin_SD = torch.cat((-sin_1SD[0, :, :half], sin_1SD[0, :, half:]), dim=-1)
-        return self._cos_SD[pos_M1], self._sin_SD[pos_M1]
+        M = pos_M1.shape[0]
+        pos_M = pos_M1.reshape(M)
+        return (self._cos_SD.index_select(0, pos_M).view(M, 1, -1),
+                self._sin_SD.index_select(0, pos_M).view(M, 1, -1))
 
     def _attention(self, attn, h_MC, cos_M1D, sin_M1D, bias_M11S, cache_layer, slot: int) -> torch.Tensor:
         M, H, K, D = h_MC.shape[0], self.H, self.K, attn.head_dim
