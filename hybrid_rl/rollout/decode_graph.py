@@ -4,8 +4,14 @@ A decode step of a small batch is mostly kernel-launch latency: one token throug
 every layer is hundreds of small kernels. Capturing the step once per batch size and
 replaying it removes the Python and launch cost. This needs fixed shapes and
 addresses, so the step reads a full-length `StaticKVCache` (all S slots, masked
-with a 4-D boolean mask the engine keeps), and its inputs are copied into buffers
-owned here. Each bucket is captured the first time it is used, after one eager run
+with a boolean mask the engine keeps), and its inputs are copied into buffers
+owned here.
+
+The captured step is the engine's `LeanStep` where the model has one, the model's
+forward otherwise. The lean step calls the layers' parts directly, so it runs none of
+the module hooks: under FSDP2 the root module's pre-forward hook makes the all-gather
+streams wait on the current stream, which inside a capture would fork the captured
+stream onto streams that never rejoin it, and the capture would fail on every batch. Each bucket is captured the first time it is used, after one eager run
 of the same step (the warm-up the capture needs, on a side stream), and the
 replay is checked against that eager result once; any failure raises, and the
 engine falls back to eager decoding. Imported only when graphs are asked for.
@@ -17,21 +23,24 @@ from __future__ import annotations
 import torch
 
 from hybrid_rl.rollout.kv_cache import StaticKVCache
+from hybrid_rl.rollout.lean_step import LeanStep
 
 
 class DecodeGraphs:
     """Captures and replays `model`'s one-token forward over `cache` for each live-batch size M."""
 
-    def __init__(self, model: torch.nn.Module, cache: StaticKVCache, device: torch.device, capture: bool = True):
+    def __init__(self, model: torch.nn.Module, cache: StaticKVCache, device: torch.device, capture: bool = True,
+                 lean: LeanStep | None = None):
         """capture=False runs the same fixed-shape step eagerly, on any device (tests of the
-        graph path's full-length cache, masks and batch buckets on CPU)."""
+        graph path's full-length cache, masks and batch buckets on CPU). lean: the step to
+        capture (None: the model's forward)."""
         if capture and device.type != "cuda":
             raise RuntimeError(f"CUDA graphs need a CUDA device, the model is on {device}")
         N, S = cache.max_rows, cache.max_len
-        self.model, self.cache = model, cache
+        self.model, self.cache, self.lean = model, cache, lean
         self.ids_N1 = torch.zeros((N, 1), dtype=torch.long, device=device)
         self.pos_N1 = torch.zeros((N, 1), dtype=torch.long, device=device)
-        self.mask_N11S = torch.zeros((N, 1, 1, S), dtype=torch.bool, device=device)
+        self.mask_NS = torch.zeros((N, S), dtype=torch.bool, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None  # one memory pool shared by every bucket's graph
         self.capture = capture
@@ -41,7 +50,7 @@ class DecodeGraphs:
         M = ids_M1.shape[0]
         self.ids_N1[:M].copy_(ids_M1)
         self.pos_N1[:M].copy_(pos_M1)
-        self.mask_N11S[:M, 0, 0].copy_(mask_MS)
+        self.mask_NS[:M].copy_(mask_MS)
         self.cache.sync_write_slot()
         if not self.capture:
             return self._forward(M)
@@ -52,8 +61,10 @@ class DecodeGraphs:
         return logits_MV
 
     def _forward(self, M: int) -> torch.Tensor:
-        return self.model(input_ids=self.ids_N1[:M], attention_mask=self.mask_N11S[:M], position_ids=self.pos_N1[:M],
-                          past_key_values=self.cache, use_cache=True).logits[:, -1]
+        if self.lean is not None:
+            return self.lean(self.ids_N1[:M], self.pos_N1[:M], self.mask_NS[:M], self.cache)
+        return self.model(input_ids=self.ids_N1[:M], attention_mask=self.mask_NS[:M, None, None, :],
+                          position_ids=self.pos_N1[:M], past_key_values=self.cache, use_cache=True).logits[:, -1]
 
     def _capture(self, M: int) -> torch.Tensor:
         side = torch.cuda.Stream()

@@ -102,13 +102,16 @@ class LeanStep:
 
     def __call__(self, ids_M1: torch.Tensor, pos_M1: torch.Tensor, attn_MS: torch.Tensor,
                  cache: StaticKVCache) -> torch.Tensor:
-        """attn_MS: True where a row may attend, for the S = cache.length + 1 slots including this token's."""
+        """attn_MS: True where a row may attend, for the S = cache.length + 1 slots including this
+        token's; in the cache's full-length mode (the CUDA-graph step) for all cache.max_len slots,
+        and the new key and value go to the device-side `cache.write_slot`."""
         inner, M = self.inner, ids_M1.shape[0]
         slot = cache.length
         if slot >= cache.max_len:
             raise RuntimeError(f"KV cache overflow: slot {slot} of {cache.max_len}")
-        if attn_MS.shape != (M, slot + 1):
-            raise ValueError(f"mask {tuple(attn_MS.shape)} for {M} rows and {slot + 1} slots")
+        S = cache.max_len if cache.full_length else slot + 1
+        if attn_MS.shape != (M, S):
+            raise ValueError(f"mask {tuple(attn_MS.shape)} for {M} rows and {S} slots")
         x = inner.embed_tokens(ids_M1)  # (M, 1, hidden)
         cos, sin = self._rotary(x, pos_M1, cache.max_len + 1)
         x = x[:, 0]
@@ -117,7 +120,7 @@ class LeanStep:
             ~attn_MS, float("-inf"))[:, None, None, :]
         for i, layer in enumerate(inner.layers):
             h = layer.input_layernorm(x)
-            x = x + self._attention(layer.self_attn, h, cos, sin, bias_M11S, cache.layers[i], slot)
+            x = x + self._attention(layer.self_attn, h, cos, sin, bias_M11S, cache, i)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.model.lm_head(inner.norm(x))
 
@@ -134,7 +137,7 @@ class LeanStep:
         return (self._cos_SD.index_select(0, pos_M).view(M, 1, -1),
                 self._sin_SD.index_select(0, pos_M).view(M, 1, -1))
 
-    def _attention(self, attn, h_MC, cos_M1D, sin_M1D, bias_M11S, cache_layer, slot: int) -> torch.Tensor:
+    def _attention(self, attn, h_MC, cos_M1D, sin_M1D, bias_M11S, cache: StaticKVCache, i: int) -> torch.Tensor:
         M, H, K, D = h_MC.shape[0], self.H, self.K, attn.head_dim
         q_MHD = attn.q_proj(h_MC).view(M, H, D)
         k_MKD = attn.k_proj(h_MC).view(M, K, D)
@@ -142,10 +145,16 @@ class LeanStep:
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotary
             q_MHD, k_MKD = attn.q_norm(q_MHD), attn.k_norm(k_MKD)
         q_MHD, k_MKD = _rotate(q_MHD, cos_M1D, sin_M1D), _rotate(k_MKD, cos_M1D, sin_M1D)
-        keys, values = cache_layer.keys, cache_layer.values  # (M, K, S_max, D) views of the live rows
-        keys[:, :, slot] = k_MKD
-        values[:, :, slot] = v_MKD
-        k_MKSD, v_MKSD = keys[:, :, :slot + 1], values[:, :, :slot + 1]
+        keys, values = cache.layers[i].keys, cache.layers[i].values  # (M, K, S_max, D) views of the live rows
+        if cache.full_length:  # fixed shapes and addresses: the slot is a device tensor, every slot is read
+            keys.index_copy_(2, cache.write_slot, k_MKD[:, :, None])
+            values.index_copy_(2, cache.write_slot, v_MKD[:, :, None])
+            k_MKSD, v_MKSD = keys, values
+        else:
+            slot = cache.length
+            keys[:, :, slot] = k_MKD
+            values[:, :, slot] = v_MKD
+            k_MKSD, v_MKSD = keys[:, :, :slot + 1], values[:, :, :slot + 1]
         # Query head h reads kv head h // G (transformers' repeat_kv order): view q as (M, K, G, D).
         scores_MKGS = torch.matmul(q_MHD.view(M, K, H // K, D), k_MKSD.transpose(-1, -2)).float()
         probs_MKGS = (scores_MKGS * attn.scaling + bias_M11S).softmax(-1).to(v_MKSD.dtype)

@@ -170,6 +170,7 @@ class NativeEngine:
         self._kv_ready = True
         self.last_kv_bytes = 0  # KV cache size of the last generate call (the largest batch's)
         self.last_graph_error: str | None = None  # why the last CUDA-graph capture fell back, if it did
+        self._graphs_failed = False  # a capture failed: no more attempts on this engine
         # Gathered (unsharded) weights are an extra full copy only when the module is sharded;
         # numel() of a DTensor is the global size. Mixed precision gathers in weights_dtype.
         counted = self._sharded or own_weights
@@ -248,11 +249,12 @@ class NativeEngine:
     def _device(self) -> torch.device:
         return next(iter(self.model.parameters())).device
 
-    def _start_graphs(self, cache: StaticKVCache, dev: torch.device, full_attention: bool):
-        """DecodeGraphs over `cache`, or None: graphs off, or asked for where they cannot run
-        (then a warning, the reason in last_graph_error, and eager decoding)."""
+    def _start_graphs(self, cache: StaticKVCache, dev: torch.device, full_attention: bool, lean: LeanStep | None):
+        """DecodeGraphs over `cache` (capturing `lean` where there is one), or None: graphs off, a
+        capture already failed on this engine, or asked for where they cannot run (then a
+        warning, the reason in last_graph_error, and eager decoding)."""
         possible = dev.type == "cuda" and full_attention
-        if not (possible if self.cuda_graphs is None else self.cuda_graphs):
+        if self._graphs_failed or not (possible if self.cuda_graphs is None else self.cuda_graphs):
             return None
         if not possible:
             self.last_graph_error = f"CUDA graphs need a CUDA model with full attention in every layer (device {dev})"
@@ -261,7 +263,7 @@ class NativeEngine:
         from hybrid_rl.rollout.decode_graph import DecodeGraphs
 
         cache.set_full_length(True, dev)
-        return DecodeGraphs(self.model, cache, dev)
+        return DecodeGraphs(self.model, cache, dev, lean=lean)
 
     def _generate_batch(self, prompts: list[list[int]], sp: SamplingParams, gen: torch.Generator) -> list[Completion]:
         dev = self._device()
@@ -289,8 +291,8 @@ class NativeEngine:
         logits_MV, pos_NP = logits_UV[src_N], pos_UP[src_N]
         pos_M1 = pos_NP[:, -1:] + 1
         full_attention = all_full_attention(self.model)
-        graphs = self._start_graphs(cache, dev, full_attention)
-        lean = None if graphs is not None else self._start_lean()
+        lean = self._start_lean()
+        graphs = self._start_graphs(cache, dev, full_attention, lean)
         every = check_every(self.stop_check_every, dev.type)
 
         toks_NT = torch.full((N, T), self.pad_id, dtype=torch.long, device=dev)
@@ -320,8 +322,11 @@ class NativeEngine:
                 try:
                     logits_MV = graphs.step(tok_M[:, None], pos_M1, attn_NS[:M])
                 except Exception as err:  # capture can fail on hooks, syncs or unsupported ops
+                    # The same step would fail again: this engine decodes eagerly from now on
+                    # (through the lean step where the model has one), without retrying.
                     self.last_graph_error = f"{type(err).__name__}: {err}"
-                    warnings.warn(f"CUDA-graph decode failed, decoding eagerly: {self.last_graph_error}")
+                    self._graphs_failed = True
+                    warnings.warn(f"CUDA-graph decode failed, decoding eagerly from now on: {self.last_graph_error}")
                     graphs = None
                     cache.set_full_length(False)
             if graphs is None and lean is not None:

@@ -131,7 +131,11 @@ class ModuleOffloader:
         moved = 0
         if self.device.type != "cpu":
             moved = sum(local_bytes(t) for t in self._tensors())
-            self.module.to(target, non_blocking=True)
+            # To the host the copy blocks: right after `.to()`, FSDP2 re-pads a shard shorter than
+            # its padded size (dim 0 not divisible by the world size) with a host-side copy out of
+            # the new tensor, which a non-blocking device-to-host copy may not have filled yet.
+            # To the device the re-pad runs on the copy's stream, after it: non-blocking is safe.
+            self.module.to(target, non_blocking=on_device)
             _sync(self.device)
         elif self.always_copy:
             # CPU: the module cannot leave the host, but the copies are real (into and

@@ -55,3 +55,29 @@ def test_logprobs_equal_the_trainers_on_cuda(model, path):
     for i, c in enumerate(comps):
         got = torch.tensor(c.logprobs, device="cuda")
         torch.testing.assert_close(got, logp_NT[i, :len(got)], atol=1e-5, rtol=0, msg=lambda m: f"row {i}: {m}")
+
+
+@pytest.mark.parametrize("mixed_precision", [False, True])
+def test_graphs_capture_on_the_fsdp2_policy(tiny_model_dir, mixed_precision):
+    """The trainer's case: the engine decodes with the FSDP2-sharded policy, its shards gathered.
+    The captured step is the lean one, which runs no FSDP2 hook: the root's pre-forward hook makes
+    the all-gather streams wait on the capturing stream, which a capture cannot end with."""
+    from hybrid_rl import distributed as D
+    from hybrid_rl.models.fsdp import shard_model
+
+    dev = D.init("cuda", 120)
+    try:
+        policy = shard_model(load_causal_lm(tiny_model_dir, dtype=torch.float32), dev, mixed_precision)
+        sp = SamplingParams(max_new_tokens=10, greedy=True)
+        prompts = [p for p in PROMPTS for _ in range(4)]
+        out = {}
+        for path in ("cuda_graph", "lean"):
+            eng = NativeEngine(policy, PAD, EOS, weights_dtype=torch.bfloat16 if mixed_precision else None,
+                               **PATHS[path])
+            eng.resume(["weights"])
+            out[path] = [c.token_ids for c in eng.generate(prompts, sp)]
+            eng.release(["weights"])
+            assert eng.last_decode_path == path and eng.last_graph_error is None, eng.last_graph_error
+        assert out["cuda_graph"] == out["lean"]
+    finally:
+        D.shutdown()

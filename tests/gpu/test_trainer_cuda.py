@@ -37,6 +37,8 @@ def test_one_gpu_step_in_bf16(tiny_model_dir, tmp_path):
     # bf16 forward in the engine and the trainer: close, not exact.
     assert last["rollout/logp_mismatch"] < 0.1
     assert last["memory/optimizer_peak"] > 0
+    # The rollout replayed CUDA graphs of the lean step on the FSDP2 policy, with no fallback.
+    assert trainer.engine.last_decode_path == "cuda_graph", trainer.engine.last_graph_error
     params = list(trainer.policy.parameters())
     assert params[0].device.type == "cuda"
     D.shutdown()

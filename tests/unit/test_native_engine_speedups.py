@@ -109,14 +109,15 @@ def assert_logprobs_match_trainer(model, prompts, comps, temperature):
 
 
 def fixed_shape_engine(model, **kw):
-    """An engine whose decode step takes the CUDA-graph path's shapes (full-length cache, 4-D
-    mask, power-of-two buckets), run eagerly so that it works on CPU."""
+    """An engine whose decode step takes the CUDA-graph path's shapes (full-length cache, full
+    mask, power-of-two buckets), run eagerly so that it works on CPU. The step is the lean
+    one where the model has it (lean_step=False: the model's forward), as on CUDA."""
     eng = NativeEngine(model, pad_id=PAD, eos_id=EOS, **kw)
 
-    def start(cache, dev, full_attention):
+    def start(cache, dev, full_attention, lean):
         assert full_attention
         cache.set_full_length(True, dev)
-        return DecodeGraphs(eng.model, cache, dev, capture=False)
+        return DecodeGraphs(eng.model, cache, dev, capture=False, lean=lean)
 
     eng._start_graphs = start
     return eng
@@ -228,17 +229,21 @@ def test_stop_on_the_last_token_and_on_a_check_boundary(sharp_model, every):
 
 # ---------------------------------------------------------------------------- exactness
 @pytest.mark.parametrize("top_k,top_p,temperature", [(-1, 1.0, 1.0), (4, 1.0, 0.7), (-1, 0.8, 1.0), (5, 0.9, 0.7)])
-@pytest.mark.parametrize("fixed_shape", [False, True])
+@pytest.mark.parametrize("fixed_shape", [None, "lean", "forward"])
 def test_logprobs_match_trainer_with_rows_dropped(sharp_model, top_k, top_p, temperature, fixed_shape):
     """Ragged prompts, rows stopping at different steps, rows dropped mid-run (eager: exactly the
-    finished ones; fixed shape: down to power-of-two buckets padded with finished rows)."""
+    finished ones; fixed shape, through the lean step or the model's forward: down to
+    power-of-two buckets padded with finished rows)."""
     T = 12
     make = fixed_shape_engine if fixed_shape else (lambda m, **kw: NativeEngine(m, PAD, EOS, **kw))
-    eng = make(sharp_model, stop_check_every=2)
+    eng = make(sharp_model, stop_check_every=2, lean_step=fixed_shape != "forward")
     # Three common words as extra stop ids: most rows stop, at many different steps.
     sp = SamplingParams(max_new_tokens=T, temperature=temperature, top_k=top_k, top_p=top_p, seed=4, stop_token_ids=(4, 7, 9))
     with Recorder(sharp_model) as rec:
         comps = eng.generate(MANY, sp)
+    assert eng.last_decode_path == ("cuda_graph" if fixed_shape else "lean")
+    # Only the prefill runs the model's forward when the step is the lean one (no module hooks).
+    assert rec.lean_calls == (0 if fixed_shape == "forward" else len(rec.shapes) - 1)
     lengths = [len(c.token_ids) for c in comps]
     assert len(set(lengths)) > 4
     sizes = [s[0] for s in rec.shapes[1:]]
@@ -359,13 +364,18 @@ def test_failed_graph_step_falls_back_to_eager_mid_run(sharp_model):
     sp = SamplingParams(max_new_tokens=7, seed=5)
     ref = NativeEngine(sharp_model, PAD, EOS).generate(PROMPTS, sp)
     eng = NativeEngine(sharp_model, PAD, EOS)
-    eng._start_graphs = lambda cache, dev, fa: (cache.set_full_length(True, dev), Broken())[1]
+    eng._start_graphs = lambda cache, dev, fa, lean: (cache.set_full_length(True, dev), Broken())[1]
     with pytest.warns(UserWarning, match="decoding eagerly"):
         got = eng.generate(PROMPTS, sp)
     assert "capture failed" in eng.last_graph_error
+    # The rest of the run decodes through the lean step, not the slower generic forward.
+    assert eng.last_decode_path == "lean"
     assert [c.token_ids for c in got] == [c.token_ids for c in ref]
     for a, b in zip(got, ref):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-6)
+    # A capture that failed is not tried again on the next batch.
+    del eng._start_graphs
+    assert eng._start_graphs(StaticKVCache(1, 1), torch.device("cuda"), True, None) is None
 
 
 def test_bad_stop_check_every_raises(sharp_model):

@@ -108,3 +108,18 @@ def test_decide_offload_warns_for_missing_roles_and_auto_on_cpu(tiny_model_dir):
     assert d.optimizer and not d.ref
     d = decide_offload(_offload_cfg(auto=True, optimizer=True), **args)
     assert not d.optimizer and "CPU" in d.message
+
+
+def test_module_offload_to_the_host_blocks_and_back_to_the_device_does_not(tiny_model, monkeypatch):
+    """A non-blocking device-to-host `.to()` returns before the copy lands, and FSDP2 re-pads an
+    uneven shard from the new host tensor right away (a host copy that does not wait for the
+    device): offloading must block. Onloading may not: the re-pad runs on the copy's stream."""
+    import hybrid_rl.switch.offload as offload_mod
+
+    calls = []
+    monkeypatch.setattr(tiny_model, "to", lambda target, non_blocking=False: calls.append((target.type, non_blocking)))
+    monkeypatch.setattr(offload_mod, "_sync", lambda device: None)
+    off = ModuleOffloader(tiny_model, torch.device("cuda"))  # only the device's type is read here
+    off.offload()
+    off.onload()
+    assert calls == [("cpu", False), ("cuda", True)]
