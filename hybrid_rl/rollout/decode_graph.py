@@ -20,6 +20,8 @@ Legend: N rows allocated, M rows live (a bucket size), S cache slots, V vocab.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from hybrid_rl.rollout.kv_cache import StaticKVCache
@@ -44,6 +46,7 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None  # one memory pool shared by every bucket's graph
         self.capture = capture
+        self.capture_s = 0.0  # host seconds spent capturing (warm-up, capture, check), all buckets
 
     def step(self, ids_M1: torch.Tensor, pos_M1: torch.Tensor, mask_MS: torch.Tensor) -> torch.Tensor:
         """logits_MV of the next token. The result is a graph output: read it before the next step."""
@@ -67,6 +70,7 @@ class DecodeGraphs:
                           position_ids=self.pos_N1[:M], past_key_values=self.cache, use_cache=True).logits[:, -1]
 
     def _capture(self, M: int) -> torch.Tensor:
+        t0 = time.perf_counter()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -84,4 +88,5 @@ class DecodeGraphs:
         if not bool(err <= 1e-3 * (1.0 + eager_MV.float().abs().max())):
             raise RuntimeError(f"CUDA graph replay differs from the eager step by {float(err):.3g}")
         self.graphs[M] = (graph, logits_MV)
+        self.capture_s += time.perf_counter() - t0  # the check above synchronised: the capture is done
         return logits_MV

@@ -171,6 +171,7 @@ class NativeEngine:
         self.last_kv_bytes = 0  # KV cache size of the last generate call (the largest batch's)
         self.last_graph_error: str | None = None  # why the last CUDA-graph capture fell back, if it did
         self._graphs_failed = False  # a capture failed: no more attempts on this engine
+        self.last_capture_s = 0.0  # seconds the last generate call spent capturing CUDA graphs
         # Gathered (unsharded) weights are an extra full copy only when the module is sharded;
         # numel() of a DTensor is the global size. Mixed precision gathers in weights_dtype.
         counted = self._sharded or own_weights
@@ -242,6 +243,7 @@ class NativeEngine:
         step = self.max_batch_size or max(1, len(prompt_ids))
         gen = torch.Generator(device=self._device()).manual_seed(params.seed)
         self.last_kv_bytes = 0
+        self.last_capture_s = 0.0
         for start in range(0, len(prompt_ids), step):
             out += self._generate_batch(prompt_ids[start:start + step], params, gen)
         return out
@@ -293,6 +295,7 @@ class NativeEngine:
         full_attention = all_full_attention(self.model)
         lean = self._start_lean()
         graphs = self._start_graphs(cache, dev, full_attention, lean)
+        started_graphs = graphs
         every = check_every(self.stop_check_every, dev.type)
 
         toks_NT = torch.full((N, T), self.pad_id, dtype=torch.long, device=dev)
@@ -338,8 +341,9 @@ class NativeEngine:
             cache.advance(1)
             pos_M1 = pos_M1 + 1
         self.last_kv_bytes = max(self.last_kv_bytes, cache.nbytes())
+        self.last_capture_s += getattr(started_graphs, "capture_s", 0.0)
         self.last_decode_path = "cuda_graph" if graphs is not None else "lean" if lean is not None else "forward"
-        del cache, graphs
+        del cache, graphs, started_graphs
         return self._to_completions(toks_NT, lps_NT, stop_K)
 
     def _start_lean(self) -> LeanStep | None:
