@@ -74,6 +74,8 @@ def worker_ours(a) -> None:
         f"trainer.micro_batch_size={a.micro_batch}", f"trainer.total_steps={a.warmup + a.steps}",
         f"trainer.out_dir={os.path.join(a.work, 'ours_out')}", "trainer.device=cpu", "trainer.log_every=0",
         "trainer.progress_bar=false", f"trainer.seed={a.seed}",
+        # The same --seed moves our prompts and sampling streams, as it moves TRL's (digits_rows(n, seed)).
+        f"data.seed={a.seed}", f"rollout.seed={a.seed}",
     ]
     if a.worker == "padded":  # the same library with every row padded to the longest (before packing)
         overrides.append("trainer.packing=false")
