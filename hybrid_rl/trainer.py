@@ -48,7 +48,7 @@ from hybrid_rl.switch.advice import decide_offload
 from hybrid_rl.switch.phases import PhaseManager
 from hybrid_rl.metrics import MeanAccumulator, StageTimer, bottleneck, plot_curve, split_summary
 from hybrid_rl.models.fsdp import shard_model
-from hybrid_rl.models.loading import load_causal_lm, load_tokenizer
+from hybrid_rl.models.loading import load_causal_lm, load_tokenizer, model_eos_ids
 from hybrid_rl.rewards.base import RewardFn, compute_rewards
 from hybrid_rl.rewards.combine import combine
 from hybrid_rl.rewards.setup import RewardSetup
@@ -95,6 +95,10 @@ class Trainer(Checkpointing):
         self.reward_name, self.reward, self.reward_weights = self.rewards.name, self.rewards.rule, self.rewards.weights
         self.reward_norm = self.rewards.norm
         self.tokenizer = load_tokenizer(cfg.model.path)
+        # Every engine stops on the same ids: rollout.stop_token_ids and the EOS ids the model's configs
+        # declare (SGLang stops on those whatever it is asked; the native engine adds the tokenizer's EOS).
+        self.stop_token_ids = tuple(sorted({*cfg.rollout.stop_token_ids, *model_eos_ids(cfg.model.path)}))
+        self.stop_set = {self.tokenizer.eos_token_id, *self.stop_token_ids}  # a completion's last token, cut
         # Prompt text -> token ids (chat template applied when used); each prompt is tokenized once.
         self.encode = PromptEncoder(self.tokenizer, use_chat_template(self.tokenizer, cfg.data.chat_template,
                                                                       cfg.model.path), cfg.model.path)
@@ -169,18 +173,37 @@ class Trainer(Checkpointing):
     def metrics_path(self) -> str:
         return os.path.join(self.out_dir, "metrics.jsonl")
 
+    def _prompt_limit(self) -> tuple[int, str]:
+        """(longest prompt kept, in tokens; 0 = any, and what sets it): data.max_prompt_tokens, or less
+        where a prompt and rollout.max_new_tokens would not fit the model's context. SGLang rejects
+        such a request, and the whole batch with it (input + max_new_tokens >= context length); the
+        native engine would decode at positions the model never saw."""
+        limit, T = self.cfg.data.max_prompt_tokens, self.cfg.rollout.max_new_tokens
+        context = self._model_config.get("max_position_embeddings")
+        if not context:
+            return limit, f"data.max_prompt_tokens={limit}"
+        fit = context - T - 1
+        if fit < 1:
+            raise ValueError(f"rollout.max_new_tokens={T} leaves no room for a prompt in the model's context of "
+                             f"{context} tokens (max_position_embeddings): lower rollout.max_new_tokens")
+        if limit and limit <= fit:
+            return limit, f"data.max_prompt_tokens={limit}"
+        return fit, f"{fit} tokens (the model's context of {context} less rollout.max_new_tokens={T} and one)"
+
     def _prepare_rows(self, rows: list[dict], source: str, what: str) -> list[dict]:
-        """Rows the reward accepts, tokenized, without the prompts over data.max_prompt_tokens (counted)."""
+        """Rows the reward accepts, tokenized, without the prompts over data.max_prompt_tokens or too long for
+        the model's context with rollout.max_new_tokens (`_prompt_limit`; dropped and counted)."""
         if self.reward.check_rows is not None:
             self.reward.check_rows(rows, source)
         lengths = self.encode.encode_all(rows, source)
-        limit = self.cfg.data.max_prompt_tokens
+        limit, limit_why = self._prompt_limit()
         kept, dropped = drop_long_prompts(rows, lengths, limit)
         if not kept:
-            raise ValueError(f"every {what} prompt of {source} is longer than data.max_prompt_tokens={limit} "
-                             f"(the shortest has {min(lengths)} tokens); raise data.max_prompt_tokens")
+            raise ValueError(f"every {what} prompt of {source} is longer than {limit_why} "
+                             f"(the shortest has {min(lengths)} tokens); raise data.max_prompt_tokens"
+                             + ("" if limit_why.startswith("data.") else " or lower rollout.max_new_tokens"))
         if D.is_main():
-            note = f", dropped {dropped} longer than data.max_prompt_tokens={limit}" if dropped else ""
+            note = f", dropped {dropped} longer than {limit_why}" if dropped else ""
             print(f"data: {len(kept)} {what} prompts from {source}{note} (longest kept "
                   f"{max(n for n in lengths if not limit or n <= limit)} tokens; chat template "
                   f"{'on' if self.encode.chat_template else 'off'})")
@@ -248,7 +271,7 @@ class Trainer(Checkpointing):
         # A new seed per step, rank and sampling round (97 and 7919 are coprime: no two collide).
         seed = r.seed + 1_000_003 * self.step_idx + 7919 * D.rank() + 97 * round_idx
         return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                              top_k=r.top_k, stop_token_ids=tuple(r.stop_token_ids), seed=seed)
+                              top_k=r.top_k, stop_token_ids=self.stop_token_ids, seed=seed)
 
     def _reward(self, rows: list[dict], completions: list[Completion]) -> tuple[torch.Tensor, torch.Tensor]:
         """(task reward, score) per completion, on the host; the score adds the DAPO soft overlong penalty."""
@@ -259,7 +282,7 @@ class Trainer(Checkpointing):
         """(reward, score, logged parts) per completion: the rule reward on the host and/or the reward model's
         score from the completions' text in the REWARD stage (inside ROLLOUT), weighted (rewards/combine.py)."""
         G = self.cfg.rollout.n
-        stops = {self.tokenizer.eos_token_id, *self.cfg.rollout.stop_token_ids}
+        stops = self.stop_set
         body = [c.token_ids[:-1] if c.finish_reason == "stop" and c.token_ids and c.token_ids[-1] in stops else c.token_ids
                 for c in completions]
         texts = self.tokenizer.batch_decode(body, skip_special_tokens=True)

@@ -55,8 +55,7 @@ def decode(tokenizer, completions: Sequence[Completion], stop_ids: set[int]) -> 
 
 def _score(trainer, rows: list[dict], completions: list[Completion], k: int) -> tuple[list[str], torch.Tensor]:
     """(texts, rewards_N) of N = len(rows) * k completions, row-major."""
-    stops = {trainer.tokenizer.eos_token_id, *trainer.cfg.rollout.stop_token_ids}
-    texts, lengths = decode(trainer.tokenizer, completions, stops)
+    texts, lengths = decode(trainer.tokenizer, completions, trainer.stop_set)
     prompts = [rows[i // k]["prompt"] for i in range(len(completions))]
     meta = [{**rows[i // k], "finish_reason": c.finish_reason, "response_tokens": n}
             for i, (c, n) in enumerate(zip(completions, lengths))]
@@ -70,7 +69,7 @@ def validate(trainer, step: int) -> dict[str, float]:
     r, k = cfg.rollout, cfg.trainer.val_n
     batch = cfg.data.val_batch_size or cfg.data.batch_size
     threshold = trainer.reward.success_threshold - 1e-9
-    stop = tuple(r.stop_token_ids)
+    stop = trainer.stop_token_ids
     acc, samples = MeanAccumulator(), []
     t0 = time.perf_counter()
     with trainer.phases.rollout() as engine:

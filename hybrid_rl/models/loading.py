@@ -98,3 +98,22 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     if layers is None:
         raise ValueError(f"{type(model).__name__} has no `.model.layers`; cannot find its decoder layers to shard")
     return list(layers)
+
+
+def model_eos_ids(path: str) -> set[int]:
+    """The EOS ids a Hugging Face model directory declares: config.json's and generation_config.json's
+    `eos_token_id` (an int or a list). SGLang stops on all of them whatever the request says; an
+    instruct model often lists two (Qwen2.5: <|im_end|> and <|endoftext|>), one of which is not its
+    tokenizer's eos_token."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            continue
+        with open(file) as f:
+            value = json.load(f).get("eos_token_id")
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids

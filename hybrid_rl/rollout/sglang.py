@@ -37,6 +37,7 @@ from hybrid_rl.rollout.base import Completion, SamplingParams, check_tags
 from hybrid_rl.rollout.weight_transport import collect_ipc, export_bucket
 
 SGLANG_TAGS = ("weights", "kv_cache")  # cuda_graph stays resident: released and resumed only in pairs
+_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # set by torchrun for its workers
 
 
 def check_available() -> None:
@@ -123,6 +124,12 @@ class SGLangEngine:
             os.environ["PYTORCH_CUDA_ALLOC_CONF"] = kept
             os.environ["SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"] = "0"
         args.update(extra)
+        # torchrun's workers carry TORCHELASTIC_USE_AGENT_STORE=True, which makes torch join any
+        # rendezvous as a client of the launcher's store. The schedulers inherit the environment
+        # and meet at their own tcp:// port, which then no process serves: every scheduler would
+        # wait out the store timeout. They get "False"; this process gets its value back after.
+        agent_store = os.environ.get(_AGENT_STORE)
+        os.environ[_AGENT_STORE] = "False"
         try:
             engine = sglang.Engine(**args)
         except Exception as err:
@@ -133,6 +140,11 @@ class SGLangEngine:
                 "2.11), no CUDA device, a model architecture SGLang does not support, or rollout.mem_fraction too small "
                 "for the weights plus a KV cache (raise it, or offload the optimizer so the engine starts on more free "
                 "memory)") from err
+        finally:
+            if agent_store is None:
+                del os.environ[_AGENT_STORE]
+            else:
+                os.environ[_AGENT_STORE] = agent_store
         return engine
 
     # -- memory ---------------------------------------------------------------
@@ -264,8 +276,14 @@ class SGLangEngine:
         requests = D.gather_object_to((prompt_ids, params), self.owner, self.group)
         replies = None
         if self.is_owner:
-            replies = self._generate_for_group(requests)
-        return D.scatter_object_from(replies, self.owner, self.group)
+            try:
+                replies = [("ok", r) for r in self._generate_for_group(requests)]
+            except Exception as err:  # noqa: BLE001 - every rank must hear about it, as in _owner_call
+                replies = [("error", f"{type(err).__name__}: {err}")] * len(requests)
+        status, value = D.scatter_object_from(replies, self.owner, self.group)
+        if status == "error":
+            raise RuntimeError(f"SGLang generate failed: {value}")
+        return value
 
     def _generate_for_group(self, requests: list[tuple[list[list[int]], SamplingParams]]) -> list[list[Completion]]:
         ids, sampling = [], []

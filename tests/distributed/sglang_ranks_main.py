@@ -51,6 +51,14 @@ def main(model_dir: str, tp_size: int, out_dir: str) -> None:
             results[f"logprobs{step}"] = [c.logprobs for c in e.generate(prompts, greedy)]
             sampled = e.generate(prompts * 4, SamplingParams(max_new_tokens=6, temperature=1.0, seed=step))
             results[f"sampled{step}"] = [c.token_ids for c in sampled]
+            if step == 1:
+                # Rank 1's prompt cannot fit the context: the owner's call fails, and every rank of
+                # its group must hear it (none may wait in the scatter until the group's timeout).
+                try:
+                    e.generate([[5] * 300] if rank == 1 else prompts, greedy)
+                    results["bad_generate"] = "no error"
+                except RuntimeError as err:
+                    results["bad_generate"] = str(err)
             if engine.is_owner:
                 results["debug"] = engine.engine._debug_state()
         with pm.train():

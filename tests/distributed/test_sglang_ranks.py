@@ -32,6 +32,10 @@ def test_each_rank_gets_its_own_completions_from_the_group_engine(tiny_model_dir
         assert len(res["sampled0"]) == 16
         stats = res["sync_stats"]
         assert stats["bytes"] == tp_size * res["n_params_bytes"], "each TP rank receives the whole model once"
+        if tp_size == 2 or r == 1:  # rank 1's bad prompt fails its group's call, on every rank of the group
+            assert res["bad_generate"].startswith("SGLang generate failed: ValueError"), res["bad_generate"]
+        else:
+            assert res["bad_generate"] == "no error"
     assert ranks[0]["step0"] != ranks[1]["step0"], "the ranks asked for different prompts"
     owners = [res for res in ranks if res["is_owner"]]
     assert len(owners) == 2 // tp_size

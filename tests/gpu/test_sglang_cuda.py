@@ -25,7 +25,19 @@ PROMPTS = [[5, 6, 7, 14], [8, 14], [11, 12, 13, 4, 5, 6, 14]]
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_model_dir):
+def sglang_model_dir(tmp_path_factory) -> str:
+    """The tiny word-level Qwen2 at head_dim 64 (hidden 128, 2 heads, 1 KV head): SGLang's CUDA
+    attention backends (FA3 on Hopper, FlashInfer) have kernels for head dims such as 64, 128
+    and 256, not for the conftest model's 16."""
+    from hybrid_rl.models.tiny import build_tiny_model_dir
+    from hybrid_rl.rewards.toy import DIGIT_WORDS
+
+    return build_tiny_model_dir(str(tmp_path_factory.mktemp("sglang_model") / "model"), DIGIT_WORDS,
+                                hidden_size=128, num_heads=2, num_kv_heads=1)
+
+
+@pytest.fixture(scope="module")
+def setup(sglang_model_dir):
     from hybrid_rl import distributed as D
     from hybrid_rl.models.fsdp import shard_model
     from hybrid_rl.models.loading import load_causal_lm, load_tokenizer
@@ -33,9 +45,9 @@ def setup(tiny_model_dir):
     from hybrid_rl.switch.phases import PhaseManager
 
     dev = D.init("cuda")
-    tok = load_tokenizer(tiny_model_dir)
-    policy = shard_model(load_causal_lm(tiny_model_dir), dev, mixed_precision=True)
-    engine = SGLangEngine(policy, tiny_model_dir, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id,
+    tok = load_tokenizer(sglang_model_dir)
+    policy = shard_model(load_causal_lm(sglang_model_dir), dev, mixed_precision=True)
+    engine = SGLangEngine(policy, sglang_model_dir, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id,
                           weights_dtype=torch.bfloat16, mem_fraction=0.3)
     pm = PhaseManager(policy, torch.optim.AdamW(policy.parameters(), lr=1e-3), engine, dev)
     yield policy, engine, pm, tok
@@ -81,10 +93,10 @@ def test_release_frees_the_engine_memory_and_resume_sync_reproduces(setup):
     assert [c.token_ids for c in _greedy_rollout(pm)] == first, "release, resume and sync give the same output"
 
 
-def test_five_grpo_steps_on_one_gpu(tiny_model_dir, tmp_path):
+def test_five_grpo_steps_on_one_gpu(sglang_model_dir, tmp_path):
     from hybrid_rl import Trainer, load_config
 
-    cfg = load_config(None, [f"model.path={tiny_model_dir}", f"trainer.out_dir={tmp_path}", "trainer.device=cuda",
+    cfg = load_config(None, [f"model.path={sglang_model_dir}", f"trainer.out_dir={tmp_path}", "trainer.device=cuda",
                              "rollout.engine=sglang", "rollout.mem_fraction=0.3", "trainer.total_steps=5",
                              "trainer.progress_bar=false", "data.batch_size=8", "rollout.n=4",
                              "rollout.max_new_tokens=4"])

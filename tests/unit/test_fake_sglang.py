@@ -246,6 +246,15 @@ def test_stop_token_is_included(engine1):
 
 
 @pytest.mark.slow
+def test_prompt_plus_new_tokens_over_the_context_fails_the_whole_call(engine1):
+    """SGLang's request check: input + max_new_tokens >= the context length is a ValueError for
+    the whole generate call (the tiny model's context is 256 tokens)."""
+    ok = [5] * 200
+    with pytest.raises(ValueError, match="exceeds the model's maximum context length of 256 tokens"):
+        engine1.generate(input_ids=[PROMPTS[0], ok], sampling_params={"max_new_tokens": 56})
+    assert len(engine1.generate(input_ids=[PROMPTS[0], ok], sampling_params={"max_new_tokens": 55})) == 2
+
+
 def test_weight_update_session_rules(engine1, tiny_model_dir, h):
     weights = h.trainer_weights(tiny_model_dir)
     payload = [h.bucket_payload(weights, ["model.norm.weight"])]

@@ -236,3 +236,26 @@ def test_session_and_tag_rules_are_checked_before_sglang_sees_them(setup):
     engine.resume(["kv_cache"])
     engine.release(["kv_cache", "weights"])
     assert not engine.engine._debug_state()["session_active"]
+
+
+def test_engine_starts_from_a_torchrun_worker(tiny_model_dir, monkeypatch):
+    """torchrun sets TORCHELASTIC_USE_AGENT_STORE=True for its workers. SGLang's schedulers inherit
+    the environment and rendezvous at their own tcp:// port through torch, which under that
+    variable only connects to a store that nobody serves there (the stand-in's schedulers
+    rendezvous through torch as the real ones do): the engine must start them without it."""
+    import os
+
+    from hybrid_rl.models.loading import load_causal_lm, load_tokenizer
+    from hybrid_rl.rollout.sglang import SGLangEngine
+
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("FAKE_SGLANG_RENDEZVOUS_TIMEOUT_S", "15")
+    tok = load_tokenizer(tiny_model_dir)
+    engine = SGLangEngine(load_causal_lm(tiny_model_dir), tiny_model_dir, pad_id=tok.pad_token_id,
+                          eos_id=tok.eos_token_id, tp_size=1)
+    try:
+        assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True", "the trainer's own environment is restored"
+        assert engine.released == {"weights", "kv_cache"} and len(engine.engine._debug_state()["ranks"]) == 1
+    finally:
+        engine.shutdown()

@@ -104,7 +104,7 @@ class Engine:
         self._weight_version = a["weight_version"]
         self._session = False
         self._sent_payloads: set = set()
-        sched_args = dict(a, random_seed=seed, eos_token_ids=sorted(eos))
+        sched_args = dict(a, random_seed=seed, eos_token_ids=sorted(eos), nccl_port=self._nccl_port)
         # What the real _set_envs_and_config does to the caller's process (note 1.1, 7).
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "8"
         mp.set_start_method("spawn", force=True)
@@ -151,6 +151,12 @@ class Engine:
         reqs = []
         for i, ids in enumerate(prompts):
             sp = params[i].normalized()
+            # SGLang's TokenizerManager._validate_one_request (not in the note): the whole call fails.
+            if sp["max_new_tokens"] is not None and len(ids) + sp["max_new_tokens"] >= self._context_len:
+                raise ValueError(f"Requested token count exceeds the model's maximum context length of "
+                                 f"{self._context_len} tokens. You requested a total of "
+                                 f"{len(ids) + sp['max_new_tokens']} tokens: {len(ids)} tokens from the input "
+                                 f"messages and {sp['max_new_tokens']} tokens for the completion.")
             for j in range(n):
                 reqs.append({"rid": uuid.uuid4().hex, "input_ids": ids, "sampling_params": sp,
                              "return_logprob": bool(want_lp[i]), "prefill_prefix": n > 1 and j == 0,

@@ -216,11 +216,27 @@ def _digest(params: Dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def _join_tp_group(tp_rank: int, args: Dict[str, Any]) -> None:
+    """What a real scheduler does first (init_distributed_environment): its TP ranks meet at
+    tcp://127.0.0.1:<nccl_port> through torch's own rendezvous, which reads the environment the
+    scheduler inherited. Under TORCHELASTIC_USE_AGENT_STORE=True (torchrun's workers) no rank
+    serves that store and every rank waits until the timeout (here
+    FAKE_SGLANG_RENDEZVOUS_TIMEOUT_S, default 120 s; the real one is much longer)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    timeout = float(os.environ.get("FAKE_SGLANG_RENDEZVOUS_TIMEOUT_S", "120"))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args['nccl_port']}", rank=tp_rank,
+                            world_size=args["tp_size"], timeout=datetime.timedelta(seconds=timeout))
+
+
 def run_scheduler_process(tp_rank: int, args: Dict[str, Any], conn) -> None:
     """Serve commands from the Engine until "shutdown", a crash, or the Engine's death."""
     # One thread per rank: ranks share a few cores, and equal thread counts keep the ranks bitwise equal.
     torch.set_num_threads(1)
     try:
+        _join_tp_group(tp_rank, args)
         scheduler = Scheduler(tp_rank, args)
     except BaseException:  # noqa: BLE001 - a failed start is reported, not raised into nothing
         conn.send(("crash", f"scheduler TP rank {tp_rank} failed to start:\n{traceback.format_exc()}"))
