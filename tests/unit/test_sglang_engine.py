@@ -259,3 +259,30 @@ def test_engine_starts_from_a_torchrun_worker(tiny_model_dir, monkeypatch):
         assert engine.released == {"weights", "kv_cache"} and len(engine.engine._debug_state()["ranks"]) == 1
     finally:
         engine.shutdown()
+
+
+def test_sglang_0_5_17_without_a_weight_update_session(tiny_model_dir, monkeypatch):
+    """0.5.17, the SGLang the lent GPU machines can run, has no begin/end_weight_update: the
+    adapter syncs without a session, and greedy output still equals the native engine's."""
+    import sglang
+
+    from hybrid_rl.models.loading import load_causal_lm, load_tokenizer
+    from hybrid_rl.rollout.native import NativeEngine
+    from hybrid_rl.rollout.sglang import SGLangEngine
+    from hybrid_rl.switch.phases import PhaseManager
+
+    monkeypatch.setenv("FAKE_SGLANG_VERSION", "0.5.17")
+    tok = load_tokenizer(tiny_model_dir)
+    policy = _perturbed(load_causal_lm(tiny_model_dir), seed=2)
+    engine = SGLangEngine(policy, tiny_model_dir, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, tp_size=1)
+    try:
+        assert sglang.__version__ == "0.5.17" and not hasattr(engine.engine, "begin_weight_update")
+        pm = PhaseManager(policy, torch.optim.AdamW(policy.parameters(), lr=1e-3), engine, torch.device("cpu"),
+                          bucket_bytes=64 << 10)
+        got = _rollout(pm, PROMPTS, _greedy())
+        want = NativeEngine(copy.deepcopy(policy), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id).generate(
+            PROMPTS, _greedy())
+        # The engine starts on dummy weights: equal output means the session-less sync loaded them.
+        assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    finally:
+        engine.shutdown()

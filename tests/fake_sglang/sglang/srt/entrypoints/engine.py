@@ -347,3 +347,19 @@ class Engine:
     def _debug_pending_requests(self, n: int) -> None:
         """Pretend n requests are running (0 clears it), to exercise the idle checks."""
         self._client.call("debug_pending", n)
+
+
+class Engine0517(Engine):
+    """sglang 0.5.17 (note section 8): no begin/end_weight_update (`hasattr` is False), and
+    update_weights_from_tensor loads at once, with no session to open first."""
+
+    _MISSING = ("begin_weight_update", "end_weight_update")
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self._session = True  # the 0.5.21 session gate, always open
+
+    def __getattribute__(self, name: str):
+        if name in Engine0517._MISSING:
+            raise AttributeError(f"'Engine' object has no attribute {name!r}")
+        return super().__getattribute__(name)
