@@ -88,6 +88,9 @@ class RolloutConfig:
     tp_size: int = 1  # sglang: ranks per inference engine (tensor parallel); divides the ranks of a node
     mem_fraction: Optional[float] = None  # sglang: mem_fraction_static; null = SGLang's own choice
     bucket_mb: int = 512  # weight sync: size of one flat bucket (peak extra memory of a sync)
+    # sglang: how long the other ranks of an engine's group wait on its owner, whose calls (a whole
+    # rollout's generate) can outlast trainer.dist_timeout_s; an owner that dies is noticed at once.
+    engine_timeout_s: int = 3600
 
     def __post_init__(self) -> None:
         # A new engine goes in both this list and rollout/base.py's _ENGINES.
@@ -103,6 +106,7 @@ class RolloutConfig:
         _check(self.mem_fraction is None or 0 < self.mem_fraction < 1, "rollout.mem_fraction",
                f"must be in (0, 1) or null, got {self.mem_fraction}")
         _check(self.bucket_mb > 0, "rollout.bucket_mb", f"must be > 0, got {self.bucket_mb}")
+        _check(self.engine_timeout_s > 0, "rollout.engine_timeout_s", f"must be > 0, got {self.engine_timeout_s}")
 
 
 ClipBound = Optional[Union[int, float, str]]  # a number, null (that side off) or "auto"

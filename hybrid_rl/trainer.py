@@ -166,7 +166,7 @@ class Trainer(Checkpointing):
         if r.engine == "sglang":
             return engine_cls(self.policy, self.cfg.model.path, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id,
                               tp_size=r.tp_size, weights_dtype=weights_dtype, mem_fraction=r.mem_fraction,
-                              seed=r.seed, timeout_s=self.cfg.trainer.dist_timeout_s)
+                              seed=r.seed, timeout_s=r.engine_timeout_s)
         return engine_cls(self.policy, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, weights_dtype=weights_dtype)
 
     @property

@@ -138,6 +138,7 @@ def test_wrong_type_names_the_key():
     ("data.task=parquet", "data.path"),  # a parquet file needs a path too
     ("data.prompt_key=", "data.prompt_key"),
     ("data.max_prompt_tokens=-1", "data.max_prompt_tokens"),
+    ("rollout.engine_timeout_s=0", "rollout.engine_timeout_s"),
     ("data.val_split=1.0", "data.val_split"),
     ("data.val_split=-0.1", "data.val_split"),
     ("data.val_size=0", "data.val_size"),
