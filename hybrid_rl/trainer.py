@@ -44,7 +44,7 @@ from hybrid_rl.data.prompts import PromptLoader, load_datasets
 from hybrid_rl.host_malloc import keep_freed_blocks
 from hybrid_rl.lr_schedule import lr_factor, optimizer_steps
 from hybrid_rl.loggers import build_loggers, check_loggers, console_write, interactive
-from hybrid_rl.switch.advice import decide_offload
+from hybrid_rl.switch.advice import decide_offload, sglang_kv_room_warning
 from hybrid_rl.switch.phases import PhaseManager
 from hybrid_rl.metrics import MeanAccumulator, StageTimer, bottleneck, plot_curve, split_summary
 from hybrid_rl.models.fsdp import shard_model
@@ -139,6 +139,13 @@ class Trainer(Checkpointing):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, functools.partial(lr_factor, warmup=o.warmup_steps, total=total, kind=o.lr_schedule,
                                               min_ratio=o.min_lr_ratio))
+        if cfg.rollout.engine == "sglang" and self.device.type == "cuda":
+            # Before the engine exists: what it will size its KV cache from is free now.
+            optimizer_bytes = 8 * sum(p.numel() for p in self.policy.parameters()) // D.world_size()
+            room = sglang_kv_room_warning(optimizer_bytes, torch.cuda.mem_get_info(self.device)[0],
+                                          cfg.rollout.mem_fraction, self.offload.optimizer)
+            if room:
+                warnings.warn(room)
         self.engine = self._build_engine(torch.bfloat16 if mixed else None)
         self.phases = PhaseManager(self.policy, self.optimizer, self.engine, self.device, ref=self.ref,
                                    offload_optimizer=self.offload.optimizer, offload_ref=self.offload.ref,

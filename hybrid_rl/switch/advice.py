@@ -59,3 +59,33 @@ def decide_offload(offload, model_path: str, device: torch.device, world_size: i
     return OffloadDecision(flags["optimizer"], has_ref and flags["ref"], flags["params"],
                            f"offload.auto ({gib:.0f} GiB per GPU): {advice['message']}",
                            reward_model=has_rm and flags["reward_model"])
+
+
+def sglang_kv_room_warning(optimizer_bytes: int, free_bytes: int, mem_fraction: float | None,
+                           optimizer_offloaded: bool) -> str | None:
+    """Why SGLang's KV cache may not fit from the second rollout on, or None when it will.
+
+    SGLang sizes its KV pool once, at start-up, from the memory free then: it takes
+    `mem_fraction` of it (`mem_fraction_static`, sglang-api.md 1.2) and leaves the rest to
+    this process. AdamW creates its state (two fp32 tensors per parameter) at the first
+    optimizer step, after that. If the state stays on the device through ROLLOUT, it must
+    fit in what SGLang left, or resuming the KV cache runs out of memory on step 2.
+    optimizer_bytes and free_bytes are this rank's.
+    """
+    if optimizer_offloaded or optimizer_bytes <= 0:
+        return None
+    gib = 1024 ** 3
+    most = max(0.0, 1.0 - 1.1 * optimizer_bytes / max(free_bytes, 1))  # 10% margin for the allocator
+    fix = f"set offload.optimizer=true, or rollout.mem_fraction <= {most:.2f}"
+    if mem_fraction is None:
+        return (f"rollout.engine=sglang with offload.optimizer=false and rollout.mem_fraction=null: SGLang picks "
+                f"its own fraction of the {free_bytes / gib:.1f} GiB free at start-up, before the optimizer state "
+                f"({optimizer_bytes / gib:.1f} GiB on this rank) exists, so resuming its KV cache on step 2 can run "
+                f"out of memory; {fix}")
+    left = free_bytes * (1.0 - mem_fraction)
+    if optimizer_bytes > left:
+        return (f"rollout.mem_fraction={mem_fraction} leaves {left / gib:.1f} GiB of the {free_bytes / gib:.1f} GiB "
+                f"free at start-up, less than the optimizer state ({optimizer_bytes / gib:.1f} GiB on this rank) "
+                f"that stays on the device during ROLLOUT, so resuming SGLang's KV cache on step 2 can run out of "
+                f"memory; {fix}")
+    return None

@@ -123,3 +123,19 @@ def test_module_offload_to_the_host_blocks_and_back_to_the_device_does_not(tiny_
     off.offload()
     off.onload()
     assert calls == [("cpu", False), ("cuda", True)]
+
+
+def test_sglang_kv_room_warns_when_the_optimizer_state_will_not_fit_beside_the_engine():
+    """SGLang sizes its KV cache from the memory free at its start, before AdamW's state exists:
+    a state that stays on the device must fit in free x (1 - mem_fraction)."""
+    from hybrid_rl.switch.advice import sglang_kv_room_warning
+
+    GiB = 1024 ** 3
+    opt, free = 14 * GiB, 70 * GiB  # 7B: 56 GiB of Adam state over 4 ranks; 70 GiB free at start-up
+    assert sglang_kv_room_warning(opt, free, None, optimizer_offloaded=True) is None
+    assert sglang_kv_room_warning(0, free, 0.9, optimizer_offloaded=False) is None
+    auto = sglang_kv_room_warning(opt, free, None, optimizer_offloaded=False)
+    assert "mem_fraction=null" in auto and "rollout.mem_fraction <= 0.78" in auto  # 1 - 1.1 * 14 / 70
+    assert sglang_kv_room_warning(opt, free, 0.75, optimizer_offloaded=False) is None  # leaves 17.5 GiB
+    high = sglang_kv_room_warning(opt, free, 0.85, optimizer_offloaded=False)  # leaves 10.5 GiB < 14
+    assert "leaves 10.5 GiB" in high and "offload.optimizer=true" in high
