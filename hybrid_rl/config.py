@@ -83,7 +83,8 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1  # -1: off
     max_new_tokens: int = 16
-    stop_token_ids: list[int] = field(default_factory=list)  # extra stops; the tokenizer's EOS and the model configs' eos_token_id always stop
+    # Extra stops: the tokenizer's EOS and every eos_token_id of the model's configs always stop.
+    stop_token_ids: list[int] = field(default_factory=list)
     seed: int = 0
     tp_size: int = 1  # sglang: ranks per inference engine (tensor parallel); divides the ranks of a node
     mem_fraction: Optional[float] = None  # sglang: mem_fraction_static; null = SGLang's own choice

@@ -180,22 +180,25 @@ class Trainer(Checkpointing):
     def metrics_path(self) -> str:
         return os.path.join(self.out_dir, "metrics.jsonl")
 
-    def _prompt_limit(self) -> tuple[int, str]:
-        """(longest prompt kept, in tokens; 0 = any, and what sets it): data.max_prompt_tokens, or less
-        where a prompt and rollout.max_new_tokens would not fit the model's context. SGLang rejects
-        such a request, and the whole batch with it (input + max_new_tokens >= context length); the
-        native engine would decode at positions the model never saw."""
+    def _prompt_limit(self) -> tuple[int, str, str]:
+        """(longest prompt kept, in tokens, 0 = any; what sets it; what to change if no prompt fits):
+        data.max_prompt_tokens, or less where a prompt and rollout.max_new_tokens would not fit the
+        model's context. SGLang rejects such a request, and the whole batch with it (input +
+        max_new_tokens >= context length); the native engine would decode at positions the model
+        never saw."""
         limit, T = self.cfg.data.max_prompt_tokens, self.cfg.rollout.max_new_tokens
+        by_config = (limit, f"data.max_prompt_tokens={limit}", "raise data.max_prompt_tokens")
         context = self._model_config.get("max_position_embeddings")
         if not context:
-            return limit, f"data.max_prompt_tokens={limit}"
+            return by_config
         fit = context - T - 1
         if fit < 1:
             raise ValueError(f"rollout.max_new_tokens={T} leaves no room for a prompt in the model's context of "
                              f"{context} tokens (max_position_embeddings): lower rollout.max_new_tokens")
         if limit and limit <= fit:
-            return limit, f"data.max_prompt_tokens={limit}"
-        return fit, f"{fit} tokens (the model's context of {context} less rollout.max_new_tokens={T} and one)"
+            return by_config
+        return (fit, f"{fit} tokens (the model's context of {context} less rollout.max_new_tokens={T} and one)",
+                "lower rollout.max_new_tokens")
 
     def _prepare_rows(self, rows: list[dict], source: str, what: str) -> list[dict]:
         """Rows the reward accepts, tokenized, without the prompts over data.max_prompt_tokens or too long for
@@ -203,12 +206,11 @@ class Trainer(Checkpointing):
         if self.reward.check_rows is not None:
             self.reward.check_rows(rows, source)
         lengths = self.encode.encode_all(rows, source)
-        limit, limit_why = self._prompt_limit()
+        limit, limit_why, fix = self._prompt_limit()
         kept, dropped = drop_long_prompts(rows, lengths, limit)
         if not kept:
             raise ValueError(f"every {what} prompt of {source} is longer than {limit_why} "
-                             f"(the shortest has {min(lengths)} tokens); raise data.max_prompt_tokens"
-                             + ("" if limit_why.startswith("data.") else " or lower rollout.max_new_tokens"))
+                             f"(the shortest has {min(lengths)} tokens); {fix}")
         if D.is_main():
             note = f", dropped {dropped} longer than {limit_why}" if dropped else ""
             print(f"data: {len(kept)} {what} prompts from {source}{note} (longest kept "
@@ -289,9 +291,8 @@ class Trainer(Checkpointing):
         """(reward, score, logged parts) per completion: the rule reward on the host and/or the reward model's
         score from the completions' text in the REWARD stage (inside ROLLOUT), weighted (rewards/combine.py)."""
         G = self.cfg.rollout.n
-        stops = self.stop_set
-        body = [c.token_ids[:-1] if c.finish_reason == "stop" and c.token_ids and c.token_ids[-1] in stops else c.token_ids
-                for c in completions]
+        body = [c.token_ids[:-1] if c.finish_reason == "stop" and c.token_ids and c.token_ids[-1] in self.stop_set
+                else c.token_ids for c in completions]
         texts = self.tokenizer.batch_decode(body, skip_special_tokens=True)
         prompts = [rows[i // G]["prompt"] for i in range(len(completions))]
         meta = [{**rows[i // G], "finish_reason": c.finish_reason, "response_tokens": len(b)}

@@ -11,10 +11,12 @@ The captured step is the engine's `LeanStep` where the model has one, the model'
 forward otherwise. The lean step calls the layers' parts directly, so it runs none of
 the module hooks: under FSDP2 the root module's pre-forward hook makes the all-gather
 streams wait on the current stream, which inside a capture would fork the captured
-stream onto streams that never rejoin it, and the capture would fail on every batch. Each bucket is captured the first time it is used, after one eager run
-of the same step (the warm-up the capture needs, on a side stream), and the
-replay is checked against that eager result once; any failure raises, and the
-engine falls back to eager decoding. Imported only when graphs are asked for.
+stream onto streams that never rejoin it, and the capture would fail on every batch.
+
+Each bucket is captured the first time it is used, after one eager run of the same
+step (the warm-up the capture needs, on a side stream), and the replay is checked
+against that eager result once; any failure raises, and the engine falls back to
+eager decoding. Imported only when graphs are asked for.
 
 Legend: N rows allocated, M rows live (a bucket size), S cache slots, V vocab.
 """

@@ -28,7 +28,7 @@ import atexit
 import os
 import time
 import warnings
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
@@ -38,6 +38,23 @@ from hybrid_rl.rollout.weight_transport import collect_ipc, export_bucket
 
 SGLANG_TAGS = ("weights", "kv_cache")  # cuda_graph stays resident: released and resumed only in pairs
 _AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # set by torchrun for its workers
+
+
+def _attempt(fn, *args, **kwargs) -> tuple[str, Any]:
+    """("ok", fn(...)) or ("error", what it raised): an outcome the owner sends to its group,
+    so that a failure reaches every rank instead of leaving them in a collective."""
+    try:
+        return "ok", fn(*args, **kwargs)
+    except Exception as err:  # noqa: BLE001 - the other ranks must hear about it
+        return "error", f"{type(err).__name__}: {err}"
+
+
+def _unwrap(outcome: tuple[str, Any], what: str) -> Any:
+    """The value of an `_attempt` outcome, or its error raised on this rank."""
+    status, value = outcome
+    if status == "error":
+        raise RuntimeError(f"SGLang {what} failed: {value}")
+    return value
 
 
 def check_available() -> None:
@@ -275,15 +292,10 @@ class SGLangEngine:
             raise ValueError("every prompt needs at least one token")
         requests = D.gather_object_to((prompt_ids, params), self.owner, self.group)
         replies = None
-        if self.is_owner:
-            try:
-                replies = [("ok", r) for r in self._generate_for_group(requests)]
-            except Exception as err:  # noqa: BLE001 - every rank must hear about it, as in _owner_call
-                replies = [("error", f"{type(err).__name__}: {err}")] * len(requests)
-        status, value = D.scatter_object_from(replies, self.owner, self.group)
-        if status == "error":
-            raise RuntimeError(f"SGLang generate failed: {value}")
-        return value
+        if self.is_owner:  # a failure goes to every rank of the group, as in _owner_call
+            status, value = _attempt(self._generate_for_group, requests)
+            replies = [(status, r) for r in value] if status == "ok" else [(status, value)] * len(requests)
+        return _unwrap(D.scatter_object_from(replies, self.owner, self.group), "generate")
 
     def _generate_for_group(self, requests: list[tuple[list[list[int]], SamplingParams]]) -> list[list[Completion]]:
         ids, sampling = [], []
@@ -323,16 +335,8 @@ class SGLangEngine:
         outcome = None
         if self.is_owner:
             fn = getattr(self.engine, method, None)
-            if fn is None and optional:
-                outcome = ("ok", None)
-            else:
-                try:
-                    outcome = ("ok", fn(*args, **kwargs))
-                except Exception as err:  # noqa: BLE001 - the other ranks must hear about it
-                    outcome = ("error", f"{type(err).__name__}: {err}")
-        status, value = D.broadcast_object_from(outcome, self.owner, self.group)
-        if status == "error":
-            raise RuntimeError(f"SGLang {method} failed: {value}")
+            outcome = ("ok", None) if fn is None and optional else _attempt(fn, *args, **kwargs)
+        value = _unwrap(D.broadcast_object_from(outcome, self.owner, self.group), method)
         if check and value is not None and not value[0]:
             raise RuntimeError(f"SGLang {method} refused: {value[1]}")
         return value
