@@ -462,26 +462,3 @@ def test_prompts_that_leave_no_room_for_the_answer_in_the_context(tiny_model_dir
     with pytest.raises(ValueError, match=r"rollout.max_new_tokens=7 leaves no room for a prompt in the model's "
                                          r"context of 8 tokens"):
         _trainer(tiny_trainer_overrides, f"model.path={d}", "rollout.max_new_tokens=7")
-
-
-def test_every_engine_stops_on_the_eos_ids_the_model_configs_declare(tiny_model_dir, tiny_trainer_overrides, tmp_path):
-    """generation_config.json may list an EOS the tokenizer does not call eos_token (Qwen2.5-Instruct:
-    <|im_end|> and <|endoftext|>). SGLang stops on it whatever it is asked; the native engine must too,
-    and the reward must see the completion without it."""
-    from hybrid_rl.rollout.base import Completion
-
-    d = _copy_model_dir(tiny_model_dir, tmp_path / "model")
-    gen_path = os.path.join(d, "generation_config.json")
-    with open(gen_path) as f:
-        gen = json.load(f)
-    gen["eos_token_id"] = [gen["eos_token_id"], 7]
-    with open(gen_path, "w") as f:
-        json.dump(gen, f)
-    trainer = _trainer(tiny_trainer_overrides, f"model.path={d}", "rollout.stop_token_ids=[9]")
-    assert trainer.stop_token_ids == (1, 7, 9) and 7 in trainer._sampling_params(0).stop_token_ids
-    rows = [{"prompt": "1 2 3 =", "answer": "234"}]
-    words = trainer.tokenizer.convert_tokens_to_ids(["2", "3", "4"])
-    done = Completion(token_ids=[*words, 7], logprobs=[0.0] * 4, finish_reason="stop")
-    rewards, _, _ = trainer._reward_parts(rows, [done] * trainer.cfg.rollout.n)
-    assert float(rewards[0]) == pytest.approx(1.0), "the body without the model's EOS scores as a finished answer"
-    trainer.close()
