@@ -39,7 +39,7 @@ from hybrid_rl.algorithms.dapo import overlong_penalty, truncation_mask
 from hybrid_rl.algorithms.kl import AdaptiveKLController, FixedKLController, kl_estimate, kl_penalty_rewards
 from hybrid_rl.batch import RolloutBatch
 from hybrid_rl.config import Config, save_config
-from hybrid_rl.data.chat import PromptEncoder, drop_long_prompts, use_chat_template
+from hybrid_rl.data.chat import PromptEncoder, drop_long_prompts, prompt_limit, use_chat_template
 from hybrid_rl.data.prompts import PromptLoader, load_datasets
 from hybrid_rl.host_malloc import keep_freed_blocks
 from hybrid_rl.lr_schedule import lr_factor, optimizer_steps
@@ -180,33 +180,14 @@ class Trainer(Checkpointing):
     def metrics_path(self) -> str:
         return os.path.join(self.out_dir, "metrics.jsonl")
 
-    def _prompt_limit(self) -> tuple[int, str, str]:
-        """(longest prompt kept, in tokens, 0 = any; what sets it; what to change if no prompt fits):
-        data.max_prompt_tokens, or less where a prompt and rollout.max_new_tokens would not fit the
-        model's context. SGLang rejects such a request, and the whole batch with it (input +
-        max_new_tokens >= context length); the native engine would decode at positions the model
-        never saw."""
-        limit, T = self.cfg.data.max_prompt_tokens, self.cfg.rollout.max_new_tokens
-        by_config = (limit, f"data.max_prompt_tokens={limit}", "raise data.max_prompt_tokens")
-        context = self._model_config.get("max_position_embeddings")
-        if not context:
-            return by_config
-        fit = context - T - 1
-        if fit < 1:
-            raise ValueError(f"rollout.max_new_tokens={T} leaves no room for a prompt in the model's context of "
-                             f"{context} tokens (max_position_embeddings): lower rollout.max_new_tokens")
-        if limit and limit <= fit:
-            return by_config
-        return (fit, f"{fit} tokens (the model's context of {context} less rollout.max_new_tokens={T} and one)",
-                "lower rollout.max_new_tokens")
-
     def _prepare_rows(self, rows: list[dict], source: str, what: str) -> list[dict]:
         """Rows the reward accepts, tokenized, without the prompts over data.max_prompt_tokens or too long for
-        the model's context with rollout.max_new_tokens (`_prompt_limit`; dropped and counted)."""
+        the model's context with rollout.max_new_tokens (`prompt_limit`; dropped and counted)."""
         if self.reward.check_rows is not None:
             self.reward.check_rows(rows, source)
         lengths = self.encode.encode_all(rows, source)
-        limit, limit_why, fix = self._prompt_limit()
+        limit, limit_why, fix = prompt_limit(self.cfg.data.max_prompt_tokens, self.cfg.rollout.max_new_tokens,
+                                             self._model_config.get("max_position_embeddings"))
         kept, dropped = drop_long_prompts(rows, lengths, limit)
         if not kept:
             raise ValueError(f"every {what} prompt of {source} is longer than {limit_why} "

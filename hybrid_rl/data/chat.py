@@ -1,5 +1,6 @@
 """Prompt text -> token ids: the tokenizer's chat template (when used), each prompt encoded once,
-and prompts over `data.max_prompt_tokens` dropped and counted (never truncated).
+and prompts over `data.max_prompt_tokens`, or too long for the model's context with the answer, dropped
+and counted (never truncated).
 """
 from __future__ import annotations
 
@@ -59,3 +60,23 @@ def drop_long_prompts(rows: list[dict], lengths: Sequence[int], max_tokens: int)
         return rows, 0
     kept = [r for r, n in zip(rows, lengths) if n <= max_tokens]
     return kept, len(rows) - len(kept)
+
+
+def prompt_limit(max_prompt_tokens: int, max_new_tokens: int, context: Optional[int]) -> tuple[int, str, str]:
+    """(longest prompt kept, in tokens, 0 = any; what sets it; what to change if no prompt fits):
+    data.max_prompt_tokens, or less where a prompt and rollout.max_new_tokens would not fit the
+    model's context (max_position_embeddings; None = unknown). SGLang rejects such a request, and
+    the whole batch with it (input + max_new_tokens >= context length); the native engine would
+    decode at positions the model never saw."""
+    limit, T = max_prompt_tokens, max_new_tokens
+    by_config = (limit, f"data.max_prompt_tokens={limit}", "raise data.max_prompt_tokens")
+    if not context:
+        return by_config
+    fit = context - T - 1
+    if fit < 1:
+        raise ValueError(f"rollout.max_new_tokens={T} leaves no room for a prompt in the model's context of "
+                         f"{context} tokens (max_position_embeddings): lower rollout.max_new_tokens")
+    if limit and limit <= fit:
+        return by_config
+    return (fit, f"{fit} tokens (the model's context of {context} less rollout.max_new_tokens={T} and one)",
+            "lower rollout.max_new_tokens")
