@@ -42,7 +42,7 @@ class Scheduler:
         self.stashed_buffers: Optional[Dict[str, torch.Tensor]] = None
         self.host_copy: Optional[Dict[str, torch.Tensor]] = None
         self.pending_requests = 0  # injected by Engine._debug_pending_requests
-        self.prefix_cache: List[tuple] = []  # (token tuple, weight epoch) of finished sequences
+        self.prefix_cache = _PrefixTrie()  # the finished sequences, each token with its weight epoch
         self.weight_epoch = 0
         self.opened_payloads: set = set()
         self.loaded_since_release: set = set()
@@ -66,26 +66,23 @@ class Scheduler:
                 f"TP rank {self.tp_rank}: {len(bad)} of {len(self.worker.params)} parameters hold garbage (NaN), "
                 f"e.g. {bad[:4]}. After release_memory_occupation(['weights']) every parameter must be sent "
                 "again before generating; the real engine would silently decode garbage")
+        digest = _digest(self.worker.params)
+        if self.tp_rank > 0:
+            # Only rank 0 decodes (its output is what the Engine returns, as in SGLang); the other
+            # ranks show that they hold the same weights, which is all a second decode could show.
+            return {"weights_digest": digest}
         results = self.worker.generate(reqs)
         for req, res in zip(reqs, results):  # the prefix cache sees the requests in order
             if req["prefill_prefix"]:  # n > 1: SGLang prefills the shared prompt once first
-                self.prefix_cache.append((tuple(req["input_ids"]), self.weight_epoch))
+                self.prefix_cache.add(req["input_ids"], self.weight_epoch)
             res["cached_tokens"] = self._match_prefix(req["input_ids"])
-            self.prefix_cache.append((tuple(req["input_ids"] + res["output_ids"]), self.weight_epoch))
-        return results
+            self.prefix_cache.add(req["input_ids"] + res["output_ids"], self.weight_epoch)
+        return {"weights_digest": digest, "results": results}
 
     def _match_prefix(self, ids: List[int]) -> int:
         # At least one prompt token is always computed, so a hit covers at most len - 1.
-        best, stale = 0, False
-        for seq, epoch in self.prefix_cache:
-            n = 0
-            for a, b in zip(seq, ids[:-1]):
-                if a != b:
-                    break
-                n += 1
-            if n > best:
-                best, stale = n, epoch != self.weight_epoch
-        if stale:
+        best, epoch = self.prefix_cache.longest(ids[:-1])
+        if best and epoch != self.weight_epoch:
             # The real engine would reuse KV computed with old weights (RLinf#96): flush after updates.
             self.stats["stale_cache_hits"] += 1
         return best
@@ -93,7 +90,7 @@ class Scheduler:
     def _cmd_flush_cache(self, _arg=None):
         if self.pending_requests:
             return False, f"Cannot flush the cache: {self.pending_requests} requests are running or queued."
-        self.prefix_cache.clear()
+        self.prefix_cache = _PrefixTrie()
         self.stats["flushes"] += 1
         return True, ""
 
@@ -208,6 +205,30 @@ class Scheduler:
         pass
 
 
+class _PrefixTrie:
+    """Token sequences as a trie; each node keeps the weight epoch of the first sequence through it."""
+
+    def __init__(self) -> None:
+        self.root: Dict[int, tuple] = {}  # token -> (epoch, children)
+
+    def add(self, seq: List[int], epoch: int) -> None:
+        node = self.root
+        for token in seq:
+            if token not in node:
+                node[token] = (epoch, {})
+            node = node[token][1]
+
+    def longest(self, ids: List[int]) -> tuple:
+        """(n, epoch): the longest cached prefix of ids, and the epoch of the first sequence that had it."""
+        node, n, epoch = self.root, 0, None
+        for token in ids:
+            if token not in node:
+                break
+            epoch, node = node[token]
+            n += 1
+        return n, epoch
+
+
 def _digest(params: Dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for name in sorted(params):
@@ -233,7 +254,7 @@ def _join_tp_group(tp_rank: int, args: Dict[str, Any]) -> None:
 
 def run_scheduler_process(tp_rank: int, args: Dict[str, Any], conn) -> None:
     """Serve commands from the Engine until "shutdown", a crash, or the Engine's death."""
-    # One thread per rank: ranks share a few cores, and equal thread counts keep the ranks bitwise equal.
+    # One thread per rank: the ranks share a few cores with the trainer's processes.
     torch.set_num_threads(1)
     try:
         _join_tp_group(tp_rank, args)

@@ -1,7 +1,7 @@
 """One TP rank's model: load it, decode for real, load weights by name.
 
-Every rank holds the full model (a real rank holds a shard of it); the engine checks
-that all ranks produce identical outputs, which holds exactly when their weights match.
+Every rank holds the full model (a real rank holds a shard of it); rank 0 decodes, and the
+engine checks that every rank's weights equal rank 0's.
 
 Legend: N rows of a generate batch (requests), P prompt tokens (left-padded), V vocab.
 """
@@ -110,12 +110,13 @@ class TpModelWorker:
         out = self.model(input_ids=ids_NP, attention_mask=attn_NP, position_ids=position_ids(attn_NP), use_cache=True)
         cache, last_NV = out.past_key_values, out.logits[:, -1].float()
         results = []
+        logp_NPV = torch.log_softmax(out.logits.float(), dim=-1) if any(r["return_logprob"] for r in reqs) else None
         for i, req in enumerate(reqs):
             res: Dict[str, Any] = {"output_ids": [], "output_logprobs": [], "input_logprobs": None,
                                    "finish_reason": {"type": "length", "length": sps[i]["max_new_tokens"]}}
             if req["return_logprob"]:
-                logits_PV = out.logits[i, P - len(prompts[i]):].float()
-                res["input_logprobs"] = self._input_logprobs(prompts[i], logits_PV, req["logprob_start_len"])
+                logp_PV = logp_NPV[i, P - len(prompts[i]):]
+                res["input_logprobs"] = self._input_logprobs(prompts[i], logp_PV, req["logprob_start_len"])
             results.append(res)
         del out
         stop_ids = [set() if sp["ignore_eos"] else set(sp["stop_token_ids"]) | self.eos_ids for sp in sps]
@@ -149,12 +150,11 @@ class TpModelWorker:
             step += 1
         return results
 
-    def _input_logprobs(self, prompt: List[int], logits_PV: torch.Tensor, start: int) -> list:
+    def _input_logprobs(self, prompt: List[int], logp_PV: torch.Tensor, start: int) -> list:
         # Prompt logprobs are always at T = 1 (note 1.5). Like SGLang, the first returned
         # entry is padded with None and the entries cover prompt[start:].
         if start < 0:
             start = len(prompt) - 1
-        logp_PV = torch.log_softmax(logits_PV, dim=-1)
         out = []
         for k in range(start, len(prompt)):
             lp = None if k == start else float(logp_PV[k - 1, prompt[k]])
