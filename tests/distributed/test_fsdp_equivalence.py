@@ -70,9 +70,22 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
-def _rank_fn(rank: int, model_dir: str, loss_agg: str, max_tokens: int = 0, packing: bool = False):
-    return _train(model_dir, slice(rank * 4, rank * 4 + 4), steps=3, loss_agg=loss_agg, max_tokens=max_tokens,
-                  packing=packing)
+def _all_configs_fn(rank: int, model_dir: str, configs: list) -> dict:
+    """Every config on this rank in one launch (a launch costs more than a config's three steps); a config
+    that raises is returned as its traceback, so only its own test fails."""
+    import traceback
+
+    from hybrid_rl.models import packing as packing_mod
+
+    default, out = packing_mod.MIN_SAVING, {}
+    for loss_agg, max_tokens, packing in configs:
+        try:
+            out[(loss_agg, max_tokens, packing)] = _train(model_dir, slice(rank * 4, rank * 4 + 4), steps=3,
+                                                          loss_agg=loss_agg, max_tokens=max_tokens, packing=packing)
+        except Exception:  # noqa: BLE001 - reported by the config's own test
+            out[(loss_agg, max_tokens, packing)] = traceback.format_exc()
+        packing_mod.MIN_SAVING = default
+    return out
 
 
 def _save_fn(rank: int, model_dir: str, out: str):
@@ -94,15 +107,27 @@ def test_two_rank_save_writes_the_full_trained_model(tiny_model_dir, tmp_path):
         assert torch.equal(loaded[name].detach(), ref), name
 
 
-@pytest.mark.parametrize("loss_agg,max_tokens,packing", [
-    ("token-mean", 0, False), ("seq-mean-token-sum", 0, False), ("seq-mean-token-mean", 0, False),
-    ("seq-mean-token-sum-norm", 0, False), ("seq-mean-token-mean", 16, False),
-    ("token-mean", 0, True), ("seq-mean-token-sum-norm", 16, True)])
-def test_two_rank_fsdp_matches_one_process(tiny_model_dir, loss_agg, max_tokens, packing):
+CONFIGS = [("token-mean", 0, False), ("seq-mean-token-sum", 0, False), ("seq-mean-token-mean", 0, False),
+           ("seq-mean-token-sum-norm", 0, False), ("seq-mean-token-mean", 16, False),
+           ("token-mean", 0, True), ("seq-mean-token-sum-norm", 16, True)]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tiny_model_dir):
+    """{config: (rank 0's result, rank 1's result)}, every config run on the same 2 gloo ranks."""
+    r0, r1 = run_ranks(_all_configs_fn, world=2, args=(tiny_model_dir, CONFIGS))
+    return {c: (r0[c], r1[c]) for c in CONFIGS}
+
+
+@pytest.mark.parametrize("loss_agg,max_tokens,packing", CONFIGS)
+def test_two_rank_fsdp_matches_one_process(tiny_model_dir, two_rank_runs, loss_agg, max_tokens, packing):
     """max_tokens=16: micro-batches by a token budget; rank 0's rows pack into 4 groups, rank 1's
     into 3, so rank 1 must split one to keep the FSDP collectives in step (else: a hang).
     packing: the ranks score and train padding-free, the single process padded: same gradients."""
-    (w0, l0), (w1, l1) = run_ranks(_rank_fn, world=2, args=(tiny_model_dir, loss_agg, max_tokens, packing))
+    r0, r1 = two_rank_runs[(loss_agg, max_tokens, packing)]
+    for rank, r in enumerate((r0, r1)):
+        assert not isinstance(r, str), f"rank {rank} failed:\n{r}"
+    (w0, l0), (w1, l1) = r0, r1
     ref_w, ref_l = _train(tiny_model_dir, slice(0, 8), steps=3, loss_agg=loss_agg)
     assert [x[:2] for x in l0] == [x[:2] for x in l1], "both ranks must report the same global loss and grad norm"
     for step, ((loss, norm, grads), (ref_loss, ref_norm, ref_grads)) in enumerate(zip(l0, ref_l)):
