@@ -42,6 +42,12 @@ if ! $PY -c "import omegaconf" 2> /dev/null; then
     || echo "omegaconf missing and no .whl/ to install it from (see the top of this script)" | tee -a "$OUT/summary.txt"
 fi
 part install 60 $PY -m pip install --no-index --no-deps --no-build-isolation -e .
+if ! $PY -c "import hybrid_rl.kernels" 2> /dev/null; then
+  # An old setuptools installs in develop mode, which does not map kernels/ to hybrid_rl.kernels.
+  ln -sfn ../kernels hybrid_rl/kernels
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+  echo "install: hybrid_rl.kernels linked by hand" | tee -a "$OUT/summary.txt"
+fi
 { nvidia-smi 2>&1 || echo "no nvidia-smi"
   $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__); print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')"
 } > "$OUT/env.txt" 2>&1
