@@ -22,8 +22,8 @@ the tokens each actually generated.
 
 On a GPU the `new` rows also show the fraction of the HBM roofline: useful bytes read
 per decode step (all weights once, plus the KV cache of the rows still running at
-their current length) over the measured step time, against --peak-tbs (looked up for
-H100 / H200: 3.35 / 4.8 TB/s).
+their current length, left padding not counted) over the measured step time, against
+--peak-tbs (looked up for H100 / H200: 3.35 / 4.8 TB/s).
 
     python benchmarks/rollout_throughput.py                     # CPU, ~2-3 minutes
     python benchmarks/rollout_throughput.py --device cuda --models 0.1b,0.5b --new-tokens 128,512
@@ -145,9 +145,10 @@ def legacy_generate(model, prompts: list[list[int]], sp: SamplingParams, pad_id:
     return engine._to_completions(torch.stack(toks, 1), torch.stack(lps, 1), stop_ids)
 
 
-def useful_bytes(model, comps: list[Completion], P: int, elem: int) -> tuple[int, int]:
+def useful_bytes(model, comps: list[Completion], prompt_lens: list[int], elem: int) -> tuple[int, int]:
     """(bytes, decode steps): weights once per step plus the KV cache of each row still running,
-    at its current length, summed over the decode steps (forwards after the prefill)."""
+    at its current length (its own prompt's tokens, not the left padding, plus what it has
+    generated), summed over the decode steps (the forwards after the prefill)."""
     cfg = model.config
     weights = sum(p.numel() for p in model.parameters()) * elem
     if not cfg.tie_word_embeddings:  # an untied input embedding is looked up, not read whole
@@ -156,8 +157,8 @@ def useful_bytes(model, comps: list[Completion], P: int, elem: int) -> tuple[int
     lengths = [len(c.token_ids) for c in comps]
     steps = max(lengths) - 1
     total = 0
-    for t in range(1, steps + 1):  # step t feeds token t-1 and attends to P + t slots
-        total += weights + sum(n > t for n in lengths) * (P + t) * kv_per_token
+    for t in range(1, steps + 1):  # step t feeds token t-1: a row of prompt p attends to p + t tokens
+        total += weights + sum(p + t for n, p in zip(lengths, prompt_lens) if n > t) * kv_per_token
     return total, steps
 
 
@@ -232,7 +233,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
                     r = run_case(model, path, prompts, sp, -1, dev, args.repeats)
                     decode_s = max(r["seconds"] - pre_s, 1e-9)
                     steady_s = max(decode_s - r["capture_s"], 1e-9)  # decode without the graph captures
-                    nbytes, steps = useful_bytes(model, r["comps"], args.prompt_len, dtype.itemsize)
+                    nbytes, steps = useful_bytes(model, r["comps"], lens, dtype.itemsize)
                     row = {"model": name, "params": n_params, "T": T, "scenario": scen, "path": path,
                            "tokens": r["tokens"], "longest": max(len(c.token_ids) for c in r["comps"]),
                            "generate_s": round(r["seconds"], 4), "prefill_s": round(pre_s, 4), "decode_s": round(decode_s, 4),
