@@ -52,7 +52,7 @@ from hybrid_rl.models.loading import load_causal_lm, load_tokenizer, model_eos_i
 from hybrid_rl.rewards.base import RewardFn, compute_rewards
 from hybrid_rl.rewards.combine import combine
 from hybrid_rl.rewards.setup import RewardSetup
-from hybrid_rl.rollout.base import Completion, SamplingParams, engine_class
+from hybrid_rl.rollout.base import Completion, SamplingParams, engine_class, response_bodies
 from hybrid_rl.sampling import GroupCollector
 from hybrid_rl.stop import StopSignal, TrainingInterrupted
 from hybrid_rl.trainer_state import Checkpointing
@@ -272,8 +272,7 @@ class Trainer(Checkpointing):
         """(reward, score, logged parts) per completion: the rule reward on the host and/or the reward model's
         score from the completions' text in the REWARD stage (inside ROLLOUT), weighted (rewards/combine.py)."""
         G = self.cfg.rollout.n
-        body = [c.token_ids[:-1] if c.finish_reason == "stop" and c.token_ids and c.token_ids[-1] in self.stop_set
-                else c.token_ids for c in completions]
+        body = response_bodies(completions, self.stop_set)
         texts = self.tokenizer.batch_decode(body, skip_special_tokens=True)
         prompts = [rows[i // G]["prompt"] for i in range(len(completions))]
         meta = [{**rows[i // G], "finish_reason": c.finish_reason, "response_tokens": len(b)}

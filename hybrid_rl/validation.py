@@ -33,7 +33,7 @@ import torch
 from hybrid_rl import distributed as D
 from hybrid_rl.metrics import MeanAccumulator
 from hybrid_rl.rewards.base import compute_rewards
-from hybrid_rl.rollout.base import Completion, SamplingParams
+from hybrid_rl.rollout.base import Completion, SamplingParams, response_bodies
 
 
 def check_val_set(rows: Sequence[dict], batch_size: int, source: str) -> None:
@@ -48,8 +48,7 @@ def decode(tokenizer, completions: Sequence[Completion], stop_ids: set[int]) -> 
     """(texts, response token counts) with a final stop token removed, as the training rewards see them."""
     if not completions:  # (transformers decodes an empty batch as [""])
         return [], []
-    bodies = [c.token_ids[:-1] if c.finish_reason == "stop" and c.token_ids and c.token_ids[-1] in stop_ids
-              else c.token_ids for c in completions]
+    bodies = response_bodies(completions, stop_ids)
     return tokenizer.batch_decode(bodies, skip_special_tokens=True), [len(b) for b in bodies]
 
 

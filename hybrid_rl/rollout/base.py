@@ -49,6 +49,12 @@ class Completion:
     finish_reason: str  # "stop" | "length"
 
 
+def response_bodies(completions: Sequence[Completion], stop_ids: set[int]) -> list[list[int]]:
+    """Each completion's tokens without a final stop token: what rewards and validation read."""
+    return [c.token_ids[:-1] if c.finish_reason == "stop" and c.token_ids and c.token_ids[-1] in stop_ids
+            else c.token_ids for c in completions]
+
+
 class RolloutEngine(Protocol):
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
         """One completion per prompt, in the order of `prompt_ids`: callers match them by position."""

@@ -32,7 +32,7 @@ _ILLEGAL_ACCESS = "CUDA error: an illegal memory access was encountered (stand-i
 
 class Scheduler:
     def __init__(self, tp_rank: int, args: Dict[str, Any]):
-        self.tp_rank = tp_rank
+        self.tp_rank, self.tp_size = tp_rank, args["tp_size"]
         self.worker = TpModelWorker(tp_rank, args)
         self.cpu_backup = args["enable_weights_cpu_backup"]
         # Without this variable the "cuda_graph" tag frees nothing (note 1.2).
@@ -66,7 +66,7 @@ class Scheduler:
                 f"TP rank {self.tp_rank}: {len(bad)} of {len(self.worker.params)} parameters hold garbage (NaN), "
                 f"e.g. {bad[:4]}. After release_memory_occupation(['weights']) every parameter must be sent "
                 "again before generating; the real engine would silently decode garbage")
-        digest = _digest(self.worker.params)
+        digest = _digest(self.worker.params) if self.tp_size > 1 else None  # compared across ranks only
         if self.tp_rank > 0:
             # Only rank 0 decodes (its output is what the Engine returns, as in SGLang); the other
             # ranks show that they hold the same weights, which is all a second decode could show.
