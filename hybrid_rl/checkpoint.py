@@ -119,7 +119,7 @@ def check_compatible(path: str, config: dict, model_config: dict, world_size: in
     if meta["world_size"] != world_size:
         raise CheckpointError(
             f"checkpoint {path!r} was written by {meta['world_size']} ranks, this run has {world_size}; resume with "
-            f"--nproc_per_node (x nodes) = {meta['world_size']}, or start a new run (trainer.resume=none). Resuming on "
+            f"--nproc_per_node (x nodes) = {meta['world_size']}, or start a new run in another trainer.out_dir. Resuming on "
             "another world size is refused: per-rank RNG streams and batch slices would change, so it would not "
             "continue the same run")
     theirs, ours = meta["model"], model_fingerprint(model_config)
@@ -127,7 +127,7 @@ def check_compatible(path: str, config: dict, model_config: dict, world_size: in
     if diff:
         detail = ", ".join(f"{k}: checkpoint {theirs.get(k)!r} vs model.path {ours.get(k)!r}" for k in diff)
         raise CheckpointError(f"checkpoint {path!r} holds another model ({detail}); point model.path at the model "
-                              "the run started from, or start a new run (trainer.resume=none)")
+                              "the run started from, or start a new run in another trainer.out_dir")
     saved = flatten(meta["config"])
     new = flatten(config)
     allowed = tuple(RESUMABLE_CHANGES) + tuple(ignore)
@@ -138,7 +138,7 @@ def check_compatible(path: str, config: dict, model_config: dict, world_size: in
         detail = "; ".join(f"{k}: {saved.get(k)!r} -> {new.get(k)!r}" for k in changed)
         raise CheckpointError(f"config differs from checkpoint {path!r} in keys that change the run: {detail}. Set them "
                               "back, list them in trainer.resume_ignore to resume anyway (no longer the same run), "
-                              "or start a new run (trainer.resume=none)")
+                              "or start a new run in another trainer.out_dir")
     return meta
 
 

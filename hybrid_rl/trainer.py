@@ -404,8 +404,8 @@ class Trainer(Checkpointing):
         total = steps if steps is not None else t.total_steps - self.step_idx
         if total <= 0 and D.is_main():
             print(f"nothing to do: the run is at step {self.step_idx} of trainer.total_steps={t.total_steps}"
-                  + (f" (resumed from {self.resume_from}); raise total_steps, or set trainer.resume=none or "
-                     "another out_dir to start over" if self.resume_from else ""))
+                  + (f" (resumed from {self.resume_from}); raise total_steps, or start over in "
+                     "another trainer.out_dir" if self.resume_from else ""))
         show = D.is_main() and t.progress_bar and interactive()
         bar = tqdm(total=max(total, 0), disable=not show, desc="grpo", dynamic_ncols=True)
         stop = StopSignal()

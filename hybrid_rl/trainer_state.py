@@ -21,15 +21,36 @@ class Checkpointing:
     def _find_resume(self) -> tuple[Optional[str], Optional[dict]]:
         """(path, meta) of the checkpoint `trainer.resume` names, checked against this run; (None, None) if none."""
         t = self.cfg.trainer
-        if t.resume == "none":
-            return None, None
-        path = ckpt.latest(t.checkpoint_root) if t.resume == "auto" else t.resume
+        path = None
+        if t.resume != "none":
+            path = ckpt.latest(t.checkpoint_root) if t.resume == "auto" else t.resume
         path = D.broadcast_object_from(path, 0)  # every rank resumes from what rank 0 found
-        if path is None:
-            return None, None
-        meta = ckpt.check_compatible(path, _plain_config(self.cfg), self._model_config, D.world_size(),
-                                     t.resume_ignore)
+        meta = None
+        if path is not None:
+            meta = ckpt.check_compatible(path, _plain_config(self.cfg), self._model_config, D.world_size(),
+                                         t.resume_ignore)
+        self._refuse_later_checkpoints(meta["step"] if meta else 0)
         return path, meta
+
+    def _refuse_later_checkpoints(self, start: int) -> None:
+        """Raise (every rank) when the checkpoint directory holds complete checkpoints after `start`.
+
+        They belong to another run (trainer.resume=none in a used out_dir) or to the later steps of
+        this one (resuming an older checkpoint): the new run's checkpoints would be mixed with them,
+        `keep_last` would prune the new ones first (it keeps the highest steps), and a later
+        resume=auto would take the other run's. Nothing is deleted: the user moves them or picks
+        another out_dir."""
+        root = self.cfg.trainer.checkpoint_root
+        later = [step for step, _ in ckpt.complete_checkpoints(root) if step > start] if D.is_main() else None
+        later = D.broadcast_object_from(later, 0)
+        if later:
+            steps = ", ".join(str(s) for s in later[:5]) + (", ..." if len(later) > 5 else "")
+            what = "a fresh run (trainer.resume=none)" if start == 0 else f"a run resumed at step {start}"
+            raise ckpt.CheckpointError(
+                f"{root} holds checkpoints after step {start} (steps {steps}) that {what} would mix with its own: "
+                f"keep_last would delete the new ones first and a later trainer.resume=auto would take the old "
+                f"ones. Use another trainer.out_dir, resume the newest with trainer.resume=auto, or move those "
+                f"step_* directories out of {root}")
 
     def _resume_state(self) -> dict:
         """Everything this rank's next step reads besides weights and optimizer state."""

@@ -67,8 +67,27 @@ def test_auto_takes_newest_complete_and_ignores_partial(two_checkpoints, tiny_mo
     assert not os.path.exists(os.path.join(root, ".tmp-step_00000008")), "stale temporaries are removed at start"
     with pytest.raises(C.CheckpointError, match="incomplete"):
         _trainer(tiny_model_dir, out, f"trainer.resume={os.path.join(root, 'step_00000006')}")
-    fresh = _trainer(tiny_model_dir, out, "trainer.resume=none")
+
+
+def test_refuses_to_mix_with_later_checkpoints(two_checkpoints, tiny_model_dir, tmp_path):
+    """A fresh run in a used out_dir, or a resume of an older checkpoint, would write its checkpoints
+    next to later ones: keep_last (highest steps kept) would delete the new ones as soon as they are
+    written. Both are refused before anything is written; elsewhere a fresh run starts at step 0."""
+    from hybrid_rl import checkpoint as C
+
+    _, out = two_checkpoints
+    root = os.path.join(out, "checkpoints")
+    before = _unchanged(out)
+    with pytest.raises(C.CheckpointError, match=r"after step 0 \(steps 2, 4\).*another trainer\.out_dir"):
+        _trainer(tiny_model_dir, out, "trainer.resume=none")
+    with pytest.raises(C.CheckpointError, match=r"after step 2 \(steps 4\)"):
+        _trainer(tiny_model_dir, out, f"trainer.resume={os.path.join(root, 'step_00000002')}")
+    assert _unchanged(out) == before
+    assert [s for s, _ in C.complete_checkpoints(root)] == [2, 4]
+    fresh = _trainer(tiny_model_dir, str(tmp_path / "elsewhere"), "trainer.resume=none")
     assert fresh.step_idx == 0
+    # Resuming the newest one is the normal case and has nothing after it.
+    assert _trainer(tiny_model_dir, out, "trainer.total_steps=6").step_idx == 4
 
 
 def test_keep_last_prunes_oldest(tiny_model_dir, tmp_path):
