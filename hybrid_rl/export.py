@@ -17,6 +17,7 @@ import sys
 import torch
 
 from hybrid_rl import checkpoint as ckpt
+from hybrid_rl.models.saving import declared_dtype, write_hf_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -33,9 +34,7 @@ def _resolve(path: str) -> str:
 def _target_dtype(config, dtype: str) -> torch.dtype:
     if dtype != "auto":
         return DTYPES[dtype]
-    declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    declared = str(declared).replace("torch.", "") if declared is not None else "float32"
-    return DTYPES.get(declared, torch.float32)
+    return DTYPES.get(declared_dtype(config.to_dict()) or "float32", torch.float32)
 
 
 def export_checkpoint(checkpoint: str, out: str, dtype: str = "auto") -> str:
@@ -45,7 +44,6 @@ def export_checkpoint(checkpoint: str, out: str, dtype: str = "auto") -> str:
     from torch.distributed.checkpoint import load as dcp_load
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from hybrid_rl.models.saving import write_hf_dir
 
     if dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: use auto or one of {sorted(DTYPES)}")
@@ -53,6 +51,7 @@ def export_checkpoint(checkpoint: str, out: str, dtype: str = "auto") -> str:
     ckpt.read_meta(path)
     hf = os.path.join(path, "hf")
     config = AutoConfig.from_pretrained(hf)
+    target = _target_dtype(config, dtype)  # before from_config(dtype=float32) overwrites config.dtype
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.to_empty(device="cpu")
@@ -69,7 +68,6 @@ def export_checkpoint(checkpoint: str, out: str, dtype: str = "auto") -> str:
                                    f"({len(missing)} missing); it was not written for this model")
     dcp_load({"model": wanted}, checkpoint_id=os.path.join(path, "state"), no_dist=True)
     model.tie_weights()
-    target = _target_dtype(config, dtype)
     full = {k: v.to(target) for k, v in model.state_dict().items()}
     return write_hf_dir(model, full, AutoTokenizer.from_pretrained(hf), out)
 

@@ -11,7 +11,7 @@ from typing import Optional
 
 from hybrid_rl import checkpoint as ckpt
 from hybrid_rl import distributed as D
-from hybrid_rl.models.saving import write_hf_metadata
+from hybrid_rl.models.saving import declared_dtype, write_hf_metadata
 
 
 class Checkpointing:
@@ -64,9 +64,10 @@ class Checkpointing:
         t = self.cfg.trainer
         t0 = time.perf_counter()
         meta = {"model": ckpt.model_fingerprint(self._model_config), "config": _plain_config(self.cfg)}
+        source_dtype = declared_dtype(self._model_config)  # the HF config records it, not the fp32 it trained in
         with self.phases.checkpointable():
             path = ckpt.save(t.checkpoint_root, self.step_idx, self.policy, self.optimizer, self._resume_state(),
-                             meta, lambda d: write_hf_metadata(self.policy, self.tokenizer, d))
+                             meta, lambda d: write_hf_metadata(self.policy, self.tokenizer, d, source_dtype))
         ckpt.prune(t.checkpoint_root, t.keep_last)
         D.barrier()
         self._saved_step, self._checkpoint_path = self.step_idx, path

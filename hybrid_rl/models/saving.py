@@ -52,32 +52,48 @@ def atomic_dir(path: str) -> Iterator[str]:
             shutil.rmtree(tmp)
 
 
-def write_hf_metadata(model: torch.nn.Module, tokenizer, path: str) -> None:
-    """config.json (+ generation config) and the tokenizer of `model`, as a HF directory holds them."""
+def write_hf_metadata(model: torch.nn.Module, tokenizer, path: str, dtype: str | None = None) -> None:
+    """config.json (+ generation config) and the tokenizer of `model`, as a HF directory holds them.
+
+    dtype: the dtype config.json declares (the source model's, e.g. "bfloat16"); None = the config
+    as it is in memory, which says float32 for a policy loaded in fp32 to train."""
     os.makedirs(path, exist_ok=True)
     model.config.save_pretrained(path)
     generation = getattr(model, "generation_config", None)
     if generation is not None:
         generation.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    _fix_config(os.path.join(path, "config.json"), _hf_class_name(model))
+    _fix_config(os.path.join(path, "config.json"), _hf_class_name(model), dtype)
 
 
-def _fix_config(cfg_path: str, architecture: str) -> None:
+def declared_dtype(config: dict) -> str | None:
+    """The dtype a config.json declares ("dtype", or the older "torch_dtype"), or None."""
+    value = config.get("dtype") or config.get("torch_dtype")
+    return str(value).replace("torch.", "") if value is not None else None
+
+
+def _fix_config(cfg_path: str, architecture: str, dtype: str | None = None) -> None:
     with open(cfg_path) as f:
         cfg = json.load(f)
     cfg["architectures"] = [architecture]
     cfg["use_cache"] = True  # training turned it off; inference wants it
+    if dtype is not None:  # both spellings, so that old and new transformers read the same
+        cfg["dtype"] = dtype
+        if "torch_dtype" in cfg:
+            cfg["torch_dtype"] = dtype
     with open(cfg_path, "w") as f:
         json.dump(cfg, f, indent=2)
 
 
 def write_hf_dir(model: torch.nn.Module, state: dict[str, torch.Tensor], tokenizer, path: str) -> str:
     """Write `state` (full weights on the host) as the weights of `model`'s HF directory at `path`, atomically."""
+    # save_pretrained declares the module's dtype (fp32 while training); declare the weights' own.
+    written = next((v.dtype for v in state.values() if v.is_floating_point()), None)
     with atomic_dir(path) as tmp:
         model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        _fix_config(os.path.join(tmp, "config.json"), _hf_class_name(model))
+        _fix_config(os.path.join(tmp, "config.json"), _hf_class_name(model),
+                    str(written).replace("torch.", "") if written is not None else None)
     return path
 
 

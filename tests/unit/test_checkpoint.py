@@ -209,6 +209,44 @@ def test_export_cli_writes_the_policy(two_checkpoints, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_export_keeps_the_source_models_dtype(tiny_model_dir, tmp_path):
+    """A model that declares bf16 trains in fp32 on CPU; its checkpoint and export still declare bf16,
+    and the export's weights are bf16 (half the bytes of the fp32 copy). An explicit dtype is declared as written."""
+    from safetensors import safe_open
+
+    from hybrid_rl.export import export_checkpoint
+    from hybrid_rl.models.loading import load_causal_lm
+
+    src = tmp_path / "bf16_model"
+    shutil.copytree(tiny_model_dir, src)
+    with open(src / "config.json") as f:
+        config = json.load(f)
+    config.pop("torch_dtype", None)
+    config["dtype"] = "bfloat16"
+    with open(src / "config.json", "w") as f:
+        json.dump(config, f)
+    out = str(tmp_path / "run")
+    tr = _trainer(str(src), out, "trainer.total_steps=1", "trainer.save_every=1")
+    tr.fit()
+
+    def declared_and_stored(hf):
+        with open(os.path.join(hf, "config.json")) as f:
+            declared = json.load(f)["dtype"]
+        with safe_open(os.path.join(hf, "model.safetensors"), "pt") as st:
+            stored = {st.get_tensor(k).dtype for k in st.keys()}
+        return declared, stored
+
+    ckpt_dir = os.path.join(out, "checkpoints", "step_00000001")
+    with open(os.path.join(ckpt_dir, "hf", "config.json")) as f:
+        assert json.load(f)["dtype"] == "bfloat16"
+    assert declared_and_stored(export_checkpoint(ckpt_dir, str(tmp_path / "auto"))) == ("bfloat16", {torch.bfloat16})
+    exported = dict(load_causal_lm(str(tmp_path / "auto")).named_parameters())
+    for name, p in tr.policy.named_parameters():
+        assert torch.equal(exported[name], p.detach().bfloat16().float()), name
+    assert declared_and_stored(export_checkpoint(ckpt_dir, str(tmp_path / "f16"), "float16")) == ("float16", {torch.float16})
+    assert declared_and_stored(export_checkpoint(ckpt_dir, str(tmp_path / "f32"), "float32")) == ("float32", {torch.float32})
+
+
 def test_sigint_mid_step_finishes_the_step_then_checkpoints(tiny_model_dir, tmp_path):
     """Ctrl-C inside step 2's reward: step 2 completes, a checkpoint of step 2 is written, the loggers
     are closed, and fit raises TrainingInterrupted (exit status 130); the handlers are restored."""
