@@ -131,11 +131,18 @@ def check_compatible(path: str, config: dict, model_config: dict, world_size: in
     saved = flatten(meta["config"])
     new = flatten(config)
     allowed = tuple(RESUMABLE_CHANGES) + tuple(ignore)
+    if new.get("optim.lr_schedule", "constant") != "constant" and "trainer.total_steps" not in ignore:
+        # A decaying lr spans the run's length: another total_steps changes the lr of every later
+        # step (the decay is re-planned over the new length), so it is no longer the same run.
+        allowed = tuple(a for a in allowed if a != "trainer.total_steps")
     changed = sorted(k for k in set(saved) | set(new)
                      if saved.get(k) != new.get(k) and not any(k == a or (a.endswith(".") and k.startswith(a))
                                                                 for a in allowed))
     if changed:
-        detail = "; ".join(f"{k}: {saved.get(k)!r} -> {new.get(k)!r}" for k in changed)
+        detail = "; ".join(f"{k}: {saved.get(k)!r} -> {new.get(k)!r}"
+                           + (f" (the {new['optim.lr_schedule']} lr schedule decays over it: the lr would jump to "
+                              "the new schedule's at the next step)" if k == "trainer.total_steps" else "")
+                           for k in changed)
         raise CheckpointError(f"config differs from checkpoint {path!r} in keys that change the run: {detail}. Set them "
                               "back, list them in trainer.resume_ignore to resume anyway (no longer the same run), "
                               "or start a new run in another trainer.out_dir")

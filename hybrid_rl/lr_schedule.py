@@ -3,8 +3,10 @@
 `lr_factor(s, ...)` is what `torch.optim.lr_scheduler.LambdaLR` multiplies the base lr by
 before optimizer step s + 1 (s counts the steps already taken, from 0). Warm-up ramps
 (s + 1) / warmup; the decay then runs over the remaining steps so that the last
-optimizer step of the run (s = total - 1) uses lr * min_ratio, and stays there after it
-(a resumed run given more steps keeps the floor until its schedule is rebuilt).
+optimizer step of the run (s = total - 1) uses lr * min_ratio, and stays there after it.
+A decaying schedule spans the run's length, so resuming with another `trainer.total_steps`
+is refused (checkpoint.check_compatible) unless `trainer.resume_ignore` lists it: the
+schedule is then re-planned over the new length and the lr jumps to it at the next step.
 """
 from __future__ import annotations
 

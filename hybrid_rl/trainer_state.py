@@ -81,6 +81,10 @@ class Checkpointing:
         self.step_idx = state["step"]
         self.loader.load_state_dict(state["loader"])
         self.scheduler.load_state_dict(state["scheduler"])
+        # The optimizer state brought the lr the saved schedule set for the next step; this run's schedule
+        # decides it (the same value unless trainer.resume_ignore let a decaying schedule's length change).
+        for group, base, factor in zip(self.optimizer.param_groups, self.scheduler.base_lrs, self.scheduler.lr_lambdas):
+            group["lr"] = base * factor(self.scheduler.last_epoch)
         self.kl_ctl.value = state["kl_coef"]
         self.phases.step, self._ledger_step = state["switch_step"], state["ledger_step"]
         norm = getattr(self, "reward_norm", None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -133,6 +134,25 @@ def test_refuses_other_config_world_and_model_before_writing(two_checkpoints, ti
     with pytest.raises(C.CheckpointError, match=r"written by 2 ranks, this run has 1"):
         _trainer(tiny_model_dir, out, "trainer.total_steps=6")
     assert _unchanged(out) == before
+
+
+def test_length_of_a_decaying_lr_is_part_of_the_run(tiny_model_dir, tmp_path):
+    """With a cosine lr, another total_steps re-plans the decay (the lr of the next step would jump): refused
+    unless resume_ignore lists it. A constant lr takes any length (test_resume_is_bit_exact extends k -> 2k)."""
+    from hybrid_rl import checkpoint as C
+
+    out = str(tmp_path / "run")
+    _trainer(tiny_model_dir, out, "optim.lr_schedule=cosine", "trainer.total_steps=2", "trainer.save_every=2").fit()
+    with pytest.raises(C.CheckpointError, match=r"trainer\.total_steps: 2 -> 4 \(the cosine lr schedule decays"):
+        _trainer(tiny_model_dir, out, "optim.lr_schedule=cosine", "trainer.total_steps=4")
+    same = _trainer(tiny_model_dir, out, "optim.lr_schedule=cosine", "trainer.total_steps=2")
+    assert same.step_idx == 2
+    replanned = _trainer(tiny_model_dir, out, "optim.lr_schedule=cosine", "trainer.total_steps=4",
+                         "trainer.resume_ignore=[trainer.total_steps]")
+    assert replanned.step_idx == 2
+    # The next update uses the new schedule's lr for step 3 of 4: the cosine half-way down, not the floor.
+    replanned.fit(1)
+    assert replanned.history[-1]["actor/lr"] == pytest.approx(replanned.cfg.optim.lr * 0.5 * (1 + math.cos(math.pi * 2 / 3)))
 
 
 def test_full_disk_keeps_previous_checkpoint(two_checkpoints, tiny_model_dir, monkeypatch):
