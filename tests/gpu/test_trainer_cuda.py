@@ -27,21 +27,23 @@ def test_one_gpu_step_in_bf16(tiny_model_dir, tmp_path):
     from hybrid_rl import Trainer, load_config
     from hybrid_rl import distributed as D
 
-    trainer = Trainer(load_config(None, _overrides(tiny_model_dir, str(tmp_path))))
-    assert D.is_dist() and torch.distributed.get_backend_config() == "cpu:gloo,cuda:nccl"
-    history = trainer.fit()
-    last = history[-1]
-    for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/entropy", "actor/kl_ref"):
-        assert math.isfinite(last[key]), key
-    assert last["actor/grad_norm"] > 0
-    # bf16 forward in the engine and the trainer: close, not exact.
-    assert last["rollout/logp_mismatch"] < 0.1
-    assert last["memory/optimizer_peak"] > 0
-    # The rollout replayed CUDA graphs of the lean step on the FSDP2 policy, with no fallback.
-    assert trainer.engine.last_decode_path == "cuda_graph", trainer.engine.last_graph_error
-    params = list(trainer.policy.parameters())
-    assert params[0].device.type == "cuda"
-    D.shutdown()
+    try:  # the process group outlives a failed assertion otherwise, and the next D.init would reuse it
+        trainer = Trainer(load_config(None, _overrides(tiny_model_dir, str(tmp_path))))
+        assert D.is_dist() and torch.distributed.get_backend_config() == "cpu:gloo,cuda:nccl"
+        history = trainer.fit()
+        last = history[-1]
+        for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/entropy", "actor/kl_ref"):
+            assert math.isfinite(last[key]), key
+        assert last["actor/grad_norm"] > 0
+        # bf16 forward in the engine and the trainer: close, not exact.
+        assert last["rollout/logp_mismatch"] < 0.1
+        assert last["memory/optimizer_peak"] > 0
+        # The rollout replayed CUDA graphs of the lean step on the FSDP2 policy, with no fallback.
+        assert trainer.engine.last_decode_path == "cuda_graph", trainer.engine.last_graph_error
+        params = list(trainer.policy.parameters())
+        assert params[0].device.type == "cuda"
+    finally:
+        D.shutdown()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
@@ -59,9 +61,12 @@ def test_two_gpu_recipe_under_torchrun(tmp_path):
     assert len(lines) == 5 and all(math.isfinite(m["actor/loss"]) for m in lines)
 
 
+@pytest.mark.parametrize("share_prompts", [None, False], ids=["shared_prefix", "packed_rows"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_packed_scoring_equals_padded_on_cuda(tiny_model_dir, dtype):
-    """sdpa on CUDA with the packed block-diagonal mask, and flash-attention varlen when it is installed."""
+def test_packed_scoring_equals_padded_on_cuda(tiny_model_dir, dtype, share_prompts):
+    """Both padding-free layouts against the padded one: the shared-prefix row (what the trainer's
+    micro-batches take for a supported model under sdpa) and the packed rows (sdpa's block-diagonal
+    mask built from the position ids; flash-attention varlen when flash_attn is installed)."""
     from hybrid_rl.models.loading import load_causal_lm
     from hybrid_rl.models.logprobs import build_sequences, response_logprobs
     from hybrid_rl.models.packing import packed_response_logprobs
@@ -83,5 +88,6 @@ def test_packed_scoring_equals_padded_on_cuda(tiny_model_dir, dtype):
         model = load_causal_lm(tiny_model_dir, dtype, attn_implementation=impl).cuda()
         with torch.no_grad():
             ref, _ = response_logprobs(model, ids, attn, P)
-            got, _ = packed_response_logprobs(model, ids, attn, P, min_saving=0.0)
-        torch.testing.assert_close(got, ref * mask, atol=tol, rtol=0, msg=lambda m: f"{impl} {dtype}: {m}")
+            got, _ = packed_response_logprobs(model, ids, attn, P, min_saving=0.0, share_prompts=share_prompts)
+        torch.testing.assert_close(got, ref * mask, atol=tol, rtol=0,
+                                   msg=lambda m: f"{impl} {dtype} share_prompts={share_prompts}: {m}")
