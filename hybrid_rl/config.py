@@ -120,7 +120,8 @@ class AlgorithmConfig:
     `preset` names a published method (hybrid_rl/algorithms/presets.py); `load_config`
     expands it to its keys in the layer that names it, so explicit keys still win.
     Built in Python, use `AlgorithmConfig.from_preset(name, **overrides)`; the
-    constructor itself only records the name.
+    constructor itself only records the name (and refuses a named preset none of whose
+    own values is set).
     """
 
     preset: str = ""  # "" (none) | grpo | drgrpo | dapo | gspo
@@ -160,6 +161,7 @@ class AlgorithmConfig:
         from hybrid_rl.algorithms.presets import PRESETS
 
         _one_of(self.preset, "algorithm.preset", ["", *sorted(PRESETS)])
+        self._check_preset_applied()
         _one_of(self.advantage, "algorithm.advantage", sorted(ADVANTAGE_ESTIMATORS))
         _one_of(self.policy_loss, "algorithm.policy_loss", sorted(POLICY_LOSSES))
         _one_of(self.loss_agg, "algorithm.loss_agg", LOSS_AGG_MODES)
@@ -189,6 +191,24 @@ class AlgorithmConfig:
         _check(0 < self.gamma <= 1, "algorithm.gamma", f"must be in (0, 1], got {self.gamma}")
         _check(self.gamma == 1 or self.advantage == "reinforce_pp", "algorithm.gamma",
                f"a discount needs token-level returns: set algorithm.advantage=reinforce_pp (got {self.advantage!r})")
+
+    def _check_preset_applied(self) -> None:
+        """`AlgorithmConfig(preset="dapo")` records the name only: refuse it when none of the preset's own
+        values (those that differ from the defaults) is set, instead of silently running the defaults."""
+        if not self.preset:
+            return
+        from dataclasses import fields
+
+        from hybrid_rl.algorithms.presets import preset_values
+
+        defaults = {f.name: f.default for f in fields(self)}
+        distinctive = {k: v for k, v in preset_values(self.preset).items() if v != defaults[k]}
+        if distinctive and all(getattr(self, k) == defaults[k] for k in distinctive):
+            raise ValueError(
+                f"config key 'algorithm.preset': {self.preset!r} is named but none of its values "
+                f"({', '.join(f'{k}={v!r}' for k, v in sorted(distinctive.items()))}) is set: the constructor "
+                f"records the name only. Use AlgorithmConfig.from_preset({self.preset!r}, ...) in Python, or "
+                f"algorithm.preset={self.preset} in a YAML or an override")
 
     def clip_bounds(self) -> tuple[Optional[float], Optional[float]]:
         """(low, high) clip ratios for the policy loss; "auto" is that loss's own default, None no bound."""

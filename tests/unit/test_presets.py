@@ -165,3 +165,16 @@ def test_good_algorithm_values_are_accepted(overrides):
                                                   ("loss", 0.0, False), ("reward", 0.0, False)])
 def test_reference_model_only_when_a_kl_uses_it(placement, coef, needs):
     assert AlgorithmConfig(kl_placement=placement, kl_coef=coef).needs_ref_model is needs
+
+
+@pytest.mark.parametrize("name", ["grpo", "drgrpo", "dapo", "gspo"])
+def test_constructor_with_only_a_preset_name_is_refused(name):
+    """`AlgorithmConfig(preset="dapo")` would record the name and run the defaults (plain GRPO for dapo)."""
+    from hybrid_rl.config import AlgorithmConfig
+
+    with pytest.raises(ValueError, match=rf"'{name}' is named but none of its values.*from_preset\('{name}'"):
+        AlgorithmConfig(preset=name)
+    built = AlgorithmConfig.from_preset(name)
+    # One of the preset's keys set back to its default is an explicit choice, not a forgotten preset.
+    if name == "dapo":
+        assert AlgorithmConfig.from_preset(name, dynamic_sampling=False).clip_ratio_high == built.clip_ratio_high == 0.28
