@@ -27,6 +27,7 @@ class MeanAccumulator:
         self.sums: dict[str, list[Number]] = {}
         self.counts: dict[str, list[Number]] = {}
         self.maxima: dict[str, list[Number]] = {}
+        self.minima: set[str] = set()  # names in `maxima` that hold negated values (add_min)
 
     def add(self, name: str, total: Number, count: Number = 1.0) -> None:
         """Add `total` over `count` items to the mean `name` (mean = sum of totals / sum of counts)."""
@@ -34,8 +35,13 @@ class MeanAccumulator:
         self.counts.setdefault(name, []).append(count)
 
     def add_max(self, name: str, value: Number) -> None:
-        """`name` reports the maximum over every value added, on every rank."""
+        """`name` reports the maximum over every value added, on every rank (-inf adds nothing)."""
         self.maxima.setdefault(name, []).append(value)
+
+    def add_min(self, name: str, value: Number) -> None:
+        """`name` reports the minimum over every value added, on every rank (+inf adds nothing)."""
+        self.minima.add(name)
+        self.maxima.setdefault(name, []).append(-value)  # min(x) = -max(-x): one reduction serves both
 
     def __ior__(self, other: "MeanAccumulator") -> "MeanAccumulator":
         for name in other.sums:
@@ -43,6 +49,7 @@ class MeanAccumulator:
             self.counts.setdefault(name, []).extend(other.counts[name])
         for name, values in other.maxima.items():
             self.maxima.setdefault(name, []).extend(values)
+        self.minima |= other.minima
         return self
 
     def reduce(self) -> dict[str, float]:
@@ -60,7 +67,7 @@ class MeanAccumulator:
             out.update({n: (sc[0, j] / sc[1, j]).item() if sc[1, j] > 0 else 0.0 for j, n in enumerate(means)})
         if maxes:
             top = D.all_reduce_max(torch.tensor(folded[2 * len(means):], dtype=torch.float64))
-            out.update({n: top[j].item() for j, n in enumerate(maxes)})
+            out.update({n: -top[j].item() if n in self.minima else top[j].item() for j, n in enumerate(maxes)})
         return out
 
 

@@ -257,7 +257,12 @@ def policy_update(
                 (loss * W).backward()
                 mini_loss = mini_loss + loss.detach()
                 for k, v in pm.items():
-                    acc.add(f"actor/{k}", v * n_tok, n_tok)
+                    if k == "ratio_max":  # the step's extremes, not a mean of micro-batch extremes
+                        acc.add_max(f"actor/{k}", torch.where(n_tok > 0, v, float("-inf")))
+                    elif k == "ratio_min":
+                        acc.add_min(f"actor/{k}", torch.where(n_tok > 0, v, float("inf")))
+                    else:
+                        acc.add(f"actor/{k}", v * n_tok, n_tok)
             # Each rank holds its share of the mini-batch loss; the shares sum to the total.
             acc.add("actor/loss", mini_loss, 1.0 / W)
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)

@@ -13,3 +13,20 @@ def test_split_summary_shares_add_up():
     hist = [{"time/rollout": 1.0, "time/score": 1.0, "time/train": 2.0, "time/switch": 0.0}] * 4
     line = split_summary(hist)
     assert line == "time split over 4 steps: rollout 25% | scoring 25% | training 50% | switching 0% -> training-bound"
+
+
+def test_accumulator_extremes_and_neutral_values():
+    import torch
+
+    from hybrid_rl.metrics import MeanAccumulator
+
+    a, b = MeanAccumulator(), MeanAccumulator()
+    a.add_max("hi", torch.tensor(2.0))
+    a.add_max("hi", float("-inf"))  # an empty micro-batch adds nothing
+    a.add_min("lo", torch.tensor(0.5))
+    b.add_min("lo", 0.25)
+    b.add_min("lo", float("inf"))
+    b.add_max("hi", 3.0)
+    b.add("mean", 6.0, 3.0)
+    a |= b
+    assert a.reduce() == {"hi": 3.0, "lo": 0.25, "mean": 2.0}

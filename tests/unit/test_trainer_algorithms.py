@@ -170,6 +170,19 @@ def test_epochs_and_mini_batches_score_old_logprobs_once(tiny_trainer_overrides,
     assert m["actor/ratio_max"] > m["actor/ratio_min"], "later mini-batches are off-policy w.r.t. the old logprobs"
 
 
+def test_ratio_extremes_are_the_steps_not_a_mean_of_micro_batches(tiny_trainer_overrides, monkeypatch):
+    """actor/ratio_max and _min are what an off-policy blow-up shows in: the max / min over every
+    micro-batch of the step, not a token-weighted mean of each micro-batch's extreme."""
+    losses = _capture(monkeypatch, update_mod, "compute_policy_loss")
+    m = _trainer(tiny_trainer_overrides, "algorithm.ppo_epochs=2", "algorithm.mini_batch_size=4",
+                 "trainer.micro_batch_size=2").step()
+    highs = [pm["ratio_max"].item() for _, (_, pm) in losses]
+    lows = [pm["ratio_min"].item() for _, (_, pm) in losses]
+    assert len(highs) >= 4 and len(set(highs)) > 1, "the check needs micro-batches with different extremes"
+    assert m["actor/ratio_max"] == pytest.approx(max(highs), rel=1e-6)
+    assert m["actor/ratio_min"] == pytest.approx(min(lows), rel=1e-6)
+
+
 def test_cispo_gets_no_lower_clip_bound_by_default(tiny_trainer_overrides, monkeypatch):
     losses = _capture(monkeypatch, update_mod, "compute_policy_loss")
     _trainer(tiny_trainer_overrides, "algorithm.policy_loss=cispo").step()
