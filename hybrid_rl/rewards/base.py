@@ -37,6 +37,7 @@ import functools
 import importlib
 import inspect
 import math
+import numbers
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -164,8 +165,25 @@ def compute_rewards(name: str, spec: RewardSpec, prompts: Sequence[str], complet
     out = list(out)
     if len(out) != len(completions):
         raise ValueError(f"reward function {name!r} returned {len(out)} rewards for {len(completions)} completions")
+    rewards = []
     for i, r in enumerate(out):
-        if not isinstance(r, (int, float)) or math.isnan(r) or math.isinf(r):
+        value = _real(r)
+        if value is None or not math.isfinite(value):
             raise ValueError(f"reward function {name!r} returned {r!r} for {_sample(i, prompts, completions)}; "
-                             "rewards must be finite floats")
-    return [float(r) for r in out]
+                             "rewards must be finite real numbers (a Python, numpy or one-element torch number)")
+        rewards.append(value)
+    return rewards
+
+
+def _real(r) -> float | None:
+    """r as a float when it is one real number: Python and numpy scalars, one-element arrays and tensors."""
+    if isinstance(r, numbers.Real):
+        return float(r)
+    item = getattr(r, "item", None)
+    if callable(item) and not isinstance(r, (str, bytes)):
+        try:
+            value = item()  # one-element numpy arrays and torch tensors; raises on more elements
+        except (ValueError, RuntimeError, TypeError):
+            return None
+        return float(value) if isinstance(value, numbers.Real) else None
+    return None

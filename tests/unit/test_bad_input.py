@@ -462,3 +462,22 @@ def test_prompts_that_leave_no_room_for_the_answer_in_the_context(tiny_model_dir
     with pytest.raises(ValueError, match=r"rollout.max_new_tokens=7 leaves no room for a prompt in the model's "
                                          r"context of 8 tokens"):
         _trainer(tiny_trainer_overrides, f"model.path={d}", "rollout.max_new_tokens=7")
+
+
+def test_reward_numbers_from_numpy_and_torch_are_accepted():
+    """np.float32(1.0) or a 0-d tensor is a real number: accepted as its float; a string, a list or a
+    many-element tensor is not a reward, and a non-finite numpy value is still refused."""
+    import numpy as np
+    import torch
+
+    from hybrid_rl.rewards.base import RewardSpec, compute_rewards
+
+    def run(values):
+        return compute_rewards("r", RewardSpec(lambda p, c, m: values), ["p"] * len(values), ["c"] * len(values),
+                               [{}] * len(values))
+
+    got = run([np.float32(0.5), np.int64(1), torch.tensor(0.25), np.array(2.0), torch.tensor([0.75]), True, 3])
+    assert got == [0.5, 1.0, 0.25, 2.0, 0.75, 1.0, 3.0] and all(type(v) is float for v in got)
+    for bad in ("1.0", [1.0], torch.tensor([1.0, 2.0]), np.float32("nan"), torch.tensor(float("inf")), None, 1j):
+        with pytest.raises(ValueError, match="finite real numbers"):
+            run([0.0, bad])
