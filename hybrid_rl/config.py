@@ -269,7 +269,7 @@ class OptimConfig:
 
 @dataclass
 class OffloadConfig:
-    """What leaves the compute device outside the phase that uses it (hybrid/offload.py)."""
+    """What leaves the compute device outside the phase that uses it (switch/offload.py)."""
 
     optimizer: bool = False  # optimizer state on host outside TRAIN
     ref: bool = True  # reference model on host outside SCORE

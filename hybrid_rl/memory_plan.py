@@ -63,7 +63,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
-# The one definition of the memory roles: the runtime ledger (hybrid/memory.py) imports it
+# The one definition of the memory roles: the runtime ledger (switch/memory.py) imports it
 # from here, because this module is torch-free and the ledger is not.
 ROLES = ("policy_weights", "grads", "optimizer", "engine_weights", "kv_cache", "ref", "reward_model")
 PHASES = ("train", "rollout", "reward", "score")

@@ -138,8 +138,8 @@ class PromptLoader:
     """Endless shuffled batches of rows; each rank takes its own slice of each global batch.
 
     Its position (epoch, cursor, seed) is a plain, JSON-safe dict via state_dict /
-    load_state_dict, and restoring it replays the same batches. Nothing saves it yet:
-    checkpoint/resume of a run is not built.
+    load_state_dict, and restoring it replays the same batches: a checkpoint saves it with the
+    run's other state (trainer_state.py), so a resumed run draws the batches it would have drawn.
     """
 
     def __init__(self, rows: list[dict], batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0):

@@ -3,7 +3,8 @@
 An engine turns prompt token ids into completions and knows how to take fresh
 weights and give its memory back between rollouts. Engines are looked up by
 name and imported lazily, so a GPU-only engine costs nothing where it is absent.
-`native` is the only engine so far; the SGLang engine is planned, not built.
+`native` decodes on the policy's own module (rollout/native.py); `sglang` drives an
+SGLang engine that receives the weights as CUDA IPC handles (rollout/sglang.py).
 """
 from __future__ import annotations
 
@@ -95,7 +96,7 @@ def engine_class(name: str) -> type:
     try:
         return getattr(importlib.import_module(module), cls)
     except ImportError as err:
-        # native needs only the core install; the extra is for GPU engines once they are registered.
+        # Both modules import with the core install (sglang.py imports SGLang itself lazily); this is a guard.
         raise ImportError(f"rollout engine {name!r} is not available here ({err}); install its dependencies "
                           "(GPU engines: pip install 'hybrid_rl[gpu]')") from err
 
