@@ -31,27 +31,30 @@ def _numbers(metrics: dict) -> dict[str, float]:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and k != "step"}
 
 
-class JsonlLogger:
-    """One JSON object per step, appended to `path`.
+def restart_jsonl(path: str, resume_step: Optional[int] = None) -> None:
+    """Start a per-step JSON-lines file of the run: empty for a new run; for a resumed one, the lines
+    up to the step it resumed from (steps the interrupted run did after its last checkpoint are
+    done again, so every step appears once)."""
+    kept = []
+    if resume_step is not None and os.path.isfile(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    break  # a line cut short by the crash: nothing after it is trusted
+                if isinstance(record, dict) and record.get("step", resume_step + 1) <= resume_step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+    with open(path, "w") as f:
+        f.writelines(kept)
 
-    A new run starts the file empty; a resumed run keeps the lines up to the step it
-    resumed from and drops later ones (steps the interrupted run did after its last
-    checkpoint, which the resumed run does again), so every step appears once."""
+
+class JsonlLogger:
+    """One JSON object per step, appended to `path` (started by `restart_jsonl`)."""
 
     def __init__(self, path: str, resume_step: Optional[int] = None):
         self.path = path
-        kept = []
-        if resume_step is not None and os.path.isfile(path):
-            with open(path) as f:
-                for line in f:
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError:
-                        break  # a line cut short by the crash: nothing after it is trusted
-                    if isinstance(record, dict) and record.get("step", resume_step + 1) <= resume_step:
-                        kept.append(line if line.endswith("\n") else line + "\n")
-        with open(path, "w") as f:
-            f.writelines(kept)
+        restart_jsonl(path, resume_step)
 
     def log(self, metrics: dict, step: int) -> None:
         append_jsonl(self.path, metrics)
@@ -97,14 +100,28 @@ class TensorBoardLogger:
 
 
 class WandbLogger:
-    def __init__(self, project: str, name: str, out_dir: str, mode: str, config: Optional[dict] = None):
+    """A W&B run; a resumed run continues the same W&B run (its id is kept in `<out_dir>/wandb_run_id`)."""
+
+    def __init__(self, project: str, name: str, out_dir: str, mode: str, config: Optional[dict] = None,
+                 resume_step: Optional[int] = None):
         try:
             import wandb
         except ImportError:
             raise ImportError("trainer.loggers includes 'wandb' but wandb is not installed: pip install wandb "
                               "(or drop it from trainer.loggers)") from None
         self.wandb = wandb
-        self.run = wandb.init(project=project, name=name, dir=out_dir, mode=mode, config=config)
+        id_path = os.path.join(out_dir, "wandb_run_id")
+        run_id = None
+        if resume_step is not None and os.path.isfile(id_path):
+            with open(id_path) as f:
+                run_id = f.read().strip() or None
+        if run_id is None:
+            run_id = wandb.util.generate_id()
+            with open(id_path, "w") as f:
+                f.write(run_id + "\n")
+        # resume="allow": the same id continues the run's charts; steps after the checkpoint are logged again.
+        self.run = wandb.init(project=project, name=name, dir=out_dir, mode=mode, config=config, id=run_id,
+                              resume="allow")
 
     def log(self, metrics: dict, step: int) -> None:
         self.run.log(_numbers(metrics), step=step)
@@ -125,7 +142,9 @@ def build_loggers(cfg, write=print, resume_step: Optional[int] = None) -> list[L
         loggers.append(TensorBoardLogger(os.path.join(t.out_dir, "tensorboard"), resume_step))
     if "wandb" in t.loggers:
         name = t.experiment or os.path.basename(os.path.normpath(t.out_dir))
-        loggers.append(WandbLogger(t.project, name, t.out_dir, t.wandb_mode, _plain(cfg)))
+        loggers.append(WandbLogger(t.project, name, t.out_dir, t.wandb_mode, _plain(cfg), resume_step))
+    # Validation writes its samples itself (validation.py); the file restarts with the run's metrics.
+    restart_jsonl(os.path.join(t.out_dir, "val_samples.jsonl"), resume_step)
     return loggers
 
 

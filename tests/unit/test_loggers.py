@@ -132,3 +132,34 @@ def test_a_training_run_logs_the_same_names_to_every_logger(tiny_trainer_overrid
     scalars = _tensorboard_scalars(str(run / "tensorboard"))
     assert set(scalars) == numeric
     assert [v for _, v in scalars["reward/mean"]] == pytest.approx([r["reward/mean"] for r in records])
+
+
+def test_val_samples_restart_with_the_run(tmp_path):
+    """val_samples.jsonl is per step like metrics.jsonl: a new run starts it empty, a resumed run keeps
+    the samples up to its checkpoint (not those the stopped run wrote after it, nor an older run's)."""
+    path = tmp_path / "val_samples.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "prompt": "p"}) + "\n" for s in (0, 2, 4)))
+    cfg = load_config(None, [f"trainer.out_dir={tmp_path}", "trainer.loggers=[]"])
+    build_loggers(cfg, resume_step=2)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 2]
+    build_loggers(cfg)
+    assert path.read_text() == ""
+
+
+def test_wandb_resume_continues_the_same_run(tmp_path, monkeypatch):
+    """A resumed run passes W&B the id its first run got (kept in out_dir) with resume="allow"; a new run
+    gets a new id. A stand-in module records what wandb.init receives."""
+    import sys
+    import types
+
+    inits, ids = [], iter(["run-a", "run-b"])
+    fake = types.ModuleType("wandb")
+    fake.util = types.SimpleNamespace(generate_id=lambda: next(ids))
+    fake.init = lambda **kw: inits.append(kw) or types.SimpleNamespace(log=None, finish=lambda: None)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = load_config(None, [f"trainer.out_dir={tmp_path}", "trainer.loggers=[wandb]", "trainer.wandb_mode=offline"])
+    build_loggers(cfg)
+    build_loggers(cfg, resume_step=5)
+    build_loggers(cfg)
+    assert [(kw["id"], kw["resume"]) for kw in inits] == [("run-a", "allow"), ("run-a", "allow"), ("run-b", "allow")]
+    assert (tmp_path / "wandb_run_id").read_text().strip() == "run-b"
