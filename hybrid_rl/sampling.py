@@ -79,6 +79,9 @@ class GroupCollector:
         self.want = self.want or B
         self.generated += B
         self._record(rewards_N, completions, parts or {})
+        # Groups whose scores are all equal get zero advantage and no gradient (TRL's frac_reward_zero_std).
+        groups_BG = scores_N.view(B, G)
+        self._seen.add("reward/frac_zero_std", (groups_BG.amax(1) == groups_BG.amin(1)).sum(), B)
         if self.dynamic:
             keep_B = filter_groups(scores_N, torch.arange(B * G) // G).view(B, G)[:, 0]
         else:
@@ -100,7 +103,10 @@ class GroupCollector:
         if not parts or "rule" in parts:
             correct_N = parts["rule"] if parts else rewards_N
             self._seen.add("reward/accuracy", (correct_N >= self.success_threshold - 1e-9).sum(), n)
-        self._seen.add("response/length", sum(len(c.token_ids) for c in completions), n)
+        lengths = [len(c.token_ids) for c in completions]
+        self._seen.add("response/length", sum(lengths), n)
+        self._seen.add_max("response/length_max", max(lengths, default=0))
+        self._seen.add_min("response/length_min", min(lengths, default=0))
         self._seen.add("response/truncated", sum(c.finish_reason == "length" for c in completions), n)
 
     def need_another_round(self) -> bool:

@@ -92,3 +92,24 @@ def test_truncation_mask(dtype):
         truncation_mask(trunc[:3], mask)
     with pytest.raises(ValueError, match="2-D"):
         truncation_mask(trunc, mask[0])
+
+
+def test_collector_reports_zero_std_groups_and_length_extremes():
+    """Two rounds of 3 groups x 2 samples: the fraction of groups whose scores are all equal (zero
+    advantage) and the longest / shortest completion, over everything generated, against a naive count."""
+    from hybrid_rl.rollout.base import Completion
+    from hybrid_rl.sampling import GroupCollector
+
+    def comps(lengths):
+        return [Completion(token_ids=[7] * n, logprobs=[0.0] * n, finish_reason="stop") for n in lengths]
+
+    rounds = [([1.0, 1.0, 0.0, 1.0, 0.5, 0.5], [3, 9, 4, 4, 2, 5]),
+              ([0.0, 0.0, 0.0, 0.0, 1.0, 0.0], [6, 1, 8, 3, 7, 7])]
+    col = GroupCollector(group_size=2, dynamic=False, max_rounds=1)
+    for scores, lengths in rounds:
+        s = torch.tensor(scores)
+        col.add([{}] * 3, [[1]] * 3, comps(lengths), s, s)
+    _, m = col.finish()
+    groups = [tuple(sc[i:i + 2]) for sc, _ in rounds for i in range(0, 6, 2)]
+    assert m["reward/frac_zero_std"] == pytest.approx(sum(a == b for a, b in groups) / len(groups)) == pytest.approx(4 / 6)
+    assert m["response/length_max"] == 9 and m["response/length_min"] == 1
