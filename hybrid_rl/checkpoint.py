@@ -42,13 +42,18 @@ FORMAT = 1
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 # Config keys that may change between a run and its resume: where and how the run reports,
-# how long it runs, how it checkpoints, what it keeps off the device (bit-exact either way).
+# how long it runs, how it checkpoints, what it keeps off the device (bit-exact either way),
+# and its memory layout (below).
 RESUMABLE_CHANGES = (
     "trainer.total_steps", "trainer.resume", "trainer.resume_ignore", "trainer.save_every", "trainer.keep_last",
     "trainer.checkpoint_dir", "trainer.out_dir", "trainer.progress_bar", "trainer.log_every", "trainer.loggers",
     "trainer.project", "trainer.experiment", "trainer.wandb_mode", "trainer.dist_timeout_s", "trainer.val_every",
     "trainer.val_before_train", "trainer.val_n", "trainer.val_sample_rows", "model.path", "offload.",
     "data.val_path", "data.val_split", "data.val_size", "data.val_batch_size",
+    # How the same computation is laid out in memory: after an out-of-memory error the run resumes with
+    # smaller micro-batches. Same run, but no longer bit-exact (float sums in another order).
+    "trainer.micro_batch_size", "trainer.max_tokens_per_micro_batch", "trainer.packing", "trainer.keep_host_memory",
+    "model.gradient_checkpointing", "rollout.mem_fraction", "rollout.bucket_mb", "reward.max_tokens_per_micro_batch",
 )
 # The model fields that decide whether saved shards fit the model being built.
 _MODEL_KEYS = ("model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
