@@ -47,9 +47,13 @@ class DataConfig:
     # jsonl/parquet: the training file. gsm8k: a directory holding train/test .jsonl (or .parquet);
     # "" = ../shared/data/gsm8k beside the repository if present, else openai/gsm8k through `datasets`.
     path: str = ""
-    prompt_key: str = "prompt"  # jsonl/parquet: the row key holding the prompt (gsm8k: always "question")
+    # jsonl/parquet: the row key holding the prompt, a string or a list of chat messages (gsm8k: always "question").
+    # Keys may be dotted for nested fields, e.g. answer_key=reward_model.ground_truth for verl's parquet files.
+    prompt_key: str = "prompt"
     answer_key: str = ""  # jsonl/parquet: the row key of the reference answer, given to rewards as "answer"; "" = none
-    instruction: Optional[str] = None  # appended to each prompt after a space; null = the task's own, "" = none
+    # Appended to each prompt (a conversation's last user turn) after a space; null = the task's own, "" = none.
+    instruction: Optional[str] = None
+    system_prompt: str = ""  # with a chat template: a system turn opening every conversation that has none; "" = none
     batch_size: int = 32  # prompts per step, over all ranks
     num_prompts: Optional[int] = None  # digits: how many to generate (null = 4096); else the first N rows (null = all)
     max_prompt_tokens: int = 0  # longer prompts (chat template included) are dropped, counted in the log; 0 = no limit

@@ -101,7 +101,8 @@ class Trainer(Checkpointing):
         self.stop_set = {self.tokenizer.eos_token_id, *self.stop_token_ids}  # a completion's last token, cut
         # Prompt text -> token ids (chat template applied when used); each prompt is tokenized once.
         self.encode = PromptEncoder(self.tokenizer, use_chat_template(self.tokenizer, cfg.data.chat_template,
-                                                                      cfg.model.path), cfg.model.path)
+                                                                      cfg.model.path), cfg.model.path,
+                                    cfg.data.system_prompt)
         data = load_datasets(cfg.data)
         rows = self._prepare_rows(data.train, data.train_source, "train")
         self.val_rows = self._prepare_rows(data.val, data.val_source, "validation") if data.val else []
@@ -116,7 +117,7 @@ class Trainer(Checkpointing):
         self.loader = PromptLoader(rows, cfg.data.batch_size, D.rank(), D.world_size(), cfg.data.seed)
 
         mixed = self.device.type == "cuda" and cfg.model.dtype in ("auto", "bfloat16")
-        longest_prompt = max(len(self.encode(r["prompt"])) for r in rows[:256])
+        longest_prompt = max(len(self.encode(r)) for r in rows[:256])
         self.offload = decide_offload(cfg.offload, cfg.model.path, self.device, D.world_size(), mixed,
                                       sequences=cfg.data.batch_size * cfg.rollout.n,
                                       context=longest_prompt + cfg.rollout.max_new_tokens,
@@ -240,7 +241,7 @@ class Trainer(Checkpointing):
         groups = GroupCollector(G, algo.dynamic_sampling, algo.max_sampling_rounds, self.reward.success_threshold)
         while True:
             rows = self.loader.next_batch()
-            prompt_ids = [self.encode(r["prompt"]) for r in rows]
+            prompt_ids = [self.encode(r) for r in rows]
             with timer("rollout"):
                 completions = engine.generate([p for p in prompt_ids for _ in range(G)],
                                               self._sampling_params(groups.rounds))

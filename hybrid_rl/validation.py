@@ -74,7 +74,7 @@ def validate(trainer, step: int) -> dict[str, float]:
     with trainer.phases.rollout() as engine:
         for start in range(0, len(rows), batch):
             mine = rows[start:start + batch][D.rank()::D.world_size()]
-            ids = [trainer.encode(row["prompt"]) for row in mine]
+            ids = [trainer.encode(row) for row in mine]
             greedy = engine.generate(ids, SamplingParams(max_new_tokens=r.max_new_tokens, stop_token_ids=stop,
                                                          greedy=True, seed=r.seed))
             texts, rewards_B = _score(trainer, mine, greedy, 1)

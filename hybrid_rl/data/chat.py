@@ -4,6 +4,7 @@ and counted (never truncated).
 """
 from __future__ import annotations
 
+import json
 from typing import Optional, Sequence
 
 
@@ -17,41 +18,73 @@ def use_chat_template(tokenizer, setting: Optional[bool], model_path: str) -> bo
 
 
 class PromptEncoder:
-    """Token ids of a prompt, chat template applied when configured; each distinct prompt is encoded once."""
+    """Token ids of a row's prompt, chat template applied when configured; each distinct prompt is encoded once.
 
-    def __init__(self, tokenizer, chat_template: bool, model_path: str = ""):
+    A row's prompt is its text (`row["prompt"]`), or a conversation (`row["messages"]`: chat messages
+    ending in a user turn, the TRL / verl conversational format; data/prompts.py checks them).
+    `system_prompt` (data.system_prompt) opens every conversation that has no system turn of its own.
+    """
+
+    def __init__(self, tokenizer, chat_template: bool, model_path: str = "", system_prompt: str = ""):
+        if system_prompt and not chat_template:
+            raise ValueError("config key 'data.system_prompt' needs a chat template to place it in: set "
+                             "data.chat_template=null or true with a tokenizer that has one, or drop the system prompt")
         self.tokenizer, self.chat_template, self.model_path = tokenizer, chat_template, model_path
+        self.system_prompt = system_prompt
         self._ids: dict[str, list[int]] = {}
 
-    def render(self, prompt: str) -> str:
-        """The text the model sees: the prompt as a user turn plus the assistant header, or the prompt itself."""
-        if not self.chat_template:
-            return prompt
-        return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                  add_generation_prompt=True)
+    def conversation(self, row: dict | str) -> list[dict]:
+        """The chat messages the template renders for `row` (a row dict, or a prompt text)."""
+        messages = row.get("messages") if isinstance(row, dict) else None
+        if messages is None:
+            messages = [{"role": "user", "content": row["prompt"] if isinstance(row, dict) else row}]
+        if self.system_prompt and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.system_prompt}, *messages]
+        return messages
 
-    def __call__(self, prompt: str) -> list[int]:
-        ids = self._ids.get(prompt)
+    def render(self, row: dict | str) -> str:
+        """The text the model sees: the conversation plus the assistant header, or the prompt itself."""
+        if not self.chat_template:
+            if isinstance(row, dict) and row.get("messages") is not None:
+                raise ValueError("a row holds chat messages but data.chat_template=false: messages need the "
+                                 "tokenizer's chat template (data.chat_template=null or true)")
+            return row["prompt"] if isinstance(row, dict) else row
+        return self.tokenizer.apply_chat_template(self.conversation(row), tokenize=False, add_generation_prompt=True)
+
+    @staticmethod
+    def _key(row: dict | str) -> str:
+        if isinstance(row, dict):
+            messages = row.get("messages")
+            return row["prompt"] if messages is None else json.dumps(messages, sort_keys=True)
+        return row
+
+    def __call__(self, row: dict | str) -> list[int]:
+        """Token ids of a row (or of a prompt text)."""
+        key = self._key(row)
+        ids = self._ids.get(key)
         if ids is None:
-            ids = self._ids[prompt] = self.tokenizer(self.render(prompt), add_special_tokens=False).input_ids
+            ids = self._ids[key] = self.tokenizer(self.render(row), add_special_tokens=False).input_ids
         return ids
 
     def encode_all(self, rows: Sequence[dict], source: str) -> list[int]:
         """Encode every row's prompt in one tokenizer call; returns the lengths. A template that fails names the row."""
-        todo = [r["prompt"] for r in rows if r["prompt"] not in self._ids]
+        todo: dict[str, int] = {}
+        for i, r in enumerate(rows):
+            key = self._key(r)
+            if key not in self._ids and key not in todo:
+                todo[key] = i
         texts = []
-        for prompt in todo:
+        for key, i in todo.items():
             try:
-                texts.append(self.render(prompt))
+                texts.append(self.render(rows[i]))
             except Exception as err:  # jinja errors and whatever else a template raises
-                i = next(k for k, r in enumerate(rows) if r["prompt"] == prompt)
-                raise ValueError(f"the chat template of the tokenizer in {self.model_path!r} failed on {source} row "
-                                 f"{i} ({type(err).__name__}: {err}); fix the template or set "
-                                 "data.chat_template=false") from err
+                raise ValueError(f"the prompt of {source} row {i} cannot be rendered ({type(err).__name__}: {err}); "
+                                 f"fix the row or the chat template of the tokenizer in {self.model_path!r}, or set "
+                                 "data.chat_template=false (plain-text prompts only)") from err
         if texts:
-            for prompt, ids in zip(todo, self.tokenizer(texts, add_special_tokens=False).input_ids):
-                self._ids[prompt] = ids
-        return [len(self._ids[r["prompt"]]) for r in rows]
+            for key, ids in zip(todo, self.tokenizer(texts, add_special_tokens=False).input_ids):
+                self._ids[key] = ids
+        return [len(self._ids[self._key(r)]) for r in rows]
 
 
 def drop_long_prompts(rows: list[dict], lengths: Sequence[int], max_tokens: int) -> tuple[list[dict], int]:

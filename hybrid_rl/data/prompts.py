@@ -3,8 +3,10 @@
 A dataset is a list of rows: {"prompt": str, ...metadata}. Tasks (`data.task`):
   digits          generated (rewards.toy)
   gsm8k           GSM8K (data/gsm8k.py): train split to train, test split to validate
-  jsonl, parquet  a local file; `data.prompt_key` names the prompt, `data.answer_key`
-                  (optional) the reference answer, given to rewards as "answer"
+  jsonl, parquet  a local file; `data.prompt_key` names the prompt (a string, or a list of
+                  chat messages as in TRL's conversational and verl's parquet format), and
+                  `data.answer_key` (optional) the reference answer, given to rewards as
+                  "answer"; both may be dotted to reach nested fields ("reward_model.ground_truth")
 `data.instruction` is appended to every prompt (gsm8k has its own by default). The
 validation rows come from `data.val_path`, the task's own split, or `data.val_split`
 of the training file. Every row is checked when the dataset is built, so a bad row
@@ -120,17 +122,53 @@ def _read_parquet(path: str) -> list[dict]:
     return pq.read_table(path).to_pylist()
 
 
+ROLES = ("system", "user", "assistant")
+
+
+def lookup(row: dict, key: str):
+    """row[key], where a dotted key reaches into nested dicts (verl's "reward_model.ground_truth"); None if absent."""
+    value = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def _check_messages(messages: list, where: str) -> None:
+    """A conversation to prompt with: chat messages ({"role", "content": str}) ending in a user turn."""
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise ValueError(f"{where}: message {j} is not a chat message with a role in {ROLES} and a string "
+                             f"content: {str(m)[:120]}")
+    if messages[-1]["role"] != "user":
+        raise ValueError(f"{where}: the last message is a {messages[-1]['role']!r} turn; a prompt ends with the user "
+                         "turn the model answers")
+
+
 def _check_row(row: dict, i: int, key: str, source: str, answer_key: str = "", instruction: Optional[str] = None) -> dict:
-    if not isinstance(row, dict) or not isinstance(row.get(key), str) or not row[key].strip():
-        raise ValueError(f"{source}: row {i} has no non-empty string under {key!r} (config key 'data.prompt_key'); "
-                         f"row: {str(row)[:120]}")
-    if answer_key and row.get(answer_key) in (None, ""):
+    """The row with "prompt" (text: what rewards and logs see), "messages" when the prompt is a conversation
+    (then "prompt" is its last user turn), and "answer" when answer_key names one. Keys may be dotted."""
+    value = lookup(row, key) if isinstance(row, dict) else None
+    if isinstance(value, list) and value:
+        _check_messages(value, f"{source}: row {i} ({key!r}, config key 'data.prompt_key')")
+    elif not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{source}: row {i} has neither a non-empty string nor a list of chat messages under {key!r} "
+                         f"(config key 'data.prompt_key'); row: {str(row)[:120]}")
+    answer = lookup(row, answer_key) if answer_key else None
+    if answer_key and answer in (None, ""):
         raise ValueError(f"{source}: row {i} has no {answer_key!r} (config key 'data.answer_key'); "
                          f"row: {str(row)[:120]}")
     out = dict(row)
-    out["prompt"] = f"{row[key]} {instruction}" if instruction else row[key]
+    if isinstance(value, list):
+        messages = [dict(m) for m in value]
+        if instruction:  # the instruction goes with the question: after the last user turn's text
+            messages[-1]["content"] = f"{messages[-1]['content']} {instruction}"
+        out["messages"], out["prompt"] = messages, messages[-1]["content"]
+    else:
+        out["prompt"] = f"{value} {instruction}" if instruction else value
     if answer_key:
-        out["answer"] = row[answer_key]
+        out["answer"] = answer
     return out
 
 

@@ -259,6 +259,52 @@ def test_val_path_and_its_own_keys(tmp_path):
         load_datasets(_data(task="jsonl", path=str(train), val_path=str(val), answer_key="answer"))
 
 
+def test_conversational_rows_with_nested_answer_key(tmp_path):
+    """verl's parquet rows / TRL's conversational format: the prompt is a list of chat messages and the
+    answer sits in a nested field. The instruction joins the last user turn, which is also the row's text."""
+    from hybrid_rl.data.prompts import load_datasets
+
+    rows = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"{i} + 1?"}],
+             "reward_model": {"ground_truth": str(i + 1)}, "data_source": "toy"} for i in range(3)]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ds = load_datasets(_data(task="jsonl", path=str(path), answer_key="reward_model.ground_truth", instruction="Go."))
+    first = ds.train[0]
+    assert first["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "0 + 1? Go."}]
+    assert first["prompt"] == "0 + 1? Go." and [r["answer"] for r in ds.train] == ["1", "2", "3"]
+    assert rows[0]["prompt"][1]["content"] == "0 + 1?", "the file's rows are not modified"
+    bad = {"last turn is the assistant's": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+           "a role": [{"role": "robot", "content": "q"}], "neither a non-empty string nor": [],
+           "string content": [{"role": "user", "content": ["q"]}]}
+    for match, prompt in bad.items():
+        path.write_text(json.dumps({"prompt": prompt}) + "\n")
+        with pytest.raises(ValueError, match=match.replace("last turn is the assistant's", "'assistant' turn")):
+            load_datasets(_data(task="jsonl", path=str(path)))
+    path.write_text(json.dumps({"prompt": "q", "reward_model": {}}) + "\n")
+    with pytest.raises(ValueError, match="no 'reward_model.ground_truth'"):
+        load_datasets(_data(task="jsonl", path=str(path), answer_key="reward_model.ground_truth"))
+
+
+def test_prompt_encoder_renders_conversations_and_the_system_prompt(tmp_path):
+    from hybrid_rl.data.chat import PromptEncoder
+    from hybrid_rl.models.loading import load_tokenizer
+    from hybrid_rl.models.tiny_text import build_tiny_text_model_dir
+
+    tok = load_tokenizer(build_tiny_text_model_dir(str(tmp_path / "m")))
+    enc = PromptEncoder(tok, True, "m", system_prompt="S")
+    chat = {"prompt": "q", "messages": [{"role": "system", "content": "own"}, {"role": "user", "content": "q"}]}
+    text = {"prompt": "q"}
+    head = "<|im_start|>assistant\n"
+    assert tok.decode(enc(chat)) == "<|im_start|>system\nown<|im_end|>\n<|im_start|>user\nq<|im_end|>\n" + head
+    assert tok.decode(enc(text)) == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nq<|im_end|>\n" + head
+    # Same last user turn, other conversation: encoded apart, not served from the text prompt's cache.
+    assert enc.encode_all([text, chat], "rows") == [len(enc(text)), len(enc(chat))] and enc(text) != enc(chat)
+    with pytest.raises(ValueError, match="data.chat_template=false: messages need"):
+        PromptEncoder(tok, False).encode_all([chat], "rows")
+    with pytest.raises(ValueError, match="data.system_prompt"):
+        PromptEncoder(tok, False, system_prompt="S")
+
+
 def test_parquet_needs_pyarrow_or_reads_the_rows(tmp_path):
     from hybrid_rl.data.prompts import read_rows
 

@@ -153,3 +153,45 @@ def test_two_ranks_report_what_one_rank_reports(text_model_dir, gsm8k_files, tmp
         assert two[0][name] == two[1][name] == pytest.approx(one[name]), name
     assert two[0]["val/mean@2"] == two[1]["val/mean@2"]
     assert len(_records(tmp_path / "two")) == 3  # rank 0's slices (2 + 1) only
+
+
+def test_conversational_rows_train_and_validate_with_the_system_prompt(text_model_dir, gsm8k_files, tmp_path,
+                                                                      monkeypatch):
+    """GSM8K rows rewritten as verl writes them (a list of chat messages, the answer under
+    reward_model.ground_truth): the engine gets the rendered conversation with data.system_prompt
+    in front, in training and validation, and the reward gets the question text and the answer."""
+    chat_files = []
+    for name, path in zip(("train", "test"), gsm8k_files):
+        with open(path) as f:
+            rows = [json.loads(line) for line in f]
+        out = tmp_path / f"chat_{name}.jsonl"
+        out.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": r["question"]}],
+                                           "reward_model": {"ground_truth": r["answer"]}}) + "\n" for r in rows))
+        chat_files.append(str(out))
+    overrides = [o for o in _overrides(text_model_dir, chat_files, tmp_path / "run") if not o.startswith("data.")]
+    seen = []
+
+    def reward(prompts, completions, metadata):
+        seen.extend(zip(prompts, (m["answer"] for m in metadata)))
+        return parity_reward(prompts, completions, metadata)
+
+    cfg = load_config(None, [*overrides, "data.task=jsonl", f"data.path={chat_files[0]}", f"data.val_path={chat_files[1]}",
+                             "data.answer_key=reward_model.ground_truth", "data.batch_size=4", "data.val_batch_size=4",
+                             "data.system_prompt=Think step by step."])
+    tr = Trainer(cfg, reward_fn=reward)
+    calls = []
+    real_generate = tr.engine.generate
+    monkeypatch.setattr(tr.engine, "generate", lambda ids, p: calls.append(ids) or real_generate(ids, p))
+    tr.step()
+    train_ids = calls[0][0]
+    calls.clear()
+    validate(tr, 1)
+    for ids, rows in ((train_ids, None), (calls[0][0], tr.val_rows[0])):
+        text = tr.tokenizer.decode(ids)
+        assert text.startswith("<|im_start|>system\nThink step by step.<|im_end|>\n<|im_start|>user\n"), text
+        assert text.endswith("<|im_end|>\n<|im_start|>assistant\n")
+        if rows is not None:
+            assert rows["prompt"] in text and rows["messages"][-1]["content"] == rows["prompt"]
+    questions = {json.loads(line)["prompt"][0]["content"]: json.loads(line)["reward_model"]["ground_truth"]
+                 for path in chat_files for line in open(path)}
+    assert seen and all(questions[q] == a for q, a in seen), "rewards get the question text and its nested answer"
