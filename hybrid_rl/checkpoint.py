@@ -48,7 +48,7 @@ RESUMABLE_CHANGES = (
     "trainer.total_steps", "trainer.resume", "trainer.resume_ignore", "trainer.save_every", "trainer.keep_last",
     "trainer.checkpoint_dir", "trainer.out_dir", "trainer.progress_bar", "trainer.log_every", "trainer.loggers",
     "trainer.project", "trainer.experiment", "trainer.wandb_mode", "trainer.dist_timeout_s", "trainer.val_every",
-    "trainer.val_before_train", "trainer.val_n", "trainer.val_sample_rows", "model.path", "offload.",
+    "trainer.val_before_train", "trainer.val_n", "trainer.val_sample_rows", "trainer.log_rollouts", "model.path", "offload.",
     "data.val_path", "data.val_split", "data.val_size", "data.val_batch_size",
     # How the same computation is laid out in memory: after an out-of-memory error the run resumes with
     # smaller micro-batches. Same run, but no longer bit-exact (float sums in another order).

@@ -353,6 +353,7 @@ class TrainerConfig:
     val_before_train: bool = False  # also validate the initial policy (step 0)
     val_n: int = 0  # k > 0: also k sampled completions per prompt at rollout.temperature, logged as val/mean@k
     val_sample_rows: int = 8  # prompts (with completions and rewards) written to val_samples.jsonl per validation
+    log_rollouts: int = 0  # training completions of rank 0 written to rollouts.jsonl per step (TRL's log_completions)
     # Checkpoints (checkpoint.py): sharded, written between steps, visible only when complete.
     save_every: int = 0  # a checkpoint every N steps and after the last one; 0 = only on a signal or save_pretrained
     keep_last: int = 2  # complete checkpoints kept (older ones deleted); 0 = keep all
@@ -375,6 +376,7 @@ class TrainerConfig:
         _check(self.val_every >= 0, "trainer.val_every", f"must be >= 0 (0 = never), got {self.val_every}")
         _check(self.val_n >= 0, "trainer.val_n", f"must be >= 0 (0 = greedy pass@1 only), got {self.val_n}")
         _check(self.val_sample_rows >= 0, "trainer.val_sample_rows", f"must be >= 0, got {self.val_sample_rows}")
+        _check(self.log_rollouts >= 0, "trainer.log_rollouts", f"must be >= 0 (0 = off), got {self.log_rollouts}")
         _check(self.save_every >= 0, "trainer.save_every", f"must be >= 0 (0 = no periodic checkpoints), got {self.save_every}")
         _check(self.keep_last >= 0, "trainer.keep_last", f"must be >= 0 (0 = keep all), got {self.keep_last}")
         _check(bool(self.resume), "trainer.resume", "is empty; use auto, none or a checkpoint directory")

@@ -143,8 +143,9 @@ def build_loggers(cfg, write=print, resume_step: Optional[int] = None) -> list[L
     if "wandb" in t.loggers:
         name = t.experiment or os.path.basename(os.path.normpath(t.out_dir))
         loggers.append(WandbLogger(t.project, name, t.out_dir, t.wandb_mode, _plain(cfg), resume_step))
-    # Validation writes its samples itself (validation.py); the file restarts with the run's metrics.
+    # Validation and the rollout log write their samples themselves; the files restart with the run's metrics.
     restart_jsonl(os.path.join(t.out_dir, "val_samples.jsonl"), resume_step)
+    restart_jsonl(os.path.join(t.out_dir, "rollouts.jsonl"), resume_step)
     return loggers
 
 
@@ -177,3 +178,18 @@ def interactive() -> bool:
     """A progress bar only where a person watches (a terminal, a notebook): in a log file its
     carriage-return redraws would interleave with the console lines."""
     return sys.stderr.isatty() or "ipykernel" in sys.modules
+
+
+def log_rollouts(path: str, step: int, rows: list[dict], texts: list[str], completions: list, rewards: list[float],
+                 scores: list[float], group_size: int) -> None:
+    """Append one record per training completion (`trainer.log_rollouts` of them, rank 0's) to rollouts.jsonl:
+    the step, its group, the prompt text, the completion text, the reward, the score the advantage sees."""
+    with open(path, "a") as f:
+        for i, (text, c, reward, score) in enumerate(zip(texts, completions, rewards, scores)):
+            row = rows[i // group_size]
+            record = {"step": step, "group": i // group_size, "prompt": row["prompt"], "completion": text,
+                      "reward": reward, "score": score, "finish_reason": c.finish_reason,
+                      "tokens": len(c.token_ids)}
+            if "answer" in row:
+                record["answer"] = str(row["answer"])
+            f.write(json.dumps(record) + "\n")

@@ -43,7 +43,7 @@ from hybrid_rl.data.chat import PromptEncoder, drop_long_prompts, prompt_limit, 
 from hybrid_rl.data.prompts import PromptLoader, load_datasets
 from hybrid_rl.host_malloc import keep_freed_blocks
 from hybrid_rl.lr_schedule import lr_factor, optimizer_steps
-from hybrid_rl.loggers import build_loggers, check_loggers, console_write, interactive
+from hybrid_rl.loggers import build_loggers, check_loggers, console_write, interactive, log_rollouts
 from hybrid_rl.switch.advice import decide_offload, sglang_kv_room_warning
 from hybrid_rl.switch.phases import PhaseManager
 from hybrid_rl.metrics import MeanAccumulator, StageTimer, bottleneck, plot_curve, split_summary
@@ -251,6 +251,12 @@ class Trainer(Checkpointing):
             if not groups.need_another_round():
                 break
         kept, metrics = groups.finish()
+        if cfg.trainer.log_rollouts and D.is_main() and kept.rows:
+            n = min(cfg.trainer.log_rollouts, len(kept.completions))
+            texts = self.tokenizer.batch_decode(response_bodies(kept.completions[:n], self.stop_set),
+                                                skip_special_tokens=True)
+            log_rollouts(os.path.join(self.out_dir, "rollouts.jsonl"), self.step_idx + 1, kept.rows, texts,
+                         kept.completions[:n], kept.rewards_N[:n].tolist(), kept.scores_N[:n].tolist(), G)
         if not kept.rows:
             return None, metrics
         batch = RolloutBatch.build(kept.rows, kept.prompt_ids, kept.completions, G, kept.rewards_N, kept.scores_N,

@@ -163,3 +163,32 @@ def test_wandb_resume_continues_the_same_run(tmp_path, monkeypatch):
     build_loggers(cfg)
     assert [(kw["id"], kw["resume"]) for kw in inits] == [("run-a", "allow"), ("run-a", "allow"), ("run-b", "allow")]
     assert (tmp_path / "wandb_run_id").read_text().strip() == "run-b"
+
+
+def test_rollout_log_writes_the_trained_completions(tiny_trainer_overrides):
+    """trainer.log_rollouts=N: the first N completions the step trains on (rank 0), with the reward the
+    reward function gave that very text, in order, grouped by prompt; a new run starts the file empty."""
+    from hybrid_rl.rewards.toy import digits_reward
+    from hybrid_rl.trainer import Trainer
+
+    texts = []
+
+    def reward(prompts, completions, metadata):
+        out = digits_reward(prompts, completions, metadata)
+        texts.extend(zip(prompts, completions, out))
+        return out
+
+    cfg = load_config(None, [*tiny_trainer_overrides, "trainer.log_rollouts=3", "trainer.total_steps=2"])
+    tr = Trainer(cfg, reward_fn=reward)
+    for _ in range(2):
+        texts.clear()
+        tr.step()
+        step_texts = list(texts)
+    path = os.path.join(cfg.trainer.out_dir, "rollouts.jsonl")
+    with open(path) as f:
+        recs = [json.loads(line) for line in f]
+    assert [r["step"] for r in recs] == [1, 1, 1, 2, 2, 2] and [r["group"] for r in recs[3:]] == [0, 0, 1]
+    assert [(r["prompt"], r["completion"], r["reward"]) for r in recs[3:]] == step_texts[:3]
+    assert all(r["finish_reason"] in ("stop", "length") and "answer" in r for r in recs)
+    Trainer(load_config(None, [*tiny_trainer_overrides, "trainer.log_rollouts=3", "trainer.resume=none"]))
+    assert open(path).read() == ""
