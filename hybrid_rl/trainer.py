@@ -153,6 +153,7 @@ class Trainer(Checkpointing):
                                    offload_params=self.offload.params, bucket_bytes=cfg.rollout.bucket_mb << 20,
                                    reward_model=self.reward_model, offload_reward_model=self.offload.reward_model)
         self.step_idx = 0
+        self._closed = False
         self.history: list[dict] = []
         self.out_dir = cfg.trainer.out_dir
         if D.is_main():
@@ -202,6 +203,24 @@ class Trainer(Checkpointing):
 
     # -- one step -------------------------------------------------------------
     def step(self) -> dict:
+        """One GRPO step; its metrics. After an exception (a failing reward, an out-of-memory error, Ctrl-C in a
+        notebook) the phase switch is back in TRAIN and the loader at the step's first batch: step() retries it."""
+        if self._closed:
+            raise RuntimeError("this Trainer is closed (close() ran, or a signal stopped fit() after its checkpoint); "
+                               "build a new Trainer(cfg): trainer.resume=auto continues from the newest checkpoint")
+        loader_state = self.loader.state_dict()
+        try:
+            return self._step()
+        except BaseException:
+            try:
+                self.phases.recover()
+                self.loader.load_state_dict(loader_state)
+            except Exception as err:  # the original error is the one to see; this one only warns
+                warnings.warn(f"could not return to TRAIN after the failed step ({type(err).__name__}: {err}); "
+                              "build a new Trainer")
+            raise
+
+    def _step(self) -> dict:
         """ROLLOUT -> REWARD -> SCORE -> ADVANTAGE -> TRAIN -> metrics (module docstring)."""
         timer = StageTimer()
         kl_coef = self.kl_ctl.value  # this step's coefficient, whatever the step measures
@@ -386,7 +405,9 @@ class Trainer(Checkpointing):
         return {k: slowest[i].item() for i, k in enumerate(names)}
 
     def close(self) -> None:
-        """Stop the rollout engine's processes, if it has any (SGLang). The trainer is unusable after."""
+        """Close the loggers and stop the rollout engine's processes, if it has any (SGLang). The trainer
+        refuses to step after (its engine and loggers are gone); closing twice is harmless."""
+        self._closed = True
         for logger in self.loggers:
             logger.close()
         self.loggers = []

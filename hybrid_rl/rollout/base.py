@@ -73,6 +73,10 @@ class RolloutEngine(Protocol):
         """Close the sync; an engine may refuse if a parameter was not sent."""
         ...
 
+    def abort_weight_update(self) -> None:
+        """Close a sync an exception interrupted, unchecked (nothing if none is open); the next sync sends all."""
+        ...
+
     def memory_bytes(self) -> dict[str, int]:
         """Engine-owned bytes on this rank's device: {"engine_weights": ..., "kv_cache": ...}."""
         ...

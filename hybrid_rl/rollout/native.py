@@ -218,6 +218,9 @@ class NativeEngine:
     def end_weight_update(self) -> None:
         """Nothing to close."""
 
+    def abort_weight_update(self) -> None:
+        """Nothing to close."""
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy weights into the engine's module (only needed when it is not the policy itself)."""
         params = dict(self.model.named_parameters())

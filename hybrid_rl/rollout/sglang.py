@@ -270,6 +270,18 @@ class SGLangEngine:
         # One flush after the last bucket: a stale prefix cache degrades rewards (RLinf#96).
         self._owner_call("flush_cache")
 
+    def abort_weight_update(self) -> None:
+        """Close a weight-update session an exception interrupted (PhaseManager.recover); nothing if none is open.
+
+        The engine's weights are then partly updated: the phase manager releases them, and the next
+        resume(["weights"]) starts a sync that must send every parameter again."""
+        if not self.session:
+            return
+        self._owner_call("end_weight_update", check=True, optional=True)
+        self.session = False
+        if self._expandable:
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+
     def _check_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         for name, t in bucket:
             if name not in self.expected:

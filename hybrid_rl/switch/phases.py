@@ -279,6 +279,28 @@ class PhaseManager:
         finally:
             self.inside = None
 
+    def recover(self) -> None:
+        """Back to TRAIN between steps after an exception inside one (a failing reward, an OOM, Ctrl-C).
+
+        Each phase's `finally` has already given back what the phase held; what an exception can
+        leave behind is the phase itself (ROLLOUT or SCORE, from which the next step cannot start)
+        and, when it came while ROLLOUT was being entered, an engine with an open weight update or
+        resumed memory, offloaded parameters, and an offloaded optimizer. All of it is put back as
+        between two steps, so the next step starts cleanly."""
+        self.inside = None
+        abort = getattr(self.engine, "abort_weight_update", None)
+        if abort is not None:
+            abort()
+        self.engine.release(["kv_cache", "weights"])  # what is already released stays so
+        if self.param_offload is not None:
+            self._move("onload_params", self.param_offload.onload)  # a no-op when on the device
+        if self.phase is not Phase.TRAIN:
+            with self.train():  # legal from ROLLOUT and SCORE: onloads the optimizer
+                pass
+        elif self.opt_offload is not None:
+            self._move("onload_optimizer", self.opt_offload.onload)
+        self.pop_stats()  # the failed step's switch time is nobody's
+
     @contextlib.contextmanager
     def checkpointable(self) -> Iterator[None]:
         """Between steps: the policy and its optimizer state resident (as live DTensors) while a
