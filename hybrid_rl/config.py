@@ -459,8 +459,11 @@ def load_config(yaml_path: Optional[str] = None, overrides: Sequence[str] = (), 
     later layer override them. A `base` config counts as already resolved: its preset is
     not expanded again.
     """
-    schema = OmegaConf.structured(base if base is not None else Config)
+    if isinstance(overrides, str):
+        raise TypeError(f"load_config: overrides is a list of 'key.sub=value' strings; got the string {overrides!r}: "
+                        f"pass [{overrides!r}]")
     try:
+        schema = OmegaConf.structured(base if base is not None else Config)
         layers = [schema]
         if yaml_path:
             if not os.path.isfile(yaml_path):

@@ -38,7 +38,7 @@ from hybrid_rl.algorithms.correction import rollout_correction
 from hybrid_rl.algorithms.dapo import overlong_penalty, truncation_mask
 from hybrid_rl.algorithms.kl import AdaptiveKLController, FixedKLController, kl_estimate, kl_penalty_rewards
 from hybrid_rl.batch import RolloutBatch
-from hybrid_rl.config import Config, save_config
+from hybrid_rl.config import Config, load_config, save_config
 from hybrid_rl.data.chat import PromptEncoder, drop_long_prompts, prompt_limit, use_chat_template
 from hybrid_rl.data.prompts import PromptLoader, load_datasets
 from hybrid_rl.host_malloc import keep_freed_blocks
@@ -64,7 +64,10 @@ from hybrid_rl.validation import check_val_set, validate
 class Trainer(Checkpointing):
     def __init__(self, cfg: Config, reward_fn: Optional[RewardFn] = None):
         """`reward_fn`: a reward function (prompts, completions, metadata) -> floats, instead of the
-        registry's `reward.name` or an imported `reward.fn`; it gets the same checks (rewards/base.py)."""
+        registry's `reward.name` or an imported `reward.fn`; it gets the same checks (rewards/base.py).
+        `cfg` is checked again as `load_config` checks it (types and values): a notebook may have changed
+        fields after loading it (`cfg.rollout.n = 1`), which no check had seen."""
+        cfg = load_config(base=cfg)
         self.cfg = cfg
         self.device = D.init(cfg.trainer.device, cfg.trainer.dist_timeout_s)
         if self.device.type == "cpu" and cfg.trainer.keep_host_memory:

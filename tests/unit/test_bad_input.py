@@ -481,3 +481,18 @@ def test_reward_numbers_from_numpy_and_torch_are_accepted():
     for bad in ("1.0", [1.0], torch.tensor([1.0, 2.0]), np.float32("nan"), torch.tensor(float("inf")), None, 1j):
         with pytest.raises(ValueError, match="finite real numbers"):
             run([0.0, bad])
+
+
+def test_a_config_changed_after_loading_is_checked_again(tiny_trainer_overrides, no_model_build):
+    """In a notebook `cfg.rollout.n = 1` after load_config skipped every check: Trainer checks the config
+    again (values and types) before building anything; a string override list is named for what it is."""
+    from hybrid_rl import Trainer, load_config
+
+    for section, key, value, match in [("rollout", "n", 1, "'rollout.n'"), ("data", "batch_size", 0, "'data.batch_size'"),
+                                       ("optim", "lr", "fast", "'optim.lr'.*could not be converted")]:
+        cfg = load_config(None, tiny_trainer_overrides)
+        setattr(getattr(cfg, section), key, value)
+        with pytest.raises(ValueError, match=match):
+            Trainer(cfg)
+    with pytest.raises(TypeError, match=r"pass \['optim.lr=1e-5'\]"):
+        load_config(None, "optim.lr=1e-5")
