@@ -100,7 +100,7 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         # A new engine goes in both this list and rollout/base.py's _ENGINES.
         _one_of(self.engine, "rollout.engine", ["native", "sglang"])
-        _check(self.n >= 2, "rollout.n", f"GRPO needs at least 2 samples per prompt to form a group baseline, got {self.n}")
+        _check(self.n >= 1, "rollout.n", f"must be >= 1, got {self.n}")  # >= 2 for group baselines: Config checks it
         _check(self.temperature > 0, "rollout.temperature", f"must be > 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
         _check(self.top_k == -1 or self.top_k > 0, "rollout.top_k", f"must be -1 (off) or > 0, got {self.top_k}")
@@ -397,6 +397,15 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
+    def __post_init__(self) -> None:
+        """Checks across sections."""
+        a, n = self.algorithm, self.rollout.n
+        # REINFORCE++ whitens over the whole batch (no group baseline): one sample per prompt is its usual setting.
+        if a.advantage != "reinforce_pp" or a.dynamic_sampling:
+            why = "dynamic sampling keeps groups whose rewards differ" if a.advantage == "reinforce_pp" else \
+                f"algorithm.advantage={a.advantage} takes its baseline from a prompt's group"
+            _check(n >= 2, "rollout.n", f"needs at least 2 samples per prompt ({why}), got {n}")
+
     def validate_runtime(self, world_size: int) -> None:
         """Checks that need the machine (paths, ranks); raised before any model is built."""
         _check(bool(self.model.path), "model.path", "is empty; point it at a local Hugging Face model directory")
@@ -423,6 +432,9 @@ class Config:
                f"{mb} does not divide the {n_seq} sequences of a step (data.batch_size x rollout.n)")
         _check(mb % world_size == 0, "algorithm.mini_batch_size",
                f"{mb} sequences do not divide over {world_size} ranks")
+        _check(mb % self.rollout.n == 0, "algorithm.mini_batch_size",
+               f"counts sequences, and {mb} is not a multiple of rollout.n={self.rollout.n}: a mini-batch would split a "
+               f"prompt's group (verl's ppo_mini_batch_size counts prompts: multiply it by rollout.n)")
         buffer = self.algorithm.overlong_buffer_len
         _check(buffer is None or buffer <= self.rollout.max_new_tokens, "algorithm.overlong_buffer_len",
                f"{buffer} is longer than rollout.max_new_tokens={self.rollout.max_new_tokens}; use at most that (or null)")

@@ -258,9 +258,23 @@ def test_unknown_reward_name(tiny_trainer_overrides, no_model_build):
 
 # ---------------------------------------------------------------------------- group size, ranks
 def test_fewer_than_two_samples_per_prompt(tiny_trainer_overrides):
+    """A group baseline needs two samples; REINFORCE++ whitens over the batch and runs with one (verl's usual
+    setting for it), unless dynamic sampling needs groups."""
     with pytest.raises(ValueError) as err:
         _trainer(tiny_trainer_overrides, "rollout.n=1")
-    assert "'rollout.n'" in str(err.value) and "at least 2" in str(err.value)
+    assert "'rollout.n'" in str(err.value) and "at least 2" in str(err.value) and "group" in str(err.value)
+    with pytest.raises(ValueError, match="'rollout.n'.*dynamic sampling"):
+        _trainer(tiny_trainer_overrides, "rollout.n=1", "algorithm.advantage=reinforce_pp",
+                 "algorithm.dynamic_sampling=true")
+    m = _trainer(tiny_trainer_overrides, "rollout.n=1", "algorithm.advantage=reinforce_pp", "data.batch_size=8").step()
+    assert m["actor/grad_norm"] > 0 and m["response/length"] > 0
+
+
+def test_mini_batch_counts_sequences_and_keeps_groups_whole(tiny_trainer_overrides):
+    """verl's ppo_mini_batch_size counts prompts; ours counts sequences. A count that would split a
+    prompt's group (a verl value typed as is, e.g. 6 with n=4) is refused and the units named."""
+    with pytest.raises(ValueError, match="'algorithm.mini_batch_size'.*multiple of rollout.n=4.*verl"):
+        _trainer(tiny_trainer_overrides, "rollout.n=4", "data.batch_size=6", "algorithm.mini_batch_size=6")
 
 
 def test_batch_not_divisible_over_ranks(tiny_model_dir):

@@ -180,8 +180,13 @@ def test_bad_value_in_yaml_names_the_key(tmp_path):
 
 
 def test_dataclass_validates_directly():
+    from hybrid_rl.config import AlgorithmConfig, Config
+
     with pytest.raises(ValueError, match=r"'rollout\.n'"):
-        RolloutConfig(n=1)
+        RolloutConfig(n=0)
+    with pytest.raises(ValueError, match=r"'rollout\.n'.*group"):
+        Config(rollout=RolloutConfig(n=1))  # the group-size rule spans sections: the Config checks it
+    Config(rollout=RolloutConfig(n=1), algorithm=AlgorithmConfig(advantage="reinforce_pp"))
 
 
 @pytest.mark.parametrize("override", ["rollout.n=2", "rollout.top_k=1", "rollout.top_p=1.0", "algorithm.clip_ratio_c=null",
