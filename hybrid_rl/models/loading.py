@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import warnings
 
 import torch
 
@@ -63,10 +64,12 @@ def load_tokenizer(path: str):
         )
     why = missing("pad_token")
     if why is not None:
-        raise ValueError(
-            f"tokenizer in {path!r} has no pad token{why}: batches cannot be padded. "
-            "Set `pad_token` in its tokenizer_config.json (many recipes reuse an unused special token)"
-        )
+        # As TRL and verl do (Llama 3 and Mistral tokenizers have none): padding positions are always masked
+        # here (attention masks and response lengths, never a comparison with the pad id), so EOS serves.
+        warnings.warn(f"tokenizer in {path!r} has no pad token{why}: padding with its EOS token {tok.eos_token!r} "
+                      "(padding is masked, so no result changes); set `pad_token` in its tokenizer_config.json "
+                      "to choose another")
+        tok.pad_token = tok.eos_token
     return tok
 
 

@@ -132,14 +132,19 @@ def test_model_dir_without_safetensors(tiny_model_dir, tiny_trainer_overrides, t
 
 
 # ---------------------------------------------------------------------------- tokenizer
-@pytest.mark.parametrize("which,word", [("eos_token", "EOS"), ("pad_token", "pad")])
-def test_tokenizer_dir_without_special_token(tiny_model_dir, tmp_path, which, word):
-    """A tokenizer saved without EOS / pad (and no model config.json beside it) is rejected by name."""
+def test_tokenizer_dir_without_special_token(tiny_model_dir, tmp_path):
+    """A tokenizer saved without EOS (and no model config.json beside it) is rejected by name; one without
+    a pad token pads with EOS, as TRL and verl do, and says so."""
     d = _tokenizer_only_dir(tiny_model_dir, tmp_path / "tok")
-    _drop_special_token(d, which)
+    _drop_special_token(d, "eos_token")
     with pytest.raises(ValueError) as err:
         load_tokenizer(d)
-    assert f"no {word} token" in str(err.value) and which in str(err.value)
+    assert "no EOS token" in str(err.value) and "eos_token" in str(err.value)
+    d = _tokenizer_only_dir(tiny_model_dir, tmp_path / "tok_no_pad")
+    _drop_special_token(d, "pad_token")
+    with pytest.warns(UserWarning, match="no pad token.*padding with its EOS token"):
+        tok = load_tokenizer(d)
+    assert tok.pad_token_id == tok.eos_token_id is not None
 
 
 def test_tokenizer_built_without_eos_or_pad(tmp_path):
@@ -150,35 +155,51 @@ def test_tokenizer_built_without_eos_or_pad(tmp_path):
     from hybrid_rl.rewards.toy import DIGIT_WORDS
 
     backend = build_word_tokenizer(DIGIT_WORDS).backend_tokenizer
-    for missing, word in (("eos_token", "EOS"), ("pad_token", "pad")):
+    for missing in ("eos_token", "pad_token"):
         kw = dict(pad_token=PAD, eos_token=EOS, bos_token=BOS, unk_token="<unk>")
         kw.pop(missing)
         d = str(tmp_path / missing)
         PreTrainedTokenizerFast(tokenizer_object=backend, **kw).save_pretrained(d)
-        with pytest.raises(ValueError, match=f"no {word} token"):
-            load_tokenizer(d)
+        if missing == "eos_token":
+            with pytest.raises(ValueError, match="no EOS token"):
+                load_tokenizer(d)
+        else:
+            with pytest.warns(UserWarning, match="no pad token"):
+                assert load_tokenizer(d).pad_token == EOS
 
 
 # In a model directory (config.json with model_type qwen2) AutoTokenizer picks Qwen2Tokenizer, which
 # substitutes an added '<|endoftext|>' (id 15 == vocab_size, outside the embedding) for a missing
-# EOS / pad token; load_tokenizer must still reject it.
-@pytest.mark.parametrize("which,word", [("eos_token", "EOS"), ("pad_token", "pad")])
-def test_model_dir_tokenizer_without_special_token(tiny_model_dir, tmp_path, which, word):
+# EOS / pad token; load_tokenizer must still treat it as missing.
+def test_model_dir_tokenizer_without_special_token(tiny_model_dir, tmp_path):
     d = _copy_model_dir(tiny_model_dir, tmp_path / "model")
-    _drop_special_token(d, which)
-    with pytest.raises(ValueError, match=f"(?i){word}"):
+    _drop_special_token(d, "eos_token")
+    with pytest.raises(ValueError, match="(?i)EOS"):
         load_tokenizer(d)
+    d = _copy_model_dir(tiny_model_dir, tmp_path / "model_no_pad")
+    _drop_special_token(d, "pad_token")
+    with pytest.warns(UserWarning, match="outside the model's vocab_size"):
+        tok = load_tokenizer(d)
+    assert tok.pad_token_id == tok.eos_token_id < 15
 
 
-@pytest.mark.parametrize("which,word", [("eos_token", "EOS"), ("pad_token", "pad")])
-def test_trainer_rejects_model_dir_tokenizer_without_special_token(tiny_model_dir, tiny_trainer_overrides, tmp_path,
-                                                                   which, word):
-    # Without the fix, no EOS: Trainer builds and every rollout runs to max_new_tokens (never stops);
-    # no pad: Trainer builds and the first rollout dies in the embedding with "index out of range".
+def test_trainer_without_eos_is_refused_and_without_pad_trains_padding_with_eos(tiny_model_dir, tiny_trainer_overrides,
+                                                                               tmp_path):
+    # No EOS: the Trainer would build and every rollout run to max_new_tokens (never stop). No pad: before the
+    # fallback the first rollout died in the embedding ("index out of range"); now pad = EOS and padding is
+    # masked, so a step with the same seed gives the same metrics as with the real pad token.
     d = _copy_model_dir(tiny_model_dir, tmp_path / "model")
-    _drop_special_token(d, which)
-    with pytest.raises(ValueError, match=f"(?i){word}"):
+    _drop_special_token(d, "eos_token")
+    with pytest.raises(ValueError, match="(?i)EOS"):
         _trainer(tiny_trainer_overrides, f"model.path={d}")
+    d = _copy_model_dir(tiny_model_dir, tmp_path / "model_no_pad")
+    _drop_special_token(d, "pad_token")
+    with pytest.warns(UserWarning, match="no pad token"):
+        padded_with_eos = _trainer(tiny_trainer_overrides, f"model.path={d}")
+    reference = _trainer(tiny_trainer_overrides, f"trainer.out_dir={tmp_path / 'ref'}")
+    a, b = padded_with_eos.step(), reference.step()
+    for key in ("reward/mean", "actor/grad_norm", "actor/loss", "response/length"):
+        assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
 
 
 # ---------------------------------------------------------------------------- dataset
