@@ -16,7 +16,9 @@ score, and the verifier cannot tell the two apart.
 
 Scores (verl's gsm8k `compute_score` convention, which cites ReFT, Trung et al. 2024):
 correct 1.0; an answer in the right form but wrong `format_score` (default 0);
-no answer 0.
+no answer 0. The match itself is more lenient than verl's text comparison (`#### 18.00`,
+`#### $18` and `####18` are right against 18 here, wrong or absent there); mode `verl`
+reproduces verl's match exactly, for curves comparable with verl's.
 """
 from __future__ import annotations
 
@@ -116,12 +118,38 @@ def check_math_rows(rows: Sequence[dict], source: str) -> None:
                              "(expected '#### <number>' or a bare number)")
 
 
+# verl's strict GSM8K match: "#### " (one space), then a run of digits, dots and commas with an optional minus.
+_VERL_ANSWER_RE = re.compile(r"#### (-?[0-9.,]+)")
+
+
+def verl_score(completion: str, reference: str, format_score: float = 0.0) -> float:
+    """verl's gsm8k `compute_score` (method strict), for curves comparable with verl's: the LAST
+    `#### <number>` of the completion, commas dropped, equal AS TEXT to the reference's (its first
+    `#### <number>`, commas dropped, or the whole string). So `#### 18.00`, `#### 18.` get format_score
+    against 18, `####18` and `#### $18` have no answer, and a truncation is not special."""
+    found = _VERL_ANSWER_RE.findall(completion)
+    if not found:
+        return 0.0
+    return 1.0 if found[-1].replace(",", "") == reference else float(format_score)
+
+
+def verl_reference(meta: dict) -> str:
+    text = str(meta["ground_truth"] if "ground_truth" in meta else meta["answer"])
+    m = _VERL_ANSWER_RE.search(text)
+    return (m.group(1) if m is not None else text.strip()).replace(",", "")
+
+
 @register_reward("gsm8k", check_rows=check_math_rows)
 def gsm8k_reward(prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[dict],
                  mode: str = "strict", format_score: float = 0.0) -> list[float]:
-    """GSM8K-style numeric answer reward; `reward.kwargs.mode` / `reward.kwargs.format_score` set the options."""
+    """GSM8K-style numeric answer reward; `reward.kwargs.mode` / `reward.kwargs.format_score` set the options.
+
+    mode: strict / flexible (this module's verifier: numbers compared exactly as numbers, a cut-off
+    answer scores nothing), or verl (`verl_score`: verl's own text match, to compare curves with verl's)."""
+    if mode == "verl":
+        return [verl_score(c, verl_reference(m), format_score) for c, m in zip(completions, metadata)]
     if mode not in MODES:
-        raise ValueError(f"reward.kwargs.mode must be one of {list(MODES)}, got {mode!r}")
+        raise ValueError(f"reward.kwargs.mode must be one of {[*MODES, 'verl']}, got {mode!r}")
     return [score_answer(c, _reference(m), mode, format_score, truncated=m.get("finish_reason") == "length")
             for c, m in zip(completions, metadata)]
 

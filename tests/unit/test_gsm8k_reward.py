@@ -146,3 +146,26 @@ def test_unknown_mode_is_an_error():
 ])
 def test_gsm8k_format_reward(completion, finish, expected):
     assert gsm8k_format_reward(["q"], [completion], [{"answer": "1", "finish_reason": finish}]) == [expected]
+
+
+@pytest.mark.parametrize("completion,verl,ours", [
+    ("so #### 18", 1.0, 1.0),
+    ("#### 18.", 0.5, 1.0),          # verl compares text: '18.' is a wrong answer, not a missing one
+    ("#### 18.00", 0.5, 1.0),
+    ("####18", 0.0, 1.0),            # verl needs exactly one space after ####
+    ("#### $18", 0.0, 1.0),
+    ("#### 1,800 apples", 0.5, 0.5),  # commas dropped on both sides: 1800 != 18
+    ("#### 17 no, #### 18", 1.0, 1.0),  # the last match
+    ("#### 18\n\n####", 1.0, 0.0),   # ours reads after the LAST ####, where there is no number
+    ("#### -18", 0.5, 0.5),
+    ("no answer 18", 0.0, 0.0),
+])
+def test_verl_mode_reproduces_verls_text_match(completion, verl, ours):
+    """mode=verl scores as verl's gsm8k compute_score(method=strict) does (read from verl's source:
+    findall('#### (\\-?[0-9\\.\\,]+)'), last match, commas removed, string equality), format_score 0.5."""
+    meta = [{"answer": "Natalia sold 18 clips.\n#### 18", "finish_reason": "stop"}]
+    assert gsm8k_reward(["q"], [completion], meta, mode="verl", format_score=0.5) == [verl]
+    assert gsm8k_reward(["q"], [completion], meta, mode="strict", format_score=0.5) == [ours]
+    comma = [{"answer": "#### 1,800", "finish_reason": "stop"}]
+    assert gsm8k_reward(["q"], ["#### 1,800"], comma, mode="verl") == [1.0]
+    assert gsm8k_reward(["q"], ["#### 1800"], comma, mode="verl") == [1.0]
