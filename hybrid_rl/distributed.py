@@ -182,6 +182,12 @@ def broadcast_object_from(obj: Any, src: int, group=None) -> Any:
     return box[0]
 
 
+def broadcast_tensor_(tensor: torch.Tensor, src: int) -> None:
+    """Overwrite `tensor` on every rank with global rank `src`'s (in place; no-op when not distributed)."""
+    if is_dist():
+        dist.broadcast(tensor, src=src)
+
+
 def local_world_size() -> int:
     """Ranks on this node (torchrun's LOCAL_WORLD_SIZE; the world size when unset)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))

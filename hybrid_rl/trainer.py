@@ -22,7 +22,6 @@ Legend: B prompts per step (global), G samples per prompt, N sequences, T tokens
 """
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import os
@@ -47,8 +46,8 @@ from hybrid_rl.loggers import build_loggers, check_loggers, console_write, inter
 from hybrid_rl.switch.advice import decide_offload, sglang_kv_room_warning
 from hybrid_rl.switch.phases import PhaseManager
 from hybrid_rl.metrics import MeanAccumulator, StageTimer, bottleneck, plot_curve, split_summary
-from hybrid_rl.models.fsdp import shard_model
-from hybrid_rl.models.loading import load_causal_lm, load_tokenizer, model_eos_ids
+from hybrid_rl.models.fsdp import load_sharded
+from hybrid_rl.models.loading import load_tokenizer, model_eos_ids
 from hybrid_rl.rewards.base import RewardFn, compute_rewards
 from hybrid_rl.rewards.combine import combine
 from hybrid_rl.rewards.setup import RewardSetup
@@ -125,14 +124,12 @@ class Trainer(Checkpointing):
                                       sequences=cfg.data.batch_size * cfg.rollout.n,
                                       context=longest_prompt + cfg.rollout.max_new_tokens,
                                       has_ref=cfg.algorithm.needs_ref_model, reward_model_path=cfg.reward.model_path)
-        policy = load_causal_lm(cfg.model.path, torch.float32, cfg.model.attn_implementation)
-        if cfg.model.gradient_checkpointing:
-            policy.gradient_checkpointing_enable()
-        ref = None
-        if cfg.algorithm.needs_ref_model:
-            ref = copy.deepcopy(policy).requires_grad_(False).eval()
-        self.policy = shard_model(policy, self.device, mixed)
-        self.ref = shard_model(ref, self.device, mixed) if ref is not None else None
+        # The policy, and the frozen reference it starts as; only rank 0 reads the weights (models/fsdp.py).
+        as_policy = (lambda m: m.gradient_checkpointing_enable()) if cfg.model.gradient_checkpointing else (lambda m: m)
+        as_ref = lambda m: m.requires_grad_(False).eval()  # noqa: E731
+        models = load_sharded(cfg.model.path, self.device, mixed, cfg.model.attn_implementation,
+                              [as_policy, as_ref] if cfg.algorithm.needs_ref_model else [as_policy])
+        self.policy, self.ref = models[0], (models[1] if len(models) > 1 else None)
         self.reward_model, self.rm_scorer = self.rewards.build_model(rows[:2], self.device, mixed)
 
         o = cfg.optim

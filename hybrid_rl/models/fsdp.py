@@ -1,12 +1,21 @@
 """Parallelism is applied here and nowhere else: FSDP2 `fully_shard` per decoder
 layer, then the root. On one rank (a notebook) the module stays a plain module.
+
+`load_sharded` builds the trainer's models so that only rank 0 ever holds the whole
+model: the others build it on the meta device, shard it, and receive their shards from
+rank 0 (a 7B policy and its reference in fp32 would otherwise be 2 x 30 GB of host
+memory on each of 8 ranks at start-up).
 """
 from __future__ import annotations
+
+import copy
+import os
+from typing import Callable, Optional
 
 import torch
 
 from hybrid_rl import distributed as D
-from hybrid_rl.models.loading import decoder_layers
+from hybrid_rl.models.loading import decoder_layers, load_causal_lm
 
 
 def shard_model(model: torch.nn.Module, device: torch.device, mixed_precision: bool) -> torch.nn.Module:
@@ -20,6 +29,10 @@ def shard_model(model: torch.nn.Module, device: torch.device, mixed_precision: b
         if mixed_precision:
             raise ValueError("bf16 mixed precision needs FSDP2; launch with torchrun or use model.dtype=float32")
         return model
+    return _fully_shard(model, mixed_precision)
+
+
+def _fully_shard(model: torch.nn.Module, mixed_precision: bool) -> torch.nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else MixedPrecisionPolicy()
@@ -27,6 +40,54 @@ def shard_model(model: torch.nn.Module, device: torch.device, mixed_precision: b
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     return model
+
+
+def load_sharded(path: str, device: torch.device, mixed_precision: bool, attn_implementation: str,
+                 prepare: list[Callable[[torch.nn.Module], object]]) -> list[torch.nn.Module]:
+    """One sharded fp32 model per entry of `prepare` (e.g. the policy and its reference), each holding the
+    weights of the Hugging Face directory `path` after `prepare[i]` ran on it (before sharding).
+
+    On one rank: loaded once, copied for the others. On several: rank 0 alone reads the weights; every
+    rank builds the same modules on the meta device, shards them, allocates its shards on `device` and
+    receives them from rank 0 (`set_model_state_dict(broadcast_from_rank0=True)`), buffers included,
+    so each rank holds 1/world of every model and rank 0 one whole copy while loading."""
+    if not D.is_dist():
+        first = load_causal_lm(path, torch.float32, attn_implementation)
+        models = [first] + [copy.deepcopy(first) for _ in prepare[1:]]
+        for model, fn in zip(models, prepare):
+            fn(model)
+        return [shard_model(m, device, mixed_precision) for m in models]
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    full = load_causal_lm(path, torch.float32, attn_implementation) if D.is_main() else None
+    config = AutoConfig.from_pretrained(path)
+    config.use_cache = False  # as load_causal_lm leaves it
+    generation: Optional[GenerationConfig] = None
+    if os.path.isfile(os.path.join(path, "generation_config.json")):
+        generation = GenerationConfig.from_pretrained(path)
+    models = []
+    for fn in prepare:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
+        if generation is not None:
+            model.generation_config = copy.deepcopy(generation)
+        model.eval()  # as from_pretrained returns it
+        fn(model)
+        _fully_shard(model, mixed_precision)
+        model.to_empty(device=device)
+        state = dict(full.state_dict()) if full is not None else {}
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        # Buffers a state dict leaves out (the rotary inv_freq is not persistent) are rank 0's too.
+        source = dict(full.named_buffers()) if full is not None else {}
+        with torch.no_grad():
+            for name, buf in model.named_buffers():
+                if full is not None:
+                    buf.copy_(source[name])
+                D.broadcast_tensor_(buf, 0)
+        models.append(model)
+    del full
+    return models
 
 
 def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
