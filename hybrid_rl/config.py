@@ -442,7 +442,13 @@ class Config:
 
 def _schema_error(err: OmegaConfBaseException) -> ValueError:
     key = getattr(err, "full_key", None) or ""
-    return ValueError(f"config key '{key}': {err.msg if hasattr(err, 'msg') else err}".strip())
+    # The first line: OmegaConf's own detail lines (full_key, reference_type, object_type) repeat the key.
+    msg = str(err.msg if hasattr(err, "msg") else err).strip().splitlines()[0]
+    if "is not a ListConfig" in msg:
+        msg += f"; a list is written in brackets: {key}=[a,b] (or {key}=[] for none)"
+    elif msg.startswith("Incompatible value 'None'"):
+        msg += f"; `{key}=` with nothing after it is null: give a value"
+    return ValueError(f"config key '{key}': {msg}")
 
 
 def _with_preset(layer: Any) -> list:

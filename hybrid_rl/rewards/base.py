@@ -67,8 +67,14 @@ def register_reward(name: str, success_threshold: float = 1.0,
     """Decorator: register `fn` as reward `name` (selected by `reward.name=name`)."""
 
     def deco(fn: RewardFn) -> RewardFn:
-        if name in _REGISTRY:
-            raise ValueError(f"reward function {name!r} is already registered")
+        old = _REGISTRY.get(name)
+        # A notebook cell run again defines the same function anew: the new definition replaces it.
+        redefined = old is not None and (getattr(old.fn, "__module__", None), getattr(old.fn, "__qualname__", None)) == \
+            (getattr(fn, "__module__", None), getattr(fn, "__qualname__", None))
+        if old is not None and not redefined:
+            where = f"{getattr(old.fn, '__module__', '?')}.{getattr(old.fn, '__qualname__', '?')}"
+            raise ValueError(f"reward function {name!r} is already registered (by {where}); pick another name, "
+                             "or pass the function itself: Trainer(cfg, reward_fn=fn)")
         _REGISTRY[name] = RewardSpec(fn, success_threshold, check_rows)
         return fn
 

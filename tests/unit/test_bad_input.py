@@ -63,7 +63,7 @@ def no_model_build(monkeypatch):
     def fail(*a, **k):
         raise AssertionError("the model was loaded before the bad input was reported")
 
-    monkeypatch.setattr("hybrid_rl.trainer.load_causal_lm", fail)
+    monkeypatch.setattr("hybrid_rl.models.fsdp.load_causal_lm", fail)
 
 
 def _trainer(overrides, *extra):

@@ -308,3 +308,10 @@ def test_new_keys_default_to_the_old_behaviour():
     assert cfg.data.num_prompts is None and cfg.data.val_split == 0.0 and not cfg.data.val_path
     assert cfg.reward.fn == "" and cfg.reward.kwargs == {} and cfg.reward.success_threshold is None
     assert cfg.trainer.loggers == ["console"] and cfg.trainer.val_every == 0 and cfg.trainer.wandb_mode == "offline"
+
+
+def test_list_and_empty_value_errors_say_how_to_write_them():
+    with pytest.raises(ValueError, match=r"'trainer.loggers'.*trainer.loggers=\[a,b\]"):
+        load_config(None, ["trainer.loggers=console"])
+    with pytest.raises(ValueError, match=r"'model.path'.*nothing after it is null"):
+        load_config(None, ["model.path="])

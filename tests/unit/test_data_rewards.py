@@ -143,10 +143,20 @@ def test_a_user_reward_registered_by_decorator_is_found_and_names_are_unique(mon
     spec = get_reward("exact_match")
     assert spec.fn is exact_match and spec.success_threshold == 0.5
     assert get_reward("digits").fn is digits_reward, "the built-ins are still registered alongside"
-    with pytest.raises(ValueError, match="already registered"):
-        register_reward("exact_match")(exact_match)
-    with pytest.raises(ValueError, match="already registered"):
+    # A notebook cell run again defines the same function anew: it replaces the old definition.
+    @register_reward("exact_match", success_threshold=0.5)
+    def exact_match(prompts, completions, metadata):  # noqa: F811
+        return [0.0 for _ in completions]
+
+    assert get_reward("exact_match").fn is exact_match
+    with pytest.raises(ValueError, match=r"already registered \(by hybrid_rl.rewards.toy.digits_reward\).*reward_fn="):
         register_reward("digits")(exact_match)
+
+    def other(prompts, completions, metadata):
+        return [1.0 for _ in completions]
+
+    with pytest.raises(ValueError, match="already registered"):
+        register_reward("exact_match")(other)
     with pytest.raises(ValueError, match="reward.name"):
         get_reward("no_such_reward")
 

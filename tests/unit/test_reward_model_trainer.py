@@ -246,7 +246,7 @@ def no_model_build(monkeypatch):
     def fail(*a, **k):
         raise AssertionError("the policy was loaded before the bad input was reported")
 
-    monkeypatch.setattr("hybrid_rl.trainer.load_causal_lm", fail)
+    monkeypatch.setattr("hybrid_rl.models.fsdp.load_causal_lm", fail)
 
 
 def test_bad_reward_model_fails_before_the_policy_loads(tiny_trainer_overrides, rm_dir, tmp_path, no_model_build):
