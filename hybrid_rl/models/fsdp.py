@@ -60,7 +60,17 @@ def load_sharded(path: str, device: torch.device, mixed_precision: bool, attn_im
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    full = load_causal_lm(path, torch.float32, attn_implementation) if D.is_main() else None
+    full, failure = None, None
+    if D.is_main():
+        try:
+            full = load_causal_lm(path, torch.float32, attn_implementation)
+        except Exception as err:  # every rank must learn it, or the others wait in the broadcast below
+            failure = err
+    reason = D.broadcast_object_from(None if failure is None else f"{type(failure).__name__}: {failure}", 0)
+    if failure is not None:
+        raise failure
+    if reason is not None:
+        raise RuntimeError(f"rank 0 could not load the model in {path!r} ({reason}); see rank 0's error")
     config = AutoConfig.from_pretrained(path)
     config.use_cache = False  # as load_causal_lm leaves it
     generation: Optional[GenerationConfig] = None

@@ -56,3 +56,28 @@ def test_only_rank_0_reads_and_every_rank_holds_the_model(tiny_model_dir):
             assert m["generation"] == plain.generation_config.to_dict() and m["tied"] and m["sharded"]
         assert r["policy"]["trainable"] == {True} and r["policy"]["checkpointing"]
         assert r["ref"]["trainable"] == {False} and not r["ref"]["checkpointing"]
+
+
+def _load_broken_on_rank(rank: int, model_dir: str):
+    from hybrid_rl import distributed as D
+    from hybrid_rl.models import fsdp
+
+    D.init("cpu", timeout_s=60)
+    try:
+        fsdp.load_sharded(model_dir, torch.device("cpu"), False, "sdpa", [lambda m: m])
+    except Exception as err:  # noqa: BLE001 - the test reads what each rank raised
+        return f"{type(err).__name__}: {err}"
+    return "loaded"
+
+
+def test_a_model_rank_0_cannot_read_stops_every_rank_at_once(tiny_model_dir, tmp_path):
+    """Only rank 0 reads the weights: when it cannot, the others must hear it, not wait in the broadcast."""
+    import os
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    os.remove(broken / "model.safetensors")
+    r0, r1 = run_ranks(_load_broken_on_rank, world=2, args=(str(broken),), timeout=60)
+    assert r0.startswith("OSError") or "safetensors" in r0 or "weights" in r0, r0
+    assert r1.startswith("RuntimeError: rank 0 could not load the model") and str(broken) in r1, r1
