@@ -348,9 +348,10 @@ class Trainer(Checkpointing):
                 # Sequence-level estimators see the KL as a penalty on the score; REINFORCE++
                 # takes it per token (KL-to-go in its returns) below.
                 scores_N, kl_NT = kl_penalty_rewards(scores_N, kl_NT, batch.resp_mask_NT, kl_coef), None
+        # Token-level estimators whiten over the tokens the loss trains (stats_mask_NT), not the filtered ones.
         adv_NT = compute_advantages(algo.advantage, scores_N, batch.group_ids_N, batch.resp_mask_NT, eps=algo.adv_eps,
                                     gamma=algo.gamma, kl_NT=kl_NT, kl_coef=kl_coef if kl_NT is not None else 0.0,
-                                    reduce_sum=D.all_reduce_sum)
+                                    reduce_sum=D.all_reduce_sum, stats_mask_NT=loss_mask_NT)
         acc.add("reward/trained_mean", batch.rewards_N.sum(), len(batch))
         if algo.overlong_penalty_factor > 0:
             acc.add("reward/overlong_penalty", (batch.scores_N - batch.rewards_N).sum(), len(batch))

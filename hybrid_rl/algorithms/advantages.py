@@ -226,8 +226,10 @@ def _local_moments(x_NT: Tensor, valid_NT: Tensor) -> Tensor:
     return torch.stack([n, n * mean, (dev_NT * dev_NT).sum(), n * mean * mean, torch.ones((), **f64)])
 
 
-def _whiten_valid(x_NT: Tensor, valid_NT: Tensor, eps: float, reduce_sum: ReduceSum | None) -> Tensor:
+def _whiten_valid(x_NT: Tensor, valid_NT: Tensor, eps: float, reduce_sum: ReduceSum | None,
+                  stats_NT: Tensor | None = None) -> Tensor:
     """(x - mean) / (std + eps) over the valid tokens of every rank; 0 at masked positions.
+    stats_NT: the tokens mean and std are taken over (default: valid_NT), e.g. only those the loss trains.
 
     One reduce_sum call on the 5 statistics of _local_moments. The variance is
     within-rank squared deviations plus the between-rank part
@@ -238,7 +240,7 @@ def _whiten_valid(x_NT: Tensor, valid_NT: Tensor, eps: float, reduce_sum: Reduce
     gets a variance of exactly 0 and an advantage of exactly 0.
     std is unbiased (divides by n - 1), as verl's masked_whiten; n < 2 gives 0.
     """
-    stats = _local_moments(x_NT, valid_NT)
+    stats = _local_moments(x_NT, valid_NT if stats_NT is None else stats_NT)
     if reduce_sum is not None:
         # Every rank must reach this call, also with an empty local batch.
         stats = reduce_sum(stats)
@@ -287,6 +289,7 @@ def reinforce_pp_advantages(
     kl_coef: float = 0.0,
     eps: float = 1e-6,
     reduce_sum: ReduceSum | None = None,
+    stats_mask_NT: Tensor | None = None,
 ) -> Tensor:
     """REINFORCE++ token-level advantage (Hu et al. 2025, arXiv:2501.03262, Eqs. for A_t and its normalisation).
 
@@ -315,6 +318,10 @@ def reinforce_pp_advantages(
             hybrid_rl.distributed.all_reduce_sum). It is called exactly once,
             on every rank, so the mean and std are over all ranks' tokens.
             None: this batch is the whole batch.
+        stats_mask_NT: the tokens the mean and std are taken over (default:
+            mask_NT). The trainer passes its loss mask: tokens the overlong
+            filter or rollout correction leave out of the loss do not move the
+            baseline of those it trains (verl whitens after its rejection mask).
     Returns:
         adv_NT: (N, T) on mask_NT's device, scores' float dtype (float32 for
         int scores), 0 at masked positions.
@@ -322,13 +329,24 @@ def reinforce_pp_advantages(
     _check_scores(scores_N, eps, "scores_N")
     _check_mask(mask_NT, scores_N.shape[0])
     _check_kl(kl_NT, kl_coef, mask_NT)
+    stats_NT = _stats_mask(stats_mask_NT, mask_NT)
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma must be in [0, 1], got {gamma}")
     valid_NT = mask_NT != 0
     r_NT = _reward_NT(scores_N.to(mask_NT.device), valid_NT, None if kl_NT is None else kl_NT.to(mask_NT.device),
                       kl_coef)
     g_NT = _discounted_returns(r_NT, valid_NT, gamma)
-    return _whiten_valid(g_NT, valid_NT, eps, reduce_sum).to(_out_dtype(scores_N))
+    return _whiten_valid(g_NT, valid_NT, eps, reduce_sum, stats_NT).to(_out_dtype(scores_N))
+
+
+def _stats_mask(stats_mask_NT: Tensor | None, mask_NT: Tensor) -> Tensor | None:
+    """The whitening tokens as a bool mask within mask_NT, or None (= mask_NT)."""
+    if stats_mask_NT is None:
+        return None
+    if not isinstance(stats_mask_NT, Tensor) or stats_mask_NT.shape != mask_NT.shape:
+        raise ValueError(f"stats_mask_NT must have the (N, T) shape of mask_NT {tuple(mask_NT.shape)}, got "
+                         f"{getattr(stats_mask_NT, 'shape', type(stats_mask_NT))}")
+    return (stats_mask_NT.to(mask_NT.device) != 0) & (mask_NT != 0)
 
 
 def reinforce_pp_baseline_advantages(
@@ -338,6 +356,7 @@ def reinforce_pp_baseline_advantages(
     *,
     eps: float = 1e-6,
     reduce_sum: ReduceSum | None = None,
+    stats_mask_NT: Tensor | None = None,
 ) -> Tensor:
     """REINFORCE++ with baseline (Hu et al. 2025, arXiv:2501.03262, "REINFORCE++ w/ baseline").
 
@@ -354,17 +373,18 @@ def reinforce_pp_baseline_advantages(
         scores_N: (N,) outcome score per sequence.
         group_ids_N: (N,) integer prompt id of each sequence.
         mask_NT: (N, T) response mask.
-        eps, reduce_sum: as reinforce_pp_advantages.
+        eps, reduce_sum, stats_mask_NT: as reinforce_pp_advantages.
     Returns:
         adv_NT: (N, T), as reinforce_pp_advantages.
     """
     _check_inputs(scores_N, group_ids_N, eps, "scores_N")
     _check_mask(mask_NT, scores_N.shape[0])
+    stats_NT = _stats_mask(stats_mask_NT, mask_NT)
     device = mask_NT.device
     c_N = _GroupStats(scores_N.to(device), group_ids_N.to(device)).centred_N
     valid_NT = mask_NT != 0
     c_NT = c_N[:, None].expand(valid_NT.shape)
-    return _whiten_valid(c_NT, valid_NT, eps, reduce_sum).to(_out_dtype(scores_N))
+    return _whiten_valid(c_NT, valid_NT, eps, reduce_sum, stats_NT).to(_out_dtype(scores_N))
 
 
 ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Tensor]] = {
@@ -389,6 +409,7 @@ def compute_advantages(
     kl_NT: Tensor | None = None,
     kl_coef: float = 0.0,
     reduce_sum: ReduceSum | None = None,
+    stats_mask_NT: Tensor | None = None,
 ) -> Tensor:
     """Advantages of any estimator in ADVANTAGE_ESTIMATORS as a (N, T) tensor.
 
@@ -398,7 +419,8 @@ def compute_advantages(
     gamma, kl_NT and kl_coef are only for reinforce_pp; passing them to another
     estimator raises rather than being ignored. reduce_sum is only used by the
     token-level estimators (the others need no statistics beyond one group,
-    which is whole on one rank), and must then be passed on every rank.
+    which is whole on one rank), and must then be passed on every rank; so is
+    stats_mask_NT, the tokens their whitening statistics are taken over.
 
     Args:
         name: a key of ADVANTAGE_ESTIMATORS.
@@ -415,7 +437,8 @@ def compute_advantages(
     _check_mask(mask_NT, scores_N.shape[0])
     if name == "reinforce_pp":
         return reinforce_pp_advantages(
-            scores_N, mask_NT, gamma=gamma, kl_NT=kl_NT, kl_coef=kl_coef, eps=eps, reduce_sum=reduce_sum
+            scores_N, mask_NT, gamma=gamma, kl_NT=kl_NT, kl_coef=kl_coef, eps=eps, reduce_sum=reduce_sum,
+            stats_mask_NT=stats_mask_NT,
         )
     if kl_NT is not None or kl_coef != 0.0:
         raise ValueError(
@@ -425,7 +448,8 @@ def compute_advantages(
     if gamma != 1.0:
         raise ValueError(f"advantage estimator {name!r} has no discount; gamma={gamma} applies only to 'reinforce_pp'")
     if name == "reinforce_pp_baseline":
-        return reinforce_pp_baseline_advantages(scores_N, group_ids_N, mask_NT, eps=eps, reduce_sum=reduce_sum)
+        return reinforce_pp_baseline_advantages(scores_N, group_ids_N, mask_NT, eps=eps, reduce_sum=reduce_sum,
+                                                stats_mask_NT=stats_mask_NT)
     device = mask_NT.device
     adv_N = ADVANTAGE_ESTIMATORS[name](scores_N.to(device), group_ids_N.to(device), eps=eps)
     return torch.where(mask_NT != 0, adv_N[:, None], torch.zeros((), dtype=adv_N.dtype, device=device))

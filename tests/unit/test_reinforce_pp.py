@@ -307,3 +307,51 @@ def test_compute_advantages_rejects_kl_and_gamma_where_unused():
             compute_advantages(name, s, g, m, gamma=0.9)
     with pytest.raises(ValueError, match="mask_NT"):
         compute_advantages("grpo", s, g, torch.ones(3, 3))
+
+
+@pytest.mark.parametrize("name", ["reinforce_pp", "reinforce_pp_baseline"])
+def test_whitening_over_the_trained_tokens_only(name):
+    """Tokens the loss leaves out (a truncated row under the overlong filter) must not move the baseline:
+    with stats_mask_NT the mean and std are those of the trained tokens (a naive loop), so the advantages
+    of the trained tokens average to 0. The reviewer's example: a long truncated low-score row."""
+    from hybrid_rl.algorithms.advantages import compute_advantages
+
+    scores = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    lengths = [2, 8, 3, 2]
+    groups = torch.tensor([0, 0, 1, 1])
+    mask = torch.zeros(4, 8)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    trained = mask.clone()
+    trained[1] = 0  # row 1 was truncated: out of the loss
+    adv = compute_advantages(name, scores, groups, mask, eps=1e-6, stats_mask_NT=trained)
+    # Naive: the per-token value before whitening (gamma = 1, no KL: the score; baseline: score - group mean).
+    value = scores if name == "reinforce_pp" else scores - torch.tensor([0.5, 0.5, 0.5, 0.5])
+    xs = [float(value[i]) for i in range(4) for t in range(8) if trained[i, t]]
+    mean = sum(xs) / len(xs)
+    std = (sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5
+    for i in range(4):
+        for t in range(8):
+            want = (float(value[i]) - mean) / (std + 1e-6) if mask[i, t] else 0.0
+            assert adv[i, t].item() == pytest.approx(want, abs=1e-6), (i, t)
+    assert (adv * trained).sum().item() == pytest.approx(0.0, abs=1e-5)
+    untouched = compute_advantages(name, scores, groups, mask, eps=1e-6)
+    assert not torch.allclose(untouched * trained, adv * trained), "without the stats mask row 1 moves the baseline"
+
+
+def test_the_trainer_whitens_over_its_loss_mask(tiny_trainer_overrides, monkeypatch):
+    from hybrid_rl import Trainer, load_config
+    from hybrid_rl import trainer as trainer_mod
+
+    calls = []
+    real = trainer_mod.compute_advantages
+    monkeypatch.setattr(trainer_mod, "compute_advantages", lambda *a, **k: calls.append((a, k)) or real(*a, **k))
+    seen = {}
+    real_update = trainer_mod.policy_update
+    monkeypatch.setattr(trainer_mod, "policy_update", lambda **k: seen.update(batch=k["batch"]) or real_update(**k))
+    tr = Trainer(load_config(None, [*tiny_trainer_overrides, "algorithm.advantage=reinforce_pp",
+                                    "algorithm.overlong_filter=true", "rollout.max_new_tokens=3"]))
+    tr.step()
+    (_, _, _, resp_mask), kwargs = calls[0]
+    assert torch.equal(kwargs["stats_mask_NT"], seen["batch"].mask_NT)
+    assert not torch.equal(resp_mask.bool(), seen["batch"].mask_NT.bool()), "the test needs truncated rows"
