@@ -25,7 +25,10 @@ Legend: N sequences (this rank's), G samples per prompt.
 from __future__ import annotations
 
 import atexit
+import functools
 import os
+import signal
+import threading
 import time
 import warnings
 from typing import Any, Iterable, Optional, Sequence
@@ -67,19 +70,62 @@ def check_available() -> None:
                          "or use rollout.engine=native")
 
 
-def to_completion(out: dict, index: int) -> Completion:
+def to_completion(out: dict, index: int, stop_ids: Iterable[int] = ()) -> Completion:
     """SGLang's output dict -> Completion, with the native engine's conventions:
-    token ids include the stop token, logprob i belongs to token i, finish 'stop' | 'length'."""
+    token ids include the stop token, logprob i belongs to token i, finish 'stop' | 'length'.
+
+    SGLang tests the length limit before the stop tokens (Req.check_finished), so a completion whose
+    last allowed token is a stop token comes back as 'length'; it stopped, and is 'stop' here (as in
+    the native engine): otherwise the overlong filter and the truncation rules would drop a finished answer."""
     meta = out["meta_info"]
     reason = meta.get("finish_reason") or {}
     kind = reason.get("type")
     if kind not in ("stop", "length"):
         raise RuntimeError(f"SGLang aborted request {index}: {reason.get('message', reason)}")
     ids = list(out["output_ids"])
+    if kind == "length" and ids and ids[-1] in set(stop_ids):
+        kind = "stop"
     logprobs = [lp for lp, _tok, _text in meta["output_token_logprobs"]]
     if [tok for _lp, tok, _text in meta["output_token_logprobs"]] != ids:
         raise RuntimeError(f"request {index}: SGLang's logprobs do not follow its output ids")
     return Completion(token_ids=ids, logprobs=[float(x) for x in logprobs], finish_reason=kind)
+
+
+def _uninterrupted(method):
+    """Ctrl-C (SIGINT) waits until the engine call returns, then takes effect.
+
+    SGLang finishes a call it has started whatever happens in this process, and a call on an engine
+    that is still in the middle of one kills it (a release while requests decode fails the scheduler's
+    idle assertion: SIGQUIT to this process, sglang-api.md 0.1); a call cut off between SGLang's answer
+    and this side's bookkeeping leaves the two disagreeing about what is resident. So the interrupt is
+    held, with a warning, and delivered when the call is done; a second Ctrl-C interrupts at once.
+    Off the main thread (no signal handlers there) the call runs as it is."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            return method(self, *args, **kwargs)
+        held: list[int] = []
+
+        def hold(signum, frame):
+            if held:
+                raise KeyboardInterrupt
+            held.append(signum)
+            warnings.warn(f"interrupt held until SGLang's {method.__name__} returns (cutting it off leaves SGLang "
+                          "in a state the next call crashes on); press Ctrl-C again to interrupt anyway")
+
+        previous = signal.signal(signal.SIGINT, hold)
+        try:
+            result = method(self, *args, **kwargs)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        if held:  # delivered as the handler in place would have: StopSignal's graceful stop, or KeyboardInterrupt
+            if callable(previous):
+                previous(held[0], None)
+            elif previous != signal.SIG_IGN:
+                raise KeyboardInterrupt
+        return result
+
+    return call
 
 
 class SGLangEngine:
@@ -170,6 +216,7 @@ class SGLangEngine:
         weights = 0 if "weights" in self.released else self._full_bytes // self.tp_size
         return {"engine_weights": weights, "kv_cache": 0 if "kv_cache" in self.released else self._kv_bytes}
 
+    @_uninterrupted
     def resume(self, tags: Sequence[str]) -> None:
         tags = self._tags(tags)
         not_released = [t for t in tags if t not in self.released]
@@ -188,6 +235,7 @@ class SGLangEngine:
             # SGLang sizes its KV pool itself (mem_fraction): measure what the resume took.
             self._kv_bytes = max(0, free_before - _free_device_bytes(self.device))
 
+    @_uninterrupted
     def release(self, tags: Sequence[str]) -> None:
         tags = [t for t in self._tags(tags) if t not in self.released]
         if not tags:
@@ -222,6 +270,7 @@ class SGLangEngine:
         return list(tags)
 
     # -- weights --------------------------------------------------------------
+    @_uninterrupted
     def begin_weight_update(self) -> None:
         if "weights" in self.released:
             raise RuntimeError("begin_weight_update() while the engine's weights are released; resume(['weights']) first")
@@ -235,6 +284,7 @@ class SGLangEngine:
             torch.cuda.memory._set_allocator_settings("expandable_segments:False")
         self.sync_stats = {"bytes": 0, "payloads": 0, "handles": 0}
 
+    @_uninterrupted
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Every rank of the group calls this with the same bucket (full tensors)."""
         if not self.session:
@@ -256,6 +306,7 @@ class SGLangEngine:
         self.sync_stats["payloads"] += self.tp_size
         self.sync_stats["handles"] += self.tp_size  # one flat buffer per rank per bucket
 
+    @_uninterrupted
     def end_weight_update(self) -> None:
         if not self.session:
             raise RuntimeError("end_weight_update() without begin_weight_update()")
@@ -270,6 +321,7 @@ class SGLangEngine:
         # One flush after the last bucket: a stale prefix cache degrades rewards (RLinf#96).
         self._owner_call("flush_cache")
 
+    @_uninterrupted
     def abort_weight_update(self) -> None:
         """Close a weight-update session an exception interrupted (PhaseManager.recover); nothing if none is open.
 
@@ -277,10 +329,10 @@ class SGLangEngine:
         resume(["weights"]) starts a sync that must send every parameter again."""
         if not self.session:
             return
-        self._owner_call("end_weight_update", check=True, optional=True)
-        self.session = False
+        self.session = False  # whatever SGLang answers: it may have closed the session already
         if self._expandable:
             torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        self._owner_call("end_weight_update", optional=True)  # unchecked: "no session open" is fine here
 
     def _check_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         for name, t in bucket:
@@ -295,6 +347,7 @@ class SGLangEngine:
 
     # -- generation -----------------------------------------------------------
     @torch.no_grad()
+    @_uninterrupted
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
         if self.released:
             raise RuntimeError(f"engine memory is released ({sorted(self.released)}); resume(['weights', 'kv_cache']) first")
@@ -320,7 +373,7 @@ class SGLangEngine:
             outs = [outs]
         if len(outs) != len(ids):
             raise RuntimeError(f"SGLang returned {len(outs)} results for {len(ids)} prompts")
-        completions = [to_completion(o, i) for i, o in enumerate(outs)]
+        completions = [to_completion(o, i, sampling[i]["stop_token_ids"]) for i, o in enumerate(outs)]
         replies, start = [], 0
         for prompts, _ in requests:
             replies.append(completions[start:start + len(prompts)])

@@ -68,10 +68,10 @@ def test_engine_starts_released_and_the_first_sync_is_complete(setup):
     assert engine.sync_stats["payloads"] == ranks[0]["payloads_opened"] > 1, "several buckets, each opened once"
 
 
-def _greedy():
+def _greedy(max_new_tokens: int = 8):
     from hybrid_rl.rollout.base import SamplingParams
 
-    return SamplingParams(max_new_tokens=8, greedy=True)
+    return SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
 
 
 def test_greedy_output_equals_the_native_engine_on_the_same_weights(setup):
@@ -84,6 +84,33 @@ def test_greedy_output_equals_the_native_engine_on_the_same_weights(setup):
     assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
     for a, b in zip(got, want):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+def test_a_stop_token_at_the_length_limit_finishes_as_stop(setup):
+    """Real SGLang (and the stand-in, which copies Req.check_finished) reports 'length' when the last allowed
+    token is a stop token; the engine maps it to 'stop', as the native engine decodes it, so rewards and the
+    overlong filter see a finished answer. The stop token is a token of the greedy answer that did not occur
+    before it (position k), and the limit k + 1."""
+    from hybrid_rl.rollout.base import SamplingParams
+    from hybrid_rl.rollout.native import NativeEngine
+
+    policy, engine, pm, tok = setup
+    free_all = _rollout(pm, PROMPTS, _greedy(8))
+    found = [(p, c.token_ids, k) for p, c in zip(PROMPTS, free_all) for k in range(1, len(c.token_ids))
+             if c.token_ids[k] not in c.token_ids[:k]]
+    assert found, "the check needs a greedy answer with a token new at position k >= 1"
+    prompt, free_ids, k = found[0]
+    at_limit = SamplingParams(max_new_tokens=k + 1, greedy=True, stop_token_ids=(free_ids[k],))
+    raw, real_generate = [], engine.engine.generate
+    engine.engine.generate = lambda **kw: raw.extend(real_generate(**kw)) or raw
+    try:
+        got = _rollout(pm, [prompt], at_limit)[0]
+    finally:
+        engine.engine.generate = real_generate
+    assert raw[0]["meta_info"]["finish_reason"]["type"] == "length", "the stand-in checks the length first, as SGLang"
+    want = NativeEngine(copy.deepcopy(policy), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id).generate([prompt], at_limit)[0]
+    assert got.token_ids == want.token_ids == free_ids[:k + 1]
+    assert got.finish_reason == want.finish_reason == "stop"
 
 
 def test_sampled_logprobs_equal_the_trainers_at_the_sampling_temperature(setup):
@@ -167,6 +194,9 @@ def test_sglang_output_maps_to_completions_like_the_native_engine():
     assert c.token_ids == [5, 6, 1] and c.logprobs == [-0.5, -1.0, -2.0] and c.finish_reason == "stop"
     out["meta_info"]["finish_reason"] = {"type": "length", "length": 3}
     assert to_completion(out, 0).finish_reason == "length"
+    # SGLang tests the length limit first: a stop token as the last allowed token says "length"; it stopped.
+    assert to_completion(out, 0, stop_ids=[1]).finish_reason == "stop"
+    assert to_completion(out, 0, stop_ids=[2]).finish_reason == "length"
     out["meta_info"]["finish_reason"] = {"type": "abort", "message": "out of memory"}
     with pytest.raises(RuntimeError, match="out of memory"):
         to_completion(out, 0)

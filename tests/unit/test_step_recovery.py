@@ -145,3 +145,43 @@ def test_an_sglang_sync_that_fails_midway_is_closed_and_resent(tiny_model_dir, f
         assert len(out) == 1 and engine._sent == set(engine.expected), "the next sync sent every parameter"
     finally:
         engine.shutdown()
+
+
+def test_ctrl_c_during_an_sglang_call_waits_for_it(tiny_model_dir, fake_sglang):
+    """SIGINT while SGLang resumes its weights: the call completes (SGLang would finish it anyway), this
+    side's bookkeeping follows it, and only then KeyboardInterrupt is raised; recover() then releases what
+    is really resident, and the next rollout works. Cut off mid-call, the weights would stay resident while
+    the engine thinks them released, and the next resume would kill SGLang."""
+    import os
+    import signal
+
+    from hybrid_rl.models.loading import load_causal_lm, load_tokenizer
+    from hybrid_rl.rollout.base import SamplingParams
+    from hybrid_rl.rollout.sglang import SGLangEngine
+    from hybrid_rl.switch.phases import PhaseManager
+
+    tok = load_tokenizer(tiny_model_dir)
+    policy = load_causal_lm(tiny_model_dir)
+    engine = SGLangEngine(policy, tiny_model_dir, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, tp_size=1)
+    try:
+        pm = PhaseManager(policy, torch.optim.AdamW(policy.parameters(), lr=1e-3), engine, torch.device("cpu"))
+        real = engine.engine.resume_memory_occupation
+
+        def resume_hit_by_ctrl_c(tags):
+            os.kill(os.getpid(), signal.SIGINT)
+            return real(tags)
+
+        engine.engine.resume_memory_occupation = resume_hit_by_ctrl_c
+        with pytest.warns(UserWarning, match="interrupt held"), pytest.raises(KeyboardInterrupt):
+            with pm.rollout():
+                pass
+        engine.engine.resume_memory_occupation = real
+        assert "weights" not in engine.released and "weights" not in engine.engine._debug_state()["ranks"][0]["offload_tags"]
+        pm.recover()
+        assert engine.released == {"weights", "kv_cache"} and pm.phase is Phase.TRAIN
+        with pm.rollout() as eng:
+            assert len(eng.generate([[5, 6, 7, 14]], SamplingParams(max_new_tokens=3, greedy=True))) == 1
+        with pm.train():
+            pass
+    finally:
+        engine.shutdown()

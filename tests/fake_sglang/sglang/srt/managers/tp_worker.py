@@ -142,10 +142,14 @@ class TpModelWorker:
                 res = results[i]
                 res["output_ids"].append(token)
                 res["output_logprobs"].append(logprob)
+                # As Req.check_finished: the length limit is tested before the stop tokens, so a stop
+                # token at the limit finishes as "length".
+                if len(res["output_ids"]) >= sps[i]["max_new_tokens"]:
+                    continue
                 matched = token if token in stop_ids[i] else self._matched_stop_str(res["output_ids"], sps[i])
                 if matched is not None:
                     res["finish_reason"] = {"type": "stop", "matched": matched}
-                elif len(res["output_ids"]) < sps[i]["max_new_tokens"]:
+                else:
                     keep.append(k)
             step += 1
         return results
