@@ -251,7 +251,9 @@ def _where(tb) -> str:
     if trainer is not None:
         # step_idx counts finished steps; inside Trainer.step the failing step is the next one.
         step = trainer.step_idx + (1 if any(c.endswith("Trainer.step") for c in chain) else 0)
-        phase = getattr(getattr(trainer.phases, "phase", None), "value", None)
+        # After a failed step the switch is back in TRAIN (PhaseManager.recover); it kept where it failed.
+        failed = getattr(trainer.phases, "failed_phase", None) or getattr(trainer.phases, "phase", None)
+        phase = getattr(failed, "value", None)
         out = f" at step {step}" + (f", last phase {phase}" if phase else "")
     if chain:
         out += (", in " if out else " in ") + " > ".join(chain[-5:])

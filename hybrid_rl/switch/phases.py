@@ -103,6 +103,7 @@ class PhaseManager:
         self.bucket_bytes = bucket_bytes
         self.phase = Phase.TRAIN
         self.inside: Optional[Phase] = None
+        self.failed_phase: Optional[Phase] = None  # where the last failed step stopped (set by recover)
         self.stats = SwitchStats()
         self.ledger = MemoryLedger(device)
         self.step = 0  # counts rollouts; labels ledger snapshots
@@ -125,6 +126,7 @@ class PhaseManager:
 
     # -- bookkeeping ----------------------------------------------------------
     def _transition(self, target: Phase) -> None:
+        self.failed_phase = None
         if self.inside is not None:
             raise PhaseError(f"cannot enter {target.value} while inside {self.inside.value}; leave it first")
         if target not in ALLOWED[self.phase]:
@@ -286,7 +288,9 @@ class PhaseManager:
         leave behind is the phase itself (ROLLOUT or SCORE, from which the next step cannot start)
         and, when it came while ROLLOUT was being entered, an engine with an open weight update or
         resumed memory, offloaded parameters, and an offloaded optimizer. All of it is put back as
-        between two steps, so the next step starts cleanly."""
+        between two steps, so the next step starts cleanly. `failed_phase` keeps where it failed (the
+        failure report names it) until the next phase is entered."""
+        failed = self.inside or self.phase
         self.inside = None
         abort = getattr(self.engine, "abort_weight_update", None)
         if abort is not None:
@@ -300,6 +304,7 @@ class PhaseManager:
         elif self.opt_offload is not None:
             self._move("onload_optimizer", self.opt_offload.onload)
         self.pop_stats()  # the failed step's switch time is nobody's
+        self.failed_phase = failed
 
     @contextlib.contextmanager
     def checkpointable(self) -> Iterator[None]:

@@ -65,6 +65,7 @@ def test_failures_in_score_and_while_entering_rollout(tiny_trainer_overrides, mo
     with pytest.raises(torch.cuda.OutOfMemoryError):
         tr.step()
     assert tr.phases.opt_offload.on_device, "the optimizer left the device for ROLLOUT and is back"
+    assert tr.phases.failed_phase is Phase.SCORE, "the failure report names where it failed, not TRAIN"
     _between_steps(tr)
     monkeypatch.setattr(tr, "_score", real_score)
 
@@ -79,6 +80,7 @@ def test_failures_in_score_and_while_entering_rollout(tiny_trainer_overrides, mo
     _between_steps(tr)
     monkeypatch.setattr(tr.engine, "resume", real_resume)
     assert tr.step()["step"] == 1
+    assert tr.phases.failed_phase is None
 
 
 def test_validation_that_fails_returns_to_train(tiny_trainer_overrides):
