@@ -9,8 +9,8 @@ One checkpoint is a directory `<root>/step_00000010` holding
                    CUDA, Python, NumPy), prompt-loader position, step counters, LR scheduler,
                    KL controller, reward normaliser (`Trainer._resume_state`)
     hf/            config.json + tokenizer of the policy: what `python -m hybrid_rl.export` needs
-    config.yaml    the resolved config of the run that wrote it (checked on resume)
-    meta.json      step, world size, model fingerprint, format version
+    meta.json      step, world size, model fingerprint, format version, and the resolved config of
+                   the run that wrote it (checked on resume)
 
 Commit protocol: everything is written into `<root>/.tmp-step_00000010`; after every rank
 has written its part (a failure anywhere is agreed on by all ranks), rank 0 writes
@@ -49,7 +49,8 @@ RESUMABLE_CHANGES = (
     "trainer.checkpoint_dir", "trainer.out_dir", "trainer.progress_bar", "trainer.log_every", "trainer.loggers",
     "trainer.project", "trainer.experiment", "trainer.wandb_mode", "trainer.dist_timeout_s", "trainer.val_every",
     "trainer.val_before_train", "trainer.val_n", "trainer.val_sample_rows", "trainer.log_rollouts", "model.path", "offload.",
-    "data.val_path", "data.val_split", "data.val_size", "data.val_batch_size",
+    # (not data.val_split: the held-out rows leave the training set, so it changes what the run trains on)
+    "data.val_path", "data.val_size", "data.val_batch_size",
     # How the same computation is laid out in memory: after an out-of-memory error the run resumes with
     # smaller micro-batches. Same run, but no longer bit-exact (float sums in another order).
     "trainer.micro_batch_size", "trainer.max_tokens_per_micro_batch", "trainer.packing", "trainer.keep_host_memory",

@@ -286,7 +286,7 @@ class OffloadConfig:
 
 @dataclass
 class RewardConfig:
-    name: str = "digits"  # a registered reward function (built in: digits, gsm8k)
+    name: str = "digits"  # a registered reward function (built in: digits, gsm8k, gsm8k_format)
     fn: str = ""  # package.module:function, imported at start-up; used instead of `name`
     kwargs: dict[str, Any] = field(default_factory=dict)  # keyword arguments, e.g. gsm8k's mode, format_score
     success_threshold: Optional[float] = None  # reward counted as correct (accuracy); null = the function's own (1.0)

@@ -1,5 +1,7 @@
 """Parallelism is applied here and nowhere else: FSDP2 `fully_shard` per decoder
-layer, then the root. On one rank (a notebook) the module stays a plain module.
+layer, then the root. Without a process group (one process on CPU, a notebook) the module
+stays a plain module; on one GPU `distributed.init` opens a 1-rank group, and FSDP2 applies
+(bf16 mixed precision needs it).
 
 `load_sharded` builds the trainer's models so that only rank 0 ever holds the whole
 model: the others build it on the meta device, shard it, and receive their shards from

@@ -6,7 +6,8 @@ one float per completion. `metadata[i]` holds the dataset row's own metadata plu
 
 Registration is an import side effect: `@register_reward("name")` adds the function
 to the registry when its module is imported, and `reward.name=name` selects it. The
-built-in rewards live in `hybrid_rl.rewards.toy`, which `get_reward` imports itself,
+built-in rewards live in `hybrid_rl.rewards.toy` (digits) and `hybrid_rl.rewards.math` (gsm8k,
+gsm8k_format), which `get_reward` imports itself,
 so they need nothing from the user. A reward of your own must be registered before
 `Trainer(cfg)` is built (its constructor calls `get_reward` and probes the function):
 decorate it in your script, or in a module the script imports, above that line. Every

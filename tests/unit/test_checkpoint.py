@@ -119,6 +119,9 @@ def test_refuses_other_config_world_and_model_before_writing(two_checkpoints, ti
     before = _unchanged(out)
     with pytest.raises(C.CheckpointError, match=r"optim\.lr: 0\.002 -> 0\.01.*rollout\.n: 4 -> 8"):
         _trainer(tiny_model_dir, out, "optim.lr=1e-2", "rollout.n=8", "trainer.total_steps=6")
+    # A held-out split takes rows out of the training set: it changes what the run trains on.
+    with pytest.raises(C.CheckpointError, match=r"data\.val_split: 0\.0 -> 0\.25"):
+        _trainer(tiny_model_dir, out, "data.val_split=0.25", "trainer.total_steps=6")
     assert _unchanged(out) == before
     # Listed in trainer.resume_ignore: allowed (no longer the same run, the user said so).
     tr = _trainer(tiny_model_dir, out, "optim.lr=1e-2", "trainer.resume_ignore=[optim.lr]", "trainer.total_steps=6")
