@@ -45,16 +45,21 @@ def _fully_shard(model: torch.nn.Module, mixed_precision: bool) -> torch.nn.Modu
 
 
 def load_sharded(path: str, device: torch.device, mixed_precision: bool, attn_implementation: str,
-                 prepare: list[Callable[[torch.nn.Module], object]]) -> list[torch.nn.Module]:
-    """One sharded fp32 model per entry of `prepare` (e.g. the policy and its reference), each holding the
+                 prepare: list[Callable[[torch.nn.Module], object]], *,
+                 load: Optional[Callable[[], torch.nn.Module]] = None, model_class=None,
+                 dtype: torch.dtype = torch.float32) -> list[torch.nn.Module]:
+    """One sharded model per entry of `prepare` (e.g. the policy and its reference), each holding the
     weights of the Hugging Face directory `path` after `prepare[i]` ran on it (before sharding).
 
+    load: reads the whole model (default: `load_causal_lm(path, dtype, attn_implementation)`);
+    model_class: the transformers class the other ranks build it with (default: AutoModelForCausalLM).
     On one rank: loaded once, copied for the others. On several: rank 0 alone reads the weights; every
     rank builds the same modules on the meta device, shards them, allocates its shards on `device` and
     receives them from rank 0 (`set_model_state_dict(broadcast_from_rank0=True)`), buffers included,
     so each rank holds 1/world of every model and rank 0 one whole copy while loading."""
+    load = load or (lambda: load_causal_lm(path, dtype, attn_implementation))
     if not D.is_dist():
-        first = load_causal_lm(path, torch.float32, attn_implementation)
+        first = load()
         models = [first] + [copy.deepcopy(first) for _ in prepare[1:]]
         for model, fn in zip(models, prepare):
             fn(model)
@@ -65,7 +70,7 @@ def load_sharded(path: str, device: torch.device, mixed_precision: bool, attn_im
     full, failure = None, None
     if D.is_main():
         try:
-            full = load_causal_lm(path, torch.float32, attn_implementation)
+            full = load()
         except Exception as err:  # every rank must learn it, or the others wait in the broadcast below
             failure = err
     reason = D.broadcast_object_from(None if failure is None else f"{type(failure).__name__}: {failure}", 0)
@@ -74,15 +79,16 @@ def load_sharded(path: str, device: torch.device, mixed_precision: bool, attn_im
     if reason is not None:
         raise RuntimeError(f"rank 0 could not load the model in {path!r} ({reason}); see rank 0's error")
     config = AutoConfig.from_pretrained(path)
-    config.use_cache = False  # as load_causal_lm leaves it
+    config.use_cache = False  # as the loaders leave it
     generation: Optional[GenerationConfig] = None
     if os.path.isfile(os.path.join(path, "generation_config.json")):
         generation = GenerationConfig.from_pretrained(path)
     models = []
     for fn in prepare:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
-        if generation is not None:
+            model = (model_class or AutoModelForCausalLM).from_config(config, dtype=dtype,
+                                                                      attn_implementation=attn_implementation)
+        if generation is not None and hasattr(model, "generation_config"):
             model.generation_config = copy.deepcopy(generation)
         model.eval()  # as from_pretrained returns it
         fn(model)

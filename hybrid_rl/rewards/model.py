@@ -148,29 +148,36 @@ def inspect_reward_model(path: str, score_index: int = -1, score_token: str = ""
 
 
 def load_reward_model(spec: RewardModelSpec, device: torch.device, bf16: bool) -> torch.nn.Module:
-    """The frozen module, FSDP2-sharded over every rank (bf16 weights when `bf16`, else fp32)."""
+    """The frozen module, FSDP2-sharded over every rank (bf16 weights when `bf16`, else fp32); only rank 0
+    reads the weights (`models.fsdp.load_sharded`)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
 
-    from hybrid_rl.models.fsdp import shard_model
+    from hybrid_rl.models.fsdp import load_sharded
 
     hf_logging.disable_progress_bar()
     cls = AutoModelForSequenceClassification if spec.kind == "classifier" else AutoModelForCausalLM
-    try:
-        model = cls.from_pretrained(spec.path, dtype=torch.bfloat16 if bf16 else torch.float32,
-                                    attn_implementation="sdpa")
-    except Exception as err:
-        _fail("reward.model_path", f"cannot load {spec.path!r} as {cls.__name__} ({type(err).__name__}: {err})")
-    model.requires_grad_(False).eval()
-    model.config.use_cache = False
-    if spec.kind == "classifier":
-        # Left padding puts every sequence's last token at the last position; a pad id that no token
-        # has makes Hugging Face's pooling ("rightmost non-pad token") pick exactly that position,
-        # even when the real last token shares its id with the tokenizer's pad (pad = EOS models).
-        model.config.pad_token_id = -1
-        model.config.get_text_config().pad_token_id = -1
+    dtype = torch.bfloat16 if bf16 else torch.float32
+
+    def load() -> torch.nn.Module:
+        try:
+            model = cls.from_pretrained(spec.path, dtype=dtype, attn_implementation="sdpa")
+        except Exception as err:
+            _fail("reward.model_path", f"cannot load {spec.path!r} as {cls.__name__} ({type(err).__name__}: {err})")
+        model.config.use_cache = False
+        return model
+
+    def frozen(model: torch.nn.Module) -> None:
+        model.requires_grad_(False).eval()
+        if spec.kind == "classifier":
+            # Left padding puts every sequence's last token at the last position; a pad id that no token
+            # has makes Hugging Face's pooling ("rightmost non-pad token") pick exactly that position,
+            # even when the real last token shares its id with the tokenizer's pad (pad = EOS models).
+            model.config.pad_token_id = -1
+            model.config.get_text_config().pad_token_id = -1
+
     # Already in its final dtype: no mixed-precision policy (nothing of it is trained).
-    return shard_model(model, device, mixed_precision=False)
+    return load_sharded(spec.path, device, False, "sdpa", [frozen], load=load, model_class=cls, dtype=dtype)[0]
 
 
 def encode_texts(tokenizer, prompts: Sequence[str], completions: Sequence[str]) -> list[list[int]]:
