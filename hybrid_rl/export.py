@@ -44,7 +44,6 @@ def export_checkpoint(checkpoint: str, out: str, dtype: str = "auto") -> str:
     from torch.distributed.checkpoint import load as dcp_load
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-
     if dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: use auto or one of {sorted(DTYPES)}")
     path = _resolve(checkpoint)

@@ -209,16 +209,8 @@ class Trainer(Checkpointing):
             raise RuntimeError("this Trainer is closed (close() ran, or a signal stopped fit() after its checkpoint); "
                                "build a new Trainer(cfg): trainer.resume=auto continues from the newest checkpoint")
         loader_state = self.loader.state_dict()
-        try:
+        with self.phases.recovering(undo=lambda: self.loader.load_state_dict(loader_state)):
             return self._step()
-        except BaseException:
-            try:
-                self.phases.recover()
-                self.loader.load_state_dict(loader_state)
-            except Exception as err:  # the original error is the one to see; this one only warns
-                warnings.warn(f"could not return to TRAIN after the failed step ({type(err).__name__}: {err}); "
-                              "build a new Trainer")
-            raise
 
     def _step(self) -> dict:
         """ROLLOUT -> REWARD -> SCORE -> ADVANTAGE -> TRAIN -> metrics (module docstring)."""

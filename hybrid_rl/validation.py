@@ -65,11 +65,8 @@ def _score(trainer, rows: list[dict], completions: list[Completion], k: int) -> 
 def validate(trainer, step: int) -> dict[str, float]:
     """Run the validation set through the engine now (between steps, in TRAIN); returns the `val/*` metrics.
     After an exception the phase switch is back in TRAIN (`PhaseManager.recover`), as after a failed step."""
-    try:
+    with trainer.phases.recovering():
         return _validate(trainer, step)
-    except BaseException:
-        trainer.phases.recover()
-        raise
 
 
 def _validate(trainer, step: int) -> dict[str, float]:

@@ -33,30 +33,34 @@ class PromptEncoder:
         self.system_prompt = system_prompt
         self._ids: dict[str, list[int]] = {}
 
+    @staticmethod
+    def _row(row: dict | str) -> dict:
+        """A prompt text as the row that holds it; a row as it is."""
+        return row if isinstance(row, dict) else {"prompt": row}
+
     def conversation(self, row: dict | str) -> list[dict]:
         """The chat messages the template renders for `row` (a row dict, or a prompt text)."""
-        messages = row.get("messages") if isinstance(row, dict) else None
-        if messages is None:
-            messages = [{"role": "user", "content": row["prompt"] if isinstance(row, dict) else row}]
+        row = self._row(row)
+        messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
         if self.system_prompt and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
         return messages
 
     def render(self, row: dict | str) -> str:
         """The text the model sees: the conversation plus the assistant header, or the prompt itself."""
-        if not self.chat_template:
-            if isinstance(row, dict) and row.get("messages") is not None:
-                raise ValueError("a row holds chat messages but data.chat_template=false: messages need the "
-                                 "tokenizer's chat template (data.chat_template=null or true)")
-            return row["prompt"] if isinstance(row, dict) else row
-        return self.tokenizer.apply_chat_template(self.conversation(row), tokenize=False, add_generation_prompt=True)
+        row = self._row(row)
+        if self.chat_template:
+            return self.tokenizer.apply_chat_template(self.conversation(row), tokenize=False,
+                                                      add_generation_prompt=True)
+        if row.get("messages") is not None:
+            raise ValueError("a row holds chat messages but data.chat_template=false: messages need the "
+                             "tokenizer's chat template (data.chat_template=null or true)")
+        return row["prompt"]
 
-    @staticmethod
-    def _key(row: dict | str) -> str:
-        if isinstance(row, dict):
-            messages = row.get("messages")
-            return row["prompt"] if messages is None else json.dumps(messages, sort_keys=True)
-        return row
+    def _key(self, row: dict | str) -> str:
+        row = self._row(row)
+        messages = row.get("messages")
+        return row["prompt"] if messages is None else json.dumps(messages, sort_keys=True)
 
     def __call__(self, row: dict | str) -> list[int]:
         """Token ids of a row (or of a prompt text)."""

@@ -83,6 +83,9 @@ def load_sharded(path: str, device: torch.device, mixed_precision: bool, attn_im
     generation: Optional[GenerationConfig] = None
     if os.path.isfile(os.path.join(path, "generation_config.json")):
         generation = GenerationConfig.from_pretrained(path)
+    full_state = full.state_dict() if full is not None else {}
+    # Buffers a state dict leaves out (the rotary inv_freq is not persistent) are rank 0's too.
+    full_buffers = dict(full.named_buffers()) if full is not None else {}
     models = []
     for fn in prepare:
         with torch.device("meta"):
@@ -94,17 +97,16 @@ def load_sharded(path: str, device: torch.device, mixed_precision: bool, attn_im
         fn(model)
         _fully_shard(model, mixed_precision)
         model.to_empty(device=device)
-        state = dict(full.state_dict()) if full is not None else {}
-        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        # Buffers a state dict leaves out (the rotary inv_freq is not persistent) are rank 0's too.
-        source = dict(full.named_buffers()) if full is not None else {}
+        # A copy of the dict each time: set_model_state_dict pops the entries it renames.
+        set_model_state_dict(model, dict(full_state),
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         with torch.no_grad():
             for name, buf in model.named_buffers():
                 if full is not None:
-                    buf.copy_(source[name])
+                    buf.copy_(full_buffers[name])
                 D.broadcast_tensor_(buf, 0)
         models.append(model)
-    del full
+    del full, full_state, full_buffers
     return models
 
 

@@ -97,9 +97,14 @@ def score_answer(completion: str, reference: Fraction, mode: str = "strict", for
     return 1.0 if value == reference else float(format_score)
 
 
+def _answer_text(row: dict) -> str:
+    """The row's reference answer as text: `ground_truth` (set by the gsm8k loader) or else its `answer`."""
+    return str(row["ground_truth"] if "ground_truth" in row else row["answer"])
+
+
 def _reference(meta: dict) -> Fraction:
-    """The row's ground truth: `ground_truth` (set by the gsm8k loader) or else its `answer`."""
-    text = str(meta["ground_truth"] if "ground_truth" in meta else meta["answer"])
+    """The row's ground truth as a number (`_answer_text`)."""
+    text = _answer_text(meta)
     ref = reference_answer(text)
     if ref is None:
         raise ValueError(f"the row's answer {text[-80:]!r} holds no number to check against")
@@ -112,7 +117,7 @@ def check_math_rows(rows: Sequence[dict], source: str) -> None:
         if "answer" not in row and "ground_truth" not in row:
             raise ValueError(f"{source}: row {i} has no 'answer' (config key 'data.answer_key'); the math reward "
                              f"checks completions against it; row: {str(row)[:120]}")
-        text = str(row.get("ground_truth", row.get("answer")))
+        text = _answer_text(row)
         if reference_answer(text) is None:
             raise ValueError(f"{source}: row {i}: answer {text[-80:]!r} has no final number "
                              "(expected '#### <number>' or a bare number)")
@@ -134,7 +139,7 @@ def verl_score(completion: str, reference: str, format_score: float = 0.0) -> fl
 
 
 def verl_reference(meta: dict) -> str:
-    text = str(meta["ground_truth"] if "ground_truth" in meta else meta["answer"])
+    text = _answer_text(meta)
     m = _VERL_ANSWER_RE.search(text)
     return (m.group(1) if m is not None else text.strip()).replace(",", "")
 

@@ -37,7 +37,7 @@ import enum
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -305,6 +305,21 @@ class PhaseManager:
             self._move("onload_optimizer", self.opt_offload.onload)
         self.pop_stats()  # the failed step's switch time is nobody's
         self.failed_phase = failed
+
+    @contextlib.contextmanager
+    def recovering(self, undo: Callable[[], object] = lambda: None) -> Iterator[None]:
+        """Around a step or a validation: on any exception, `recover()` and `undo()` (e.g. rewind the loader),
+        then the exception goes on. If recovering fails too, that only warns: the first error is the one to see."""
+        try:
+            yield
+        except BaseException:
+            try:
+                self.recover()
+                undo()
+            except Exception as err:
+                warnings.warn(f"could not return to TRAIN after the failure ({type(err).__name__}: {err}); "
+                              "build a new Trainer")
+            raise
 
     @contextlib.contextmanager
     def checkpointable(self) -> Iterator[None]:
