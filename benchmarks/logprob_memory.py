@@ -5,7 +5,7 @@ naive:   logits_RV = hidden_RH @ weight_VH^T, then logprob_entropy(logits_RV.flo
          (what `response_logprobs` did before: full logits, an fp32 copy, and autograd
          keeps them for the backward).
 chunked: the head folded into the logprob computation, C rows of logits at a time,
-         recomputed in the backward.
+         recomputed in the backward (C = `chunk_rows(R, V)` unless --chunk is given).
 
 Both run the same loss, sum(a * logp + b * entropy), so the gradient goes through the
 logprob and the entropy, and both produce grad_hidden_RH and grad_weight_VH.
@@ -42,7 +42,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from hybrid_rl.kernels import chunked_logprob_entropy, default_chunk_tokens, logprob_entropy
+from hybrid_rl.kernels import chunk_rows, chunked_logprob_entropy, logprob_entropy
 
 
 class AllocTracker(TorchDispatchMode):
@@ -134,12 +134,12 @@ def measure(fn: Callable, hidden_RH: torch.Tensor, weight_VH: torch.Tensor, targ
     return out
 
 
-def _row(R: int, impl: str, r: dict, naive: dict | None) -> str:
+def _row(R: int, impl: str, C: str, r: dict, naive: dict | None) -> str:
     def ratio(key: str) -> str:
         return f"{r[key] / naive[key]:.3f}" if naive else "-"
 
     mib = {k: r[k] / 2**20 for k in ("temp_peak_bytes", "peak_bytes", "largest_bytes")}
-    return (f"{R:>6} {impl:>8} {mib['temp_peak_bytes']:>12.1f} {ratio('temp_peak_bytes'):>10} {mib['peak_bytes']:>12.1f} "
+    return (f"{R:>6} {impl:>8} {C:>5} {mib['temp_peak_bytes']:>12.1f} {ratio('temp_peak_bytes'):>10} {mib['peak_bytes']:>12.1f} "
             f"{ratio('peak_bytes'):>10} {mib['largest_bytes']:>12.1f} {r['seconds']:>8.2f} {ratio('seconds'):>10}")
 
 
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="skip the naive path above this R (its (R, V) temporaries may not fit)")
     ap.add_argument("--vocab", type=int, default=151_936)
     ap.add_argument("--hidden", type=int, default=896)
-    ap.add_argument("--chunk", type=int, default=None, help="rows per chunk (default: default_chunk_tokens(V))")
+    ap.add_argument("--chunk", type=int, default=None, help="rows per chunk (default: chunk_rows(R, V), per R)")
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -162,15 +162,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
     V, H = args.vocab, args.hidden
-    chunk = args.chunk or default_chunk_tokens(V)
     g = torch.Generator().manual_seed(0)
     weight_VH = (torch.randn(V, H, generator=g) * H ** -0.5).to(dev, dtype)
 
     def chunked(h, w, t, temp):
-        return chunked_logprob_entropy(h, w, None, t, temp, chunk_tokens=chunk)
+        return chunked_logprob_entropy(h, w, None, t, temp, chunk_tokens=args.chunk)
 
     if dev.type == "cuda":  # compile the Triton kernels and start cuBLAS before anything is timed
-        R0 = min(args.tokens[0], chunk)
+        R0 = min(args.tokens[0], args.chunk or chunk_rows(args.tokens[0], V))
         h0 = torch.randn(R0, H, generator=g).to(dev, dtype).requires_grad_(True)
         t0 = torch.randint(0, V, (R0,), generator=g).to(dev)
         for fn in (naive_logprob_entropy, chunked):
@@ -180,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.cuda.synchronize()
 
     rows: list[dict[str, Any]] = []
-    lines = [f"{'R':>6} {'impl':>8} {'temp MiB':>12} {'/naive':>10} {'peak MiB':>12} {'/naive':>10} "
+    lines = [f"{'R':>6} {'impl':>8} {'C':>5} {'temp MiB':>12} {'/naive':>10} {'peak MiB':>12} {'/naive':>10} "
              f"{'largest MiB':>12} {'seconds':>8} {'/naive':>10}"]
     for R in args.tokens:
         hidden_RH = torch.randn(R, H, generator=g).to(dev, dtype)
@@ -192,9 +191,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if naive is not None:
             max_grad_diff = max((ch["grad_hidden"] - naive["grad_hidden"]).abs().max().item(),
                                 (ch["grad_weight"] - naive["grad_weight"]).abs().max().item())
-            lines.append(_row(R, "naive", naive, None))
-        lines.append(_row(R, "chunked", ch, naive))
-        row: dict[str, Any] = {"tokens": R, "chunk": chunk, "max_abs_grad_diff": max_grad_diff}
+            lines.append(_row(R, "naive", "-", naive, None))
+        lines.append(_row(R, "chunked", str(args.chunk or chunk_rows(R, V)), ch, naive))
+        row: dict[str, Any] = {"tokens": R, "chunk": args.chunk or chunk_rows(R, V), "max_abs_grad_diff": max_grad_diff}
         for name, r in (("naive", naive), ("chunked", ch)):
             if r is not None:
                 row[name] = {k: (round(v, 4) if k == "seconds" else v) for k, v in r.items() if not k.startswith("grad")}
@@ -209,13 +208,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "logprob_memory",
         "date": datetime.date.today().isoformat(),
         "device": str(dev), "dtype": args.dtype, "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "machine": platform.machine(), "vocab": V, "hidden": H, "temperature": args.temperature, "chunk": chunk,
+        "machine": platform.machine(), "vocab": V, "hidden": H, "temperature": args.temperature,
+        "chunk": args.chunk or "chunk_rows(R, V), per row",
         "memory_measure": ("AllocTracker (TorchDispatchMode): live bytes of storages created by aten ops during "
                            "forward+backward; temp_peak leaves out the returned gradients of hidden and weight"),
         "rows": rows,
     }
     if not args.json_only:
-        print(f"logp + entropy, forward + backward: V={V} H={H} dtype={args.dtype} device={dev} chunk C={chunk} "
+        print(f"logp + entropy, forward + backward: V={V} H={H} dtype={args.dtype} device={dev} "
+              f"chunk C={args.chunk or 'chunk_rows(R, V) (see rows)'} "
               f"T={args.temperature}, torch {torch.__version__}, {torch.get_num_threads()} threads")
         print("peak = most bytes of torch-allocated storages live at once during forward+backward (AllocTracker;"
               " inputs excluded, gradients included); temp = the same without the two gradients every method"

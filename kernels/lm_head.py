@@ -33,20 +33,39 @@ from torch import Tensor
 
 from .logprob import _check_device, _launch_bwd, _launch_fwd, _require_triton, triton_available
 
-__all__ = ["chunked_logprob_entropy", "default_chunk_tokens"]
+__all__ = ["chunk_rows", "chunked_logprob_entropy", "default_chunk_tokens"]
 
 # Bytes of one fp32 (C, V) chunk of logits; at Qwen's V = 151,936 that is C = 441
 # rows. The torch path holds two such buffers at once (plus the chunk's logits in
 # the model dtype when it is not fp32), the Triton path one bf16 logits chunk and
 # one bf16 gradient chunk.
 _CHUNK_BYTES = 256 * 2**20
+# Below this many bytes of fp32 (R, V) logits a call is one chunk (the tiny models'
+# case: splitting would only add per-chunk overhead); above it a call takes at least
+# _MIN_CHUNKS chunks. The torch path's temporaries are about 2.25 fp32 chunks and the
+# naive path's about 6.25 (R, V) copies (benchmarks/results/logprob_memory_*), so four
+# chunks keep ours near 0.09 of the naive path's at any R, not only once R is many
+# times the 256 MiB chunk.
+_ONE_CHUNK_BYTES = 32 * 2**20
+_MIN_CHUNKS = 4
 
 _F32_MIN = torch.finfo(torch.float32).min
 
 
 def default_chunk_tokens(V: int) -> int:
-    """Rows per chunk so that one fp32 (C, V) buffer stays near 256 MiB."""
+    """The most rows per chunk: one fp32 (C, V) buffer stays near 256 MiB."""
     return max(1, _CHUNK_BYTES // (4 * V))
+
+
+def chunk_rows(R: int, V: int) -> int:
+    """Rows per chunk for R rows at vocabulary V when the caller does not choose.
+
+    One chunk while R x V fp32 logits fit in 32 MiB; above that at least four chunks,
+    each at most `default_chunk_tokens(V)` rows.
+    """
+    if R * V * 4 <= _ONE_CHUNK_BYTES:
+        return max(1, R)
+    return min(default_chunk_tokens(V), -(-R // _MIN_CHUNKS))
 
 
 def _chunk_logits(h_CH: Tensor, w_VH: Tensor, b_V: Tensor | None) -> Tensor:
@@ -201,7 +220,7 @@ def chunked_logprob_entropy(
         bias_V: (V,) head bias or None.
         targets_R: (R,) integer token ids in [0, V).
         temperature: the logits are divided by it before the softmax (> 0).
-        chunk_tokens: rows per chunk; None picks `default_chunk_tokens(V)`.
+        chunk_tokens: rows per chunk; None picks `chunk_rows(R, V)`.
         impl: "auto" (Triton on CUDA when it imports, else torch), "triton", "torch".
 
     Returns:
@@ -227,7 +246,7 @@ def chunked_logprob_entropy(
         _require_triton()
         _check_device(hidden_RH)
     use_triton = impl == "triton" or (impl == "auto" and hidden_RH.is_cuda and triton_available())
-    chunk = chunk_tokens or default_chunk_tokens(weight_VH.shape[0])
+    chunk = chunk_tokens or chunk_rows(hidden_RH.shape[0], weight_VH.shape[0])
     return _ChunkedLogprobEntropy.apply(
         hidden_RH.contiguous(), weight_VH, bias_V, targets_R.contiguous(), float(temperature), chunk, use_triton
     )

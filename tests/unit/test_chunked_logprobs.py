@@ -284,3 +284,25 @@ def test_benchmark_reports_json_and_bounded_memory(capsys) -> None:
     assert row["max_abs_grad_diff"] < 1e-4
     assert row["chunked"]["largest_bytes"] < row["naive"]["largest_bytes"] / 4
     assert row["peak_ratio_chunked_over_naive"] < 0.5
+
+
+def test_chunk_rows_one_chunk_when_small_and_four_at_least_when_large() -> None:
+    from hybrid_rl.kernels import chunk_rows, default_chunk_tokens
+
+    assert chunk_rows(10_000, 40) == 10_000  # tiny vocabulary: one chunk, no per-chunk overhead
+    assert chunk_rows(0, 151_936) == 1
+    V = 151_936
+    for R in (100, 256, 1024, 2048, 16_384):
+        C = chunk_rows(R, V)
+        assert -(-R // C) >= 4 and C <= default_chunk_tokens(V), (R, C)
+    assert chunk_rows(16_384, V) == default_chunk_tokens(V)
+
+
+def test_default_chunks_keep_temporaries_under_an_eighth_of_naive(capsys) -> None:
+    """The issue's memory target at a small R: 256 rows whose (R, V) logits (40 MiB) are above
+    the one-chunk size but far below a 256 MiB chunk; one chunk would be ~0.36 of naive."""
+    res = _bench().main(["--tokens", "256", "--vocab", "40000", "--hidden", "16"])
+    (row,) = res["rows"]
+    assert row["chunk"] == 64
+    assert row["max_abs_grad_diff"] < 1e-4
+    assert row["temp_peak_ratio_chunked_over_naive"] < 1 / 8
