@@ -9,8 +9,9 @@ One group serves both kinds of tensor. The step reduces small host tensors (metr
 sums, counts, sampling decisions) and device tensors (loss normalisers, whitening
 statistics); a plain `nccl` group serves only CUDA tensors and would fail at the
 first metric reduction of a GPU run. So a CUDA run joins `cpu:gloo,cuda:nccl`
-(as verl does): host tensors go over gloo, device tensors over NCCL. Every helper
-checks the tensor's device against what the group serves and says so if it cannot.
+(as verl does): host tensors go over gloo, device tensors over NCCL. Every tensor
+helper checks the tensor's device against what the group serves and says so if it
+cannot (the object helpers pickle into tensors torch itself places on a served device).
 
 When a rank dies the others must not wait for it: a dead peer fails their next gloo
 collective at once ("Connection closed by peer"), a hung one fails it after the group's
@@ -185,6 +186,7 @@ def broadcast_object_from(obj: Any, src: int, group=None) -> Any:
 def broadcast_tensor_(tensor: torch.Tensor, src: int) -> None:
     """Overwrite `tensor` on every rank with global rank `src`'s (in place; no-op when not distributed)."""
     if is_dist():
+        _check_served(tensor)
         dist.broadcast(tensor, src=src)
 
 
