@@ -6,6 +6,7 @@ import copy
 import pytest
 import torch
 
+from hybrid_rl.algorithms.aggregation import LOSS_AGG_MODES
 from hybrid_rl.config import AlgorithmConfig
 from hybrid_rl.models.logprobs import build_sequences
 from hybrid_rl.update import TrainBatch, is_on_policy, policy_update, score_logprobs, scores_old_policy
@@ -86,24 +87,29 @@ def test_packed_token_budget_counts_each_rows_tokens_not_the_longest():
     assert [[cost[r] for r in g] for g in padded] == [[6, 6, 6], [7, 8], [9, 10], [11, 11]]
 
 
-def test_token_budget_gives_the_same_update_as_row_micro_batches(tiny_model):
+@pytest.mark.parametrize("loss_agg", LOSS_AGG_MODES)
+def test_token_budget_and_packing_give_the_same_update_as_padded_rows(tiny_model, loss_agg):
+    """Micro-batches by a token budget and padding-free forwards change neither the loss nor its
+    normaliser, in every aggregation mode: the same loss and gradient norm as padded row chunks."""
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(4, 15, (2 + i % 3,), generator=g).tolist() for i in range(8)]
     responses = [torch.randint(4, 15, (1 + (i * 5) % 7,), generator=g).tolist() for i in range(8)]
     ids, attn, mask, P = build_sequences(prompts, responses, pad_id=0)
     adv = torch.randn(8, generator=g)
-    out = []
-    for max_tokens in (0, 20):
+    out = {}
+    for max_tokens, packing in ((0, False), (20, False), (0, True), (20, True)):
         model = copy.deepcopy(tiny_model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         batch = TrainBatch(ids_NL=ids, attn_NL=attn, mask_NT=mask.float(), P=P, adv_NT=adv[:, None] * mask.float())
-        m = policy_update(policy=model, optimizer=opt, scheduler=sched, batch=batch,
-                          algo=AlgorithmConfig(kl_coef=0.0, loss_agg="seq-mean-token-mean"), temperature=1.0,
-                          micro_batch_size=3, grad_clip=1.0, norm_length=7, seed=0, max_tokens_per_micro_batch=max_tokens)
-        out.append(m)
-    assert out[1]["actor/loss"] == pytest.approx(out[0]["actor/loss"], rel=1e-5)
-    assert out[1]["actor/grad_norm"] == pytest.approx(out[0]["actor/grad_norm"], rel=1e-5)
+        out[max_tokens, packing] = policy_update(
+            policy=model, optimizer=opt, scheduler=sched, batch=batch,
+            algo=AlgorithmConfig(kl_coef=0.0, loss_agg=loss_agg), temperature=1.0, micro_batch_size=3, grad_clip=1.0,
+            norm_length=7, seed=0, max_tokens_per_micro_batch=max_tokens, packing=packing)
+    want = out[0, False]
+    for key, m in out.items():
+        assert m["actor/loss"] == pytest.approx(want["actor/loss"], rel=1e-5), key
+        assert m["actor/grad_norm"] == pytest.approx(want["actor/grad_norm"], rel=1e-5), key
 
 
 def test_mini_batches_are_shuffled_group_by_group():
