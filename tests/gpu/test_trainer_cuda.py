@@ -30,7 +30,15 @@ def test_one_gpu_step_in_bf16(tiny_model_dir, tmp_path):
     try:  # the process group outlives a failed assertion otherwise, and the next D.init would reuse it
         trainer = Trainer(load_config(None, _overrides(tiny_model_dir, str(tmp_path))))
         assert D.is_dist() and torch.distributed.get_backend_config() == "cpu:gloo,cuda:nccl"
+        # What the layers compute in, in the training forward (grad enabled) and the rollout: bf16
+        # (FSDP2 mixed precision casts the gathered parameters), while the sharded masters stay fp32.
+        seen: set[tuple[bool, torch.dtype]] = set()
+        layer = next(m for m in trainer.policy.modules() if isinstance(m, torch.nn.Linear))
+        hook = layer.register_forward_hook(lambda mod, args, out: seen.add((torch.is_grad_enabled(), out.dtype)))
         history = trainer.fit()
+        hook.remove()
+        assert (True, torch.bfloat16) in seen and all(dtype == torch.bfloat16 for _, dtype in seen), seen
+        assert all(p.dtype == torch.float32 for p in trainer.policy.parameters())
         last = history[-1]
         for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/entropy", "actor/kl_ref"):
             assert math.isfinite(last[key]), key
