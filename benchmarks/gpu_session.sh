@@ -54,7 +54,7 @@ fi
 
 if [ "$DEVICE" = cuda ]; then
   part gpu_tests 240 $PY -m pytest -q -m gpu -rs -p no:cacheprovider tests/gpu tests/unit/test_kernels.py
-  # --vocab 151936: Qwen2.5's vocabulary (the script's default is 32,000), so the tied head (27% of the
+  # --vocab 151936: Qwen2.5's vocabulary (also the script's default on CUDA), so the tied head (27% of the
   # 0.5B weights) and the sampler's pass over the vocabulary are in the step, as in the real model.
   part rollout_throughput 140 $PY benchmarks/rollout_throughput.py --device cuda --models 0.5b --vocab 151936 \
     --batch 64 --new-tokens 128,512 --scenarios full,ragged --paths old,new --repeats 2
