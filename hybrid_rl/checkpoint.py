@@ -54,7 +54,8 @@ RESUMABLE_CHANGES = (
     # How the same computation is laid out in memory: after an out-of-memory error the run resumes with
     # smaller micro-batches. Same run, but no longer bit-exact (float sums in another order).
     "trainer.micro_batch_size", "trainer.max_tokens_per_micro_batch", "trainer.packing", "trainer.keep_host_memory",
-    "model.gradient_checkpointing", "rollout.mem_fraction", "rollout.bucket_mb", "reward.max_tokens_per_micro_batch",
+    "model.gradient_checkpointing", "model.attn_implementation", "rollout.mem_fraction", "rollout.bucket_mb",
+    "reward.max_tokens_per_micro_batch",
 )
 # The model fields that decide whether saved shards fit the model being built.
 _MODEL_KEYS = ("model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
