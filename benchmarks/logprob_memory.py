@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     lines = [f"{'R':>6} {'impl':>8} {'C':>5} {'temp MiB':>12} {'/naive':>10} {'peak MiB':>12} {'/naive':>10} "
              f"{'largest MiB':>12} {'seconds':>8} {'/naive':>10}"]
     for R in args.tokens:
+        C = args.chunk or chunk_rows(R, V)  # what chunked_logprob_entropy picks for chunk_tokens=args.chunk
         hidden_RH = torch.randn(R, H, generator=g).to(dev, dtype)
         targets_R = torch.randint(0, V, (R,), generator=g).to(dev)
         naive = measure(naive_logprob_entropy, hidden_RH, weight_VH, targets_R, args.temperature) \
@@ -192,8 +193,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             max_grad_diff = max((ch["grad_hidden"] - naive["grad_hidden"]).abs().max().item(),
                                 (ch["grad_weight"] - naive["grad_weight"]).abs().max().item())
             lines.append(_row(R, "naive", "-", naive, None))
-        lines.append(_row(R, "chunked", str(args.chunk or chunk_rows(R, V)), ch, naive))
-        row: dict[str, Any] = {"tokens": R, "chunk": args.chunk or chunk_rows(R, V), "max_abs_grad_diff": max_grad_diff}
+        lines.append(_row(R, "chunked", str(C), ch, naive))
+        row: dict[str, Any] = {"tokens": R, "chunk": C, "max_abs_grad_diff": max_grad_diff}
         for name, r in (("naive", naive), ("chunked", ch)):
             if r is not None:
                 row[name] = {k: (round(v, 4) if k == "seconds" else v) for k, v in r.items() if not k.startswith("grad")}

@@ -135,8 +135,9 @@ def head_logprobs(
     No (R, V) logits exist at any time, in the forward or the backward: the LM head
     is folded into `chunked_logprob_entropy`, which builds chunk_tokens rows of logits
     at a time (None: `chunk_rows`, at least four chunks for a large R, each at most
-    256 MiB of fp32) and rebuilds them in the backward. Gradients reach the hidden states and the head's weight
-    (and bias), so a tied embedding gets both of its contributions.
+    256 MiB of fp32) and rebuilds them in the backward. Gradients reach the hidden
+    states and the head's weight (and bias), so a tied embedding gets both of its
+    contributions.
     """
     if getattr(getattr(model, "config", None), "final_logit_softcapping", None) is not None:
         raise NotImplementedError("the chunked LM head does not apply final_logit_softcapping")
