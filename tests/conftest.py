@@ -117,3 +117,24 @@ def fake_sglang():
             os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
         else:
             os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = cuda_conn
+
+
+# CI installs vLLM (`make install`, the [vllm] extra) and sets HYBRID_RL_REQUIRE_VLLM=1 (`.ci/run`): there a
+# real-vLLM test that skips (vllm not importable, a broken install) fails the run instead of passing quietly.
+# A test counts as a vLLM test when its node id names vllm (tests/*/test_*vllm*.py).
+_REQUIRE_VLLM = os.environ.get("HYBRID_RL_REQUIRE_VLLM", "") not in ("", "0")
+_skipped_vllm: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and "vllm" in report.nodeid.lower():
+        _skipped_vllm.append(report.nodeid)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _REQUIRE_VLLM and _skipped_vllm:
+        import sys
+
+        print(f"\nHYBRID_RL_REQUIRE_VLLM is set but {len(_skipped_vllm)} vLLM test(s) skipped; the first: "
+              f"{_skipped_vllm[0]}. Install the extra: pip install -e '.[vllm]' (see the Makefile).", file=sys.stderr)
+        session.exitstatus = 1
