@@ -252,16 +252,45 @@ def kv_cache_bytes(arch: ModelArch, dtype: str, batch: int, context: int, n_gpus
     return 2 * arch.num_hidden_layers * math.ceil(arch.kv_heads / tp_size) * arch.head_dim * tokens * dtype_bytes(dtype)
 
 
-def activation_estimate(arch: ModelArch, dtype: str, micro_batch: int, context: int) -> int:
-    """ESTIMATE of training activations per GPU for `micro_batch` sequences with
-    gradient checkpointing: one saved hidden state per layer (L*h*b per token),
-    one layer's recompute working set ((6h + 3I)*b per token) and fp32 logits plus
-    their gradient (8V per token).  0 when micro_batch is 0 or dims are unknown."""
+# The chunked LM head's sizes (kernels/lm_head.py, which imports torch; a test keeps these equal to its own).
+_HEAD_CHUNK_BYTES = 256 * 2**20  # at most one fp32 (C, V) chunk of logits
+_HEAD_ONE_CHUNK_BYTES = 32 * 2**20  # below this, all rows in one chunk
+_HEAD_MIN_CHUNKS = 4
+
+
+def activation_parts(arch: ModelArch, dtype: str, micro_batch: int, context: int,
+                     checkpointing: bool = True) -> dict[str, int]:
+    """ESTIMATE of training activations per GPU for `micro_batch` sequences of `context` tokens, by part.
+
+    saved: what the forward keeps for the backward. Per token, without checkpointing each
+      layer keeps (4+b)*h*2 for its two RMSNorms (fp32 input copy and the normed output)
+      plus b*(6q + 2kv + 4I) (q = H*d, kv = K*d: rotary inputs, attention inputs with the
+      KV heads repeated, its output twice, four I-wide MLP tensors); with checkpointing
+      each layer keeps its input only (b*h). The final norm and the head's input add
+      (4+2b)*h. Measured on CPU in tests/unit/test_gradient_checkpointing.py.
+    recompute: with checkpointing, one layer's activations exist again during its backward.
+    head: the chunked LM head's logits (about 2.25 fp32 chunks, kernels/lm_head.py); never
+      the whole (tokens, V) logits.
+    All 0 when micro_batch is 0 or dims are unknown.
+    """
     if micro_batch <= 0 or not arch.hidden_size:
-        return 0
-    b, h = dtype_bytes(dtype), arch.hidden_size
-    per_token = arch.num_hidden_layers * h * b + (6 * h + 3 * arch.intermediate_size) * b + 8 * arch.vocab_size
-    return micro_batch * context * per_token
+        return {"saved": 0, "recompute": 0, "head": 0}
+    b, h, n_layers = dtype_bytes(dtype), arch.hidden_size, arch.num_hidden_layers
+    q, kv = arch.num_attention_heads * arch.head_dim, arch.kv_heads * arch.head_dim
+    tokens = micro_batch * context
+    layer = 2 * (4 + b) * h + b * (6 * q + 2 * kv + 4 * arch.intermediate_size)
+    per_token = n_layers * (b * h if checkpointing else layer) + (4 + 2 * b) * h
+    logits = 4 * arch.vocab_size * tokens
+    chunk = logits if logits <= _HEAD_ONE_CHUNK_BYTES else min(_HEAD_CHUNK_BYTES, logits // _HEAD_MIN_CHUNKS)
+    return {"saved": tokens * per_token, "recompute": tokens * layer if checkpointing else 0,
+            "head": 9 * chunk // 4}
+
+
+def activation_estimate(arch: ModelArch, dtype: str, micro_batch: int, context: int,
+                        checkpointing: bool = True) -> int:
+    """ESTIMATE of the peak training activations per GPU (gradient checkpointing assumed unless
+    told otherwise): the sum of `activation_parts`. 0 when micro_batch is 0 or dims are unknown."""
+    return sum(activation_parts(arch, dtype, micro_batch, context, checkpointing).values())
 
 
 def phase_residency(per_gpu: Mapping[str, int], offload: Mapping[str, bool]) -> dict[str, dict[str, int]]:

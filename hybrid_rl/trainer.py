@@ -46,7 +46,7 @@ from hybrid_rl.loggers import build_loggers, check_loggers, console_write, inter
 from hybrid_rl.switch.advice import decide_offload, sglang_kv_room_warning
 from hybrid_rl.switch.phases import PhaseManager
 from hybrid_rl.metrics import MeanAccumulator, StageTimer, bottleneck, plot_curve, split_summary
-from hybrid_rl.models.fsdp import load_sharded
+from hybrid_rl.models.fsdp import load_sharded, prepare_policy
 from hybrid_rl.models.loading import load_tokenizer, model_eos_ids
 from hybrid_rl.rewards.base import RewardFn, compute_rewards
 from hybrid_rl.rewards.combine import combine
@@ -125,7 +125,7 @@ class Trainer(Checkpointing):
                                       context=longest_prompt + cfg.rollout.max_new_tokens,
                                       has_ref=cfg.algorithm.needs_ref_model, reward_model_path=cfg.reward.model_path)
         # The policy, and the frozen reference it starts as; only rank 0 reads the weights (models/fsdp.py).
-        as_policy = (lambda m: m.gradient_checkpointing_enable()) if cfg.model.gradient_checkpointing else (lambda m: m)
+        as_policy = functools.partial(prepare_policy, gradient_checkpointing=cfg.model.gradient_checkpointing)
         as_ref = lambda m: m.requires_grad_(False).eval()  # noqa: E731
         models = load_sharded(cfg.model.path, self.device, mixed, cfg.model.attn_implementation,
                               [as_policy, as_ref] if cfg.algorithm.needs_ref_model else [as_policy])

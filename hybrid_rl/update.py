@@ -16,10 +16,16 @@ it starts. Then the update's own forward, detached, is the old policy
 (`TrainBatch.old_logp_NT is None`).
 Per-token loss: policy loss (x the rollout-correction weight) + kl_coef x KL to
 the reference (when the KL is placed in the loss) - entropy_coef x entropy.
+
+The update runs the policy in train mode (`train_mode`) and puts it back in eval mode
+after: transformers recomputes checkpointed layers only in train mode, and the rollout
+and scoring forwards stay in eval mode (dropout is off in both, `models.fsdp.prepare_policy`).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -183,6 +189,18 @@ def score_logprobs(model: torch.nn.Module, ids_NL: torch.Tensor, attn_NL: torch.
     return logp_NT
 
 
+@contextlib.contextmanager
+def train_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """`model` in train mode for the block, then every submodule back in the mode it had."""
+    before = [(m, m.training) for m in model.modules()]
+    model.train()
+    try:
+        yield model
+    finally:
+        for m, training in before:
+            m.training = training
+
+
 def policy_update(
     *,
     policy: torch.nn.Module,
@@ -205,77 +223,82 @@ def policy_update(
     Every rank must hold the same number of rows: each micro-batch forward is a collective.
     Metrics measured on the policy that generated the batch (first epoch: `old` vs engine
     and vs reference) are actor/... and rollout/logp_mismatch; the rest average over updates.
+    The policy runs in train mode here (activation checkpointing acts only then), and leaves in
+    the mode it came in.
     """
-    kl_coef = algo.kl_coef if kl_coef is None else kl_coef
-    kl_in_loss = algo.kl_placement == "loss" and kl_coef > 0
-    if kl_in_loss and batch.ref_logp_NT is None:
-        raise ValueError("the KL is placed in the loss (algorithm.kl_placement=loss, kl_coef > 0) "
-                         "but the batch has no reference log-probs")
-    clip_low, clip_high = algo.clip_bounds()
-    W = D.world_size()
-    n_global = len(batch) * W
-    mb_local = (algo.mini_batch_size or n_global) // W
-    acc = MeanAccumulator()
-    gen = torch.Generator().manual_seed(seed)
-    ends = response_ends(batch.mask_NT)
-    forward = logprob_function(packing)
-    for epoch in range(algo.ppo_epochs):
-        shuffle = algo.ppo_epochs > 1 or mb_local < len(batch)
-        order = shuffled_rows(len(batch), batch.group_size, gen) if shuffle else torch.arange(len(batch))
-        for m0 in range(0, len(batch), mb_local):
-            mini = order[m0:m0 + mb_local].to(batch.ids_NL.device)
-            # Host round trip: the normaliser is a count the ranks sum before any micro-batch runs.
-            local_norm = normalizer_count(batch.mask_NT[mini], algo.loss_agg)
-            denom = D.all_reduce_sum(torch.tensor([local_norm], dtype=torch.float64)).item()
-            # Gradients of the last mini-batch stay until the phase switch frees them on the
-            # way to ROLLOUT, so the memory ledger sees them in TRAIN.
-            optimizer.zero_grad(set_to_none=True)
-            mini_loss = torch.zeros((), device=batch.ids_NL.device)
-            for group in micro_batches(order[m0:m0 + mb_local].tolist(), ends, batch.P, micro_batch_size,
-                                       max_tokens_per_micro_batch, packing, batch.group_size):
-                rows = torch.tensor(group, device=batch.ids_NL.device)
-                ids, attn, mask, T = trimmed(batch, rows)
-                logp, ent = forward(policy, ids, attn, batch.P, temperature)
-                # On-policy: no scoring forward ran; the policy being updated generated the batch.
-                old = batch.old_logp_NT[rows, :T] if batch.old_logp_NT is not None else logp.detach()
-                ref = batch.ref_logp_NT[rows, :T] if batch.ref_logp_NT is not None else None
-                n_tok = mask.sum()
-                if epoch == 0:
-                    acc |= _behaviour_metrics(old, ref, batch, rows, mask, T, algo.kl_estimator)
-                weight = batch.weight_NT[rows, :T] if batch.weight_NT is not None else None
-                loss_NT, pm = compute_policy_loss(
-                    algo.policy_loss, logp, old, batch.adv_NT[rows, :T], mask,
-                    clip_ratio_low=clip_low, clip_ratio_high=clip_high, clip_ratio_c=algo.clip_ratio_c, weight_NT=weight)
-                if kl_in_loss:
-                    kl_NT = kl_estimate(logp, ref, algo.kl_estimator, mask_NT=mask)
-                    loss_NT = loss_NT + kl_coef * kl_NT
-                    acc.add("actor/kl_loss", masked_sum(kl_NT.detach(), mask), n_tok)
-                if algo.entropy_coef > 0:
-                    loss_NT = loss_NT - algo.entropy_coef * ent
-                acc.add("actor/entropy", masked_sum(ent.detach(), mask), n_tok)
-                loss = aggregate_loss(loss_NT, mask, algo.loss_agg, denom, norm_length=norm_length)
-                (loss * W).backward()
-                mini_loss = mini_loss + loss.detach()
-                for k, v in pm.items():
-                    if k == "ratio_max":  # the step's extremes, not a mean of micro-batch extremes
-                        acc.add_max(f"actor/{k}", torch.where(n_tok > 0, v, float("-inf")))
-                    elif k == "ratio_min":
-                        acc.add_min(f"actor/{k}", torch.where(n_tok > 0, v, float("inf")))
-                    else:
-                        acc.add(f"actor/{k}", v * n_tok, n_tok)
-            # Each rank holds its share of the mini-batch loss; the shares sum to the total.
-            acc.add("actor/loss", mini_loss, 1.0 / W)
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()
-            # Host sync, on purpose: a non-finite step must stop before it reaches the weights.
-            if not torch.isfinite(grad_norm):
-                raise FloatingPointError(f"gradient norm is {grad_norm.item()}; lower optim.lr or check the reward scale")
-            acc.add("actor/lr", optimizer.param_groups[0]["lr"])  # the lr this update uses
-            optimizer.step()
-            scheduler.step()
-            acc.add("actor/grad_norm", grad_norm)
-    return acc.reduce()
+    with train_mode(policy):
+        kl_coef = algo.kl_coef if kl_coef is None else kl_coef
+        kl_in_loss = algo.kl_placement == "loss" and kl_coef > 0
+        if kl_in_loss and batch.ref_logp_NT is None:
+            raise ValueError("the KL is placed in the loss (algorithm.kl_placement=loss, kl_coef > 0) "
+                             "but the batch has no reference log-probs")
+        clip_low, clip_high = algo.clip_bounds()
+        W = D.world_size()
+        n_global = len(batch) * W
+        mb_local = (algo.mini_batch_size or n_global) // W
+        acc = MeanAccumulator()
+        gen = torch.Generator().manual_seed(seed)
+        ends = response_ends(batch.mask_NT)
+        forward = logprob_function(packing)
+        for epoch in range(algo.ppo_epochs):
+            shuffle = algo.ppo_epochs > 1 or mb_local < len(batch)
+            order = shuffled_rows(len(batch), batch.group_size, gen) if shuffle else torch.arange(len(batch))
+            for m0 in range(0, len(batch), mb_local):
+                mini = order[m0:m0 + mb_local].to(batch.ids_NL.device)
+                # Host round trip: the normaliser is a count the ranks sum before any micro-batch runs.
+                local_norm = normalizer_count(batch.mask_NT[mini], algo.loss_agg)
+                denom = D.all_reduce_sum(torch.tensor([local_norm], dtype=torch.float64)).item()
+                # Gradients of the last mini-batch stay until the phase switch frees them on the
+                # way to ROLLOUT, so the memory ledger sees them in TRAIN.
+                optimizer.zero_grad(set_to_none=True)
+                mini_loss = torch.zeros((), device=batch.ids_NL.device)
+                for group in micro_batches(order[m0:m0 + mb_local].tolist(), ends, batch.P, micro_batch_size,
+                                           max_tokens_per_micro_batch, packing, batch.group_size):
+                    rows = torch.tensor(group, device=batch.ids_NL.device)
+                    ids, attn, mask, T = trimmed(batch, rows)
+                    logp, ent = forward(policy, ids, attn, batch.P, temperature)
+                    # On-policy: no scoring forward ran; the policy being updated generated the batch.
+                    old = batch.old_logp_NT[rows, :T] if batch.old_logp_NT is not None else logp.detach()
+                    ref = batch.ref_logp_NT[rows, :T] if batch.ref_logp_NT is not None else None
+                    n_tok = mask.sum()
+                    if epoch == 0:
+                        acc |= _behaviour_metrics(old, ref, batch, rows, mask, T, algo.kl_estimator)
+                    weight = batch.weight_NT[rows, :T] if batch.weight_NT is not None else None
+                    loss_NT, pm = compute_policy_loss(
+                        algo.policy_loss, logp, old, batch.adv_NT[rows, :T], mask,
+                        clip_ratio_low=clip_low, clip_ratio_high=clip_high, clip_ratio_c=algo.clip_ratio_c,
+                        weight_NT=weight)
+                    if kl_in_loss:
+                        kl_NT = kl_estimate(logp, ref, algo.kl_estimator, mask_NT=mask)
+                        loss_NT = loss_NT + kl_coef * kl_NT
+                        acc.add("actor/kl_loss", masked_sum(kl_NT.detach(), mask), n_tok)
+                    if algo.entropy_coef > 0:
+                        loss_NT = loss_NT - algo.entropy_coef * ent
+                    acc.add("actor/entropy", masked_sum(ent.detach(), mask), n_tok)
+                    loss = aggregate_loss(loss_NT, mask, algo.loss_agg, denom, norm_length=norm_length)
+                    (loss * W).backward()
+                    mini_loss = mini_loss + loss.detach()
+                    for k, v in pm.items():
+                        if k == "ratio_max":  # the step's extremes, not a mean of micro-batch extremes
+                            acc.add_max(f"actor/{k}", torch.where(n_tok > 0, v, float("-inf")))
+                        elif k == "ratio_min":
+                            acc.add_min(f"actor/{k}", torch.where(n_tok > 0, v, float("inf")))
+                        else:
+                            acc.add(f"actor/{k}", v * n_tok, n_tok)
+                # Each rank holds its share of the mini-batch loss; the shares sum to the total.
+                acc.add("actor/loss", mini_loss, 1.0 / W)
+                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
+                if hasattr(grad_norm, "full_tensor"):
+                    grad_norm = grad_norm.full_tensor()
+                # Host sync, on purpose: a non-finite step must stop before it reaches the weights.
+                if not torch.isfinite(grad_norm):
+                    raise FloatingPointError(f"gradient norm is {grad_norm.item()}; lower optim.lr or check the "
+                                             "reward scale")
+                acc.add("actor/lr", optimizer.param_groups[0]["lr"])  # the lr this update uses
+                optimizer.step()
+                scheduler.step()
+                acc.add("actor/grad_norm", grad_norm)
+        return acc.reduce()
 
 
 def _behaviour_metrics(old_NT, ref_NT, batch: TrainBatch, rows, mask_NT, T: int, kl_estimator: str) -> MeanAccumulator:

@@ -7,6 +7,10 @@ stays a plain module; on one GPU `distributed.init` opens a 1-rank group, and FS
 model: the others build it on the meta device, shard it, and receive their shards from
 rank 0 (a 7B policy and its reference in fp32 would otherwise be 2 x 30 GB of host
 memory on each of 8 ranks at start-up).
+
+Every model comes out in eval mode. `prepare_policy` readies the policy for training
+(dropout off, activation checkpointing switched on); the update (`update.policy_update`)
+puts it in train mode for its own duration, which is when the checkpointing acts.
 """
 from __future__ import annotations
 
@@ -41,6 +45,44 @@ def _fully_shard(model: torch.nn.Module, mixed_precision: bool) -> torch.nn.Modu
     for layer in decoder_layers(model):
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
+    return model
+
+
+def prepare_policy(model: torch.nn.Module, gradient_checkpointing: bool) -> torch.nn.Module:
+    """Ready the policy for training, before it is sharded (a `load_sharded` prepare function).
+
+    Dropout is forced OFF, whatever the model's config says (the config itself is left as
+    it is, so a saved checkpoint keeps the user's value): the update runs in train mode,
+    and with dropout on its log-probs would differ from the old-policy and reference
+    log-probs scored in eval mode by noise alone, biasing the ratio and the KL (verl turns
+    it off for the same reason; TRL offers `disable_dropout`).
+
+    gradient_checkpointing: every decoder layer recomputes its forward in the backward
+    instead of keeping its activations (one hidden state per layer is kept). transformers
+    only checkpoints a layer that is in train mode, which `update.policy_update` sees to.
+    The checkpoint is torch's non-reentrant one (`use_reentrant=False`): the reentrant one
+    runs the recompute as a nested backward outside FSDP2's backward hooks and needs an
+    input that requires grad.
+    """
+    disable_dropout(model)
+    if gradient_checkpointing:
+        kwargs = {"use_reentrant": False}
+        # transformers renamed the switch (gradient_checkpointing_enable is a deprecated alias in newer
+        # releases); both take the checkpoint's keyword arguments as their first argument.
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable(kwargs)  # raises ValueError for a model class that cannot checkpoint
+    return model
+
+
+def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Every dropout of `model` at probability 0: the dropout modules, and the float rates attention
+    modules keep as attributes and pass to the attention function in train mode (`attention_dropout`)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
     return model
 
 
