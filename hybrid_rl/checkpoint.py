@@ -166,22 +166,40 @@ def seed_all(seed: int) -> None:
 
 
 def rng_state() -> dict:
-    """This process's random number generators, in a form `torch.load(weights_only=True)` accepts."""
+    """This process's random number generators, in a form `torch.load(weights_only=True)` accepts.
+
+    CUDA: only this rank's device (the current one, which `distributed.init` set), the one its
+    kernels draw from. A list over every visible GPU (`get_rng_state_all`) could not be restored
+    by a resume that sees fewer of them."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {"torch": torch.get_rng_state(), "python": random.getstate(),
              "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
 def set_rng_state(state: dict) -> None:
+    """Restore what `rng_state` saved; CUDA goes to this rank's (current) device only.
+
+    Earlier checkpoints (same format) kept the CUDA state of every visible GPU as a list: this
+    rank's entry is the one at its device's index (`pick_device` gave the rank that index then too)."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     kind, keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if "cuda" not in state or not torch.cuda.is_available():
+        return  # without a GPU nothing draws from a CUDA generator
+    device = torch.cuda.current_device()
+    cuda = state["cuda"]
+    if isinstance(cuda, (list, tuple)):  # the old layout: one state per GPU the saving rank saw
+        if device >= len(cuda):
+            raise CheckpointError(
+                f"the checkpoint's rank file holds CUDA random-number states for {len(cuda)} GPU(s) (the old layout, "
+                f"one per visible GPU) and this rank runs on cuda:{device}, which is not among them; resume with the "
+                "GPUs visible as when it was saved (CUDA_VISIBLE_DEVICES, --nproc_per_node)")
+        cuda = cuda[device]
+    torch.cuda.set_rng_state(cuda, device)
 
 
 # -- save ---------------------------------------------------------------------
