@@ -28,6 +28,8 @@ def _one_of(value: Any, key: str, choices: Sequence[str]) -> None:
 class ModelConfig:
     path: str = ""  # local Hugging Face directory (config.json + safetensors + tokenizer)
     dtype: str = "auto"  # "auto": bf16 mixed precision on CUDA, fp32 on CPU
+    # Recompute each decoder layer in backward (non-reentrant, FSDP2-safe). The policy always trains with its
+    # dropout forced off (models/fsdp.py prepare_policy): the update's log-probs must be the old policy's.
     gradient_checkpointing: bool = False
     attn_implementation: str = "sdpa"
 
@@ -81,7 +83,7 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "native"  # native (torch, the policy's own weights) | sglang (GPU extra; its own weights)
+    engine: str = "native"  # native (torch, the policy's own weights) | sglang (GPU extra) | vllm (extra [vllm]); own weights
     n: int = 8  # samples per prompt (G)
     temperature: float = 1.0
     top_p: float = 1.0
@@ -90,8 +92,12 @@ class RolloutConfig:
     # Extra stops: the tokenizer's EOS and every eos_token_id of the model's configs always stop.
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int = 0
-    tp_size: int = 1  # sglang: ranks per inference engine (tensor parallel); divides the ranks of a node
-    mem_fraction: Optional[float] = None  # sglang: mem_fraction_static; null = SGLang's own choice
+    tp_size: int = 1  # sglang, vllm: ranks per inference engine (tensor parallel); divides the ranks of a node
+    mem_fraction: Optional[float] = None  # sglang: mem_fraction_static; vllm on CUDA: gpu_memory_utilization; null = default
+    # vllm: KV-cache bytes per rank (vLLM's kv_cache_memory_bytes); null = one batch's need, from the planner's formula.
+    # On CPU vLLM would otherwise reserve half the host memory at start.
+    kv_cache_bytes: Optional[int] = None
+    enable_prefix_caching: bool = False  # vllm: reuse the KV of shared prompt prefixes (off: a sync would stale it)
     bucket_mb: int = 512  # weight sync: size of one flat bucket (peak extra memory of a sync)
     # sglang: how long the other ranks of an engine's group wait on its owner, whose calls (a whole
     # rollout's generate) can outlast trainer.dist_timeout_s; an owner that dies is noticed at once.
@@ -99,15 +105,17 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         # A new engine goes in both this list and rollout/base.py's _ENGINES.
-        _one_of(self.engine, "rollout.engine", ["native", "sglang"])
+        _one_of(self.engine, "rollout.engine", ["native", "sglang", "vllm"])
         _check(self.n >= 1, "rollout.n", f"must be >= 1, got {self.n}")  # >= 2 for group baselines: Config checks it
         _check(self.temperature > 0, "rollout.temperature", f"must be > 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
         _check(self.top_k == -1 or self.top_k > 0, "rollout.top_k", f"must be -1 (off) or > 0, got {self.top_k}")
         _check(self.max_new_tokens > 0, "rollout.max_new_tokens", f"must be > 0, got {self.max_new_tokens}")
         _one_of(self.tp_size, "rollout.tp_size", [1, 2, 4, 8])
-        _check(self.engine == "sglang" or self.tp_size == 1, "rollout.tp_size",
-               f"tensor-parallel inference needs rollout.engine=sglang (got {self.engine!r})")
+        _check(self.engine in ("sglang", "vllm") or self.tp_size == 1, "rollout.tp_size",
+               f"tensor-parallel inference needs rollout.engine=sglang or vllm (got {self.engine!r})")
+        _check(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "rollout.kv_cache_bytes",
+               f"must be > 0 or null (sized from the batch), got {self.kv_cache_bytes}")
         _check(self.mem_fraction is None or 0 < self.mem_fraction < 1, "rollout.mem_fraction",
                f"must be in (0, 1) or null, got {self.mem_fraction}")
         _check(self.bucket_mb > 0, "rollout.bucket_mb", f"must be > 0, got {self.bucket_mb}")
@@ -419,7 +427,7 @@ class Config:
                    f"directory {rm!r} does not exist; give a local Hugging Face reward model directory")
             _check(os.path.isfile(os.path.join(rm, "config.json")), "reward.model_path",
                    f"{rm!r} has no config.json; is it a Hugging Face model directory?")
-        if self.rollout.engine == "sglang":
+        if self.rollout.engine in ("sglang", "vllm"):
             local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
             _check(local % self.rollout.tp_size == 0, "rollout.tp_size",
                    f"{self.rollout.tp_size} does not divide the {local} ranks of this node")

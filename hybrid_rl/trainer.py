@@ -82,6 +82,10 @@ class Trainer(Checkpointing):
             from hybrid_rl.rollout.sglang import check_available
 
             check_available()
+        if cfg.rollout.engine == "vllm":  # importable, a model vLLM implements, tp_size dividing the ranks
+            from hybrid_rl.rollout.vllm import check_config
+
+            check_config(cfg, self.device)
         if self.device.type == "cpu" and cfg.model.dtype == "bfloat16":
             warnings.warn("model.dtype=bfloat16 is ignored on CPU: the policy trains in float32 there "
                           "(bf16 mixed precision is a CUDA path)")
@@ -176,6 +180,10 @@ class Trainer(Checkpointing):
             return engine_cls(self.policy, self.cfg.model.path, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id,
                               tp_size=r.tp_size, weights_dtype=weights_dtype, mem_fraction=r.mem_fraction,
                               seed=r.seed, timeout_s=r.engine_timeout_s)
+        if r.engine == "vllm":
+            from hybrid_rl.rollout.vllm import build_for_trainer
+
+            return build_for_trainer(self, weights_dtype)
         return engine_cls(self.policy, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, weights_dtype=weights_dtype)
 
     @property

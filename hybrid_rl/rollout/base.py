@@ -4,7 +4,8 @@ An engine turns prompt token ids into completions and knows how to take fresh
 weights and give its memory back between rollouts. Engines are looked up by
 name and imported lazily, so a GPU-only engine costs nothing where it is absent.
 `native` decodes on the policy's own module (rollout/native.py); `sglang` drives an
-SGLang engine that receives the weights as CUDA IPC handles (rollout/sglang.py).
+SGLang engine that receives the weights as CUDA IPC handles (rollout/sglang.py); `vllm`
+runs vLLM in the trainer's own processes, weights reloaded in place (rollout/vllm.py).
 """
 from __future__ import annotations
 
@@ -89,6 +90,7 @@ class RolloutEngine(Protocol):
 _ENGINES = {
     "native": "hybrid_rl.rollout.native:NativeEngine",
     "sglang": "hybrid_rl.rollout.sglang:SGLangEngine",
+    "vllm": "hybrid_rl.rollout.vllm:VLLMEngine",
 }
 
 

@@ -115,7 +115,7 @@ def test_wrong_type_names_the_key():
     ("rollout.top_p=1.5", "rollout.top_p"),
     ("rollout.top_k=0", "rollout.top_k"),
     ("rollout.max_new_tokens=0", "rollout.max_new_tokens"),
-    ("rollout.engine=vllm", "rollout.engine"),
+    ("rollout.engine=tensorrt", "rollout.engine"),
     ("data.batch_size=0", "data.batch_size"),
     ("data.num_prompts=0", "data.num_prompts"),
     ("data.task=jsonl", "data.path"),  # jsonl needs a path
