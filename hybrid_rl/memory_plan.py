@@ -54,6 +54,8 @@ one, ``phases["reward"]`` is empty: it holds nothing because it never happens). 
 also holds ``activations_estimate`` (an ESTIMATE, gradient checkpointing
 assumed; see ``activation_estimate``).  Sizes are decimal GB (1e9 bytes) in
 printed output; GPU capacity is given in GiB (80 GiB default).
+The native engine (``native_prompt_tokens`` > 0) decodes as many rows at once as the rollout
+phase leaves room for, and bills the prefill, sampling and graph pools (``memory_rollout``).
 """
 from __future__ import annotations
 
@@ -62,6 +64,8 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
+
+from hybrid_rl.memory_rollout import bill_native_rollout
 
 # The one definition of the memory roles: the runtime ledger (switch/memory.py) imports it
 # from here, because this module is torch-free and the ledger is not.
@@ -340,6 +344,8 @@ class MemoryPlan:
     bill: dict[str, int]  # whole-model view: learner, ref, engine_copy, reward_model, engine_replicas
     activations_estimate: int = 0
     notes: list[str] = field(default_factory=list)
+    # Native engine only: rows (decode batch), rows_wanted (a rank's share), prefill_rows and each part's bytes.
+    native_rollout: dict[str, int] = field(default_factory=dict)
 
     @property
     def fits_all(self) -> bool:
@@ -357,8 +363,10 @@ class MemoryPlan:
 def plan_memory(arch: ModelArch, n_gpus: int, dtype: str, batch: int, context: int,
                 offload: Mapping[str, bool] | None = None, tp_size: int = 1,
                 reward_arch: ModelArch | None = None, gpu_mem_gib: float = 80.0,
-                train_micro_batch: int = 0) -> MemoryPlan:
-    """Per-role bytes per GPU, per-phase residency and fit flags (module docstring)."""
+                train_micro_batch: int = 0, native_prompt_tokens: int = 0, native_top_p: bool = True,
+                native_graphs: bool = True, native_samples_per_prompt: int = 1) -> MemoryPlan:
+    """Per-role bytes per GPU, per-phase residency and fit flags (module docstring). native_*: the
+    native engine's rollout: prompt tokens, sampler, decode path, samples sharing a prefill (`memory_rollout`)."""
     _positive(n_gpus=n_gpus, batch=batch, context=context, gpu_mem_gib=gpu_mem_gib, tp_size=tp_size)
     for k, v in (("n_gpus", n_gpus), ("batch", batch), ("context", context), ("tp_size", tp_size)):
         if int(v) != v:
@@ -390,6 +398,12 @@ def plan_memory(arch: ModelArch, n_gpus: int, dtype: str, batch: int, context: i
     if act:
         phases["train"]["activations_estimate"] = act
     cap = int(gpu_mem_gib * GIB)
+    native = {}
+    if native_prompt_tokens:
+        native = bill_native_rollout(arch, dtype, math.ceil(batch * tp_size / n_gpus), native_prompt_tokens,
+                                      context - native_prompt_tokens, phases["rollout"], cap, native_top_p, native_graphs,
+                                      native_samples_per_prompt)
+        per_gpu["kv_cache"] = native["kv_cache"]
     totals = {p: sum(phases[p].values()) for p in PHASES}
     notes = []
     if not arch.has_kv_dims:
@@ -406,7 +420,7 @@ def plan_memory(arch: ModelArch, n_gpus: int, dtype: str, batch: int, context: i
         shortfall={p: max(0, totals[p] - cap) for p in PHASES},
         bill={"learner": 16 * n, "ref": b * n, "engine_copy": b * n, "reward_model": b * n_rm,
               "engine_replicas": n_gpus // tp_size},
-        activations_estimate=act, notes=notes)
+        activations_estimate=act, notes=notes, native_rollout=native)
 
 
 def suggest_offload(arch: ModelArch, n_gpus: int, dtype: str, batch: int, context: int,

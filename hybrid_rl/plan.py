@@ -10,6 +10,8 @@ Examples::
     python -m hybrid_rl.plan --model Qwen2.5-7B --reward-model Qwen2.5-7B --gpus 8 --batch 256 --context 4096
         # a reward model (built-in name, or a *ForSequenceClassification config.json: score head, no lm_head)
         # adds the REWARD stage's column
+    python -m hybrid_rl.plan --model Qwen2.5-7B --gpus 8 --batch 5120 --context 1536 --native-prompt-tokens 512
+        # the native engine: rows decoded at once from what ROLLOUT leaves free, prefill / sampling billed
 
 Prints a table of roles x phases (GB = 1e9 bytes per GPU, and totals over all
 GPUs), whether each phase fits, a suggested offload line, and a JSON object as
@@ -94,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reward-params", type=_param_count, help="reward model parameter count (instead of --reward-model)")
     p.add_argument("--train-micro-batch", type=_nonneg_int, default=0,
                    help="sequences per GPU per training micro-step; adds an activation ESTIMATE to train (0: off)")
+    p.add_argument("--native-prompt-tokens", type=_nonneg_int, default=0,
+                   help="plan the native engine's rollout for prompts of this many tokens (0: off): its decode batch "
+                        "is capped by the free memory, and its prefill, sampling and graph pools are billed")
+    p.add_argument("--native-sampler", choices=["top_p", "plain"], default="top_p",
+                   help="the native engine's sampler (top_p sorts the vocabulary: more temporaries)")
+    p.add_argument("--samples-per-prompt", type=_pos_int, default=1,
+                   help="native engine: samples per prompt, which share one prefill (rollout.n)")
     return p
 
 
@@ -150,9 +159,13 @@ def format_plan(plan: MemoryPlan, suggestion: dict) -> str:
     lines.append(head + "   (GB)")
     lines.append("-" * len(head))
     rows = list(ROLES) + (["activations_estimate"] if plan.activations_estimate else [])
+    rows += ["rollout_working", "rollout_headroom"] if plan.native_rollout else []
     for role in rows:
         if role == "activations_estimate":
             pg, tot = plan.activations_estimate, plan.activations_estimate * plan.n_gpus
+        elif role in ("rollout_working", "rollout_headroom"):
+            pg = plan.native_rollout["working" if role == "rollout_working" else "headroom"]
+            tot = pg * plan.n_gpus
         else:
             pg, tot = plan.per_gpu[role], plan.total[role]
         cells = []
@@ -173,6 +186,7 @@ def format_plan(plan: MemoryPlan, suggestion: dict) -> str:
         verdict = (f"fits ({_gb(plan.gpu_mem_bytes - used)} GB free)" if plan.fits[p]
                    else f"does NOT fit (short by {_gb(plan.shortfall[p])} GB)")
         lines.append(f"{p:<8} {_gb(used):>8} / {_gb(plan.gpu_mem_bytes)} GB per GPU: {verdict}")
+    lines += native_rollout_lines(plan)
     for note in plan.notes:
         lines.append(f"note: {note}")
     if plan.activations_estimate:
@@ -187,13 +201,32 @@ def format_plan(plan: MemoryPlan, suggestion: dict) -> str:
     return "\n".join(lines)
 
 
+def native_rollout_lines(plan: MemoryPlan) -> list[str]:
+    """The native engine's decode batch, its working set by part, and the rollout margin."""
+    n = plan.native_rollout
+    if not n:
+        return []
+    margin = plan.gpu_mem_bytes - plan.phase_totals["rollout"]
+    if not n["fits_one_row"]:
+        return [f"native rollout: not even one sequence fits ({_gb(n['free'])} GB free after the headroom); "
+                "offload more, or shorten the prompts / max_new_tokens"]
+    batches = -(-n["rows_wanted"] // n["rows"])
+    return [f"native rollout: {n['rows']} of {n['rows_wanted']} rows per GPU per decode batch ({batches} "
+            f"batch{'es' if batches > 1 else ''}), prefill in chunks of {n['prefill_rows']} prompts; working set "
+            f"{_gb(n['working'])} GB = max(prefill {_gb(n['prefill'])}, sampling {_gb(n['sampling'])} + decode step "
+            f"{_gb(n['decode_step'])} + graph pools {_gb(n['graph_pools'])} + bookkeeping {_gb(n['bookkeeping'])})",
+            f"native rollout margin: {_gb(margin)} GB per GPU free at the peak, beyond the {_gb(n['headroom'])} GB "
+            "rollout_headroom kept for fragmentation, the CUDA context and NCCL"]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         arch, rm = _arch_from_args(args, parser)
         kw = dict(tp_size=args.tp, reward_arch=rm, gpu_mem_gib=args.gpu_mem_gb,
-                  train_micro_batch=args.train_micro_batch)
+                  train_micro_batch=args.train_micro_batch, native_prompt_tokens=args.native_prompt_tokens,
+                  native_top_p=args.native_sampler == "top_p", native_samples_per_prompt=args.samples_per_prompt)
         plan = plan_memory(arch, args.gpus, args.dtype, args.batch, args.context, args.offload, **kw)
         suggestion = suggest_offload(arch, args.gpus, args.dtype, args.batch, args.context, args.offload, **kw)
     except ValueError as e:

@@ -48,10 +48,14 @@ def memory_plan(cfg, n_gpus: int, gpu_mem_gib: float):
     off = cfg.offload
     flags = {"optimizer": off.optimizer, "ref": off.ref or not has_ref, "params": off.params}
     tp = cfg.rollout.tp_size if cfg.rollout.engine == "sglang" else 1
-    kw = dict(tp_size=tp, gpu_mem_gib=gpu_mem_gib, train_micro_batch=cfg.trainer.micro_batch_size)
+    prompt_tokens = cfg.data.max_prompt_tokens or 1024
+    # The native engine decodes what fits in a batch: its prefill, sampler and graph pools are billed too.
+    native = dict(native_prompt_tokens=prompt_tokens, native_top_p=cfg.rollout.top_p < 1.0,
+                  native_samples_per_prompt=cfg.rollout.n) if cfg.rollout.engine == "native" else {}
+    kw = dict(tp_size=tp, gpu_mem_gib=gpu_mem_gib, train_micro_batch=cfg.trainer.micro_batch_size, **native)
     dtype = "fp32" if cfg.model.dtype == "float32" else "bf16"
     sequences = cfg.data.batch_size * cfg.rollout.n
-    context = (cfg.data.max_prompt_tokens or 1024) + cfg.rollout.max_new_tokens
+    context = prompt_tokens + cfg.rollout.max_new_tokens
     suggestion = suggest_offload(arch, n_gpus, dtype, sequences, context, flags, **kw)
     if off.auto:  # the trainer takes the planner's advice itself
         flags = suggestion["offload"]

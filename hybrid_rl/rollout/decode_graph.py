@@ -7,16 +7,20 @@ addresses, so the step reads a full-length `StaticKVCache` (all S slots, masked
 with a boolean mask the engine keeps), and its inputs are copied into buffers
 owned here.
 
-The captured step is the engine's `LeanStep` where the model has one, the model's
-forward otherwise. The lean step calls the layers' parts directly, so it runs none of
-the module hooks: under FSDP2 the root module's pre-forward hook makes the all-gather
-streams wait on the current stream, which inside a capture would fork the captured
-stream onto streams that never rejoin it, and the capture would fail on every batch.
+The captured step is always the engine's `LeanStep`; a model without one is never
+captured (`decode_path.py`). The lean step calls the layers' parts directly, so it runs
+none of the module hooks: under FSDP2 the root module's pre-forward hook makes the
+all-gather streams wait on the current stream, which inside a capture would fork the
+captured stream onto streams that never rejoin it, so capturing the model's forward
+fails on every batch.
 
 Each bucket is captured the first time it is used, after one eager run of the same
 step (the warm-up the capture needs, on a side stream), and the replay is checked
 against that eager result once; any failure raises, and the engine falls back to
-eager decoding. Imported only when graphs are asked for.
+eager decoding after `close()`. A failed capture is cleaned up here: torch's
+`graph.__exit__` does not restore the current stream when `capture_end` raises, so the
+stream is put back, and `close()` drops every graph (their private pool with them) and
+refuses to go on if a capture is still open. Imported only when graphs are asked for.
 
 Legend: N rows allocated, M rows live (a bucket size), S cache slots, V vocab.
 """
@@ -37,9 +41,11 @@ class DecodeGraphs:
                  lean: LeanStep | None = None):
         """capture=False runs the same fixed-shape step eagerly, on any device (tests of the
         graph path's full-length cache, masks and batch buckets on CPU). lean: the step to
-        capture (None: the model's forward)."""
+        capture, required (the model's forward is never captured)."""
         if capture and device.type != "cuda":
             raise RuntimeError(f"CUDA graphs need a CUDA device, the model is on {device}")
+        if lean is None:
+            raise ValueError("DecodeGraphs captures the lean decode step only; this model has none (decode eagerly)")
         N, S = cache.max_rows, cache.max_len
         self.model, self.cache, self.lean = model, cache, lean
         self.ids_N1 = torch.zeros((N, 1), dtype=torch.long, device=device)
@@ -66,10 +72,18 @@ class DecodeGraphs:
         return logits_MV
 
     def _forward(self, M: int) -> torch.Tensor:
-        if self.lean is not None:
-            return self.lean(self.ids_N1[:M], self.pos_N1[:M], self.mask_NS[:M], self.cache)
-        return self.model(input_ids=self.ids_N1[:M], attention_mask=self.mask_NS[:M, None, None, :],
-                          position_ids=self.pos_N1[:M], past_key_values=self.cache, use_cache=True).logits[:, -1]
+        return self.lean(self.ids_N1[:M], self.pos_N1[:M], self.mask_NS[:M], self.cache)
+
+    def close(self) -> None:
+        """Drop every graph (their shared private pool goes with the last one) after a failure.
+
+        Raises if this thread's stream is still capturing: eager decoding, and the engine's
+        empty_cache() at release, must not run inside an abandoned capture."""
+        self.graphs.clear()
+        self.pool = None
+        if self.capture and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a CUDA-graph capture is still open after a failed decode step; the process cannot "
+                               "safely allocate memory: restart it with the engine's cuda_graphs=False")
 
     def _capture(self, M: int) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -80,8 +94,13 @@ class DecodeGraphs:
             eager_MV = self._forward(M).clone()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits_MV = self._forward(M)
+        stream = torch.cuda.current_stream()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits_MV = self._forward(M)
+        except BaseException:
+            torch.cuda.set_stream(stream)  # graph.__exit__ skips this when capture_end raises
+            raise
         self.pool = graph.pool()
         graph.replay()
         # One host sync per bucket: a capture that recorded the wrong thing (a hook that

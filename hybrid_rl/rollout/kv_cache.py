@@ -13,7 +13,8 @@ Two read modes:
   all S slots; the caller masks the unwritten ones. Shapes and addresses stay fixed.
 
 Dropping rows copies the live rows to the front of the same buffers (the data
-pointers never change), and the layers then expose the first M rows only.
+pointers never change), and the layers then expose the first M rows only. A prefill
+may run in chunks of prompts (`prefill_window`): each chunk's forward sees its own rows.
 
 Legend: N rows allocated, M rows live (M <= N), H KV heads, S slots, D head dim,
 Q query tokens of one forward.
@@ -46,8 +47,12 @@ class _SlotLayer(CacheLayerMixin):
         # and 0 * NaN from uninitialised memory would still poison the output.
         self.buf_k = key_states.new_zeros((o.max_rows, key_states.shape[1], o.max_len, key_states.shape[-1]))
         self.buf_v = value_states.new_zeros((o.max_rows, value_states.shape[1], o.max_len, value_states.shape[-1]))
-        self.keys, self.values = self.buf_k[:o.rows], self.buf_v[:o.rows]
         self.is_initialized = True
+        self.show_rows(o.row0, o.row0 + o.rows)
+
+    def show_rows(self, a: int, b: int) -> None:
+        """Expose rows [a, b) of the buffers as this layer's keys and values."""
+        self.keys, self.values = self.buf_k[a:b], self.buf_v[a:b]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """key_states, value_states: (M, H, Q, D). Returns the cached keys and values (M, H, S_read, D)."""
@@ -92,6 +97,7 @@ class StaticKVCache(Cache):
         super().__init__(layers=[])
         self.max_rows, self.max_len = max_rows, max_len
         self.rows = max_rows  # M
+        self.row0 = 0  # first buffer row the layers expose (nonzero only inside a chunked prefill)
         self.length = 0  # slots written, the same for every row
         self.full_length = False
         self.write_slot: torch.Tensor | None = None  # (1,) long, the slot a full-length forward writes
@@ -117,9 +123,18 @@ class StaticKVCache(Cache):
 
     def prefill_rows(self, u: int) -> None:
         """The next forward (the prefill) writes u <= N rows; `expand_rows` then makes them N."""
-        if not 1 <= u <= self.max_rows or self.length:
-            raise ValueError(f"prefill_rows({u}) needs 1 <= u <= {self.max_rows} before anything is written")
-        self.rows = u
+        self.prefill_window(0, u)
+
+    def prefill_window(self, a: int, b: int) -> None:
+        """The next forward writes prompt rows [a, b) at slots 0.. (one chunk of a chunked prefill).
+
+        Nothing advances until every chunk has run: call prefill_window(0, U), then advance(P).
+        """
+        if not 0 <= a < b <= self.max_rows or self.length:
+            raise ValueError(f"prefill_window({a}, {b}) needs 0 <= a < b <= {self.max_rows} before anything is written")
+        self.row0, self.rows = a, b - a
+        for layer in self.layers:
+            layer.show_rows(a, b)
 
     def expand_rows(self, src_N: torch.Tensor) -> None:
         """Row n becomes a copy of prefilled row src_N[n] (a prompt shared by several samples is prefilled once)."""

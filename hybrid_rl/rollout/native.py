@@ -14,12 +14,18 @@ Decoding (`_generate_batch`) keeps the work proportional to the live rows:
   replaced by pad on the device, so checking late changes no output;
 * at those checks, once enough rows have finished, they are dropped from the batch
   (cache and per-row state compacted in place);
-* sampling sorts the vocabulary only for top-p, draws by inverse CDF (one uniform
-  per row, no host sync), and computes one log-sum-exp per row for the logprob;
+* sampling (`sampler.py`) sorts the vocabulary only for top-p, draws by inverse CDF (one
+  uniform per row and step, all drawn up front, so a sequence's tokens do not depend on its
+  batch), and computes one log-sum-exp per row for the logprob;
 * the one-token step skips transformers' generic forward for the Llama family
   (`lean_step.py`: the model's own modules, attention written out, no mask building);
-* on CUDA the one-token step is replayed as a CUDA graph (`decode_graph.py`), one per
-  live-batch size (a power of two), falling back to eager decoding if capture fails.
+* on CUDA the lean step is replayed as a CUDA graph (`decode_graph.py`), one per
+  live-batch size (a power of two), falling back to eager decoding if capture fails; a
+  model without the lean step is never captured (`decode_path.py`).
+
+Memory: on CUDA a decode batch holds at most the rows whose KV cache and working set fit
+the free memory, and the prefill runs in chunks of prompts that fit beside that cache
+(`memory_rollout.native_budget`, the planner's own arithmetic).
 
 Positions and masks are the trainer's (`models.logprobs`): left-padded prompts,
 position ids counting real tokens only, so engine logprobs equal the trainer's.
@@ -30,94 +36,22 @@ Legend: N sequences, M sequences still in the decode batch, P prompt tokens
 from __future__ import annotations
 
 import warnings
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
+from hybrid_rl.memory_plan import ModelArch
+from hybrid_rl.memory_rollout import RolloutShape, native_budget
 from hybrid_rl.models.fsdp import fsdp_modules, gather_full_weights, release_full_weights
+from hybrid_rl.models.loading import attention_implementation, model_config
 from hybrid_rl.models.logprobs import left_pad, position_ids
 from hybrid_rl.rollout.base import Completion, SamplingParams, check_tags
+from hybrid_rl.rollout.decode_path import (DecodePath, base_attention, check_graph_request, choose_decode_path,
+                                           device_free_bytes)
 from hybrid_rl.rollout.kv_cache import StaticKVCache
 from hybrid_rl.rollout.lean_step import LeanStep, all_full_attention, unsupported_reason
+from hybrid_rl.rollout.sampler import _draw, filter_logits, sample_tokens  # noqa: F401  (re-exported: tests and benchmarks import them from here)
 
-
-def filter_logits(logits_NV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) the tokens outside the top-k and outside the top-p nucleus."""
-    if top_k > 0 and top_k < logits_NV.shape[-1]:
-        kth = torch.topk(logits_NV, top_k, dim=-1).values[:, -1:]
-        logits_NV = logits_NV.masked_fill(logits_NV < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits_NV, dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # Drop a token when the mass strictly before it already reaches top_p; the first always stays.
-        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits_NV = logits_NV.masked_fill(drop, float("-inf"))
-    return logits_NV
-
-
-_DRAW_BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF
-
-
-def _draw(w_MV: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """One index per row with probability w / w.sum() (w >= 0, unnormalised), by inverse CDF: one uniform per row.
-
-    torch.multinomial draws one exponential per vocabulary entry, and a cumulative sum
-    over the vocabulary is a sequential pass; on CPU either costs several times the
-    model's own work for a small model. Two levels instead: block sums (one vectorised
-    pass), a cumulative sum over the blocks, then one within the chosen block (both in
-    fp64, so rounding moves no mass between distant tokens). v = (1 - u) * total is in (0, total]
-    and each level takes the first entry whose cumulative sum reaches what is left of v,
-    so the entry drawn always has a positive probability: a filtered token never wins.
-    """
-    M, V = w_MV.shape
-    if V <= _DRAW_BLOCK:  # one block: the same draw without the block level (fewer ops per token)
-        total_M1 = w_MV.sum(-1, keepdim=True).double()
-        v_M1 = (1.0 - torch.rand((M, 1), generator=gen, dtype=torch.float64, device=w_MV.device)) * total_M1
-        cum_MV = w_MV.cumsum(-1, dtype=torch.float64)
-        return torch.searchsorted(cum_MV, torch.minimum(v_M1, cum_MV[:, -1:])).squeeze(1)
-    B = _DRAW_BLOCK  # V > B here
-    nb = -(-V // B)
-    if nb * B != V:
-        w_MV = torch.nn.functional.pad(w_MV, (0, nb * B - V))
-    blocks_MnB = w_MV.view(M, nb, B)
-    cum_Mn = blocks_MnB.sum(-1).double().cumsum(-1)
-    u_M1 = torch.rand((M, 1), generator=gen, dtype=torch.float64, device=w_MV.device)
-    v_M1 = (1.0 - u_M1) * cum_Mn[:, -1:]
-    blk_M1 = torch.searchsorted(cum_Mn, v_M1)
-    before_M1 = torch.where(blk_M1 > 0, cum_Mn.gather(-1, (blk_M1 - 1).clamp_(min=0)), 0.0)
-    inner_MB = blocks_MnB.gather(1, blk_M1[:, :, None].expand(M, 1, B)).squeeze(1).cumsum(-1, dtype=torch.float64)
-    rest_M1 = torch.minimum(v_M1 - before_M1, inner_MB[:, -1:])  # block sum and cumsum may differ in the last bit
-    return (blk_M1 * B + torch.searchsorted(inner_MB, rest_M1)).squeeze(1)
-
-
-def sample_tokens(logits_MV: torch.Tensor, sp: SamplingParams, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """tok_M and lp_M: the next token of each row and its log_softmax(logits / T), before any filtering.
-
-    Greedy: argmax. top_p < 1: the top-k then nucleus mask of `filter_logits` (one sort).
-    top_k > 0 alone: a draw among torch.topk's k logits. Otherwise: a draw from the softmax.
-    """
-    scaled_MV = logits_MV.float()
-    if sp.temperature != 1.0:
-        scaled_MV = scaled_MV / sp.temperature
-    V = scaled_MV.shape[-1]
-    if not sp.greedy and sp.top_p >= 1.0 and not 0 < sp.top_k < V:
-        # Plain sampling: the unnormalised softmax serves both the draw and the log-sum-exp.
-        max_M1 = scaled_MV.amax(-1, keepdim=True)
-        w_MV = (scaled_MV - max_M1).exp_()
-        lse_M1 = max_M1 + w_MV.sum(-1, keepdim=True).log()
-        tok_M = _draw(w_MV, gen)
-    else:
-        lse_M1 = scaled_MV.logsumexp(-1, keepdim=True)
-        if sp.greedy:
-            tok_M = scaled_MV.argmax(-1)
-        elif sp.top_p < 1.0:
-            tok_M = _draw(filter_logits(scaled_MV, sp.top_k, sp.top_p).softmax(-1), gen)
-        else:
-            top_MK, idx_MK = scaled_MV.topk(sp.top_k, dim=-1)
-            tok_M = idx_MK.gather(-1, _draw((top_MK - top_MK[:, :1]).exp(), gen)[:, None]).squeeze(-1)
-    lp_M = (scaled_MV.gather(-1, tok_M[:, None]) - lse_M1).squeeze(-1)
-    return tok_M, lp_M
 
 
 def _alive_rows(done_M: torch.Tensor) -> torch.Tensor:
@@ -141,7 +75,7 @@ class NativeEngine:
     def __init__(self, model: torch.nn.Module, pad_id: int, eos_id: int, max_batch_size: int = 0,
                  weights_dtype: torch.dtype | None = None, own_weights: bool = False,
                  stop_check_every: int | None = None, cuda_graphs: bool | None = None,
-                 lean_step: bool | None = None):
+                 lean_step: bool | None = None, free_memory: Optional[Callable[[torch.device], Optional[int]]] = None):
         """own_weights: `model` is the engine's private copy (not the policy); releasing its
         weights frees their memory, and their contents, until the next update_weights,
         the way SGLang's memory saver does.
@@ -149,12 +83,18 @@ class NativeEngine:
         stop_check_every: tokens between the host checks for finished rows (where the loop
         may end early and finished rows are dropped); at most this many - 1 steps are
         decoded after the last row stops. None: 8 on CUDA (a check waits for the device),
-        1 elsewhere. cuda_graphs: replay the decode step as CUDA graphs; None = on when the
-        model is on CUDA and every layer is full attention. lean_step: decode eagerly through
-        `LeanStep` instead of the model's forward; None = where the model is supported.
+        1 elsewhere. cuda_graphs: replay the lean decode step as CUDA graphs; None = on when the
+        model is on CUDA and has the lean step; True without a lean step raises. lean_step: decode
+        eagerly through `LeanStep` instead of the model's forward; None = where the model is supported.
+        max_batch_size: rows decoded at once at most (0: no limit but memory). free_memory(device):
+        the bytes a rollout may plan with (default `decode_path.device_free_bytes`: measured on CUDA,
+        None = unlimited elsewhere); the decode batch and prefill chunk are sized from it.
         """
         if stop_check_every is not None and stop_check_every < 1:
             raise ValueError(f"stop_check_every must be >= 1, got {stop_check_every}")
+        if max_batch_size < 0:
+            raise ValueError(f"max_batch_size must be >= 0 (0: as many rows as fit), got {max_batch_size}")
+        check_graph_request(cuda_graphs, lean_step, unsupported_reason(model))
         self.model = model
         self.own_weights = own_weights
         self._shapes = {n: (p.shape, p.dtype, p.device) for n, p in model.named_parameters()} if own_weights else {}
@@ -164,6 +104,12 @@ class NativeEngine:
         self.stop_check_every = stop_check_every
         self.cuda_graphs = cuda_graphs
         self.lean_step = lean_step
+        self.free_memory = free_memory or device_free_bytes
+        self.act_bytes = (weights_dtype or next(iter(model.parameters())).dtype).itemsize  # activations and KV
+        self._shape: RolloutShape | None = None
+        self._notes_logged: set[str] = set()
+        self.last_batch_rows = 0  # rows of the last generate call's decode batches (its cap)
+        self.last_prefill_rows = 0  # prompts per prefill forward in the last generate call
         self.last_decode_path = ""  # how the last batch decoded: "cuda_graph", "lean" or "forward"
         self._sharded = bool(fsdp_modules(model))
         self._weights_ready = not self._sharded
@@ -242,35 +188,91 @@ class NativeEngine:
             raise RuntimeError("engine memory is released; call resume(['weights', 'kv_cache']) before generate")
         if any(len(p) == 0 for p in prompt_ids):
             raise ValueError("every prompt needs at least one token")
+        dev, N, T = self._device(), len(prompt_ids), params.max_new_tokens
+        path = self._decode_path(dev)
+        rows, prefill_rows = self._batch_limits(prompt_ids, params, dev, path)
+        gen = torch.Generator(device=dev).manual_seed(params.seed)
+        # One uniform per (sequence, step), drawn before any batching: a sequence samples the same
+        # tokens whichever batch the free memory puts it in, and whichever rows were dropped.
+        u_NT = None if params.greedy else torch.rand((N, T), generator=gen, dtype=torch.float64, device=dev)
+        self.last_kv_bytes, self.last_capture_s = 0, 0.0
+        self.last_batch_rows, self.last_prefill_rows = rows, prefill_rows
         out: list[Completion] = []
-        step = self.max_batch_size or max(1, len(prompt_ids))
-        gen = torch.Generator(device=self._device()).manual_seed(params.seed)
-        self.last_kv_bytes = 0
-        self.last_capture_s = 0.0
-        for start in range(0, len(prompt_ids), step):
-            out += self._generate_batch(prompt_ids[start:start + step], params, gen)
+        for start in range(0, N, rows):
+            u = None if u_NT is None else u_NT[start:start + rows]
+            out += self._generate_batch(prompt_ids[start:start + rows], params, u, path, prefill_rows)
         return out
 
     def _device(self) -> torch.device:
         return next(iter(self.model.parameters())).device
 
-    def _start_graphs(self, cache: StaticKVCache, dev: torch.device, full_attention: bool, lean: LeanStep | None):
-        """DecodeGraphs over `cache` (capturing `lean` where there is one), or None: graphs off, a
-        capture already failed on this engine, or asked for where they cannot run (then a
-        warning, the reason in last_graph_error, and eager decoding)."""
-        possible = dev.type == "cuda" and full_attention
-        if self._graphs_failed or not (possible if self.cuda_graphs is None else self.cuda_graphs):
-            return None
-        if not possible:
-            self.last_graph_error = f"CUDA graphs need a CUDA model with full attention in every layer (device {dev})"
+    def _log_once(self, note: str) -> None:
+        if note not in self._notes_logged:
+            self._notes_logged.add(note)
+            warnings.warn(note)
+
+    def _decode_path(self, dev: torch.device) -> DecodePath:
+        path = choose_decode_path(dev.type, self.cuda_graphs, self.lean_step, unsupported_reason(self.model),
+                                  all_full_attention(self.model), attention_implementation(self.model))
+        if path.note:
+            self._log_once(path.note)
+        return path
+
+    def _batch_limits(self, prompts: list[list[int]], sp: SamplingParams, dev: torch.device,
+                      path: DecodePath) -> tuple[int, int]:
+        """(rows per decode batch, prompts per prefill forward): max_batch_size, then what the
+        memory that `free_memory` reports holds (`memory_rollout.native_budget`)."""
+        N = len(prompts)
+        rows = min(N, self.max_batch_size or N)
+        free = self.free_memory(dev)
+        if free is None:
+            return rows, rows
+        if self._shape is None:
+            self._shape = RolloutShape.of(ModelArch.from_hf_config(model_config(self.model).to_dict()))
+        P, T = max(map(len, prompts)), sp.max_new_tokens
+        budget = native_budget(self._shape, self.act_bytes, free, rows, P, T, top_p=sp.top_p < 1.0,
+                               graphs=path.name == "cuda_graph",
+                               eager_attention=base_attention(attention_implementation(self.model)) == "eager",
+                               samples_per_prompt=max(1, N // len({tuple(p) for p in prompts})))
+        if budget.rows == 0:
+            one = native_budget(self._shape, self.act_bytes, 1 << 62, 1, P, T, sp.top_p < 1.0)
+            raise RuntimeError(
+                f"rollout: {free / 1e9:.2f} GB free on {dev} (after the headroom) holds not even one sequence of "
+                f"{P} prompt + {T} new tokens ({one.peak / 1e9:.2f} GB with its prefill and sampling); offload more "
+                "(offload.optimizer=true, offload.ref=true) or shorten data.max_prompt_tokens / rollout.max_new_tokens")
+        return budget.rows, budget.prefill_rows
+
+    def _start_graphs(self, cache: StaticKVCache, dev: torch.device, path: DecodePath, lean: LeanStep | None):
+        """DecodeGraphs capturing the lean step over `cache`, or None: not the graph path, a capture
+        already failed on this engine, or asked for off CUDA (then a warning, the reason in
+        last_graph_error, and eager decoding)."""
+        if self.cuda_graphs and dev.type != "cuda":
+            self.last_graph_error = f"CUDA graphs need a CUDA device, the model is on {dev}"
             warnings.warn(f"cuda_graphs=True ignored: {self.last_graph_error}")
+            return None
+        if self._graphs_failed or path.name != "cuda_graph" or lean is None:
             return None
         from hybrid_rl.rollout.decode_graph import DecodeGraphs
 
         cache.set_full_length(True, dev)
         return DecodeGraphs(self.model, cache, dev, lean=lean)
 
-    def _generate_batch(self, prompts: list[list[int]], sp: SamplingParams, gen: torch.Generator) -> list[Completion]:
+    def _prefill(self, ids_UP: torch.Tensor, attn_UP: torch.Tensor, pos_UP: torch.Tensor, cache: StaticKVCache,
+                 chunk: int) -> torch.Tensor:
+        """logits_UV of each prompt's next token, `chunk` prompts per forward (each writes its rows of the cache)."""
+        U, P = ids_UP.shape
+        parts = []
+        for a in range(0, U, chunk):
+            b = min(U, a + chunk)
+            cache.prefill_window(a, b)
+            parts.append(self.model(input_ids=ids_UP[a:b], attention_mask=attn_UP[a:b], position_ids=pos_UP[a:b],
+                                    past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1])
+        cache.prefill_window(0, U)
+        cache.advance(P)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _generate_batch(self, prompts: list[list[int]], sp: SamplingParams, u_NT: torch.Tensor | None,
+                        path: DecodePath, prefill_rows: int) -> list[Completion]:
         dev = self._device()
         # A prompt's G samples share its prefill: the unique prompts run once, then their rows of the
         # cache, logits and masks are copied to every sample (src_N: the unique prompt of each row).
@@ -283,21 +285,18 @@ class NativeEngine:
         T = sp.max_new_tokens
         stop_K = torch.tensor(sorted({self.eos_id, *sp.stop_token_ids}), device=dev)
         cache = StaticKVCache(N, P + T - 1)
-        cache.prefill_rows(U)
         # True = a slot the next forward may attend to: the prompt's real tokens, then each
         # fed-back token (finished rows included: their outputs are discarded anyway).
         attn_NS = torch.zeros((N, P + T - 1), dtype=torch.bool, device=dev)
         attn_NS[:, :P] = attn_UP.bool()[src_N]
         pos_UP = position_ids(attn_UP)
-        logits_UV = self.model(input_ids=ids_UP, attention_mask=attn_UP, position_ids=pos_UP,
-                               past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-        cache.advance(P)
+        logits_UV = self._prefill(ids_UP, attn_UP, pos_UP, cache, prefill_rows)
         cache.expand_rows(src_N)
         logits_MV, pos_NP = logits_UV[src_N], pos_UP[src_N]
+        del logits_UV
         pos_M1 = pos_NP[:, -1:] + 1
-        full_attention = all_full_attention(self.model)
-        lean = self._start_lean()
-        graphs = self._start_graphs(cache, dev, full_attention, lean)
+        lean = self._start_lean(path)
+        graphs = self._start_graphs(cache, dev, path, lean)
         started_graphs = graphs
         every = check_every(self.stop_check_every, dev.type)
 
@@ -306,7 +305,7 @@ class NativeEngine:
         rows_M = torch.arange(N, device=dev)  # original row of each live row
         done_M = torch.zeros(N, dtype=torch.bool, device=dev)
         for t in range(T):
-            tok_M, lp_M = sample_tokens(logits_MV, sp, gen)
+            tok_M, lp_M = sample_tokens(logits_MV, sp, None if u_NT is None else u_NT[rows_M, t].unsqueeze(1))
             tok_M = torch.where(done_M, self.pad_id, tok_M)
             toks_NT[rows_M, t] = tok_M
             lps_NT[rows_M, t] = lp_M
@@ -327,18 +326,20 @@ class NativeEngine:
             if graphs is not None:
                 try:
                     logits_MV = graphs.step(tok_M[:, None], pos_M1, attn_NS[:M])
-                except Exception as err:  # capture can fail on hooks, syncs or unsupported ops
-                    # The same step would fail again: this engine decodes eagerly from now on
-                    # (through the lean step where the model has one), without retrying.
+                except Exception as err:  # a capture can still fail (an op that syncs, an unsupported kernel)
+                    # The same step would fail again: this engine decodes eagerly through the lean
+                    # step from now on, without retrying. close() checks no capture is left open.
                     self.last_graph_error = f"{type(err).__name__}: {err}"
                     self._graphs_failed = True
                     warnings.warn(f"CUDA-graph decode failed, decoding eagerly from now on: {self.last_graph_error}")
+                    graphs.close()
                     graphs = None
                     cache.set_full_length(False)
             if graphs is None and lean is not None:
                 logits_MV = lean(tok_M[:, None], pos_M1, attn_NS[:M, :P + t + 1], cache)
             elif graphs is None:
-                mask = attn_NS[:M, None, None, :P + t + 1] if full_attention else attn_NS[:M, :P + t + 1]
+                # Only sdpa and eager take a ready 4-D mask; flash-attention gets the 2-D one (decode_path.py).
+                mask = attn_NS[:M, None, None, :P + t + 1] if path.mask_4d else attn_NS[:M, :P + t + 1]
                 logits_MV = self.model(input_ids=tok_M[:, None], attention_mask=mask,
                                        position_ids=pos_M1, past_key_values=cache, use_cache=True).logits[:, -1]
             cache.advance(1)
@@ -349,14 +350,14 @@ class NativeEngine:
         del cache, graphs, started_graphs
         return self._to_completions(toks_NT, lps_NT, stop_K)
 
-    def _start_lean(self) -> LeanStep | None:
+    def _start_lean(self, path: DecodePath) -> LeanStep | None:
         """The lean decode step, or None: off, or the model is not supported (asked for: a warning)."""
-        if self.lean_step is False:
+        if path.name == "forward":
+            if self.lean_step:
+                self._log_once(f"lean_step=True ignored: {unsupported_reason(self.model)}; "
+                               "decoding with the model's forward")
             return None
-        lean = LeanStep.build(self.model)
-        if lean is None and self.lean_step:
-            warnings.warn(f"lean_step=True ignored: {unsupported_reason(self.model)}; decoding with the model's forward")
-        return lean
+        return LeanStep(self.model)
 
     @staticmethod
     def _rows_to_keep(alive_A: torch.Tensor, done_M: torch.Tensor, graphs: bool) -> torch.Tensor | None:

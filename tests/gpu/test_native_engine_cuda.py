@@ -1,6 +1,8 @@
 """The native engine on CUDA, each decode path: CUDA graphs (the default there), the lean step,
 the model's forward. Still exact in fp32: greedy equals the full-forward argmax, sampled-token
-logprobs equal the trainer's within 1e-5. Skipped without CUDA; run with `pytest tests/gpu`."""
+logprobs equal the trainer's within 1e-5. Graphs capture only the lean step; a failed capture
+leaves the allocator clean; a capped rollout stays within its planned bill. Skipped without
+CUDA; run with `pytest tests/gpu` (benchmarks/gpu_session.sh runs it)."""
 from __future__ import annotations
 
 import pytest
@@ -81,3 +83,105 @@ def test_graphs_capture_on_the_fsdp2_policy(tiny_model_dir, mixed_precision):
         assert out["cuda_graph"] == out["lean"]
     finally:
         D.shutdown()
+
+
+# ---------------------------------------------------------------------------- graphs only over the lean step
+def test_no_capture_is_attempted_without_a_lean_step(model, monkeypatch):
+    """A model without the lean step (here: lean_step=False) decodes with its forward on CUDA, eagerly:
+    no CUDAGraph is ever begun (capturing the HF forward fails on every batch under FSDP2), and the
+    reason is given once, not per batch."""
+    begun = []
+    real = torch.cuda.CUDAGraph.capture_begin
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", lambda self, *a, **k: (begun.append(1), real(self, *a, **k)))
+    eng = NativeEngine(model, PAD, EOS, lean_step=False, max_batch_size=2)  # two batches: two chances to capture
+    with pytest.warns(UserWarning, match="CUDA graphs off") as rec:
+        eng.generate(PROMPTS, SamplingParams(max_new_tokens=6, greedy=True))
+    assert eng.last_decode_path == "forward" and not begun
+    assert sum("CUDA graphs off" in str(w.message) for w in rec) == 1
+    with pytest.raises(ValueError, match="cuda_graphs=True needs the lean decode step"):
+        NativeEngine(model, PAD, EOS, lean_step=False, cuda_graphs=True)
+
+
+def test_graphs_capture_the_lean_step_and_leave_the_allocator_clean(model, monkeypatch):
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    captured = []
+    real = torch.cuda.CUDAGraph.capture_begin
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", lambda self, *a, **k: (captured.append(1), real(self, *a, **k)))
+    eng = NativeEngine(model, PAD, EOS)
+    sp = SamplingParams(max_new_tokens=10, greedy=True)
+    got = eng.generate([p for p in PROMPTS for _ in range(4)], sp)
+    assert eng.last_decode_path == "cuda_graph" and captured, eng.last_graph_error
+    eng.release(["kv_cache"])  # empty_cache() with no capture open
+    assert not torch.cuda.is_current_stream_capturing()
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    assert torch.cuda.memory_allocated() == base  # cache, graphs and their pool all gone
+    eng.resume(["kv_cache"])
+    assert [c.token_ids for c in eng.generate([p for p in PROMPTS for _ in range(4)], sp)] == \
+        [c.token_ids for c in got]
+
+
+def test_a_failed_capture_falls_back_and_leaves_the_allocator_clean(model, monkeypatch):
+    """A host sync inside the capture invalidates it (capture_end then raises): the engine must put the
+    stream back, drop the graphs and their pool, decode eagerly with the same tokens, and the next
+    rollout and empty_cache() must work."""
+    from hybrid_rl.rollout.decode_graph import DecodeGraphs
+
+    sp = SamplingParams(max_new_tokens=8, greedy=True)
+    ref = NativeEngine(model, PAD, EOS, cuda_graphs=False).generate(PROMPTS, sp)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    real = DecodeGraphs._forward
+
+    def syncing(self, M):
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()  # not permitted while capturing
+        return real(self, M)
+
+    monkeypatch.setattr(DecodeGraphs, "_forward", syncing)
+    eng = NativeEngine(model, PAD, EOS)
+    with pytest.warns(UserWarning, match="decoding eagerly"):
+        got = eng.generate(PROMPTS, sp)
+    assert eng.last_decode_path == "lean" and eng.last_graph_error
+    assert [c.token_ids for c in got] == [c.token_ids for c in ref]
+    assert not torch.cuda.is_current_stream_capturing()
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    eng.release(["kv_cache"])
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == base
+    eng.resume(["kv_cache"])
+    assert [c.token_ids for c in eng.generate(PROMPTS, sp)] == [c.token_ids for c in ref]
+
+
+# ---------------------------------------------------------------------------- the memory cap, measured
+def test_measured_rollout_peak_stays_within_the_planned_bill(tmp_path):
+    """A model with a real vocabulary in bf16: the memory a capped rollout allocates above its start
+    stays within `memory_rollout`'s bill for the rows it chose (the bill is an upper bound)."""
+    import transformers
+
+    from hybrid_rl.memory_plan import ModelArch
+    from hybrid_rl.memory_rollout import RolloutShape, budget_for
+    from hybrid_rl.models.loading import model_config
+
+    cfg = transformers.Qwen2Config(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    m = transformers.Qwen2ForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    g = torch.Generator(device="cuda").manual_seed(3)
+    prompts = [torch.randint(2, 32000, (int(n),), generator=g, device="cuda").tolist()
+               for n in torch.randint(20, 120, (96,), generator=g, device="cuda")]
+    sp = SamplingParams(max_new_tokens=64, temperature=1.0, seed=1)
+    shape = RolloutShape.of(ModelArch.from_hf_config(model_config(m).to_dict()))
+    free = 64 * 1024**2
+    eng = NativeEngine(m, PAD, -1, free_memory=lambda dev: free)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    capped = eng.generate(prompts, sp)
+    peak = torch.cuda.max_memory_allocated() - base
+    bill = budget_for(shape, 2, eng.last_batch_rows, eng.last_prefill_rows, max(map(len, prompts)), 64,
+                      top_p=False, graphs=True)
+    assert eng.last_batch_rows < len(prompts)
+    assert peak <= bill.peak, f"measured {peak / 2**20:.1f} MiB above the start, billed {bill.peak / 2**20:.1f} MiB"
+    # (Same tokens as one big batch is a CPU test in fp32: bf16 logits move with the batch's size.)
+    assert len(capped) == len(prompts) and all(c.token_ids for c in capped)

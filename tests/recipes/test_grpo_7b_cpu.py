@@ -115,14 +115,34 @@ def test_dry_run_prints_the_config_and_the_plan_for_8_x_80gb(capsys):
     assert "rollout tp 2 x dp 4" in capsys.readouterr().out
 
 
+def test_dry_run_prints_the_native_rollout_margin_for_8_x_80gb(capsys):
+    """The native engine's 640 sequences per GPU do not all fit at once with a margin: the plan decodes
+    two batches of 320, bills their prefill (64 prompts x 512 tokens), sampling and graph pools, and
+    prints what is left."""
+    result = grpo_7b.main(["--dry-run", "rollout.engine=native"])
+    out = capsys.readouterr().out
+    assert result["fits"] is True
+    assert "native rollout: 320 of 640 rows per GPU per decode batch (2 batches), prefill in chunks of 64" in out
+    m = re.search(r"native rollout margin: ([\d.]+) GB per GPU free at the peak, beyond the 4\.29 GB", out)
+    assert m and float(m.group(1)) > 5, out[-1500:]
+    rollout = re.search(r"^rollout +([\d.]+) / 85\.90 GB per GPU: fits \(([\d.]+) GB free\)", out, re.M)
+    assert rollout and rollout.group(2) == m.group(1)
+    assert re.search(r"^rollout_working +\d", out, re.M) and re.search(r"^rollout_headroom +4\.29", out, re.M)
+
+
 def test_dry_run_refuses_with_the_change_that_makes_it_fit(capsys):
-    # 75 GiB: the rollout phase is short unless the optimizer state goes to host memory.
+    # 70 GiB with SGLang at TP 2: its KV cache for the whole batch leaves the rollout phase short unless
+    # the optimizer state goes to host memory.
     with pytest.raises(SystemExit) as err:
-        grpo_7b.main(["--dry-run", "--gpu-mem-gib", "75", "rollout.engine=native"])
+        grpo_7b.main(["--dry-run", "--gpu-mem-gib", "70", "rollout.engine=sglang", "rollout.tp_size=2"])
     msg = str(err.value.code)
     assert "refusing to start: rollout (short by" in msg and "suggested change: offload.optimizer=true" in msg
     assert "does NOT fit" in capsys.readouterr().out  # the plan was printed first
-    assert grpo_7b.main(["--dry-run", "--gpu-mem-gib", "75", "rollout.engine=native", "offload.optimizer=true"])["fits"]
+    assert grpo_7b.main(["--dry-run", "--gpu-mem-gib", "70", "rollout.engine=sglang", "rollout.tp_size=2",
+                         "offload.optimizer=true"])["fits"]
+    # The native engine decodes fewer rows at once instead: at 75 GiB it fits, in two batches.
+    assert grpo_7b.main(["--dry-run", "--gpu-mem-gib", "75", "rollout.engine=native"])["fits"]
+    assert "320 of 640 rows" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="nothing fits"):
         grpo_7b.main(["--dry-run", "--gpu-mem-gib", "20", "rollout.engine=native"])
 

@@ -222,3 +222,58 @@ def test_planner_cli_imports_no_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False", "hybrid_rl.plan must stay free of torch imports"
+
+
+def test_native_rollout_bills_prefill_sampling_and_caps_the_batch_by_hand():
+    """Qwen2.5-7B on 8 x 80 GiB, the 7B recipe's native rollout: 5120 sequences (640 per GPU, 5 per
+    prompt), prompts of 512 tokens, 1024 new, plain sampling, CUDA graphs."""
+    a = builtin_arch("Qwen2.5-7B")
+    n = count_parameters(a)
+    cap = 80 * GIB
+    plan = plan_memory(a, 8, "bf16", 5120, 1536, {"ref": True}, gpu_mem_gib=80, native_prompt_tokens=512,
+                       native_top_p=False, native_samples_per_prompt=5)
+    resident = 6 * n // 8 + 8 * n // 8 + 2 * n  # policy shard, optimizer shard, gathered bf16 weights
+    free = cap - int(0.05 * cap) - resident
+    kv_row = 2 * 28 * 4 * 128 * 2 * 1535  # S = 512 + 1024 - 1 slots
+    dec_row = (152_064 * 10  # sampling: bf16 logits + fp32 copy + exp
+               + 28 * 1535 * 14 + 152_064 * 2 + 8 * 3584 + 2 * (3 * 18944 + 6 * 3584 + 36 * 128)  # decode step
+               + 2 * 152_064 * 2  # graph pools: every bucket's logits
+               + 4 * 1535 * 128 * 2 + 12 * 1024 + 1535)  # bookkeeping
+    prefill_prompt = 512 * (2 * (3 * 18944 + 6 * 3584 + 36 * 128) + 8 * 3584) + 152_064 * 2
+    rows = free // (kv_row + dec_row)
+    assert 320 <= rows < 640  # all 640 at once do not fit: two batches of 320
+    r = plan.native_rollout
+    assert (r["rows"], r["rows_wanted"]) == (320, 640)
+    assert r["prefill_rows"] == min(64, (free - 320 * kv_row) // prefill_prompt) == 64  # 64 distinct prompts
+    assert r["prefill"] == 64 * prefill_prompt and r["sampling"] == 320 * 152_064 * 10
+    assert r["working"] == max(r["prefill"], 320 * dec_row)
+    assert plan.phases["rollout"]["kv_cache"] == plan.per_gpu["kv_cache"] == 320 * kv_row
+    assert plan.phases["rollout"]["rollout_working"] == r["working"]
+    headroom = int(0.05 * cap)  # billed in the phase: a rollout that would eat it does not fit
+    assert plan.phases["rollout"]["rollout_headroom"] == r["headroom"] == headroom
+    assert plan.phase_totals["rollout"] == resident + 320 * kv_row + r["working"] + headroom <= cap
+    # Without the native bill (SGLang sizes its own pool), the rollout phase holds the whole batch's cache.
+    whole = plan_memory(a, 8, "bf16", 5120, 1536, {"ref": True})
+    assert whole.per_gpu["kv_cache"] == 640 * 1536 * 57_344 and "rollout_working" not in whole.phases["rollout"]
+
+
+def test_native_rollout_that_cannot_hold_one_sequence_does_not_fit():
+    a = builtin_arch("Qwen2.5-7B")
+    plan = plan_memory(a, 1, "bf16", 8, 1536, {"optimizer": True, "ref": True, "params": True}, gpu_mem_gib=15,
+                       native_prompt_tokens=512)
+    assert plan.native_rollout["fits_one_row"] == 0 and not plan.fits["rollout"]
+    with pytest.raises(ValueError, match="no new tokens"):
+        plan_memory(a, 8, "bf16", 8, 512, gpu_mem_gib=80, native_prompt_tokens=512)
+    with pytest.raises(ValueError, match="full architecture"):
+        plan_memory(ModelArch(num_params=7 * 10**9), 8, "bf16", 8, 1536, native_prompt_tokens=512)
+
+
+def test_cli_prints_the_native_rollout_and_its_margin():
+    r = _cli("--model", "Qwen2.5-7B", "--gpus", "8", "--batch", "5120", "--context", "1536", "--offload", "ref",
+             "--native-prompt-tokens", "512", "--native-sampler", "plain", "--samples-per-prompt", "5")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    assert d["native_rollout"]["rows"] == 320 and "rollout_working" in r.stdout
+    assert "native rollout: 320 of 640 rows per GPU per decode batch (2 batches)" in r.stdout
+    margin = d["gpu_mem_bytes"] - d["phase_totals"]["rollout"]
+    assert f"native rollout margin: {margin / GB:,.2f} GB per GPU" in r.stdout
