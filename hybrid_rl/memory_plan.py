@@ -343,6 +343,7 @@ class MemoryPlan:
     shortfall: dict[str, int]  # phase -> bytes missing (0 if it fits)
     bill: dict[str, int]  # whole-model view: learner, ref, engine_copy, reward_model, engine_replicas
     activations_estimate: int = 0
+    gradient_checkpointing: bool = True  # what activations_estimate assumed
     notes: list[str] = field(default_factory=list)
     # Native engine only: rows (decode batch), rows_wanted (a rank's share), prefill_rows and each part's bytes.
     native_rollout: dict[str, int] = field(default_factory=dict)
@@ -364,9 +365,11 @@ def plan_memory(arch: ModelArch, n_gpus: int, dtype: str, batch: int, context: i
                 offload: Mapping[str, bool] | None = None, tp_size: int = 1,
                 reward_arch: ModelArch | None = None, gpu_mem_gib: float = 80.0,
                 train_micro_batch: int = 0, native_prompt_tokens: int = 0, native_top_p: bool = True,
-                native_graphs: bool = True, native_samples_per_prompt: int = 1) -> MemoryPlan:
+                native_graphs: bool = True, native_samples_per_prompt: int = 1,
+                gradient_checkpointing: bool = True) -> MemoryPlan:
     """Per-role bytes per GPU, per-phase residency and fit flags (module docstring). native_*: the
-    native engine's rollout: prompt tokens, sampler, decode path, samples sharing a prefill (`memory_rollout`)."""
+    native engine's rollout: prompt tokens, sampler, decode path, samples sharing a prefill (`memory_rollout`).
+    gradient_checkpointing: model.gradient_checkpointing (the activation estimate without it is several times larger)."""
     _positive(n_gpus=n_gpus, batch=batch, context=context, gpu_mem_gib=gpu_mem_gib, tp_size=tp_size)
     for k, v in (("n_gpus", n_gpus), ("batch", batch), ("context", context), ("tp_size", tp_size)):
         if int(v) != v:
@@ -394,7 +397,7 @@ def plan_memory(arch: ModelArch, n_gpus: int, dtype: str, batch: int, context: i
     phases = phase_residency(per_gpu, off)
     if reward_arch is None:
         phases["reward"] = {}  # rule rewards: the run never enters the REWARD stage
-    act = activation_estimate(arch, dtype, train_micro_batch, context)
+    act = activation_estimate(arch, dtype, train_micro_batch, context, checkpointing=gradient_checkpointing)
     if act:
         phases["train"]["activations_estimate"] = act
     cap = int(gpu_mem_gib * GIB)
@@ -415,6 +418,7 @@ def plan_memory(arch: ModelArch, n_gpus: int, dtype: str, batch: int, context: i
     return MemoryPlan(
         model=arch.name, n_params=n, reward_params=n_rm, n_gpus=n_gpus, tp_size=tp_size, dtype=dtype,
         batch=batch, context=context, gpu_mem_bytes=cap, offload=off, per_gpu=per_gpu,
+        gradient_checkpointing=gradient_checkpointing,
         total={r: v * n_gpus for r, v in per_gpu.items()}, phases=phases, phase_totals=totals,
         fits={p: totals[p] <= cap for p in PHASES},
         shortfall={p: max(0, totals[p] - cap) for p in PHASES},

@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reward-params", type=_param_count, help="reward model parameter count (instead of --reward-model)")
     p.add_argument("--train-micro-batch", type=_nonneg_int, default=0,
                    help="sequences per GPU per training micro-step; adds an activation ESTIMATE to train (0: off)")
+    p.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false",
+                   help="estimate activations without gradient checkpointing (model.gradient_checkpointing=false)")
     p.add_argument("--native-prompt-tokens", type=_nonneg_int, default=0,
                    help="plan the native engine's rollout for prompts of this many tokens (0: off): its decode batch "
                         "is capped by the free memory, and its prefill, sampling and graph pools are billed")
@@ -190,7 +192,8 @@ def format_plan(plan: MemoryPlan, suggestion: dict) -> str:
     for note in plan.notes:
         lines.append(f"note: {note}")
     if plan.activations_estimate:
-        lines.append("note: activations_estimate is a rough estimate (gradient checkpointing assumed)")
+        how = "with" if plan.gradient_checkpointing else "WITHOUT"
+        lines.append(f"note: activations_estimate is a rough estimate ({how} gradient checkpointing)")
     if suggestion["fits"]:
         flags = [f for f in OFFLOAD_FLAGS if suggestion["offload"][f]]
         given = [f for f in OFFLOAD_FLAGS if plan.offload[f]]
@@ -226,6 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         arch, rm = _arch_from_args(args, parser)
         kw = dict(tp_size=args.tp, reward_arch=rm, gpu_mem_gib=args.gpu_mem_gb,
                   train_micro_batch=args.train_micro_batch, native_prompt_tokens=args.native_prompt_tokens,
+                  gradient_checkpointing=args.gradient_checkpointing,
                   native_top_p=args.native_sampler == "top_p", native_samples_per_prompt=args.samples_per_prompt)
         plan = plan_memory(arch, args.gpus, args.dtype, args.batch, args.context, args.offload, **kw)
         suggestion = suggest_offload(arch, args.gpus, args.dtype, args.batch, args.context, args.offload, **kw)

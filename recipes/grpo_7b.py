@@ -52,7 +52,8 @@ def memory_plan(cfg, n_gpus: int, gpu_mem_gib: float):
     # The native engine decodes what fits in a batch: its prefill, sampler and graph pools are billed too.
     native = dict(native_prompt_tokens=prompt_tokens, native_top_p=cfg.rollout.top_p < 1.0,
                   native_samples_per_prompt=cfg.rollout.n) if cfg.rollout.engine == "native" else {}
-    kw = dict(tp_size=tp, gpu_mem_gib=gpu_mem_gib, train_micro_batch=cfg.trainer.micro_batch_size, **native)
+    kw = dict(tp_size=tp, gpu_mem_gib=gpu_mem_gib, train_micro_batch=cfg.trainer.micro_batch_size,
+              gradient_checkpointing=cfg.model.gradient_checkpointing, **native)
     dtype = "fp32" if cfg.model.dtype == "float32" else "bf16"
     sequences = cfg.data.batch_size * cfg.rollout.n
     context = prompt_tokens + cfg.rollout.max_new_tokens

@@ -129,6 +129,26 @@ def test_activation_estimate_only_in_train():
     assert "activations_estimate" not in p.phases["rollout"]
 
 
+def test_activation_estimate_follows_gradient_checkpointing():
+    # model.gradient_checkpointing=false keeps every layer's activations: the plan must bill them, not the
+    # checkpointed estimate (the recipe passes the config's flag; the CLI takes --no-gradient-checkpointing).
+    from hybrid_rl.memory_plan import activation_estimate
+
+    a = builtin_arch("Qwen2.5-7B")
+    on = plan_memory(a, 8, "bf16", 64, 2048, train_micro_batch=4)
+    off = plan_memory(a, 8, "bf16", 64, 2048, train_micro_batch=4, gradient_checkpointing=False)
+    assert on.activations_estimate == activation_estimate(a, "bf16", 4, 2048, checkpointing=True)
+    assert off.activations_estimate == activation_estimate(a, "bf16", 4, 2048, checkpointing=False)
+    assert off.activations_estimate > 3 * on.activations_estimate
+    assert off.phase_totals["train"] - on.phase_totals["train"] == off.activations_estimate - on.activations_estimate
+    assert (on.gradient_checkpointing, off.gradient_checkpointing) == (True, False)
+    r = _cli("--model", "Qwen2.5-7B", "--gpus", "8", "--batch", "64", "--context", "2048", "--train-micro-batch", "4",
+             "--no-gradient-checkpointing")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1])["activations_estimate"] == off.activations_estimate
+    assert "WITHOUT gradient checkpointing" in r.stdout
+
+
 def test_suggest_offload_makes_7b_fit():
     a = builtin_arch("Qwen2.5-7B")
     args = (a, 8, "bf16", 1024, 8192)
