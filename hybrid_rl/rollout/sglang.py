@@ -18,46 +18,30 @@ SGLang kills the process that built the Engine when a control call fails inside 
 scheduler (sglang-api.md section 0). So every call is checked here first (tags
 against the engine's release state, session state, parameter names, shapes and
 dtypes, a complete sync after a weights release) and a mistake is a Python
-exception that names it. `sglang` is imported lazily, here and in weight_transport.py.
+exception that names it. Engine calls go through `sglang_calls.EngineThread`: inside a
+running event loop (a notebook cell) SGLang's synchronous methods cannot run on the caller's
+thread. `sglang` is imported lazily, here and in weight_transport.py.
 
 Legend: N sequences (this rank's), G samples per prompt.
 """
 from __future__ import annotations
 
 import atexit
-import functools
 import os
-import signal
-import threading
 import time
 import warnings
-from typing import Any, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
 from hybrid_rl import distributed as D
+from hybrid_rl.rollout import alloc_conf
 from hybrid_rl.rollout.base import Completion, SamplingParams, check_tags
+from hybrid_rl.rollout.sglang_calls import EngineThread, attempt, scoped_env, uninterrupted, unwrap
 from hybrid_rl.rollout.weight_transport import collect_ipc, export_bucket
 
 SGLANG_TAGS = ("weights", "kv_cache")  # cuda_graph stays resident: released and resumed only in pairs
 _AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # set by torchrun for its workers
-
-
-def _attempt(fn, *args, **kwargs) -> tuple[str, Any]:
-    """("ok", fn(...)) or ("error", what it raised): an outcome the owner sends to its group,
-    so that a failure reaches every rank instead of leaving them in a collective."""
-    try:
-        return "ok", fn(*args, **kwargs)
-    except Exception as err:  # noqa: BLE001 - the other ranks must hear about it
-        return "error", f"{type(err).__name__}: {err}"
-
-
-def _unwrap(outcome: tuple[str, Any], what: str) -> Any:
-    """The value of an `_attempt` outcome, or its error raised on this rank."""
-    status, value = outcome
-    if status == "error":
-        raise RuntimeError(f"SGLang {what} failed: {value}")
-    return value
 
 
 def check_available() -> None:
@@ -91,43 +75,6 @@ def to_completion(out: dict, index: int, stop_ids: Iterable[int] = ()) -> Comple
     return Completion(token_ids=ids, logprobs=[float(x) for x in logprobs], finish_reason=kind)
 
 
-def _uninterrupted(method):
-    """Ctrl-C (SIGINT) waits until the engine call returns, then takes effect.
-
-    SGLang finishes a call it has started whatever happens in this process, and a call on an engine
-    that is still in the middle of one kills it (a release while requests decode fails the scheduler's
-    idle assertion: SIGQUIT to this process, sglang-api.md 0.1); a call cut off between SGLang's answer
-    and this side's bookkeeping leaves the two disagreeing about what is resident. So the interrupt is
-    held, with a warning, and delivered when the call is done; a second Ctrl-C interrupts at once.
-    Off the main thread (no signal handlers there) the call runs as it is."""
-    @functools.wraps(method)
-    def call(self, *args, **kwargs):
-        if threading.current_thread() is not threading.main_thread():
-            return method(self, *args, **kwargs)
-        held: list[int] = []
-
-        def hold(signum, frame):
-            if held:
-                raise KeyboardInterrupt
-            held.append(signum)
-            warnings.warn(f"interrupt held until SGLang's {method.__name__} returns (cutting it off leaves SGLang "
-                          "in a state the next call crashes on); press Ctrl-C again to interrupt anyway")
-
-        previous = signal.signal(signal.SIGINT, hold)
-        try:
-            result = method(self, *args, **kwargs)
-        finally:
-            signal.signal(signal.SIGINT, previous)
-        if held:  # delivered as the handler in place would have: StopSignal's graceful stop, or KeyboardInterrupt
-            if callable(previous):
-                previous(held[0], None)
-            elif previous != signal.SIG_IGN:
-                raise KeyboardInterrupt
-        return result
-
-    return call
-
-
 class SGLangEngine:
     """RolloutEngine over SGLang, shared by a group of `tp_size` ranks (see module docstring)."""
 
@@ -156,17 +103,16 @@ class SGLangEngine:
         self.sync_stats = {"bytes": 0, "payloads": 0, "handles": 0}
         self.freed_bytes = 0  # device memory that came back at the last release (CUDA; 0 on CPU)
         self._kv_bytes = 0
-        # The trainer's allocator uses expandable segments: off around each export, then restored.
-        self._expandable = (self.device.type == "cuda" and
-                            "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", ""))
+        self._restore_settings: Optional[str] = None  # the allocator's settings while an export switched them
+        self._calls = EngineThread()  # a dedicated thread inside a running event loop (a notebook cell)
         self.engine = None
         if self.is_owner:
-            self.engine = self._start(model_path, mem_fraction, seed, engine_kwargs or {})
+            self.engine = self._calls.run(self._start, model_path, mem_fraction, seed, engine_kwargs or {})
             # Scheduler processes outlive a forgotten engine and block interpreter exit.
             atexit.register(self.shutdown)
             # SGLang holds all its memory until the first release (verl#2208); every tag
             # counts as resident at start, so releasing now makes the first resume legal.
-            self.engine.release_memory_occupation(list(SGLANG_TAGS))
+            self._calls.run(self.engine.release_memory_occupation, list(SGLANG_TAGS))
         D.broadcast_object_from(None, self.owner, self.group)  # the group waits for its engine
 
     # -- start-up -------------------------------------------------------------
@@ -180,34 +126,27 @@ class SGLangEngine:
         if mem_fraction is not None:
             args["mem_fraction_static"] = mem_fraction
         if cuda:
-            # The memory saver refuses expandable segments, and the scheduler inherits this
-            # environment; an unevenly loaded colocated trainer trips SGLang's TP balance check.
-            conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-            kept = ",".join(p for p in conf.split(",") if p and not p.startswith("expandable_segments"))
-            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = kept
+            # An unevenly loaded colocated trainer trips SGLang's TP balance check.
             os.environ["SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"] = "0"
         args.update(extra)
-        # torchrun's workers carry TORCHELASTIC_USE_AGENT_STORE=True, which makes torch join any
-        # rendezvous as a client of the launcher's store. The schedulers inherit the environment
-        # and meet at their own tcp:// port, which then no process serves: every scheduler would
-        # wait out the store timeout. They get "False"; this process gets its value back after.
-        agent_store = os.environ.get(_AGENT_STORE)
-        os.environ[_AGENT_STORE] = "False"
-        try:
-            engine = sglang.Engine(**args)
-        except Exception as err:
-            version = getattr(sglang, "__version__", "?")
-            raise RuntimeError(
-                f"sglang.Engine (sglang {version}) failed to start on {self.device}: {type(err).__name__}: {err}. "
-                "Likely causes: an SGLang build that does not match this torch (0.5.21 needs torch 2.13, 0.5.17 torch "
-                "2.11), no CUDA device, a model architecture SGLang does not support, or rollout.mem_fraction too small "
-                "for the weights plus a KV cache (raise it, or offload the optimizer so the engine starts on more free "
-                "memory)") from err
-        finally:
-            if agent_store is None:
-                del os.environ[_AGENT_STORE]
-            else:
-                os.environ[_AGENT_STORE] = agent_store
+        # What the schedulers inherit, for as long as the Engine starts them (this process keeps its own):
+        # * torchrun's workers carry TORCHELASTIC_USE_AGENT_STORE=True, which makes torch join any
+        #   rendezvous as a client of the launcher's store. The schedulers meet at their own tcp://
+        #   port, which then no process serves: every scheduler would wait out the store timeout.
+        # * expandable segments, under every name torch reads: torch_memory_saver does not support
+        #   them, and checks PYTORCH_CUDA_ALLOC_CONF's text only, so under PYTORCH_ALLOC_CONF (the
+        #   name torch reads first) they would pass its check unnoticed (alloc_conf.py).
+        with scoped_env({_AGENT_STORE: "False", **alloc_conf.engine_env_updates(os.environ)}):
+            try:
+                engine = sglang.Engine(**args)
+            except Exception as err:
+                version = getattr(sglang, "__version__", "?")
+                raise RuntimeError(
+                    f"sglang.Engine (sglang {version}) failed to start on {self.device}: {type(err).__name__}: {err}. "
+                    "Likely causes: an SGLang build that does not match this torch (0.5.21 needs torch 2.13, 0.5.17 "
+                    "torch 2.11), no CUDA device, a model architecture SGLang does not support, or rollout.mem_fraction "
+                    "too small for the weights plus a KV cache (raise it, or offload the optimizer so the engine starts "
+                    "on more free memory)") from err
         return engine
 
     # -- memory ---------------------------------------------------------------
@@ -216,7 +155,7 @@ class SGLangEngine:
         weights = 0 if "weights" in self.released else self._full_bytes // self.tp_size
         return {"engine_weights": weights, "kv_cache": 0 if "kv_cache" in self.released else self._kv_bytes}
 
-    @_uninterrupted
+    @uninterrupted
     def resume(self, tags: Sequence[str]) -> None:
         tags = self._tags(tags)
         not_released = [t for t in tags if t not in self.released]
@@ -235,7 +174,7 @@ class SGLangEngine:
             # SGLang sizes its KV pool itself (mem_fraction): measure what the resume took.
             self._kv_bytes = max(0, free_before - _free_device_bytes(self.device))
 
-    @_uninterrupted
+    @uninterrupted
     def release(self, tags: Sequence[str]) -> None:
         tags = [t for t in self._tags(tags) if t not in self.released]
         if not tags:
@@ -270,7 +209,7 @@ class SGLangEngine:
         return list(tags)
 
     # -- weights --------------------------------------------------------------
-    @_uninterrupted
+    @uninterrupted
     def begin_weight_update(self) -> None:
         if "weights" in self.released:
             raise RuntimeError("begin_weight_update() while the engine's weights are released; resume(['weights']) first")
@@ -279,12 +218,10 @@ class SGLangEngine:
         # 0.5.21 loads nothing outside a session; 0.5.17 has none.
         self._owner_call("begin_weight_update", check=True, optional=True)
         self.session = True
-        if self._expandable:
-            # Expandable segments cannot be shared by CUDA IPC (pytorch#130330): export from plain ones.
-            torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+        self._export_allocator(True)
         self.sync_stats = {"bytes": 0, "payloads": 0, "handles": 0}
 
-    @_uninterrupted
+    @uninterrupted
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Every rank of the group calls this with the same bucket (full tensors)."""
         if not self.session:
@@ -295,7 +232,7 @@ class SGLangEngine:
         try:
             payloads = D.gather_object_to(export.payload, self.owner, self.group)
             self._owner_call("update_weights_from_tensor", named_tensors=payloads, load_format="flattened_bucket",
-                             flush_cache=False, check=True)
+                             flush_cache=False, check=True, precheck=lambda: check_payloads(payloads, self.tp_size))
         finally:
             # Only now may the buffer go: the scheduler has opened and copied it (sglang#6626).
             nbytes = export.nbytes
@@ -306,7 +243,7 @@ class SGLangEngine:
         self.sync_stats["payloads"] += self.tp_size
         self.sync_stats["handles"] += self.tp_size  # one flat buffer per rank per bucket
 
-    @_uninterrupted
+    @uninterrupted
     def end_weight_update(self) -> None:
         if not self.session:
             raise RuntimeError("end_weight_update() without begin_weight_update()")
@@ -316,12 +253,11 @@ class SGLangEngine:
                                "after a weights release SGLang holds garbage until every parameter is re-sent")
         self._owner_call("end_weight_update", check=True, optional=True)
         self.session = False
-        if self._expandable:
-            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        self._export_allocator(False)
         # One flush after the last bucket: a stale prefix cache degrades rewards (RLinf#96).
         self._owner_call("flush_cache")
 
-    @_uninterrupted
+    @uninterrupted
     def abort_weight_update(self) -> None:
         """Close a weight-update session an exception interrupted (PhaseManager.recover); nothing if none is open.
 
@@ -330,9 +266,24 @@ class SGLangEngine:
         if not self.session:
             return
         self.session = False  # whatever SGLang answers: it may have closed the session already
-        if self._expandable:
-            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        self._export_allocator(False)
         self._owner_call("end_weight_update", optional=True)  # unchecked: "no session open" is fine here
+
+    def _export_allocator(self, exporting: bool) -> None:
+        """Expandable segments cannot be shared by CUDA IPC (pytorch#130330): a session exports from
+        plain segments, and then the allocator gets its own settings back. Its settings string is
+        switched whole, since a settings call resets every key it does not name (alloc_conf.py)."""
+        if self.device.type != "cuda":
+            return
+        if exporting:
+            settings = alloc_conf.current_settings()
+            safe = alloc_conf.ipc_safe(settings)
+            if safe is not None:
+                alloc_conf.apply_settings(safe)
+                self._restore_settings = settings
+        elif self._restore_settings is not None:
+            alloc_conf.apply_settings(self._restore_settings)
+            self._restore_settings = None
 
     def _check_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         for name, t in bucket:
@@ -347,7 +298,7 @@ class SGLangEngine:
 
     # -- generation -----------------------------------------------------------
     @torch.no_grad()
-    @_uninterrupted
+    @uninterrupted
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
         if self.released:
             raise RuntimeError(f"engine memory is released ({sorted(self.released)}); resume(['weights', 'kv_cache']) first")
@@ -358,9 +309,9 @@ class SGLangEngine:
         requests = D.gather_object_to((prompt_ids, params), self.owner, self.group)
         replies = None
         if self.is_owner:  # a failure goes to every rank of the group, as in _owner_call
-            status, value = _attempt(self._generate_for_group, requests)
+            status, value = attempt(self._generate_for_group, requests)
             replies = [(status, r) for r in value] if status == "ok" else [(status, value)] * len(requests)
-        return _unwrap(D.scatter_object_from(replies, self.owner, self.group), "generate")
+        return unwrap(D.scatter_object_from(replies, self.owner, self.group), "generate")
 
     def _generate_for_group(self, requests: list[tuple[list[list[int]], SamplingParams]]) -> list[list[Completion]]:
         ids, sampling = [], []
@@ -368,7 +319,7 @@ class SGLangEngine:
             for i, p in enumerate(prompts):
                 ids.append(list(p))
                 sampling.append(self._sampling_dict(params, i))
-        outs = self.engine.generate(input_ids=ids, sampling_params=sampling, return_logprob=True)
+        outs = self._calls.run(self.engine.generate, input_ids=ids, sampling_params=sampling, return_logprob=True)
         if isinstance(outs, dict):
             outs = [outs]
         if len(outs) != len(ids):
@@ -394,23 +345,45 @@ class SGLangEngine:
                 "top_p": p.top_p, "top_k": p.top_k, "stop_token_ids": stops, "sampling_seed": p.seed * 1_000_003 + i}
 
     # -- owner calls ----------------------------------------------------------
-    def _owner_call(self, method: str, *args, check: bool = False, optional: bool = False, **kwargs):
-        """Run engine.method(*args, **kwargs) on the owner; every rank of the group gets the outcome
-        (an exception there is re-raised on every rank, so none waits in a collective forever)."""
+    def _owner_call(self, method: str, *args, check: bool = False, optional: bool = False,
+                    precheck: Optional[Callable[[], None]] = None, **kwargs):
+        """Run engine.method(*args, **kwargs) on the owner, after `precheck()` there; every rank of the
+        group gets the outcome (an exception there is re-raised on every rank, so none waits in a
+        collective forever)."""
         outcome = None
         if self.is_owner:
             fn = getattr(self.engine, method, None)
-            outcome = ("ok", None) if fn is None and optional else _attempt(fn, *args, **kwargs)
-        value = _unwrap(D.broadcast_object_from(outcome, self.owner, self.group), method)
+            outcome = ("ok", None) if fn is None and optional else attempt(self._call, fn, precheck, *args, **kwargs)
+        value = unwrap(D.broadcast_object_from(outcome, self.owner, self.group), method)
         if check and value is not None and not value[0]:
             raise RuntimeError(f"SGLang {method} refused: {value[1]}")
         return value
 
+    def _call(self, fn, precheck: Optional[Callable[[], None]], *args, **kwargs):
+        if precheck is not None:
+            precheck()
+        return self._calls.run(fn, *args, **kwargs)
+
     def shutdown(self) -> None:
         """Stop the engine. The real Engine.shutdown kills EVERY child process of this one."""
         if self.engine is not None:
-            self.engine.shutdown()
+            self.engine.shutdown()  # needs no event loop: inline, even at interpreter exit
             self.engine = None
+        self._calls.close()
+
+
+def check_payloads(payloads: list, tp_size: int) -> None:
+    """Refuse a flattened update's payload list that SGLang would take badly; it checks none of this.
+
+    SGLang TP rank i opens payloads[i] (0.5.21 TpModelWorker.deserialize_own_rank): too few is an
+    IndexError inside a scheduler, which kills this process, and extras are ignored. Two ranks given
+    the same bytes would both open one handle, which breaks the producer's CUDA-IPC refcount (the
+    reason deserialize_own_rank opens only its own copy)."""
+    if len(payloads) != tp_size:
+        raise ValueError(f"{len(payloads)} weight payloads for tp_size={tp_size}: SGLang needs exactly one per TP "
+                         "rank (too few kills its scheduler, extras are dropped silently)")
+    if len(set(payloads)) != len(payloads):
+        raise ValueError("two TP ranks' weight payloads are the same bytes; every rank must export its own bucket")
 
 
 def _dtype_name(dtype: Optional[torch.dtype]) -> str:

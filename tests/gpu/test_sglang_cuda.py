@@ -1,14 +1,17 @@
 """The SGLang engine on a real GPU with real SGLang (skipped unless CUDA and `sglang` import).
 
 Run on a GPU machine with SGLang installed (sglang 0.5.17 on torch 2.11, 0.5.21 on torch
-2.13): `pytest tests/gpu/test_sglang_cuda.py`. The CPU stand-in never gets here: this
-module skips when the importable `sglang` is the one under tests/fake_sglang.
+2.13): `pytest tests/gpu/test_sglang_cuda.py`. The CPU stand-in never gets here: the engine
+tests skip when the importable `sglang` is the one under tests/fake_sglang. The allocator
+test needs CUDA only (it runs in benchmarks/gpu_session.sh, whose image has no SGLang).
 """
 from __future__ import annotations
 
 import importlib.util
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -19,8 +22,8 @@ def _real_sglang() -> bool:
     return spec is not None and "fake_sglang" not in (spec.origin or "")
 
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (torch.cuda.is_available() and _real_sglang()),
-                                                  reason="needs CUDA and a real sglang")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+needs_sglang = pytest.mark.skipif(not _real_sglang(), reason="needs a real sglang")
 PROMPTS = [[5, 6, 7, 14], [8, 14], [11, 12, 13, 4, 5, 6, 14]]
 
 
@@ -38,6 +41,8 @@ def sglang_model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def setup(sglang_model_dir):
+    if not _real_sglang():
+        pytest.skip("needs a real sglang")
     from hybrid_rl import distributed as D
     from hybrid_rl.models.fsdp import shard_model
     from hybrid_rl.models.loading import load_causal_lm, load_tokenizer
@@ -93,6 +98,7 @@ def test_release_frees_the_engine_memory_and_resume_sync_reproduces(setup):
     assert [c.token_ids for c in _greedy_rollout(pm)] == first, "release, resume and sync give the same output"
 
 
+@needs_sglang
 def test_five_grpo_steps_on_one_gpu(sglang_model_dir, tmp_path):
     from hybrid_rl import Trainer, load_config
 
@@ -106,3 +112,41 @@ def test_five_grpo_steps_on_one_gpu(sglang_model_dir, tmp_path):
     assert len(history) == 5 and all(math.isfinite(h["actor/loss"]) for h in history)
     assert all(h["rollout/logp_mismatch"] < 0.1 for h in history), "bf16 engines agree closely"
     assert os.path.isfile(tmp_path / "metrics.jsonl")
+
+
+_EXPORT_UNDER_EXPANDABLE = """
+import torch
+from hybrid_rl.rollout import alloc_conf as A
+
+def expandable(t):
+    seg = [s for s in torch.cuda.memory_snapshot() if s["address"] <= t.data_ptr() < s["address"] + s["total_size"]]
+    return seg[0].get("is_expandable")
+
+settings = A.current_settings()
+assert A.expandable_segments(settings), f"torch did not read the variable: {settings!r}"
+trainer = torch.empty(96 << 20, dtype=torch.uint8, device="cuda")  # stays: its segment has room left
+assert expandable(trainer) is True
+A.apply_settings(A.ipc_safe(settings))
+bucket = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")
+assert expandable(bucket) is False, "an export buffer made inside the session is in an expandable segment"
+torch.multiprocessing.reductions.reduce_tensor(bucket)  # the CUDA IPC export the adapter makes
+A.apply_settings(settings)
+assert A.expandable_segments(A.current_settings())
+after = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+assert expandable(after) is True, "the trainer's settings were not restored"
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("name", ["PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"])
+def test_an_export_switches_expandable_segments_off_under_either_variable(name):
+    """torch reads PYTORCH_ALLOC_CONF first, then PYTORCH_CUDA_ALLOC_CONF (alloc_conf.py): under
+    either, the allocator starts with expandable segments, an export session's settings put new
+    memory in plain segments (CUDA IPC cannot share expandable ones), and the restore brings them back.
+    A fresh process per variable: torch reads it once, at its first CUDA allocation."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF",
+                                                            "PYTORCH_HIP_ALLOC_CONF")}
+    env[name] = "max_split_size_mb:512,expandable_segments:True"
+    done = subprocess.run([sys.executable, "-c", _EXPORT_UNDER_EXPANDABLE], env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr

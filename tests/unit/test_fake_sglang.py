@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import multiprocessing as mp
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,6 +113,9 @@ class _Custom:
 
 # -- transport, no engine ---------------------------------------------------------------
 def test_serializer_roundtrip_and_payload_normalisation():
+    import binascii
+    import pickle
+
     from sglang.srt.utils.common import MultiprocessingSerializer as S
     from sglang.srt.utils.common import normalize_serialized_named_tensor_payload as norm
 
@@ -123,6 +127,46 @@ def test_serializer_roundtrip_and_payload_normalisation():
     assert torch.equal(S.deserialize(b64)["t"], t)
     name, got = S.deserialize(raw)[0]
     assert name == "w" and torch.equal(got, t)
+    # 0.5.21 takes any protocol up to the highest, and keeps bytes that are not base64 as they are.
+    proto1 = b"\x80\x01K\x05."  # PROTO 1, the int 5, STOP
+    assert norm(proto1) == proto1 and S.deserialize(norm(proto1)) == 5
+    for protocol in (0, 1):  # no PROTO header at all
+        old = pickle.dumps(t, protocol=protocol)
+        assert norm(old) == old and torch.equal(S.deserialize(norm(old)), t)
+    with pytest.raises(binascii.Error):  # a str must be base64
+        norm("not base64!")
+    with pytest.raises(TypeError, match="got int"):
+        norm(5)
+
+
+def _global(module: str, name: str) -> bytes:
+    """A pickle that only looks up module.name (GLOBAL opcode), so each allow-list pair is probed alone."""
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n."
+
+
+def test_allow_list_is_0_5_21s_exact_list():
+    """Each pair as 0.5.21 lists it: some the old stand-in refused are admitted, some it admitted are not."""
+    import functools
+    import types
+
+    from sglang.srt.utils.common import MultiprocessingSerializer as S
+
+    admitted = [("torch", "device"), ("torch", "dtype"), ("functools", "partial"), ("copyreg", "__newobj_ex__"),
+                ("types", "SimpleNamespace"), ("torch._tensor", "_rebuild_from_type_v2"), ("torch", "FloatTensor"),
+                ("torch.cuda", "BoolTensor"), ("torch.sparse", "LongTensor"), ("torch", "QUInt8Storage"),
+                ("torch._utils", "_rebuild_device_tensor_from_numpy"), ("itertools", "repeat"), ("torch", "uint7")]
+    for module, name in admitted:
+        assert S.deserialize(_global(module, name)) is getattr(__import__(module, fromlist=[name]), name)
+    refused = [("torch.multiprocessing.reductions", "rebuild_event"), ("torch._utils", "_rebuild_xla_tensor"),
+               ("torch._utils", "_rebuild_nested_tensor"), ("torch", "Storage"), ("torch", "TypedStorage"),
+               ("torch._tensor", "Tensor"), ("torch.sparse", "BoolTensor"), ("torch.cuda", "QInt8Storage"),
+               ("torch", "load"), ("builtins", "eval"), ("sglang.srt.utils.common", "MultiprocessingSerializer")]
+    for module, name in refused:
+        with pytest.raises(RuntimeError, match=re.escape(f"Blocked unsafe global ({module}.{name})")):
+            S.deserialize(_global(module, name))
+    # Whole objects that ride on the newly admitted names.
+    assert S.deserialize(S.serialize(functools.partial(int, "5")))() == 5
+    assert S.deserialize(S.serialize(types.SimpleNamespace(a=torch.device("cpu")))).a == torch.device("cpu")
 
 
 def test_allow_list_blocks_numpy_custom_classes_and_the_old_path():
@@ -264,9 +308,9 @@ def test_weight_update_session_rules(engine1, tiny_model_dir, h):
     assert not engine1.end_weight_update()[0]
     assert engine1.begin_weight_update()[0]
     assert not engine1.begin_weight_update()[0]
-    with pytest.raises(ValueError):  # one payload per TP rank
-        engine1.update_weights_from_tensor(payload * 2, load_format="flattened_bucket")
-    assert engine1.update_weights_from_tensor(payload, load_format="flattened_bucket")[0]  # still unopened
+    # 0.5.21 does not count the payloads: rank 0 opens payloads[0], and an extra one is never opened.
+    extra = h.bucket_payload(weights, ["model.norm.weight"])
+    assert engine1.update_weights_from_tensor(payload + [extra], load_format="flattened_bucket")[0]
     assert engine1.end_weight_update()[0]
     assert engine1._debug_state()["ranks"][0]["payloads_opened"] == 1
 
@@ -350,6 +394,45 @@ def test_sync_from_an_unrelated_process_with_file_system_strategy(engine1, tiny_
     check_matches_hf(engine1, h.hf_model(tiny_model_dir, h.trainer_weights(tiny_model_dir)))
 
 
+# -- event loops ----------------------------------------------------------------------------
+def test_ensure_event_loop_takes_the_running_loop_as_0_5_21_and_0_5_17_do():
+    """Engine construction keeps the loop every synchronous call later runs: inside a running loop,
+    that loop, which then cannot run_until_complete ("already running")."""
+    import asyncio
+
+    from sglang.srt.entrypoints.engine import Engine, Engine0517
+
+    async def cell():
+        running = asyncio.get_running_loop()
+        assert Engine._ensure_event_loop() is running and Engine0517._ensure_event_loop() is running
+        pending = asyncio.sleep(0)
+        with pytest.raises(RuntimeError, match="This event loop is already running"):
+            running.run_until_complete(pending)
+        pending.close()
+
+    asyncio.run(cell())
+    outside = Engine._ensure_event_loop()
+    assert not outside.is_running() and Engine._ensure_event_loop() is outside  # this thread's loop, kept
+
+
+def test_sync_calls_run_on_the_engines_own_loop(engine1):
+    """An Engine built outside a loop fails inside another running loop, and works from a thread
+    that runs none (where the adapter puts its calls inside a notebook cell)."""
+    import asyncio
+    import threading
+
+    async def cell():
+        return engine1.flush_cache()
+
+    with pytest.raises(RuntimeError, match="Cannot run the event loop while another loop is running"):
+        asyncio.run(cell())
+    got = []
+    thread = threading.Thread(target=lambda: got.append(engine1.flush_cache().success))
+    thread.start()
+    thread.join(timeout=120)
+    assert got == [True]
+
+
 @pytest.mark.slow
 def test_resume_of_a_resident_tag_kills_the_engine(engine1):
     from sglang.fake_errors import EngineCrashed
@@ -381,9 +464,6 @@ def test_tp2_each_rank_gets_its_own_payload(engine2, tiny_model_dir, h):
     h.sync(engine2, [[h.bucket_payload(weights, norm), h.bucket_payload(other, norm)]])
     with pytest.raises(RankMismatchError):
         engine2.generate(input_ids=PROMPTS, sampling_params={"temperature": 0, "max_new_tokens": 4})
-    with pytest.raises(ValueError):  # a flattened update takes exactly tp_size payloads
-        engine2.update_weights_from_tensor([h.bucket_payload(weights, ["model.norm.weight"])],
-                                           load_format="flattened_bucket")
 
 
 @pytest.mark.slow
@@ -417,6 +497,40 @@ def test_tp2_payload_sent_twice_kills_the_engine(engine2, tiny_model_dir, h):
         engine2.update_weights_from_tensor(payloads, load_format="flattened_bucket")
     with pytest.raises(EngineCrashed):
         engine2.end_weight_update()
+
+
+@pytest.mark.slow
+def test_tp2_same_bytes_for_both_ranks_load_and_too_few_payloads_kill_the_engine(make_engine, tiny_model_dir, h):
+    """0.5.21 checks neither: with file_system handles both ranks open one payload (as the real
+    engine does on CPU; on a GPU it miscounts the CUDA-IPC refcount), and with one payload for two
+    ranks, rank 1's deserialize_own_rank is an IndexError in its scheduler, which is fatal."""
+    from sglang.fake_errors import EngineCrashed
+    from sglang.srt.utils.common import MultiprocessingSerializer as S
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    engine = make_engine(tp_size=2)
+    weights = h.trainer_weights(tiny_model_dir, seed=4)
+    strategy = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        # The producer keeps its buffers until the update returns, as the adapter does: each open
+        # drops one reference the serialization added, so a second open needs the producer's.
+        buckets = [FlattenedTensorBucket(named_tensors=[(n, weights[n].clone()) for n in names])
+                   for names in h.chunks(sorted(weights))]
+        payloads = [S.serialize({"flattened_tensor": b.get_flattened_tensor(), "metadata": b.get_metadata()})
+                    for b in buckets]
+        h.sync(engine, [[p, p] for p in payloads])  # the same bytes for both ranks
+        ranks = engine._debug_state()["ranks"]
+        assert [r["payloads_opened"] for r in ranks] == [2, 2]
+        assert all(r["all_params_loaded_since_release"] for r in ranks)
+        assert ranks[0]["weights_digest"] == ranks[1]["weights_digest"]
+        check_matches_hf(engine, h.hf_model(tiny_model_dir, weights))
+        assert engine.begin_weight_update()[0]
+        with pytest.raises(EngineCrashed, match="IndexError"):
+            engine.update_weights_from_tensor([h.bucket_payload(weights, ["model.norm.weight"])],
+                                              load_format="flattened_bucket")
+    finally:
+        torch.multiprocessing.set_sharing_strategy(strategy)
 
 
 # -- real weights, then a fatal generate ---------------------------------------------------------

@@ -268,11 +268,46 @@ def test_session_and_tag_rules_are_checked_before_sglang_sees_them(setup):
     assert not engine.engine._debug_state()["session_active"]
 
 
-def test_engine_starts_from_a_torchrun_worker(tiny_model_dir, monkeypatch):
-    """torchrun sets TORCHELASTIC_USE_AGENT_STORE=True for its workers. SGLang's schedulers inherit
-    the environment and rendezvous at their own tcp:// port through torch, which under that
-    variable only connects to a store that nobody serves there (the stand-in's schedulers
-    rendezvous through torch as the real ones do): the engine must start them without it."""
+def test_a_cuda_export_runs_without_expandable_segments_and_restores_the_settings(setup, monkeypatch):
+    """CUDA IPC cannot export expandable segments: a session switches them off in the trainer's
+    allocator and gives it its whole settings string back at the end, or at an abort. The device
+    is played (only a CUDA engine switches); tests/gpu/test_sglang_cuda.py checks torch's side."""
+    from hybrid_rl.rollout import alloc_conf
+    from hybrid_rl.switch.weights import iter_weight_buckets
+
+    policy, engine, pm, _ = setup
+    settings, applied = ["max_split_size_mb:64,expandable_segments:True"], []
+    monkeypatch.setattr(alloc_conf, "current_settings", lambda: settings[0])
+    monkeypatch.setattr(alloc_conf, "apply_settings", applied.append)
+    engine.resume(["weights"])
+    monkeypatch.setattr(engine, "device", torch.device("cuda"))
+    off = "max_split_size_mb:64,expandable_segments:False"
+    engine.begin_weight_update()
+    assert applied == [off]
+    engine.abort_weight_update()
+    assert applied == [off, settings[0]]
+    engine.begin_weight_update()
+    for bucket in iter_weight_buckets(policy, 64 << 10):
+        engine.update_weights(bucket)
+    engine.end_weight_update()
+    assert applied == [off, settings[0], off, settings[0]]
+    settings[0] = "max_split_size_mb:64"  # nothing to switch
+    engine.begin_weight_update()
+    engine.abort_weight_update()
+    assert len(applied) == 4
+    monkeypatch.setattr(engine, "device", torch.device("cpu"))
+    engine.release(["weights"])
+
+
+def test_schedulers_inherit_no_agent_store_and_no_expandable_segments(tiny_model_dir, monkeypatch):
+    """What SGLang's scheduler processes inherit from the trainer's environment, while it keeps its own.
+
+    torchrun sets TORCHELASTIC_USE_AGENT_STORE=True for its workers. The schedulers rendezvous at
+    their own tcp:// port through torch, which under that variable only connects to a store that
+    nobody serves there (the stand-in's schedulers rendezvous through torch as the real ones do).
+    Expandable segments, under either name torch reads (PYTORCH_ALLOC_CONF wins over
+    PYTORCH_CUDA_ALLOC_CONF), are refused by torch_memory_saver in every scheduler; every other
+    allocator setting stays, and a set variable stays set so that the same name wins there."""
     import os
 
     from hybrid_rl.models.loading import load_causal_lm, load_tokenizer
@@ -281,14 +316,50 @@ def test_engine_starts_from_a_torchrun_worker(tiny_model_dir, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     monkeypatch.setenv("FAKE_SGLANG_RENDEZVOUS_TIMEOUT_S", "15")
+    trainer_conf = {"PYTORCH_ALLOC_CONF": "max_split_size_mb:64, expandable_segments:True",
+                    "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    for name, value in trainer_conf.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("PYTORCH_HIP_ALLOC_CONF", raising=False)
     tok = load_tokenizer(tiny_model_dir)
     engine = SGLangEngine(load_causal_lm(tiny_model_dir), tiny_model_dir, pad_id=tok.pad_token_id,
                           eos_id=tok.eos_token_id, tp_size=1)
     try:
         assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True", "the trainer's own environment is restored"
-        assert engine.released == {"weights", "kv_cache"} and len(engine.engine._debug_state()["ranks"]) == 1
+        assert {n: os.environ[n] for n in trainer_conf} == trainer_conf
+        ranks = engine.engine._debug_state()["ranks"]
+        assert engine.released == {"weights", "kv_cache"} and len(ranks) == 1
+        assert ranks[0]["alloc_conf_env"] == {"PYTORCH_ALLOC_CONF": "max_split_size_mb:64",
+                                              "PYTORCH_CUDA_ALLOC_CONF": "", "PYTORCH_HIP_ALLOC_CONF": None}
     finally:
         engine.shutdown()
+
+
+def test_the_payload_list_is_checked_against_tp_size_before_sglang_sees_it(setup, monkeypatch):
+    """SGLang 0.5.21 checks nothing: TP rank i opens payloads[i], so too few kills its scheduler (and
+    this process), extras are dropped, and one payload for two ranks opens one handle twice."""
+    from hybrid_rl import distributed as D
+    from hybrid_rl.rollout.sglang import check_payloads
+    from hybrid_rl.switch.weights import iter_weight_buckets
+
+    check_payloads([b"a", "b"], 2)
+    for bad, why in (([b"a"], "1 weight payloads for tp_size=2"), ([b"a", b"b", b"c"], "3 weight payloads"),
+                     ([b"a", b"a"], "same bytes")):
+        with pytest.raises(ValueError, match=why):
+            check_payloads(bad, 2)
+    policy, engine, pm, _ = setup
+    opened = engine.engine._debug_state()["ranks"][0]["payloads_opened"]
+    real_gather = D.gather_object_to
+    monkeypatch.setattr(D, "gather_object_to", lambda obj, dst, group: real_gather(obj, dst, group) * 2)
+    engine.resume(["weights"])
+    engine.begin_weight_update()
+    with pytest.raises(RuntimeError, match="2 weight payloads for tp_size=1"):
+        engine.update_weights(next(iter_weight_buckets(policy, 64 << 10)))
+    monkeypatch.setattr(D, "gather_object_to", real_gather)
+    assert engine.engine._debug_state()["ranks"][0]["payloads_opened"] == opened, "nothing reached SGLang"
+    engine.abort_weight_update()
+    engine.release(["weights"])
+    _rollout(pm, PROMPTS, _greedy())  # the engine is still usable
 
 
 def test_sglang_0_5_17_without_a_weight_update_session(tiny_model_dir, monkeypatch):

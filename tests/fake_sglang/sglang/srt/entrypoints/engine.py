@@ -13,9 +13,11 @@ Known differences from SGLang 0.5.21 (each one documented where it lives):
   memory saver were on: contents are discarded (NaN) unless enable_weights_cpu_backup.
   With the memory saver off, the real engine keeps the contents; do not rely on it.
 * A fatal scheduler error raises EngineCrashed instead of killing the caller.
-* Unknown memory tags, and a flattened_bucket list whose length is not tp_size, raise
-  ValueError in the caller (the real engine's behaviour is unverified). Releasing
-  "weights" twice is fatal (the buffer stash would read unmapped memory; unverified).
+* Unknown memory tags raise ValueError in the caller (the real engine's behaviour is
+  unverified). Releasing "weights" twice is fatal (the buffer stash would read unmapped
+  memory; unverified).
+* A payload a TP rank already opened in an earlier call is refused (fatal), as the hang
+  of sglang#17870 would be on a GPU; a CPU file_system handle would open again.
 * The prefix cache only counts hits (cached_tokens, and stale_cache_hits in
   _debug_state() for hits on KV computed before a weight update without a flush); it
   never reuses stale KV the way the real engine would.
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import hashlib
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -46,7 +48,6 @@ from sglang.fake_errors import RankMismatchError
 from sglang.srt.constants import GPU_MEMORY_ALL_TYPES
 from sglang.srt.managers.io_struct import FlushCacheReqOutput
 from sglang.srt.managers.scheduler_client import SchedulerClient
-from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils.common import MultiprocessingSerializer, normalize_serialized_named_tensor_payloads
@@ -71,6 +72,26 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _sync_api(method):
+    """Every synchronous method of the real Engine ends in `self.loop.run_until_complete(...)` on
+    the loop the Engine took when it was built (note 1.1); the stand-in runs its body the same way,
+    so a call inside a running loop fails as SGLang's does: "This event loop is already running"
+    when the Engine holds the running loop, "Cannot run the event loop while another loop is
+    running" when it holds another one."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        async def body():
+            return method(self, *args, **kwargs)
+
+        coro = body()
+        try:
+            return self.loop.run_until_complete(coro)
+        finally:
+            coro.close()  # never started when the loop refused to run: no "never awaited" warning
+
+    return call
 
 
 class Engine:
@@ -103,13 +124,28 @@ class Engine:
         self._nccl_port = a["nccl_port"] if a["nccl_port"] is not None else _free_port()
         self._weight_version = a["weight_version"]
         self._session = False
-        self._sent_payloads: set = set()
         sched_args = dict(a, random_seed=seed, eos_token_ids=sorted(eos), nccl_port=self._nccl_port)
         # What the real _set_envs_and_config does to the caller's process (note 1.1, 7).
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "8"
         mp.set_start_method("spawn", force=True)
         self._client = SchedulerClient(a["tp_size"], sched_args)
         atexit.register(self.shutdown)
+        self.loop = self._ensure_event_loop()
+
+    @staticmethod
+    def _ensure_event_loop() -> asyncio.AbstractEventLoop:
+        """0.5.21: the running loop if there is one, else this thread's loop (a new one, set as the
+        thread's loop, on a thread that has none)."""
+        try:
+            return asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        try:
+            return asyncio.get_event_loop_policy().get_event_loop()
+        except RuntimeError:
+            loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(loop)
+            return loop
 
     @staticmethod
     def _validate(a: Dict[str, Any]) -> None:
@@ -126,6 +162,7 @@ class Engine:
             raise FileNotFoundError(f"{a['model_path']!r} is not a Hugging Face model directory (no config.json)")
 
     # -- generation -------------------------------------------------------------
+    @_sync_api
     def generate(self, prompt: Optional[Union[str, List[str]]] = None, sampling_params=None,
                  input_ids: Optional[Union[List[int], List[List[int]]]] = None, image_data=None,
                  audio_data=None, video_data=None, return_logprob: Union[bool, List[bool]] = False,
@@ -134,7 +171,7 @@ class Engine:
                  stream: bool = False, bootstrap_host=None, bootstrap_port=None, bootstrap_room=None,
                  data_parallel_rank=None, rid=None) -> Union[Dict[str, Any], List[Dict[str, Any]]]:
         """One dict for one prompt with n == 1; otherwise a list, prompt-major (i * n + j)."""
-        self._check_sync_call()
+        self._client.check_alive()
         unsupported = {"image_data": image_data, "audio_data": audio_data, "video_data": video_data,
                        "top_logprobs_num": top_logprobs_num, "token_ids_logprob": token_ids_logprob,
                        "lora_path": lora_path, "custom_logit_processor": custom_logit_processor,
@@ -235,12 +272,14 @@ class Engine:
         return out
 
     # -- memory -----------------------------------------------------------------
+    @_sync_api
     def release_memory_occupation(self, tags: Optional[List[str]] = None) -> None:
-        self._check_sync_call()
+        self._client.check_alive()
         self._client.call("release", self._tags(tags))
 
+    @_sync_api
     def resume_memory_occupation(self, tags: Optional[List[str]] = None) -> None:
-        self._check_sync_call()
+        self._client.check_alive()
         self._client.call("resume", self._tags(tags))
 
     @staticmethod
@@ -251,68 +290,61 @@ class Engine:
             raise ValueError(f"unknown memory tag(s) {bad}; valid: {GPU_MEMORY_ALL_TYPES}")
         return tags
 
+    @_sync_api
     def flush_cache(self) -> FlushCacheReqOutput:
-        self._check_sync_call()
+        self._client.check_alive()
         replies = self._client.call("flush_cache")
         ok = all(success for success, _ in replies)
         return FlushCacheReqOutput(success=ok, message="; ".join(m for _, m in replies if m))
 
     # -- weights ----------------------------------------------------------------
+    @_sync_api
     def begin_weight_update(self, selector: str = "all") -> tuple:
-        self._check_sync_call()
+        self._client.check_alive()
         if self._session:
             return False, "A weight update session is already active; call end_weight_update() first."
         self._client.call("begin", selector)
         self._session = True
         return True, "Weight update session started."
 
+    @_sync_api
     def end_weight_update(self) -> tuple:
-        self._check_sync_call()
+        self._client.check_alive()
         if not self._session:
             return False, "No weight update session is active; call begin_weight_update() first."
         self._client.call("end")
         self._session = False
         return True, "Weight update session ended."
 
+    @_sync_api
     def update_weights_from_tensor(self, named_tensors, load_format: Optional[str] = None,
                                    flush_cache: bool = True) -> tuple:
-        """Load tensors on every TP rank (note 1.4). flattened_bucket: one payload per rank."""
-        self._check_sync_call()
+        """Load tensors on every TP rank (note 1.4). flattened_bucket: one payload per rank.
+
+        As in 0.5.21, nothing here checks the payloads against tp_size: every rank receives the
+        whole list and opens its own index (TpModelWorker.deserialize_own_rank), so too few is an
+        IndexError inside a scheduler (fatal) and extras are never opened. Nor are equal bytes
+        for two ranks refused: both ranks open the same handle, which fd handles allow once only
+        (the second claim fails in that scheduler), file_system handles allow, and CUDA IPC
+        miscounts (the producer's refcount drops twice)."""
+        self._client.check_alive()
         tp = len(self._client.conns)
         if load_format == "flattened_bucket":
-            if not isinstance(named_tensors, (list, tuple)) or len(named_tensors) != tp:
-                raise ValueError(f"load_format='flattened_bucket' takes a list of exactly tp_size={tp} serialized "
-                                 "payloads, one per TP rank")
-            payloads = normalize_serialized_named_tensor_payloads(list(named_tensors))
-            per_rank_handles = [payloads]
+            # Normalised by the Engine, then again by the TokenizerManager, both in this process.
+            payloads = normalize_serialized_named_tensor_payloads(named_tensors)
+            payloads = normalize_serialized_named_tensor_payloads(payloads)
         else:
             # The real Engine pickles the whole list once per rank, in the caller's process,
             # before the scheduler checks the session.
             payloads = [MultiprocessingSerializer.serialize(named_tensors) for _ in range(tp)]
-            per_rank_handles = [v.values for _, v in named_tensors if isinstance(v, LocalSerializedTensor)]
         if not self._session:
             return False, _SESSION_MSG  # nothing was opened, so the payloads may be sent again
-        self._claim_once(per_rank_handles)
-        replies = self._client.call("update_tensor", per_rank=[(p, load_format, flush_cache) for p in payloads])
+        replies = self._client.call("update_tensor", (payloads, load_format, flush_cache))
         return replies[0]
 
-    def _claim_once(self, per_rank_handles: List[list]) -> None:
-        # Each per-rank handle may be opened exactly once, by one rank (note 0.3): the same
-        # bytes for two ranks, or again in a later call, is a double open.
-        seen_now = set()
-        for values in per_rank_handles:
-            for value in values:
-                data = value.encode() if isinstance(value, str) else bytes(value)
-                digest = hashlib.sha256(data).hexdigest()
-                if digest in seen_now or digest in self._sent_payloads:
-                    self._client.crash("a per-rank weight payload was sent to be opened a second time (by another "
-                                       "rank or in another call); each payload must be opened exactly once "
-                                       "(CUDA IPC hangs, sglang#17870)")
-                seen_now.add(digest)
-        self._sent_payloads |= seen_now
-
+    @_sync_api
     def get_weights_by_name(self, name: str, truncate_size: int = 100):
-        self._check_sync_call()
+        self._client.check_alive()
         return self._client.call("get_weights_by_name", (name, truncate_size))[0]
 
     # -- lifetime -----------------------------------------------------------------
@@ -322,15 +354,6 @@ class Engine:
         if client is not None:
             client.shutdown()
         atexit.unregister(self.shutdown)
-
-    def _check_sync_call(self) -> None:
-        self._client.check_alive()
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        # The real sync API calls loop.run_until_complete (note 1.1).
-        raise RuntimeError("This event loop is already running")
 
     # -- stand-in only ------------------------------------------------------------
     def _debug_state(self) -> Dict[str, Any]:
@@ -357,6 +380,17 @@ class Engine0517(Engine):
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
         self._session = True  # the 0.5.21 session gate, always open
+
+    @staticmethod
+    def _ensure_event_loop() -> asyncio.AbstractEventLoop:
+        """0.5.17 (end of Engine.__init__): the running loop if there is one, else a new loop,
+        set as this thread's loop."""
+        try:
+            return asyncio.get_running_loop()
+        except RuntimeError:
+            loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(loop)
+            return loop
 
     def __getattribute__(self, name: str):
         if name in Engine0517._MISSING:

@@ -27,6 +27,7 @@ from sglang.srt.utils.common import MultiprocessingSerializer
 from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
+_ALLOC_CONF_NAMES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 _ILLEGAL_ACCESS = "CUDA error: an illegal memory access was encountered (stand-in: {what} while {tag!r} is released)"
 
 
@@ -143,9 +144,10 @@ class Scheduler:
         return MultiprocessingSerializer.deserialize(data)
 
     def _cmd_update_tensor(self, arg) -> tuple:
-        payload, load_format, flush_cache = arg
+        payloads, load_format, flush_cache = arg
         if GPU_MEMORY_TYPE_WEIGHTS in self.offload_tags:
             raise RuntimeError(_ILLEGAL_ACCESS.format(what="loading weights", tag=GPU_MEMORY_TYPE_WEIGHTS))
+        payload = payloads[self.tp_rank]  # deserialize_own_rank: too few payloads is an IndexError here
         monkey_patch_torch_reductions()  # the real runner does this before deserializing
         obj = self._open_once(payload)
         if load_format == "flattened_bucket":
@@ -183,6 +185,8 @@ class Scheduler:
     def _cmd_debug_state(self, _arg=None) -> Dict[str, Any]:
         params = self.worker.params
         return dict(self.stats, tp_rank=self.tp_rank, pid=os.getpid(), gpu_id=self.gpu_id,
+                    # The allocator settings this process inherited (torch reads the first that is set).
+                    alloc_conf_env={n: os.environ.get(n) for n in _ALLOC_CONF_NAMES},
                     offload_tags=sorted(self.offload_tags), weight_epoch=self.weight_epoch,
                     pending_requests=self.pending_requests,
                     all_params_loaded_since_release=set(params) <= self.loaded_since_release,
