@@ -3,9 +3,9 @@
 Roles: optimizer state, policy parameter shards, reference model, reward model.
 Gradients are never offloaded: the phase switch frees them (set_to_none).
 
-On CUDA the host side is pinned memory, allocated once per tensor and reused every
-step (no allocator churn, no leak), and every copy of a move is issued
-non-blocking with one synchronisation at the end. On CPU the device *is* the host,
+On CUDA the host side is pinned memory, allocated once (per optimizer tensor; one flat
+buffer per module) and reused every step (no allocator churn, no leak), and every copy
+of a move is issued non-blocking with one synchronisation at the end. On CPU the device *is* the host,
 so a move is a no-op unless `always_copy` is set (tests and the CPU benchmark use it
 to run and time the same code path). Every move returns the bytes it copied.
 
@@ -15,6 +15,8 @@ round trip is bit-exact and uses public APIs only.
 """
 from __future__ import annotations
 
+import warnings
+import weakref
 from typing import Iterator
 
 import torch
@@ -106,52 +108,137 @@ class OptimizerOffloader:
 
 class ModuleOffloader:
     """Offload / onload a module's parameters and buffers (a reference or reward model,
-    or the policy's shards). FSDP2 modules move with `module.to`, as FSDP2 supports."""
+    or the policy's shards), keeping every tensor object in place.
 
-    def __init__(self, module: torch.nn.Module, device: torch.device, always_copy: bool = False):
+    What moves is each tensor's storage: its bytes go into one host buffer (pinned on CUDA,
+    allocated at the first offload and reused by every later one), then the storage is
+    resized to 0, which frees the device memory; onload resizes it back and copies the bytes
+    in. Parameters, their FSDP2 DTensor wrappers, the padded shard FSDP2 all-gathers from
+    (the same storage) and optimizer references all stay valid, as when FSDP2 frees its own
+    unsharded parameters. `module.to("cpu")` instead allocated fresh pageable host memory
+    every step, and its copy back from pageable memory waited for the device.
+    While offloaded, a forward of the module raises, saying so. A storage torch cannot
+    resize (memory-mapped, imported) is copied both ways but keeps its memory.
+
+    free_storage: empty the storages after the copy (None: on a device, not on CPU). On CPU
+    with always_copy the copies run but the memory stays by default, so code that writes into
+    an offloaded module (tests do, to check the onload overwrites it) writes somewhere, not
+    through a freed pointer; tests pass True to run the device's path on CPU.
+    """
+
+    _ALIGN = 512  # bytes between the start of two storages in the host buffer (DMA-friendly)
+
+    def __init__(self, module: torch.nn.Module, device: torch.device, always_copy: bool = False,
+                 free_storage: bool | None = None):
         self.module, self.device, self.always_copy = module, torch.device(device), always_copy
-        self._host: dict[int, torch.Tensor] = {}
+        self.pin = self.device.type == "cuda"
+        self.free_storage = self.device.type != "cpu" if free_storage is None else free_storage
+        # One flat buffer, not one per tensor: the pinned allocator rounds every request up to a
+        # power of two (up to twice the bytes, per request), so one request wastes the least.
+        self._host: torch.Tensor | None = None
         self.on_device = True
+        self._warned = False
+        self._parked_bytes = 0
+        parked = _PARKED.pop(module, None)
+        if parked is not None:  # offloaded by an earlier offloader (an earlier PhaseManager): resident again
+            parked.restore()
 
-    def _tensors(self) -> list[torch.Tensor]:
-        return [*self.module.parameters(), *self.module.buffers()]
+    def _storages(self) -> list[torch.UntypedStorage]:
+        """Each distinct storage under the module's parameters and buffers (tied weights share one)."""
+        seen: dict[int, torch.UntypedStorage] = {}
+        for t in [*self.module.parameters(), *self.module.buffers()]:
+            local = t.to_local() if hasattr(t, "to_local") else t
+            storage = local.untyped_storage()
+            if storage.nbytes() and storage.data_ptr() not in seen:
+                seen[storage.data_ptr()] = storage
+        return list(seen.values())
 
     def offload(self) -> int:
         from hybrid_rl.models.fsdp import reshard
 
         reshard(self.module)  # move shards, never gathered copies
-        return self._move(torch.device("cpu"), on_device=False)
-
-    def onload(self) -> int:
-        return self._move(self.device, on_device=True)
-
-    def _move(self, target: torch.device, on_device: bool) -> int:
-        if self.on_device == on_device:
+        if not self.on_device:
             return 0
         moved = 0
-        if self.device.type != "cpu":
-            moved = sum(local_bytes(t) for t in self._tensors())
-            # To the host the copy blocks: right after `.to()`, FSDP2 re-pads a shard shorter than
-            # its padded size (dim 0 not divisible by the world size) with a host-side copy out of
-            # the new tensor, which a non-blocking device-to-host copy may not have filled yet.
-            # To the device the re-pad runs on the copy's stream, after it: non-blocking is safe.
-            self.module.to(target, non_blocking=on_device)
+        if self.device.type != "cpu" or self.always_copy:
+            layout, total = [], 0
+            for st in self._storages():
+                layout.append((st, total, st.nbytes()))
+                total += -(-st.nbytes() // self._ALIGN) * self._ALIGN
+            if self._host is None or self._host.numel() != total:
+                self._host = torch.empty(total, dtype=torch.uint8, device="cpu", pin_memory=self.pin)
+            for st, offset, nbytes in layout:
+                self._host[offset:offset + nbytes].copy_(_bytes_of(st), non_blocking=self.pin)
+            # Free only after the copies landed (the one wait of this move): work on another stream
+            # (an FSDP2 all-gather) could still read a block the allocator would hand out again.
             _sync(self.device)
-        elif self.always_copy:
-            # CPU: the module cannot leave the host, but the copies are real (into and
-            # out of a separate host buffer) so the path is exercised and timed.
-            with torch.no_grad():
-                for i, t in enumerate(self._tensors()):
-                    local = t.to_local() if hasattr(t, "to_local") else t
-                    if i not in self._host:
-                        self._host[i] = torch.empty_like(local)
-                    if on_device:
-                        local.copy_(self._host[i])
-                    else:
-                        self._host[i].copy_(local)
-                    moved += local.numel() * local.element_size()
-        self.on_device = on_device
+            kept = 0
+            for st, _, nbytes in layout:
+                if not self.free_storage:
+                    pass
+                elif st.resizable():
+                    st.resize_(0)
+                else:  # memory torch does not own (a memory-mapped file, an IPC or DLPack import)
+                    kept += nbytes
+            if kept and self.device.type != "cpu" and not self._warned:
+                self._warned = True
+                warnings.warn(f"offload: {kept / 2**20:.1f} MiB of {type(self.module).__name__}'s tensors live in "
+                              "memory torch cannot resize (imported or memory-mapped) and stay on the device; "
+                              "give the module tensors that torch allocated (e.g. clone them) to free it")
+            # prepend: before FSDP2's pre-forward, whose all-gather would fail on the empty shards first
+            hook = self.module.register_forward_pre_hook(_refuse_offloaded, prepend=True)
+            _PARKED[self.module] = _Parked(self._host, layout, hook, self.device, self.pin)
+            # Counted as the planner and the ledger count (each tensor's own bytes); the few bytes of
+            # FSDP2's padding at the end of an uneven shard are copied too.
+            moved = sum(local_bytes(t) for t in [*self.module.parameters(), *self.module.buffers()])
+            self._parked_bytes = moved
+        self.on_device = False
         return moved
+
+    def onload(self) -> int:
+        if self.on_device:
+            return 0
+        parked = _PARKED.pop(self.module, None)
+        self.on_device = True
+        if parked is None:
+            return 0
+        parked.restore()
+        return self._parked_bytes
+
+    def host_bytes(self) -> int:
+        return 0 if self._host is None else self._host.numel()
+
+
+class _Parked:
+    """An offloaded module's bytes: the host buffer, where each storage's bytes sit in it, and the
+    hook that refuses a forward meanwhile. Kept per module (`_PARKED`, weakly: no reference back
+    to the module), so that a later offloader of the module (a second PhaseManager over the same
+    reference model) finds it offloaded and brings it back."""
+
+    def __init__(self, host: torch.Tensor, layout: list, hook, device: torch.device, pin: bool):
+        self.host, self.layout, self.hook, self.device, self.pin = host, layout, hook, device, pin
+
+    def restore(self) -> None:
+        for st, offset, nbytes in self.layout:
+            if st.nbytes() != nbytes:  # freed at offload (a storage that is not resizable kept its bytes)
+                st.resize_(nbytes)
+            _bytes_of(st).copy_(self.host[offset:offset + nbytes], non_blocking=self.pin)
+        _sync(self.device)  # the host buffer is written again at the next offload
+        self.hook.remove()
+
+
+_PARKED: "weakref.WeakKeyDictionary[torch.nn.Module, _Parked]" = weakref.WeakKeyDictionary()
+
+
+def _refuse_offloaded(module: torch.nn.Module, args) -> None:
+    raise RuntimeError(f"{type(module).__name__} is offloaded to host memory by the phase switch: run it inside the "
+                       "phase that holds it (the reference model in `with phases.score()`, the reward model in "
+                       "`phases.reward()`), or onload it first")
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A flat uint8 tensor over the whole of `storage` (whatever dtypes its tensors have)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 def _sync(device: torch.device) -> None:

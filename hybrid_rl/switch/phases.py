@@ -44,7 +44,7 @@ import torch
 from hybrid_rl.switch import memory
 from hybrid_rl.switch import offload as O
 from hybrid_rl.switch.memory import MemoryLedger
-from hybrid_rl.switch.weights import iter_weight_buckets
+from hybrid_rl.switch.weights import engine_dtype, iter_weight_buckets
 from hybrid_rl.models.fsdp import reshard
 
 
@@ -196,7 +196,8 @@ class PhaseManager:
         if not self.zero_copy:
             with self._stage("sync_weights") as moved:
                 self.engine.begin_weight_update()
-                for bucket in iter_weight_buckets(self.policy, self.bucket_bytes):
+                # Shards cast to the engine's dtype before the gather: half the bytes of fp32 masters.
+                for bucket in iter_weight_buckets(self.policy, self.bucket_bytes, dtype=engine_dtype(self.engine)):
                     self.engine.update_weights(bucket)
                     moved[0] += sum(t.numel() * t.element_size() for _, t in bucket)
                     del bucket  # peak extra memory: one bucket

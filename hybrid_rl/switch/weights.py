@@ -3,10 +3,14 @@
 An inference engine with its own copy of the weights (SGLang, a separate native
 engine) receives them bucket by bucket: the extra memory at any moment is one
 bucket of gathered tensors, not a second full model.
+
+Each shard is cast to the engine's dtype before the all-gather, not after: gathering
+fp32 masters and casting the full tensor to bf16 moves (and briefly holds) twice the
+bytes of every sync. The cast is elementwise, so the result is the same to the bit.
 """
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
@@ -18,17 +22,29 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def engine_dtype(engine) -> Optional[torch.dtype]:
+    """The dtype an engine with its own copy loads weights in: its `dtype` attribute when it
+    declares one (the SGLang adapter does), else None (the sync sends the policy's dtype and
+    the engine casts)."""
+    dtype = getattr(engine, "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
 def iter_weight_buckets(model: torch.nn.Module, bucket_bytes: int = 256 << 20, dtype: torch.dtype | None = None) -> Iterator[Bucket]:
     """Yield lists of (name, full tensor) whose total size stays under `bucket_bytes`
-    (a single tensor larger than the bound forms a bucket of its own)."""
+    (a single tensor larger than the bound forms a bucket of its own).
+
+    dtype: what the tensors arrive in (None: each parameter's own); sharded parameters are
+    cast on each rank's shard, so the all-gather moves numel x dtype's size bytes."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
     bucket: Bucket = []
     size = 0
     for name, param in model.named_parameters():
-        t = full_tensor(param.detach())
-        if dtype is not None:
-            t = t.to(dtype)
+        t = param.detach()
+        if dtype is not None and t.dtype != dtype:
+            t = t.to(dtype)  # a DTensor casts its local shard and keeps its placements
+        t = full_tensor(t)
         nbytes = t.numel() * t.element_size()
         if bucket and size + nbytes > bucket_bytes:
             yield bucket

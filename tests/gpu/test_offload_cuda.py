@@ -28,18 +28,53 @@ def test_optimizer_offload_frees_device_memory_and_round_trips(tiny_model_dir):
     assert all(torch.equal(a, b) for a, b in zip(before, (v for _, _, v in optimizer_tensors(opt))))
 
 
-def test_module_offload_frees_device_memory(tiny_model_dir):
+def _module_round_trips(model, dev) -> None:
+    """Offload twice: device memory freed, host side pinned and the same buffer both times,
+    non-blocking copies that land (the logits after each onload equal those before)."""
+    from hybrid_rl.models.fsdp import reshard
     from hybrid_rl.switch.offload import ModuleOffloader
+
+    ids = torch.tensor([[4, 5, 6, 7]], device=dev)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits.clone()
+    reshard(model)  # FSDP2 keeps the root's parameters gathered after a forward; offload moves shards
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in [*model.parameters(), *model.buffers()]]
+    nbytes = sum(t.numel() * t.element_size() for t in local)
+    off = ModuleOffloader(model, dev)
+    host = []
+    for _ in range(2):
+        torch.cuda.synchronize()
+        allocated = torch.cuda.memory_allocated()
+        assert off.offload() == nbytes
+        assert allocated - torch.cuda.memory_allocated() >= nbytes, "offload must free the device copies"
+        assert off._host.is_pinned(), "host side must be pinned (a pageable copy back blocks)"
+        host.append(off._host.data_ptr())
+        assert off.onload() == nbytes
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=ids).logits, expected), "the module computes the same after a round trip"
+    assert host[0] == host[1], "the pinned host buffer is allocated once and reused"
+
+
+def test_module_offload_frees_device_memory_and_reuses_pinned_buffers(tiny_model_dir):
     from hybrid_rl.models.loading import load_causal_lm
 
     dev = torch.device("cuda")
     model = load_causal_lm(tiny_model_dir).to(dev)
     ref = {n: p.detach().clone() for n, p in model.named_parameters()}
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    torch.cuda.synchronize()
-    allocated = torch.cuda.memory_allocated()
-    off = ModuleOffloader(model, dev)
-    off.offload()
-    assert allocated - torch.cuda.memory_allocated() >= nbytes
-    off.onload()
+    _module_round_trips(model, dev)
     assert all(torch.equal(p, ref[n]) for n, p in model.named_parameters())
+
+
+def test_module_offload_of_an_fsdp2_model(tiny_model_dir):
+    """FSDP2's shards: the DTensor parameters and the padded flat shard it all-gathers from share
+    a storage, which the offloader empties and refills in place."""
+    from hybrid_rl import distributed as D
+    from hybrid_rl.models.fsdp import shard_model
+    from hybrid_rl.models.loading import load_causal_lm
+
+    dev = D.init("cuda", 120)
+    try:
+        model = shard_model(load_causal_lm(tiny_model_dir, dtype=torch.float32), dev, False)
+        _module_round_trips(model, dev)
+    finally:
+        D.shutdown()

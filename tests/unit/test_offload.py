@@ -110,19 +110,40 @@ def test_decide_offload_warns_for_missing_roles_and_auto_on_cpu(tiny_model_dir):
     assert not d.optimizer and "CPU" in d.message
 
 
-def test_module_offload_to_the_host_blocks_and_back_to_the_device_does_not(tiny_model, monkeypatch):
-    """A non-blocking device-to-host `.to()` returns before the copy lands, and FSDP2 re-pads an
-    uneven shard from the new host tensor right away (a host copy that does not wait for the
-    device): offloading must block. Onloading may not: the re-pad runs on the copy's stream."""
-    import hybrid_rl.switch.offload as offload_mod
-
-    calls = []
-    monkeypatch.setattr(tiny_model, "to", lambda target, non_blocking=False: calls.append((target.type, non_blocking)))
-    monkeypatch.setattr(offload_mod, "_sync", lambda device: None)
-    off = ModuleOffloader(tiny_model, torch.device("cuda"))  # only the device's type is read here
-    off.offload()
-    off.onload()
-    assert calls == [("cpu", False), ("cuda", True)]
+def test_module_offloader_frees_storage_reuses_its_host_buffer_and_round_trips(tiny_model, monkeypatch):
+    """The code that runs on CUDA (no pinning here): every parameter's and buffer's storage is
+    emptied into one host buffer that the next offload reuses, and comes back bit-exact into
+    the same tensor objects. `module.to` is never called (it allocated host memory per step)."""
+    model = copy.deepcopy(tiny_model)
+    monkeypatch.setattr(model, "to", lambda *a, **k: pytest.fail("offload must not move the module with .to()"))
+    tensors = dict(model.named_parameters()) | {f"buffer:{n}": b for n, b in model.named_buffers()}
+    assert any(n.startswith("buffer:") for n in tensors), "the tiny model has buffers (rotary inv_freq)"
+    before = {n: t.detach().clone() for n, t in tensors.items()}
+    nbytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors.values()}.values())
+    off = ModuleOffloader(model, torch.device("cpu"), always_copy=True, free_storage=True)  # the device's path
+    host_ptrs = []
+    for _ in range(2):
+        n = off.offload()
+        assert n == nbytes > 0
+        assert all(t.untyped_storage().nbytes() == 0 for t in tensors.values()), "offload must free each storage"
+        assert off.host_bytes() >= n and not off._host.is_pinned()
+        host_ptrs.append(off._host.data_ptr())
+        with pytest.raises(RuntimeError, match="offloaded to host memory by the phase switch"):
+            model(input_ids=torch.tensor([[4, 5]]))  # an offloaded module holds no data, and says so
+        assert off.onload() == n
+        now = dict(model.named_parameters()) | {f"buffer:{k}": b for k, b in model.named_buffers()}
+        assert all(now[k] is tensors[k] for k in tensors), "the same tensor objects come back"
+        for name, t in tensors.items():
+            assert t.untyped_storage().nbytes() > 0 and torch.equal(t, before[name]), name
+            assert not (t.untyped_storage().data_ptr() <= off._host.data_ptr() < t.untyped_storage().data_ptr()
+                        + t.untyped_storage().nbytes()), f"{name} must not alias the host buffer"
+    assert host_ptrs[0] == host_ptrs[1], "the second offload must reuse the host buffer, not allocate another"
+    assert torch.equal(model(input_ids=torch.tensor([[4, 5]])).logits, tiny_model(input_ids=torch.tensor([[4, 5]])).logits)
+    # A module left offloaded by one offloader (a PhaseManager that is gone) comes back with the next one.
+    ModuleOffloader(model, torch.device("cpu"), always_copy=True, free_storage=True).offload()
+    again = ModuleOffloader(model, torch.device("cpu"), always_copy=True)
+    assert again.on_device and all(t.untyped_storage().nbytes() > 0 for t in tensors.values()), "not brought back"
+    assert all(torch.equal(t, before[n]) for n, t in tensors.items())
 
 
 def test_sglang_kv_room_warns_when_the_optimizer_state_will_not_fit_beside_the_engine():
