@@ -56,6 +56,10 @@ assumed; see ``activation_estimate``).  Sizes are decimal GB (1e9 bytes) in
 printed output; GPU capacity is given in GiB (80 GiB default).
 The native engine (``native_prompt_tokens`` > 0) decodes as many rows at once as the rollout
 phase leaves room for, and bills the prefill, sampling and graph pools (``memory_rollout``).
+vLLM (``engine="vllm"``) holds its own weight copy (engine_weights, as above) and the KV cache it
+allocated at start-up, whole: ``memory_rollout.vllm_kv_budget`` (the configured bytes, what its
+``mem_fraction`` of the device leaves beside its weights, or one batch of ``context`` tokens in
+whole blocks of 128); the adapter sizes it with the same function.
 """
 from __future__ import annotations
 
@@ -65,7 +69,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
-from hybrid_rl.memory_rollout import bill_native_rollout
+from hybrid_rl.memory_rollout import bill_native_rollout, bill_vllm_kv
 
 # The one definition of the memory roles: the runtime ledger (switch/memory.py) imports it
 # from here, because this module is torch-free and the ledger is not.
@@ -366,10 +370,13 @@ def plan_memory(arch: ModelArch, n_gpus: int, dtype: str, batch: int, context: i
                 reward_arch: ModelArch | None = None, gpu_mem_gib: float = 80.0,
                 train_micro_batch: int = 0, native_prompt_tokens: int = 0, native_top_p: bool = True,
                 native_graphs: bool = True, native_samples_per_prompt: int = 1,
-                gradient_checkpointing: bool = True) -> MemoryPlan:
+                gradient_checkpointing: bool = True, engine: str = "native", kv_cache_budget: int | None = None,
+                mem_fraction: float | None = None) -> MemoryPlan:
     """Per-role bytes per GPU, per-phase residency and fit flags (module docstring). native_*: the
     native engine's rollout: prompt tokens, sampler, decode path, samples sharing a prefill (`memory_rollout`).
-    gradient_checkpointing: model.gradient_checkpointing (the activation estimate without it is several times larger)."""
+    gradient_checkpointing: model.gradient_checkpointing (the activation estimate without it is several times larger).
+    engine: rollout.engine; "vllm" bills the KV cache vLLM allocates, from kv_cache_budget (rollout.kv_cache_bytes,
+    per GPU) or mem_fraction (rollout.mem_fraction, its gpu_memory_utilization), else from batch and context."""
     _positive(n_gpus=n_gpus, batch=batch, context=context, gpu_mem_gib=gpu_mem_gib, tp_size=tp_size)
     for k, v in (("n_gpus", n_gpus), ("batch", batch), ("context", context), ("tp_size", tp_size)):
         if int(v) != v:
@@ -378,6 +385,12 @@ def plan_memory(arch: ModelArch, n_gpus: int, dtype: str, batch: int, context: i
         raise ValueError(f"tp_size={tp_size} must divide n_gpus={n_gpus}")
     if train_micro_batch < 0:
         raise ValueError(f"train_micro_batch must be >= 0, got {train_micro_batch}")
+    if engine not in ("native", "sglang", "vllm"):
+        raise ValueError(f"engine must be native, sglang or vllm, got {engine!r}")
+    if engine != "vllm" and (kv_cache_budget is not None or mem_fraction is not None):
+        raise ValueError("kv_cache_budget and mem_fraction size vLLM's KV cache; pass engine='vllm' with them")
+    if native_prompt_tokens and engine != "native":
+        raise ValueError(f"native_prompt_tokens bills the native engine's rollout, not engine={engine!r}")
     off = normalize_offload(offload)
     b = dtype_bytes(dtype)
     n = count_parameters(arch)
@@ -393,6 +406,12 @@ def plan_memory(arch: ModelArch, n_gpus: int, dtype: str, batch: int, context: i
     per_gpu = {r: math.ceil(v / n_gpus) for r, v in whole.items()}
     per_gpu["engine_weights"] = math.ceil(b * n / tp_size)
     per_gpu["kv_cache"] = kv_cache_bytes(arch, dtype, batch, context, n_gpus, tp_size)
+    cap = int(gpu_mem_gib * GIB)
+    notes = []
+    if engine == "vllm" and arch.has_kv_dims:
+        per_gpu["kv_cache"], note = bill_vllm_kv(arch, dtype, batch, context, n_gpus, tp_size, kv_cache_budget,
+                                                 mem_fraction, cap, per_gpu["engine_weights"])
+        notes += [note] if note else []
     per_gpu = {r: per_gpu[r] for r in ROLES}
     phases = phase_residency(per_gpu, off)
     if reward_arch is None:
@@ -400,7 +419,6 @@ def plan_memory(arch: ModelArch, n_gpus: int, dtype: str, batch: int, context: i
     act = activation_estimate(arch, dtype, train_micro_batch, context, checkpointing=gradient_checkpointing)
     if act:
         phases["train"]["activations_estimate"] = act
-    cap = int(gpu_mem_gib * GIB)
     native = {}
     if native_prompt_tokens:
         native = bill_native_rollout(arch, dtype, math.ceil(batch * tp_size / n_gpus), native_prompt_tokens,
@@ -408,7 +426,6 @@ def plan_memory(arch: ModelArch, n_gpus: int, dtype: str, batch: int, context: i
                                       native_samples_per_prompt)
         per_gpu["kv_cache"] = native["kv_cache"]
     totals = {p: sum(phases[p].values()) for p in PHASES}
-    notes = []
     if not arch.has_kv_dims:
         notes.append("kv_cache not computed: give the layer count, KV heads and head_dim (--layers --kv-heads --head-dim)")
     if arch.max_position_embeddings and context > arch.max_position_embeddings:

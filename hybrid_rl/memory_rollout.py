@@ -1,5 +1,6 @@
 """The native engine's rollout memory: what a decode batch costs beyond its KV cache, and how
-many rows fit (pure arithmetic, no torch import; the planner and the engine share it).
+many rows fit (pure arithmetic, no torch import; the planner and the engine share it). At the end,
+the KV cache vLLM allocates at start-up (the planner and rollout/vllm.py share that too).
 
 The KV cache is not the whole bill. A native rollout of R rows, P prompt tokens and T new
 tokens (S = P + T - 1 cache slots) also holds, per GPU (b = activation dtype bytes; h hidden,
@@ -167,3 +168,50 @@ def bill_native_rollout(arch, dtype: str, rows_wanted: int, prompt_tokens: int, 
     return {**out, "rows_wanted": rows_wanted, "fits_one_row": int(free >= budget.peak),
             "headroom": int(HEADROOM * cap)}
 
+
+# -- An engine that sizes its own KV cache once, at start-up (vLLM) ----------------------------------
+# vLLM allocates its KV cache whole when it starts and pages it in blocks; rollout/vllm.py gives it
+# rollout.kv_cache_bytes, or (null) one generate call's need from this formula, or on CUDA with
+# rollout.mem_fraction lets it take gpu_memory_utilization x the device for its weights, activations
+# and KV cache (vllm/v1/worker/gpu_worker.py: requested memory minus the non-KV memory it profiled).
+
+VLLM_BLOCK_TOKENS = 128  # vLLM's CPU attention pages its KV cache in blocks of this many tokens (CUDA: 16)
+VLLM_SPARE_BYTES = 4 << 20  # a few spare blocks: vLLM keeps one block aside (the null block)
+
+
+def vllm_kv_need(arch, dtype: str | int, sequences: int, max_model_len: int, tp_size: int,
+                 block_tokens: int = VLLM_BLOCK_TOKENS) -> int:
+    """KV-cache bytes on one rank of a vLLM engine for `sequences` sequences (the whole engine's, all its
+    TP ranks') of up to `max_model_len` tokens, each in whole blocks; the KV heads are split over tp."""
+    b, slots = _b(dtype), math.ceil(max_model_len / block_tokens) * block_tokens
+    return 2 * arch.num_hidden_layers * math.ceil(arch.kv_heads / tp_size) * arch.head_dim * b * slots * sequences
+
+
+def vllm_kv_budget(arch, dtype: str | int, sequences: int, max_model_len: int, tp_size: int,
+                   configured: int | None = None, mem_fraction: float | None = None, device_bytes: int = 0,
+                   engine_weights: int = 0) -> int:
+    """The KV-cache bytes one rank of a vLLM engine holds: `configured` (rollout.kv_cache_bytes, vLLM's
+    kv_cache_memory_bytes, per GPU); else with `mem_fraction` (CUDA) what vLLM's share of the device
+    leaves beside this rank's `engine_weights` (an upper bound: vLLM also subtracts its profiled
+    activations); else one generate call's need (`vllm_kv_need`) plus VLLM_SPARE_BYTES."""
+    if configured is not None:
+        return int(configured)
+    if mem_fraction is not None:
+        return max(0, int(mem_fraction * device_bytes) - engine_weights)
+    return vllm_kv_need(arch, dtype, sequences, max_model_len, tp_size) + VLLM_SPARE_BYTES
+
+
+def bill_vllm_kv(arch, dtype: str, batch: int, context: int, n_gpus: int, tp_size: int, configured: int | None,
+                 mem_fraction: float | None, device_bytes: int, engine_weights: int) -> tuple[int, str]:
+    """The planner's kv_cache for vLLM, per GPU (`vllm_kv_budget` for the batch's share of one engine, the
+    sequences of its tp ranks), and a note ("" if none) when it cannot hold one batch."""
+    engine_batch = math.ceil(batch * tp_size / n_gpus)
+    kv = vllm_kv_budget(arch, dtype, engine_batch, context, tp_size, configured, mem_fraction, device_bytes,
+                        engine_weights)
+    need = vllm_kv_need(arch, dtype, engine_batch, context, tp_size)
+    if kv >= need:
+        return kv, ""
+    why = ("refuses to start (rollout.kv_cache_bytes)" if configured is not None
+           else "decodes the batch in rounds (rollout.mem_fraction)")
+    return kv, (f"vLLM's KV cache ({kv / 1e9:.2f} GB per GPU) is below one batch's need ({need / 1e9:.2f} GB): "
+                f"the engine {why}; raise it, or set it to null to size it from the batch")

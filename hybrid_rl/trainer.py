@@ -127,7 +127,8 @@ class Trainer(Checkpointing):
         self.offload = decide_offload(cfg.offload, cfg.model.path, self.device, D.world_size(), mixed,
                                       sequences=cfg.data.batch_size * cfg.rollout.n,
                                       context=longest_prompt + cfg.rollout.max_new_tokens,
-                                      has_ref=cfg.algorithm.needs_ref_model, reward_model_path=cfg.reward.model_path)
+                                      has_ref=cfg.algorithm.needs_ref_model, reward_model_path=cfg.reward.model_path,
+                                      rollout=cfg.rollout)
         # The policy, and the frozen reference it starts as; only rank 0 reads the weights (models/fsdp.py).
         as_policy = functools.partial(prepare_policy, gradient_checkpointing=cfg.model.gradient_checkpointing)
         as_ref = lambda m: m.requires_grad_(False).eval()  # noqa: E731

@@ -27,17 +27,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
 import signal
 from typing import Optional
 
 import torch
 
+from hybrid_rl.memory_rollout import VLLM_BLOCK_TOKENS, VLLM_SPARE_BYTES, vllm_kv_need
+
 RESTORED_ENV = ("LD_PRELOAD", "LOCAL_WORLD_SIZE", "LD_LIBRARY_PATH")
 _SIGNALS = tuple(getattr(signal, s) for s in ("SIGINT", "SIGTERM", "SIGQUIT", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGCHLD")
                  if hasattr(signal, s))
-CPU_BLOCK_TOKENS = 128  # vLLM's CPU attention pages its KV cache in blocks of this many tokens
 
 
 def check_importable() -> None:
@@ -85,21 +85,19 @@ def check_max_model_len(model_path: str, max_model_len: int) -> None:
 
 
 def kv_bytes_needed(model_path: str, dtype: torch.dtype, sequences: int, max_model_len: int, tp_size: int,
-                    block_tokens: int = CPU_BLOCK_TOKENS) -> int:
+                    block_tokens: int = VLLM_BLOCK_TOKENS) -> int:
     """KV-cache bytes on one rank for `sequences` sequences of up to `max_model_len` tokens each, in whole
-    blocks (the planner's formula, memory_plan.kv_cache_bytes, with vLLM's paging)."""
+    blocks: the planner's function (memory_rollout.vllm_kv_need), so the plan bills what the engine gets."""
     from hybrid_rl import memory_plan
 
     arch = memory_plan.ModelArch.from_hf_config(os.path.join(model_path, "config.json"))
-    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    tokens = math.ceil(max_model_len / block_tokens) * block_tokens
-    return memory_plan.kv_cache_bytes(arch, name, sequences, tokens, n_gpus=tp_size, tp_size=tp_size)
+    return vllm_kv_need(arch, dtype.itemsize, sequences, max_model_len, tp_size, block_tokens)
 
 
 def kv_budget(configured: Optional[int], needed: int, sequences: int) -> int:
     """The KV-cache size to give vLLM: rollout.kv_cache_bytes, or one batch's need (the planner's) when null."""
     if configured is None:
-        return needed + (4 << 20)  # a few spare blocks: vLLM keeps one block aside (the null block)
+        return needed + VLLM_SPARE_BYTES
     if configured < needed:
         raise ValueError(f"config key 'rollout.kv_cache_bytes': {configured} bytes cannot hold one batch of "
                          f"{sequences} sequences on this engine ({needed} bytes needed); raise it, or set it to null "

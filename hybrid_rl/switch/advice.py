@@ -25,13 +25,16 @@ class OffloadDecision:
 
 
 def decide_offload(offload, model_path: str, device: torch.device, world_size: int, mixed_precision: bool,
-                   sequences: int, context: int, has_ref: bool, reward_model_path: str = "") -> OffloadDecision:
+                   sequences: int, context: int, has_ref: bool, reward_model_path: str = "",
+                   rollout=None) -> OffloadDecision:
     """Turn `cfg.offload` into the flags the phase switch uses.
 
     sequences: rollout sequences per step over all ranks (batch x samples); context:
     prompt + response tokens per sequence; reward_model_path: the run's reward model
-    directory ("" = none: rule rewards). Warnings, not errors, for flags that name a
-    role the run does not have.
+    directory ("" = none: rule rewards); rollout: `cfg.rollout` (None: one engine per rank,
+    KV cache from the batch), whose engine, tp_size and, for vLLM, kv_cache_bytes and
+    mem_fraction size the engine's weight copy and KV cache in the plan. Warnings, not
+    errors, for flags that name a role the run does not have.
     """
     has_rm = bool(reward_model_path)
     if offload.reward_model and not has_rm:
@@ -52,13 +55,24 @@ def decide_offload(offload, model_path: str, device: torch.device, world_size: i
     # Roles this run does not have are treated as already "offloaded" (they hold nothing).
     base = {"ref": not has_ref, "reward_model": not has_rm}
     advice = memory_plan.suggest_offload(arch, world_size, "bf16" if mixed_precision else "fp32", sequences, context,
-                                     offload=base, gpu_mem_gib=gib, reward_arch=rm_arch)
+                                         offload=base, gpu_mem_gib=gib, reward_arch=rm_arch, **_engine_plan(rollout))
     flags = advice["offload"]
     if not advice["fits"]:
         warnings.warn(f"offload.auto: {advice['message']}")
     return OffloadDecision(flags["optimizer"], has_ref and flags["ref"], flags["params"],
                            f"offload.auto ({gib:.0f} GiB per GPU): {advice['message']}",
                            reward_model=has_rm and flags["reward_model"])
+
+
+def _engine_plan(rollout) -> dict:
+    """The planner's engine arguments: an engine with its own copy is sharded over tp_size ranks, and vLLM's
+    KV cache is what its adapter allocates (memory_rollout.vllm_kv_budget)."""
+    if rollout is None:
+        return {}
+    kw = {"engine": rollout.engine, "tp_size": rollout.tp_size}
+    if rollout.engine == "vllm":
+        kw.update(kv_cache_budget=rollout.kv_cache_bytes, mem_fraction=rollout.mem_fraction)
+    return kw
 
 
 def sglang_kv_room_warning(optimizer_bytes: int, free_bytes: int, mem_fraction: float | None,

@@ -297,3 +297,82 @@ def test_cli_prints_the_native_rollout_and_its_margin():
     assert "native rollout: 320 of 640 rows per GPU per decode batch (2 batches)" in r.stdout
     margin = d["gpu_mem_bytes"] - d["phase_totals"]["rollout"]
     assert f"native rollout margin: {margin / GB:,.2f} GB per GPU" in r.stdout
+
+
+def test_vllm_bills_its_weight_copy_and_the_kv_cache_it_allocates_by_hand():
+    """engine="vllm": 1/tp of a bf16 copy, and the KV cache vLLM is given at start-up, whole: one batch in
+    blocks of 128 tokens + 4 MiB spare (null), the configured bytes, or its device share minus its weights."""
+    a = builtin_arch("Qwen2.5-7B")  # N = 7,615,616,512; 28 layers, 4 KV heads, head_dim 128: 57,344 B/token
+    kw = dict(n_gpus=8, dtype="bf16", batch=256, context=4000, tp_size=2)
+    generic = plan_memory(a, **kw)
+    assert generic.per_gpu["kv_cache"] == 64 * 4000 * 57_344 // 2  # 4 engines x 64 sequences, heads split in 2
+    plan = plan_memory(a, **kw, engine="vllm")
+    assert plan.per_gpu["engine_weights"] == 7_615_616_512  # 2 bytes x N / tp 2
+    assert plan.per_gpu["kv_cache"] == 64 * 4096 * 28_672 + 4 * 2**20 == 7_520_387_072  # 4000 -> 32 blocks
+    assert plan.phases["rollout"]["kv_cache"] == 7_520_387_072
+    assert plan.phases["rollout"]["engine_weights"] == 7_615_616_512
+    assert "kv_cache" not in plan.phases["train"] and "engine_weights" not in plan.phases["score"]
+    assert plan.phase_totals["rollout"] - generic.phase_totals["rollout"] == 7_520_387_072 - 64 * 4000 * 28_672
+    assert plan_memory(a, **kw, engine="vllm", kv_cache_budget=20 * 10**9).per_gpu["kv_cache"] == 20 * 10**9
+    # gpu_memory_utilization 0.5 of 80 GiB holds the engine's weights, the rest is KV cache
+    half = plan_memory(a, **kw, engine="vllm", mem_fraction=0.5)
+    assert half.per_gpu["kv_cache"] == 42_949_672_960 - 7_615_616_512 == 35_334_056_448
+    small = plan_memory(a, **kw, engine="vllm", kv_cache_budget=10**9)
+    assert any("below one batch's need" in n and "kv_cache_bytes" in n for n in small.notes), small.notes
+    assert not plan.notes
+    with pytest.raises(ValueError, match="engine='vllm'"):
+        plan_memory(a, **kw, kv_cache_budget=10**9)
+    with pytest.raises(ValueError, match="engine must be"):
+        plan_memory(a, **kw, engine="tgi")
+
+
+def test_vllm_adapter_sizes_its_kv_cache_with_the_planners_function(tmp_path):
+    """rollout/vllm_setup.py gives vLLM exactly what the plan bills (one function, memory_rollout.vllm_kv_need)."""
+    import torch
+
+    from hybrid_rl.rollout import vllm_setup as S
+
+    cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **TINY}  # 2 KV heads of 8
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    need = S.kv_bytes_needed(str(tmp_path), torch.float32, 24, 50, 2)
+    assert need == 24 * 128 * 2 * 2 * 1 * 8 * 4  # 24 sequences x one block, 2 layers x K, V x 1 head x 8 x fp32
+    assert S.kv_budget(None, need, 24) == need + 4 * 2**20
+    plan = plan_memory(ModelArch.from_hf_config(str(tmp_path)), 4, "fp32", 48, 50, tp_size=2, engine="vllm")
+    assert plan.per_gpu["kv_cache"] == S.kv_budget(None, need, 24)  # 48 over 2 engines of 2 ranks
+
+
+def _qwen7b_dir(tmp_path) -> str:
+    a = builtin_arch("Qwen2.5-7B")
+    cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": a.hidden_size,
+           "intermediate_size": a.intermediate_size, "num_hidden_layers": a.num_hidden_layers,
+           "num_attention_heads": a.num_attention_heads, "num_key_value_heads": a.num_key_value_heads,
+           "vocab_size": a.vocab_size, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path)
+
+
+def test_decide_offload_takes_vllms_weights_and_kv_cache_into_account(tmp_path, monkeypatch):
+    """offload.auto on 8 fake 80 GiB GPUs (85.90 GB), a bf16 7B policy, 64 sequences of 1000 tokens. Per GPU
+    ROLLOUT holds params 5.71 + optimizer 7.62 + reference 1.90 GB, the engine's copy (tp 1: 15.23 GB) and
+    its KV cache. With vLLM's KV cache at 60 GB that is 90.46 GB: the optimizer must go (82.85 GB; the
+    reference alone is not enough). At tp 2 the copy is 7.62 GB: 82.85 GB, nothing to offload.
+    gpu_memory_utilization 0.9: KV = 77.31 - 15.23 = 62.08 GB, 92.54 GB in all: the optimizer goes."""
+    import torch
+
+    from hybrid_rl.config import OffloadConfig, RolloutConfig
+    from hybrid_rl.switch.advice import decide_offload
+
+    props = type("Props", (), {"total_memory": 80 * GIB})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    args = dict(model_path=_qwen7b_dir(tmp_path), device=torch.device("cuda"), world_size=8, mixed_precision=True,
+                sequences=64, context=1000, has_ref=True)
+    auto = OffloadConfig(auto=True)
+
+    def flags(**rollout):
+        d = decide_offload(auto, **args, rollout=RolloutConfig(**rollout) if rollout else None)
+        return d.optimizer, d.params
+    # the generic bill and vLLM's null budget (one batch: 64 x 1024 tokens, 3.76 GB) fit without offload
+    assert flags() == flags(engine="vllm") == (False, False)
+    assert flags(engine="vllm", kv_cache_bytes=60 * 10**9) == (True, False)
+    assert flags(engine="vllm", kv_cache_bytes=60 * 10**9, tp_size=2) == (False, False)
+    assert flags(engine="vllm", mem_fraction=0.9) == (True, False)
