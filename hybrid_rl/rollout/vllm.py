@@ -35,7 +35,9 @@ is `sleep(level=0)` + `release_kv_cache_memory()` on CUDA and nothing on CPU.
 Sleep level 2: the weights are discarded, not copied to host as level 1 does, because they are
 re-sent in full at every resume anyway (a copy to host and back would move them twice for nothing).
 On CPU vLLM's worker ignores sleep (it frees nothing), so `memory_bytes` keeps reporting the weights and
-KV cache as resident there: the ledger never claims memory that did not come back.
+KV cache as resident there. The ledger (PhaseManager.resident) shows engine_weights as reported, but
+counts kv_cache inside ROLLOUT only (the native engine's KV cache lives for one rollout), so on CPU its
+train and score rows leave out vLLM's KV cache, which is still allocated (rollout.kv_cache_bytes).
 
 Legend: N sequences (this rank's).
 """
