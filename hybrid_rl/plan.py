@@ -96,6 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reward-params", type=_param_count, help="reward model parameter count (instead of --reward-model)")
     p.add_argument("--train-micro-batch", type=_nonneg_int, default=0,
                    help="sequences per GPU per training micro-step; adds an activation ESTIMATE to train (0: off)")
+    p.add_argument("--engine", choices=["native", "sglang", "vllm"], default="sglang",
+                   help="rollout engine with its own weight copy (sglang, vllm) or the policy's (native, with "
+                        "--native-prompt-tokens for its decode batch); default sglang")
+    p.add_argument("--kv-cache-gb", type=_pos_float, default=None,
+                   help="vllm: the KV cache per GPU in GB (rollout.kv_cache_bytes / 1e9); default: from --mem-fraction, "
+                        "else one batch of --context tokens")
+    p.add_argument("--mem-fraction", type=_pos_float, default=None,
+                   help="vllm: gpu_memory_utilization (rollout.mem_fraction) when --kv-cache-gb is not given")
     p.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false",
                    help="estimate activations without gradient checkpointing (model.gradient_checkpointing=false)")
     p.add_argument("--native-prompt-tokens", type=_nonneg_int, default=0,
@@ -222,6 +230,16 @@ def native_rollout_lines(plan: MemoryPlan) -> list[str]:
             "rollout_headroom kept for fragmentation, the CUDA context and NCCL"]
 
 
+def _engine_kw(args) -> dict:
+    """The planner's engine arguments: --native-prompt-tokens implies the native engine."""
+    engine = "native" if args.native_prompt_tokens else args.engine
+    if engine != "vllm" and (args.kv_cache_gb is not None or args.mem_fraction is not None):
+        raise ValueError("--kv-cache-gb and --mem-fraction size vLLM's KV cache: add --engine vllm")
+    kv = None if args.kv_cache_gb is None else int(args.kv_cache_gb * GB)
+    return dict(engine=engine, kv_cache_budget=kv, mem_fraction=args.mem_fraction) if engine == "vllm" else \
+        dict(engine=engine)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -229,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         arch, rm = _arch_from_args(args, parser)
         kw = dict(tp_size=args.tp, reward_arch=rm, gpu_mem_gib=args.gpu_mem_gb,
                   train_micro_batch=args.train_micro_batch, native_prompt_tokens=args.native_prompt_tokens,
-                  gradient_checkpointing=args.gradient_checkpointing,
+                  gradient_checkpointing=args.gradient_checkpointing, **_engine_kw(args),
                   native_top_p=args.native_sampler == "top_p", native_samples_per_prompt=args.samples_per_prompt)
         plan = plan_memory(arch, args.gpus, args.dtype, args.batch, args.context, args.offload, **kw)
         suggestion = suggest_offload(arch, args.gpus, args.dtype, args.batch, args.context, args.offload, **kw)

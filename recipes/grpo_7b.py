@@ -47,13 +47,16 @@ def memory_plan(cfg, n_gpus: int, gpu_mem_gib: float):
     has_ref = cfg.algorithm.needs_ref_model
     off = cfg.offload
     flags = {"optimizer": off.optimizer, "ref": off.ref or not has_ref, "params": off.params}
-    tp = cfg.rollout.tp_size if cfg.rollout.engine == "sglang" else 1
+    ro = cfg.rollout
+    tp = ro.tp_size if ro.engine in ("sglang", "vllm") else 1
     prompt_tokens = cfg.data.max_prompt_tokens or 1024
     # The native engine decodes what fits in a batch: its prefill, sampler and graph pools are billed too.
     native = dict(native_prompt_tokens=prompt_tokens, native_top_p=cfg.rollout.top_p < 1.0,
                   native_samples_per_prompt=cfg.rollout.n) if cfg.rollout.engine == "native" else {}
     kw = dict(tp_size=tp, gpu_mem_gib=gpu_mem_gib, train_micro_batch=cfg.trainer.micro_batch_size,
-              gradient_checkpointing=cfg.model.gradient_checkpointing, **native)
+              gradient_checkpointing=cfg.model.gradient_checkpointing, engine=ro.engine, **native)
+    if ro.engine == "vllm":  # the KV cache vLLM allocates at start, as rollout/vllm_setup.py sizes it
+        kw.update(kv_cache_budget=ro.kv_cache_bytes, mem_fraction=ro.mem_fraction)
     dtype = "fp32" if cfg.model.dtype == "float32" else "bf16"
     sequences = cfg.data.batch_size * cfg.rollout.n
     context = prompt_tokens + cfg.rollout.max_new_tokens

@@ -376,3 +376,19 @@ def test_decide_offload_takes_vllms_weights_and_kv_cache_into_account(tmp_path, 
     assert flags(engine="vllm", kv_cache_bytes=60 * 10**9) == (True, False)
     assert flags(engine="vllm", kv_cache_bytes=60 * 10**9, tp_size=2) == (False, False)
     assert flags(engine="vllm", mem_fraction=0.9) == (True, False)
+
+
+def test_cli_plans_vllm_as_the_trainer_does():
+    # --engine vllm bills what vLLM allocates (one batch in 128-token blocks + 4 MiB, or --kv-cache-gb), not the
+    # generic KV formula; the KV knobs without --engine vllm are refused (they would be ignored).
+    base = ("--model", "Qwen2.5-7B", "--gpus", "8", "--batch", "256", "--context", "4000", "--tp", "2")
+    r = _cli(*base, "--engine", "vllm")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    assert d["per_gpu"]["kv_cache"] == 7_520_387_072 and d["per_gpu"]["engine_weights"] == 7_615_616_512
+    r = _cli(*base, "--engine", "vllm", "--kv-cache-gb", "20")
+    assert json.loads(r.stdout.strip().splitlines()[-1])["per_gpu"]["kv_cache"] == 20 * GB
+    generic = json.loads(_cli(*base).stdout.strip().splitlines()[-1])
+    assert generic["per_gpu"]["kv_cache"] == 64 * 4000 * 57_344 // 2
+    r = _cli(*base, "--kv-cache-gb", "20")
+    assert r.returncode != 0 and "--engine vllm" in r.stderr
