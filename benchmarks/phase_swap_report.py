@@ -17,9 +17,9 @@ STAGES = {
     "zero_grad": ("free", None, "frees the gradients (set_to_none)"),
     "offload_optimizer": ("copy", "d2h", "AdamW m, v -> host buffers"),
     "resume_weights": ("gather", "d2d", "engine.resume(['weights']): all-gather if the engine module is FSDP2-sharded"),
-    "sync_weights": ("copy", "d2d", "policy -> engine weights, bucketed (copy engine only)"),
+    "sync_weights": ("copy", "d2d", "policy -> engine weights, bucketed (engines with their own copy: copy, sglang, vllm)"),
     "offload_params": ("copy", "d2h", "policy shards -> host"),
-    "resume_kv": ("flag", None, "flag only: the native engine allocates KV inside generate"),
+    "resume_kv": ("flag", None, "engine.resume(['kv_cache']); a flag for the native engine (KV allocated inside generate)"),
     "kv_prefill": ("compute", None, "inside generate: prompt forward + first KV alloc; bytes = final KV"),
     "release_engine": ("free", None, "engine.release(['kv_cache', 'weights'])"),
     "onload_params": ("copy", "h2d", "policy shards -> device"),
@@ -101,10 +101,16 @@ def human_table(res: dict, ledger_tables: dict[str, str]) -> str:
         lines.append(f"phase compute for scale: generate {c['generate_s']:.3f} s (prefill {c['prefill_s']:.4f} s, "
                      f"decode {c['decode_s_per_token'] * 1e3:.1f} ms/token), ref forward {c['score_s']:.3f} s, "
                      f"train step {c['train_step_s']:.3f} s")
-        if "sync" in e:
+        if "sync" in e and "payloads" in e["sync"]:  # SGLang: flat buckets as handles
             s, sw_stage = e["sync"], e["stages"].get("sync_weights", {})
             lines.append(f"weight sync: {s['bytes'] / 1e6:.1f} MB in {s['payloads']} payloads, {s['handles']} handles "
                          f"(one flat bucket per TP rank per bucket); {_fmt(sw_stage.get('ratio'), '.2f')}x a bare copy")
+        elif "sync" in e:  # vLLM: buckets into its layer-wise reload, split by SyncSplit
+            s = e["sync"]
+            lines.append(f"weight sync: {s['bytes'] / 1e6:.1f} MB in {s['buckets']} buckets, "
+                         f"{_fmt(e.get('sync_over_memcpy'), '.2f')}x the time of a memcpy of the same bytes; "
+                         f"split (median s): begin {c.get('begin_s', 0):.4f}, load_weights {c.get('load_s', 0):.4f}, "
+                         f"finalize {c.get('finalize_s', 0):.4f} (of which tied-head repack {c.get('repack_head_s', 0):.4f})")
         lines += ["memory ledger, last cycle (rank 0; this device):", ledger_tables[mode]]
     if res["device"] == "cpu":
         lines += ["", "ledger on CPU: offloaded roles count as absent (what the switch decided), although on CPU "

@@ -11,7 +11,9 @@ prompts, one after the other, and the table shows generated tokens per second:
        on CUDA), finished rows dropped, sort-free sampling; the one-token step as a CUDA
        graph on CUDA, elsewhere through the lean step (`rollout/lean_step.py`);
   forward  the same engine with the lean step off (lean_step=False): each token through
-       the model's Hugging Face forward (`--paths old,forward,new` to include it).
+       the model's Hugging Face forward (`--paths old,forward,new` to include it);
+  vllm the vLLM engine (rollout/vllm.py, `--paths new,vllm`): an in-process vllm.LLM holding
+       the same weights (synced once), eager on CPU; its prefill is timed as a 1-token generate.
 
 Scenarios: `full`, no stop token (every row decodes T tokens, the same work in both
 paths); `ragged`, a block of the vocabulary is a stop set so that a row stops with
@@ -48,6 +50,7 @@ from hybrid_rl.models.logprobs import left_pad, position_ids
 from hybrid_rl.rollout.base import Completion, SamplingParams
 from hybrid_rl.rollout.native import NativeEngine, check_every, filter_logits
 from phase_swap import hardware, sync  # run as a script: benchmarks/ is on sys.path
+import vllm_bench
 
 # name -> (hidden, layers, intermediate, heads, KV heads); vocab from --vocab, tied embeddings.
 MODELS = {
@@ -66,7 +69,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--new-tokens", default=None, help="comma list of T per model 'tiny:32,128;0.1b:32' or one list for all "
                    "(default: CPU tiny 32,128 and 0.1b 16; CUDA 128,512 for every model)")
     p.add_argument("--scenarios", default="full,ragged")
-    p.add_argument("--paths", default="old,new", help="comma list of old, forward, new")
+    p.add_argument("--paths", default="old,new", help="comma list of old, forward, new, vllm")
     p.add_argument("--batch", type=int, default=64, help="N")
     p.add_argument("--prompt-len", type=int, default=None, help="P: prompts have P/2..P tokens, left-padded (default: CPU 16, CUDA 128)")
     p.add_argument("--vocab", type=int, default=None,
@@ -84,6 +87,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     if bad := [m for m in args.models if m not in MODELS]:
         p.error(f"unknown model(s) {bad}; valid: {sorted(MODELS)}")
     args.scenarios, args.paths = args.scenarios.split(","), args.paths.split(",")
+    if bad := [x for x in args.paths if x not in ("old", "forward", "new", "vllm")]:
+        p.error(f"unknown path(s) {bad}; valid: old, forward, new, vllm")
     return args
 
 
@@ -164,8 +169,8 @@ def useful_bytes(model, comps: list[Completion], prompt_lens: list[int], elem: i
     return total, steps
 
 
-def run_case(model, path: str, prompts, sp: SamplingParams, eos_id: int, dev, repeats: int) -> dict:
-    engine = NativeEngine(model, PAD, eos_id, lean_step=False if path == "forward" else None)
+def run_case(model, path: str, prompts, sp: SamplingParams, eos_id: int, dev, repeats: int, vllm_engine=None) -> dict:
+    engine = vllm_engine if path == "vllm" else NativeEngine(model, PAD, eos_id, lean_step=False if path == "forward" else None)
     times, captures, comps = [], [], None
     for _ in range(repeats):
         sync(dev)
@@ -173,14 +178,26 @@ def run_case(model, path: str, prompts, sp: SamplingParams, eos_id: int, dev, re
         comps = legacy_generate(model, prompts, sp, PAD, eos_id) if path == "old" else engine.generate(prompts, sp)
         sync(dev)
         times.append(time.perf_counter() - t0)
-        captures.append(0.0 if path == "old" else engine.last_capture_s)
+        captures.append(getattr(engine, "last_capture_s", 0.0) if path != "old" else 0.0)
     s = statistics.median(times)
     tokens = sum(len(c.token_ids) for c in comps)
     # The graphs are captured inside every generate call (the cache is allocated per call): the
     # capture seconds of the run whose time is the median, reported apart from the decode.
     capture = captures[times.index(s)] if s in times else statistics.median(captures)
-    return {"seconds": s, "tokens": tokens, "comps": comps, "decode_path": engine.last_decode_path or "legacy",
-            "graph_error": engine.last_graph_error if path != "old" else None, "capture_s": capture}
+    return {"seconds": s, "tokens": tokens, "comps": comps,
+            "decode_path": getattr(engine, "last_decode_path", None) or ("vllm" if path == "vllm" else "legacy"),
+            "graph_error": getattr(engine, "last_graph_error", None) if path != "old" else None, "capture_s": capture}
+
+
+def vllm_prefill_seconds(engine, prompts) -> float:
+    """vLLM's prompt forward: a 1-token generate (its scheduling and sampling of one token included)."""
+    sp = SamplingParams(max_new_tokens=1, greedy=True)
+    out = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        engine.generate(prompts, sp)
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
 
 
 def prefill_seconds(model, prompts, dev) -> float:
@@ -228,24 +245,32 @@ def main(argv: Optional[list[str]] = None) -> dict:
         pre_s = prefill_seconds(model, prompts, dev)
         # Warm-up (allocator, kernels, first-call overheads), and a check that both paths agree.
         greedy = SamplingParams(max_new_tokens=4, greedy=True)
-        same = ([c.token_ids for c in legacy_generate(model, prompts, greedy, PAD, -1)]
-                == [c.token_ids for c in NativeEngine(model, PAD, -1).generate(prompts, greedy)])
+        native_greedy = [c.token_ids for c in NativeEngine(model, PAD, -1).generate(prompts, greedy)]
+        same = [c.token_ids for c in legacy_generate(model, prompts, greedy, PAD, -1)] == native_greedy
+        vllm_engine, same_vllm, pre_vllm = None, None, None
+        if "vllm" in args.paths:
+            vllm_engine = vllm_bench.synced_engine(model, vllm_bench.config_dir(model.config, type(model).__name__),
+                                                   args.prompt_len + max(Ts), args.batch)
+            same_vllm = [c.token_ids for c in vllm_engine.generate(prompts, greedy)] == native_greedy
+            pre_vllm = vllm_prefill_seconds(vllm_engine, prompts)
         for T in Ts:
             for scen in args.scenarios:
                 # ragged: the top ~4/T of the vocabulary ids stop a row (eos_id -1 never matches).
                 stops = tuple(range(args.vocab - max(1, round(4 * args.vocab / T)), args.vocab)) if scen == "ragged" else ()
                 sp = SamplingParams(max_new_tokens=T, temperature=1.0, stop_token_ids=stops, seed=args.seed)
                 for path in args.paths:
-                    r = run_case(model, path, prompts, sp, -1, dev, args.repeats)
-                    decode_s = max(r["seconds"] - pre_s, 1e-9)
+                    r = run_case(model, path, prompts, sp, -1, dev, args.repeats, vllm_engine)
+                    pre = pre_vllm if path == "vllm" else pre_s
+                    decode_s = max(r["seconds"] - pre, 1e-9)
                     steady_s = max(decode_s - r["capture_s"], 1e-9)  # decode without the graph captures
                     nbytes, steps = useful_bytes(model, r["comps"], lens, dtype.itemsize)
                     row = {"model": name, "params": n_params, "T": T, "scenario": scen, "path": path,
                            "tokens": r["tokens"], "longest": max(len(c.token_ids) for c in r["comps"]),
-                           "generate_s": round(r["seconds"], 4), "prefill_s": round(pre_s, 4), "decode_s": round(decode_s, 4),
+                           "generate_s": round(r["seconds"], 4), "prefill_s": round(pre, 4), "decode_s": round(decode_s, 4),
                            "decode_tokens_per_s": round(r["tokens"] / decode_s, 1),
                            "tokens_per_s_with_prefill": round(r["tokens"] / r["seconds"], 1),
                            "step_ms": round(1e3 * decode_s / max(steps, 1), 3), "greedy_old_eq_new": same,
+                           "greedy_native_eq_vllm": same_vllm if path == "vllm" else None,
                            "decode_path": r["decode_path"], "graph_error": r["graph_error"],
                            "capture_s": round(r["capture_s"], 4),
                            "decode_tokens_per_s_excl_capture": round(r["tokens"] / steady_s, 1),
@@ -254,30 +279,43 @@ def main(argv: Optional[list[str]] = None) -> dict:
                                                           if peak and dev.type == "cuda" else None)}
                     rows.append(row)
                     print(f"  {name} T={T} {scen} {path}: {row['decode_tokens_per_s']} decode tok/s", file=sys.stderr, flush=True)
-        del model
-    speedups = {}
-    for r in rows:
-        if r["path"] == "new":
-            old = next((o for o in rows if o["path"] == "old" and all(o[k] == r[k] for k in ("model", "T", "scenario"))), None)
-            if old:
-                speedups[f"{r['model']}/T={r['T']}/{r['scenario']}"] = round(r["decode_tokens_per_s"] / old["decode_tokens_per_s"], 2)
+        if vllm_engine is not None:
+            vllm_engine.shutdown()
+        del model, vllm_engine
+    def ratios(num: str, den: str, key: str = "decode_tokens_per_s") -> dict:
+        out = {}
+        for r in rows:
+            if r["path"] == num:
+                o = next((o for o in rows if o["path"] == den and all(o[k] == r[k] for k in ("model", "T", "scenario"))), None)
+                if o:
+                    out[f"{r['model']}/T={r['T']}/{r['scenario']}"] = round(r[key] / o[key], 2)
+        return out
+
+    speedups, vllm_vs_new = ratios("new", "old"), ratios("vllm", "new", "tokens_per_s_with_prefill")
     roof = bool(peak and dev.type == "cuda")
     print(f"\nrollout throughput: batch {args.batch}, prompts {args.prompt_len // 2}..{args.prompt_len} tokens, "
           f"{dev.type} {str(dtype).replace('torch.', '')}, {args.threads or torch.get_num_threads()} thread(s), "
           f"median of {args.repeats}" + (f", HBM peak {peak} TB/s" if roof else ""))
     print(f"{'model':>6} {'T':>5} {'scenario':>8} {'path':>7} {'tokens':>7} {'longest':>7} {'generate s':>10} "
-          f"{'decode s':>9} {'decode tok/s':>12} {'step ms':>8} {'new/old':>7}"
+          f"{'decode s':>9} {'decode tok/s':>12} {'tok/s w/ prefill':>16} {'step ms':>8} {'ratio':>12}"
           + (f" {'capture s':>9} {'roofline':>8} {'roofline excl capture':>21}" if roof else ""))
     for r in rows:
         key = f"{r['model']}/T={r['T']}/{r['scenario']}"
-        ratio = f"{speedups[key]}x" if r["path"] == "new" and key in speedups else ""
+        ratio = f"new/old {speedups[key]}x" if r["path"] == "new" and key in speedups else ""
+        ratio = f"/new {vllm_vs_new[key]}x" if r["path"] == "vllm" and key in vllm_vs_new else ratio
         line = (f"{r['model']:>6} {r['T']:>5} {r['scenario']:>8} {r['path']:>7} {r['tokens']:>7} {r['longest']:>7} "
-                f"{r['generate_s']:>10.3f} {r['decode_s']:>9.3f} {r['decode_tokens_per_s']:>12.1f} {r['step_ms']:>8.2f} {ratio:>7}")
+                f"{r['generate_s']:>10.3f} {r['decode_s']:>9.3f} {r['decode_tokens_per_s']:>12.1f} "
+                f"{r['tokens_per_s_with_prefill']:>16.1f} {r['step_ms']:>8.2f} {ratio:>12}")
         if roof:
             line += f" {r['capture_s']:>9.3f} {r['roofline_frac']:>8.3f} {r['roofline_frac_excl_capture']:>21.3f}"
         print(line)
     if not all(r["greedy_old_eq_new"] for r in rows):
         print("WARNING: greedy tokens of the old and new paths differ")
+    if any(r["greedy_native_eq_vllm"] is False for r in rows):
+        print("WARNING: vLLM's greedy tokens differ from the native engine's (fp32 near-ties of random weights?)")
+    if vllm_vs_new:
+        print("ratio for vllm rows: vLLM's tokens/s with prefill over the native engine's (the same work: "
+              "prompt forward + T tokens per row)")
     res = {
         "benchmark": "rollout_throughput", "date": datetime.date.today().isoformat(), "torch": torch.__version__,
         "transformers": __import__("transformers").__version__, "device": dev.type, "dtype": str(dtype).replace("torch.", ""),
@@ -286,7 +324,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "settings": {"batch": args.batch, "prompt_len": args.prompt_len, "vocab": args.vocab, "repeats": args.repeats,
                      "threads": args.threads, "seed": args.seed, "peak_tbs": peak, "temperature": 1.0, "top_p": 1.0,
                      "stop_check_every": check_every(None, dev.type)},
-        "results": rows, "speedup_new_over_old": speedups,
+        "results": rows, "speedup_new_over_old": speedups, "vllm_over_new_with_prefill": vllm_vs_new,
     }
     print(json.dumps(res))
     return res
