@@ -35,9 +35,9 @@ is `sleep(level=0)` + `release_kv_cache_memory()` on CUDA and nothing on CPU.
 Sleep level 2: the weights are discarded, not copied to host as level 1 does, because they are
 re-sent in full at every resume anyway (a copy to host and back would move them twice for nothing).
 On CPU vLLM's worker ignores sleep (it frees nothing), so `memory_bytes` keeps reporting the weights and
-KV cache as resident there. The ledger (PhaseManager.resident) shows engine_weights as reported, but
-counts kv_cache inside ROLLOUT only (the native engine's KV cache lives for one rollout), so on CPU its
-train and score rows leave out vLLM's KV cache, which is still allocated (rollout.kv_cache_bytes).
+KV cache as resident there, and `kv_cache_kept` tells the ledger (PhaseManager.resident) to count the KV
+cache in the train and score rows too (it counts the native engine's, which lives for one rollout, inside
+ROLLOUT only).
 
 Legend: N sequences (this rank's).
 """
@@ -161,6 +161,11 @@ class VLLMEngine:
         return self.llm.llm_engine.model_executor.driver_worker.worker
 
     # -- memory ---------------------------------------------------------------
+    @property
+    def kv_cache_kept(self) -> bool:
+        """True where release frees nothing (CPU): the ledger then counts the KV cache outside ROLLOUT too."""
+        return self.device.type != "cuda"
+
     def memory_bytes(self) -> dict[str, int]:
         """This rank's share of the engine: 1/tp of the weights and its KV cache. On CPU sleep frees nothing,
         so both count whatever was released (the ledger must not claim memory that never came back)."""

@@ -164,7 +164,12 @@ class PhaseManager:
             return offloader is None or offloader.on_device
 
         engine = self._engine_bytes()
-        kv = max(engine.get("kv_cache", 0), self._kv_peak) if self.inside is Phase.ROLLOUT else 0
+        if self.inside is Phase.ROLLOUT:
+            kv = max(engine.get("kv_cache", 0), self._kv_peak)
+        else:
+            # The native engine's figure is its last rollout's cache, freed since; an engine whose release frees
+            # nothing (vLLM on CPU) says so with kv_cache_kept, and its cache counts in every phase.
+            kv = engine.get("kv_cache", 0) if getattr(self.engine, "kv_cache_kept", False) else 0
         rm = self.reward_model
         return {
             "policy_weights": self._policy_bytes if here(self.param_offload) else 0,
