@@ -38,6 +38,7 @@ def test_ours_and_padded_report_steps_phases_and_their_ratio() -> None:
     out, res = _run("--only", "ours", "--padded")
     (c,) = res["configs"]
     assert c["max_new_tokens"] == 4 and "trl" not in c
+    assert "vllm" not in c and "trl_vllm" not in c, "the vLLM sides run only with --vllm (test_vllm_benchmarks.py)"
     for k in ("ours", "padded"):
         _check_side(c[k], 2)
         phases = c[k]["phases_median_s"]

@@ -59,4 +59,6 @@ def test_script_reports_every_case_on_cpu(bench, capsys):
         assert r["decode_tokens_per_s"] > 0 and r["roofline_frac"] is None  # the roofline is GPU-only
     assert rows[("full", "new")]["decode_path"] == "lean"
     assert set(res["speedup_new_over_old"]) == {f"tiny/T={T}/full", f"tiny/T={T}/ragged"}
+    # No vllm path asked for: no vLLM column (its rows are tested in test_vllm_benchmarks.py).
+    assert res["vllm_over_new_with_prefill"] == {} and all(r["greedy_native_eq_vllm"] is None for r in rows.values())
     assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith('{"benchmark": "rollout_throughput"')
