@@ -201,7 +201,7 @@ class AlgorithmConfig:
         _check(self.ppo_epochs >= 1, "algorithm.ppo_epochs", "must be >= 1")
         _check(self.mini_batch_size >= 0, "algorithm.mini_batch_size", "must be >= 0 (0 = whole batch)")
         _check(0 < self.gamma <= 1, "algorithm.gamma", f"must be in (0, 1], got {self.gamma}")
-        _check(self.gamma == 1 or self.advantage == "reinforce_pp", "algorithm.gamma",
+        _check(self.gamma == 1 or ADVANTAGE_ESTIMATORS[self.advantage].discounted, "algorithm.gamma",
                f"a discount needs token-level returns: set algorithm.advantage=reinforce_pp (got {self.advantage!r})")
 
     def _check_preset_applied(self) -> None:
@@ -408,9 +408,12 @@ class Config:
     def __post_init__(self) -> None:
         """Checks across sections."""
         a, n = self.algorithm, self.rollout.n
-        # REINFORCE++ whitens over the whole batch (no group baseline): one sample per prompt is its usual setting.
-        if a.advantage != "reinforce_pp" or a.dynamic_sampling:
-            why = "dynamic sampling keeps groups whose rewards differ" if a.advantage == "reinforce_pp" else \
+        # An estimator without a group baseline (REINFORCE++ whitens over the whole batch) runs with one sample.
+        from hybrid_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS
+
+        group = ADVANTAGE_ESTIMATORS[a.advantage].group_baseline
+        if group or a.dynamic_sampling:
+            why = "dynamic sampling keeps groups whose rewards differ" if not group else \
                 f"algorithm.advantage={a.advantage} takes its baseline from a prompt's group"
             _check(n >= 2, "rollout.n", f"needs at least 2 samples per prompt ({why}), got {n}")
 

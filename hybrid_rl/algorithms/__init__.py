@@ -1,6 +1,8 @@
 """RL algorithm building blocks: pure functions on tensors (no model, no I/O).
 
-advantages   outcome-reward advantage estimators (GRPO, Dr. GRPO, RLOO; token-level REINFORCE++)
+advantages   outcome-reward advantage estimators (GRPO, Dr. GRPO, RLOO; token-level REINFORCE++) and their table
+returns      REINFORCE++'s token rewards and discounted returns
+whitening    whitening over the valid tokens of every rank
 losses       per-token policy losses (PPO-clip / dual clip, GSPO, CISPO)
 aggregation  loss aggregation with a global normaliser (DP / grad-accum invariant)
 kl           KL estimators, KL controllers, reward-side KL penalty
@@ -10,12 +12,15 @@ dapo         DAPO dynamic-sampling filter, overlong penalty and filtering
 from hybrid_rl.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
     TOKEN_LEVEL_ESTIMATORS,
+    AdvantageInputs,
+    Estimator,
     compute_advantages,
     drgrpo_advantages,
     grpo_advantages,
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
     rloo_advantages,
+    takes_token_kl,
 )
 from hybrid_rl.algorithms.aggregation import (
     LOSS_AGG_MODES,
@@ -44,6 +49,9 @@ from hybrid_rl.algorithms.losses import (
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "TOKEN_LEVEL_ESTIMATORS",
+    "AdvantageInputs",
+    "Estimator",
+    "takes_token_kl",
     "compute_advantages",
     "grpo_advantages",
     "drgrpo_advantages",

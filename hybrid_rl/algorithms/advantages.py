@@ -12,9 +12,13 @@ Two kinds of estimator:
         one scalar per sequence, from statistics of its group.
     token-level     reinforce_pp, reinforce_pp_baseline (TOKEN_LEVEL_ESTIMATORS):
         -> adv_NT, one value per response token, whitened over every valid
-        token of the global batch (see reinforce_pp_advantages).
-compute_advantages is the one entry point for the trainer: it always returns
-(N, T), broadcasting sequence-level advantages over the valid tokens.
+        token of the global batch (whitening.py; returns.py for REINFORCE++'s
+        token returns).
+ADVANTAGE_ESTIMATORS is the table: each entry (Estimator) has one signature,
+fn(AdvantageInputs) -> adv_NT, and flags saying what it takes (a per-token KL,
+a discount) and needs (a group baseline). compute_advantages is the one entry
+point for the trainer: it checks the inputs, refuses settings the entry's flags
+do not take, and calls the entry; it always returns (N, T).
 
 group_ids_N holds arbitrary integer ids (not necessarily contiguous or sorted)
 saying which prompt each sequence was sampled from; a group is always whole on
@@ -28,20 +32,18 @@ and a batch whose whitened values are all equal gets exactly 0.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from hybrid_rl.algorithms.returns import check_token_kl, discounted_returns, token_rewards
+from hybrid_rl.algorithms.whitening import ReduceSum, stats_mask, whiten_valid
+
 __all__ = [
-    "ADVANTAGE_ESTIMATORS",
-    "TOKEN_LEVEL_ESTIMATORS",
-    "compute_advantages",
-    "grpo_advantages",
-    "drgrpo_advantages",
-    "rloo_advantages",
-    "reinforce_pp_advantages",
+    "ADVANTAGE_ESTIMATORS", "TOKEN_LEVEL_ESTIMATORS", "AdvantageInputs", "Estimator", "estimator", "takes_token_kl",
+    "compute_advantages", "grpo_advantages", "drgrpo_advantages", "rloo_advantages", "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",
 ]
 
@@ -97,13 +99,6 @@ class _GroupStats:
         self.std_N = (sq_B / (count_B - 1.0).clamp(min=1.0)).sqrt()[inv_N]
 
 
-def _batch_std(x_N: Tensor) -> Tensor:
-    """Unbiased std over the whole batch (0 when N < 2)."""
-    if x_N.numel() < 2:
-        return torch.zeros((), dtype=x_N.dtype, device=x_N.device)
-    return x_N.std()
-
-
 def grpo_advantages(rewards_N: Tensor, group_ids_N: Tensor, eps: float = 1e-6) -> Tensor:
     """GRPO advantage: A_i = (r_i - mean_g(r)) / (std_g(r) + eps).
 
@@ -152,11 +147,6 @@ def rloo_advantages(rewards_N: Tensor, group_ids_N: Tensor, eps: float = 1e-6) -
 
 # ---------------------------------------------------------------- token level: REINFORCE++
 
-ReduceSum = Callable[[Tensor], Tensor]
-_EPS64 = torch.finfo(torch.float64).eps
-_N_STATS = 5
-
-
 def _check_mask(mask_NT: Tensor, n: int) -> None:
     if not isinstance(mask_NT, Tensor) or mask_NT.dim() != 2 or mask_NT.shape[0] != n:
         raise ValueError(
@@ -164,120 +154,6 @@ def _check_mask(mask_NT: Tensor, n: int) -> None:
             f"{getattr(mask_NT, 'shape', type(mask_NT))}; pass the response-token mask, not the "
             "prompt + response attention mask"
         )
-
-
-def _reward_NT(scores_N: Tensor, valid_NT: Tensor, kl_NT: Tensor | None, kl_coef: float) -> Tensor:
-    """Token rewards (float64): -kl_coef * kl on valid tokens, plus the score on each row's last valid token."""
-    T = valid_NT.shape[1]
-    idx_T = torch.arange(T, device=valid_NT.device)
-    # Last valid position per row (-1 for an empty row, which then gets no score).
-    last_N = torch.where(valid_NT, idx_T, -1).amax(dim=1) if T else torch.full_like(scores_N, -1, dtype=torch.long)
-    at_end_NT = valid_NT & (idx_T == last_N[:, None])
-    zero = torch.zeros((), dtype=torch.float64, device=valid_NT.device)
-    r_NT = torch.where(at_end_NT, scores_N.detach().to(torch.float64)[:, None], zero)
-    if kl_NT is not None:
-        r_NT = r_NT - kl_coef * torch.where(valid_NT, kl_NT.detach().to(torch.float64), zero)
-    return r_NT
-
-
-def _discounted_returns(r_NT: Tensor, valid_NT: Tensor, gamma: float) -> Tensor:
-    """G_t = sum_{s >= t valid} gamma^(number of valid tokens in [t, s)) r_s on valid tokens, 0 elsewhere.
-
-    Solves the backward recursion H_t = r_t + a_t H_{t+1}, with a_t = gamma on
-    valid tokens and 1 on padding (padding neither adds nor discounts), by a
-    log-depth scan: after the pass with offset k each position holds (a_t, b_t)
-    with H_t = b_t + a_t H_{t+k}, and H beyond the end is 0. That is log2(T)
-    passes of (N, T) work instead of a T-step Python loop of small kernels.
-    """
-    T = r_NT.shape[1]
-    zero = torch.zeros((), dtype=r_NT.dtype, device=r_NT.device)
-    b_NT = torch.where(valid_NT, r_NT, zero)
-    a_NT = torch.where(valid_NT, torch.full_like(r_NT, gamma), torch.ones_like(r_NT))
-    k = 1
-    while k < T:
-        # (a, b) at t + k, zero past the end; b first, as it needs the old a.
-        b_NT = b_NT + a_NT * F.pad(b_NT[:, k:], (0, k))
-        a_NT = a_NT * F.pad(a_NT[:, k:], (0, k))
-        k *= 2
-    return torch.where(valid_NT, b_NT, zero)
-
-
-def _local_moments(x_NT: Tensor, valid_NT: Tensor) -> Tensor:
-    """This rank's whitening statistics, float64 (5,); each entry sums over ranks to the global one.
-
-    [n_r, n_r m_r, sum_valid (x - m_r)^2, n_r m_r^2, 1] with n_r the number of
-    valid tokens and m_r their mean. Deviations are taken about the local mean,
-    not accumulated as a raw sum of squares, so the within-rank spread has no
-    cancellation. A rank whose values are all equal uses that value as m_r, so
-    its squared deviations are exactly 0.
-    """
-    f64 = dict(dtype=torch.float64, device=x_NT.device)
-    if x_NT.numel() == 0:
-        return torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0], **f64)
-    zero = torch.zeros((), **f64)
-    inf = torch.full((), float("inf"), **f64)
-    x_NT = torch.where(valid_NT, x_NT, zero)
-    n = valid_NT.sum().to(torch.float64)
-    hi = torch.where(valid_NT, x_NT, -inf).amax()
-    lo = torch.where(valid_NT, x_NT, inf).amin()
-    mean = torch.where(hi == lo, hi, x_NT.sum() / n.clamp(min=1.0))
-    mean = torch.where(n > 0, mean, zero)
-    dev_NT = torch.where(valid_NT, x_NT - mean, zero)
-    return torch.stack([n, n * mean, (dev_NT * dev_NT).sum(), n * mean * mean, torch.ones((), **f64)])
-
-
-def _whiten_valid(x_NT: Tensor, valid_NT: Tensor, eps: float, reduce_sum: ReduceSum | None,
-                  stats_NT: Tensor | None = None) -> Tensor:
-    """(x - mean) / (std + eps) over the valid tokens of every rank; 0 at masked positions.
-    stats_NT: the tokens mean and std are taken over (default: valid_NT), e.g. only those the loss trains.
-
-    One reduce_sum call on the 5 statistics of _local_moments. The variance is
-    within-rank squared deviations plus the between-rank part
-    sum_r n_r m_r^2 - n mean^2. The latter is a difference of two nearly equal
-    sums, so values within its rounding bound ((4 R + 8) eps64 sum_r n_r m_r^2
-    for R ranks) are treated as 0: then one rank's result does not depend on
-    round-off, and a batch whose values are all equal (on one rank or many)
-    gets a variance of exactly 0 and an advantage of exactly 0.
-    std is unbiased (divides by n - 1), as verl's masked_whiten; n < 2 gives 0.
-    """
-    stats = _local_moments(x_NT, valid_NT if stats_NT is None else stats_NT)
-    if reduce_sum is not None:
-        # Every rank must reach this call, also with an empty local batch.
-        stats = reduce_sum(stats)
-        if not isinstance(stats, Tensor) or stats.shape != (_N_STATS,):
-            raise ValueError(
-                f"reduce_sum must return the summed float64 ({_N_STATS},) tensor it was given, got "
-                f"{getattr(stats, 'shape', type(stats))}; pass e.g. hybrid_rl.distributed.all_reduce_sum"
-            )
-    n, total, m2_within, sq_means, ranks = stats.to(torch.float64).unbind()
-    mean = total / n.clamp(min=1.0)
-    between = sq_means - total * mean
-    between = torch.where(between > (4.0 * ranks + 8.0) * _EPS64 * sq_means, between, torch.zeros_like(between))
-    m2 = m2_within + between
-    spread = (m2 > 0) & (n > 1)
-    std = (m2 / (n - 1.0).clamp(min=1.0)).sqrt()
-    denom = torch.where(spread, std + eps, torch.ones_like(std))
-    zero = torch.zeros((), dtype=torch.float64, device=x_NT.device)
-    return torch.where(valid_NT & spread, (x_NT.to(torch.float64) - mean) / denom, zero)
-
-
-def _check_kl(kl_NT: Tensor | None, kl_coef: float, mask_NT: Tensor) -> None:
-    if kl_coef < 0:
-        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
-    if kl_NT is None:
-        if kl_coef != 0:
-            raise ValueError(f"kl_coef={kl_coef} needs kl_NT, the (N, T) per-token KL estimate; pass both or neither")
-        return
-    if not isinstance(kl_NT, Tensor) or kl_NT.shape != mask_NT.shape:
-        raise ValueError(
-            f"kl_NT must have the (N, T) shape of mask_NT {tuple(mask_NT.shape)}, got "
-            f"{getattr(kl_NT, 'shape', type(kl_NT))}; compute it on the response tokens (kl_estimate)"
-        )
-    if not kl_NT.dtype.is_floating_point:
-        raise ValueError(f"kl_NT must be a float tensor, got dtype {kl_NT.dtype}")
-    valid_NT = mask_NT.to(kl_NT.device) != 0
-    if not bool(torch.isfinite(torch.where(valid_NT, kl_NT.detach(), torch.zeros_like(kl_NT))).all()):
-        raise ValueError("kl_NT has NaN or inf on valid tokens; check the log-probs of the policy and the reference")
 
 
 def reinforce_pp_advantages(
@@ -328,25 +204,15 @@ def reinforce_pp_advantages(
     """
     _check_scores(scores_N, eps, "scores_N")
     _check_mask(mask_NT, scores_N.shape[0])
-    _check_kl(kl_NT, kl_coef, mask_NT)
-    stats_NT = _stats_mask(stats_mask_NT, mask_NT)
+    check_token_kl(kl_NT, kl_coef, mask_NT)
+    stats_NT = stats_mask(stats_mask_NT, mask_NT)
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma must be in [0, 1], got {gamma}")
     valid_NT = mask_NT != 0
-    r_NT = _reward_NT(scores_N.to(mask_NT.device), valid_NT, None if kl_NT is None else kl_NT.to(mask_NT.device),
+    r_NT = token_rewards(scores_N.to(mask_NT.device), valid_NT, None if kl_NT is None else kl_NT.to(mask_NT.device),
                       kl_coef)
-    g_NT = _discounted_returns(r_NT, valid_NT, gamma)
-    return _whiten_valid(g_NT, valid_NT, eps, reduce_sum, stats_NT).to(_out_dtype(scores_N))
-
-
-def _stats_mask(stats_mask_NT: Tensor | None, mask_NT: Tensor) -> Tensor | None:
-    """The whitening tokens as a bool mask within mask_NT, or None (= mask_NT)."""
-    if stats_mask_NT is None:
-        return None
-    if not isinstance(stats_mask_NT, Tensor) or stats_mask_NT.shape != mask_NT.shape:
-        raise ValueError(f"stats_mask_NT must have the (N, T) shape of mask_NT {tuple(mask_NT.shape)}, got "
-                         f"{getattr(stats_mask_NT, 'shape', type(stats_mask_NT))}")
-    return (stats_mask_NT.to(mask_NT.device) != 0) & (mask_NT != 0)
+    g_NT = discounted_returns(r_NT, valid_NT, gamma)
+    return whiten_valid(g_NT, valid_NT, eps, reduce_sum, stats_NT).to(_out_dtype(scores_N))
 
 
 def reinforce_pp_baseline_advantages(
@@ -379,23 +245,99 @@ def reinforce_pp_baseline_advantages(
     """
     _check_inputs(scores_N, group_ids_N, eps, "scores_N")
     _check_mask(mask_NT, scores_N.shape[0])
-    stats_NT = _stats_mask(stats_mask_NT, mask_NT)
+    stats_NT = stats_mask(stats_mask_NT, mask_NT)
     device = mask_NT.device
     c_N = _GroupStats(scores_N.to(device), group_ids_N.to(device)).centred_N
     valid_NT = mask_NT != 0
     c_NT = c_N[:, None].expand(valid_NT.shape)
-    return _whiten_valid(c_NT, valid_NT, eps, reduce_sum, stats_NT).to(_out_dtype(scores_N))
+    return whiten_valid(c_NT, valid_NT, eps, reduce_sum, stats_NT).to(_out_dtype(scores_N))
 
 
-ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Tensor]] = {
-    "grpo": grpo_advantages,
-    "drgrpo": drgrpo_advantages,
-    "rloo": rloo_advantages,
-    "reinforce_pp": reinforce_pp_advantages,
-    "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
+# ---------------------------------------------------------------- the table: one signature for every estimator
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What every estimator in ADVANTAGE_ESTIMATORS receives: the batch and all settings.
+
+    scores_N (N,), group_ids_N (N,) and mask_NT (N, T) as compute_advantages;
+    an estimator reads the fields it uses. compute_advantages checks them first
+    and refuses kl_NT / kl_coef / gamma for an estimator whose flags say it does
+    not take them, so none is silently ignored.
+    """
+
+    scores_N: Tensor
+    group_ids_N: Tensor
+    mask_NT: Tensor
+    eps: float = 1e-6
+    gamma: float = 1.0
+    kl_NT: Tensor | None = None
+    kl_coef: float = 0.0
+    reduce_sum: ReduceSum | None = None
+    stats_mask_NT: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """An advantage estimator: fn(AdvantageInputs) -> adv_NT (N, T), and what it takes.
+
+    token_kl: takes the per-token KL (kl_NT, kl_coef) as a reward in its token returns;
+        for the others a reward-side KL is folded into the scores (kl_penalty_rewards).
+    discounted: takes gamma, a discount over its token returns.
+    token_level: one value per token, whitened over the valid tokens of every rank
+        (reduce_sum and stats_mask_NT apply); else one value per sequence, broadcast.
+    group_baseline: its baseline comes from the prompt's group (needs >= 2 samples per prompt).
+    """
+
+    fn: Callable[[AdvantageInputs], Tensor]
+    token_kl: bool = False
+    discounted: bool = False
+    token_level: bool = False
+    group_baseline: bool = True
+
+
+def _per_sequence(seq_fn: Callable[..., Tensor]) -> Callable[[AdvantageInputs], Tensor]:
+    """A sequence-level estimator (rewards_N, group_ids_N, eps) -> adv_N, put on every valid token of its row."""
+
+    def fn(x: AdvantageInputs) -> Tensor:
+        device = x.mask_NT.device
+        adv_N = seq_fn(x.scores_N.to(device), x.group_ids_N.to(device), eps=x.eps)
+        return torch.where(x.mask_NT != 0, adv_N[:, None], torch.zeros((), dtype=adv_N.dtype, device=device))
+
+    return fn
+
+
+def _reinforce_pp(x: AdvantageInputs) -> Tensor:
+    return reinforce_pp_advantages(x.scores_N, x.mask_NT, gamma=x.gamma, kl_NT=x.kl_NT, kl_coef=x.kl_coef,
+                                   eps=x.eps, reduce_sum=x.reduce_sum, stats_mask_NT=x.stats_mask_NT)
+
+
+def _reinforce_pp_baseline(x: AdvantageInputs) -> Tensor:
+    return reinforce_pp_baseline_advantages(x.scores_N, x.group_ids_N, x.mask_NT, eps=x.eps,
+                                            reduce_sum=x.reduce_sum, stats_mask_NT=x.stats_mask_NT)
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
+    "grpo": Estimator(_per_sequence(grpo_advantages)),
+    "drgrpo": Estimator(_per_sequence(drgrpo_advantages)),
+    "rloo": Estimator(_per_sequence(rloo_advantages)),
+    # REINFORCE++ whitens over the whole batch: no group baseline, so one sample per prompt is its usual setting.
+    "reinforce_pp": Estimator(_reinforce_pp, token_kl=True, discounted=True, token_level=True, group_baseline=False),
+    "reinforce_pp_baseline": Estimator(_reinforce_pp_baseline, token_level=True),
 }
 # Estimators whose result is per token (the others give one value per sequence).
-TOKEN_LEVEL_ESTIMATORS = frozenset({"reinforce_pp", "reinforce_pp_baseline"})
+TOKEN_LEVEL_ESTIMATORS = frozenset(n for n, e in ADVANTAGE_ESTIMATORS.items() if e.token_level)
+
+
+def estimator(name: str) -> Estimator:
+    """The table entry of `name`; ValueError lists the valid names."""
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; valid names: {sorted(ADVANTAGE_ESTIMATORS)}")
+    return ADVANTAGE_ESTIMATORS[name]
+
+
+def takes_token_kl(name: str) -> bool:
+    """Whether estimator `name` takes a reward-side KL per token (else fold it into the scores)."""
+    return estimator(name).token_kl
 
 
 def compute_advantages(
@@ -416,11 +358,12 @@ def compute_advantages(
     Sequence-level estimators (grpo, drgrpo, rloo) compute adv_N from the group
     statistics and put it on every valid token of its row. Token-level ones
     (TOKEN_LEVEL_ESTIMATORS) are computed per token, see their functions.
-    gamma, kl_NT and kl_coef are only for reinforce_pp; passing them to another
-    estimator raises rather than being ignored. reduce_sum is only used by the
-    token-level estimators (the others need no statistics beyond one group,
-    which is whole on one rank), and must then be passed on every rank; so is
-    stats_mask_NT, the tokens their whitening statistics are taken over.
+    gamma, kl_NT and kl_coef are only for estimators whose flags take them
+    (reinforce_pp); passing them to another raises rather than being ignored.
+    reduce_sum is only used by the token-level estimators (the others need no
+    statistics beyond one group, which is whole on one rank), and must then be
+    passed on every rank; so is stats_mask_NT, the tokens their whitening
+    statistics are taken over.
 
     Args:
         name: a key of ADVANTAGE_ESTIMATORS.
@@ -431,25 +374,20 @@ def compute_advantages(
         adv_NT: (N, T) float tensor on mask_NT's device (scores' float dtype,
         float32 for int scores), 0 at masked positions.
     """
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r}; valid names: {sorted(ADVANTAGE_ESTIMATORS)}")
+    est = estimator(name)
     _check_inputs(scores_N, group_ids_N, eps, "scores_N")
     _check_mask(mask_NT, scores_N.shape[0])
-    if name == "reinforce_pp":
-        return reinforce_pp_advantages(
-            scores_N, mask_NT, gamma=gamma, kl_NT=kl_NT, kl_coef=kl_coef, eps=eps, reduce_sum=reduce_sum,
-            stats_mask_NT=stats_mask_NT,
-        )
-    if kl_NT is not None or kl_coef != 0.0:
+    if not est.token_kl and (kl_NT is not None or kl_coef != 0.0):
         raise ValueError(
-            f"advantage estimator {name!r} does not take kl_NT / kl_coef (a per-token KL reward is only "
-            "defined for 'reinforce_pp'); use a KL loss, or put the KL in the scores with kl_penalty_rewards"
+            f"advantage estimator {name!r} does not take kl_NT / kl_coef (a per-token KL reward is only defined "
+            f"for {_names('token_kl')}); use a KL loss, or put the KL in the scores with kl_penalty_rewards"
         )
-    if gamma != 1.0:
-        raise ValueError(f"advantage estimator {name!r} has no discount; gamma={gamma} applies only to 'reinforce_pp'")
-    if name == "reinforce_pp_baseline":
-        return reinforce_pp_baseline_advantages(scores_N, group_ids_N, mask_NT, eps=eps, reduce_sum=reduce_sum,
-                                                stats_mask_NT=stats_mask_NT)
-    device = mask_NT.device
-    adv_N = ADVANTAGE_ESTIMATORS[name](scores_N.to(device), group_ids_N.to(device), eps=eps)
-    return torch.where(mask_NT != 0, adv_N[:, None], torch.zeros((), dtype=adv_N.dtype, device=device))
+    if not est.discounted and gamma != 1.0:
+        raise ValueError(f"advantage estimator {name!r} has no discount; gamma={gamma} applies only to "
+                         f"{_names('discounted')}")
+    return est.fn(AdvantageInputs(scores_N, group_ids_N, mask_NT, eps=eps, gamma=gamma, kl_NT=kl_NT,
+                                  kl_coef=kl_coef, reduce_sum=reduce_sum, stats_mask_NT=stats_mask_NT))
+
+
+def _names(flag: str) -> str:
+    return ", ".join(repr(n) for n, e in ADVANTAGE_ESTIMATORS.items() if getattr(e, flag))

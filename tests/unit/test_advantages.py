@@ -13,7 +13,17 @@ import random
 import pytest
 import torch
 
-from hybrid_rl.algorithms import ADVANTAGE_ESTIMATORS, TOKEN_LEVEL_ESTIMATORS, compute_advantages, grpo_advantages
+from hybrid_rl.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    TOKEN_LEVEL_ESTIMATORS,
+    AdvantageInputs,
+    Estimator,
+    compute_advantages,
+    drgrpo_advantages,
+    grpo_advantages,
+    rloo_advantages,
+    takes_token_kl,
+)
 from tests.unit.test_reinforce_pp import naive_reinforce_pp, naive_reinforce_pp_baseline
 
 EPS = 1e-6
@@ -74,6 +84,7 @@ NAIVE_SEQ = {
     "rloo": naive_rloo,
 }
 NAMES = sorted(ADVANTAGE_ESTIMATORS)
+SEQ_FNS = {"grpo": grpo_advantages, "drgrpo": drgrpo_advantages, "rloo": rloo_advantages}
 T = 5
 
 
@@ -147,7 +158,7 @@ def test_float32_matches_naive(name):
 def test_seq_level_is_broadcast_over_valid_tokens(name):
     r, ids = _batch(2, [3, 5, 2])
     r_t, ids_t, mask_t = torch.tensor(r, dtype=torch.float64), torch.tensor(ids), torch.tensor(_mask(2, len(r)))
-    adv_N = ADVANTAGE_ESTIMATORS[name](r_t, ids_t)
+    adv_N = SEQ_FNS[name](r_t, ids_t)
     got = compute_advantages(name, r_t, ids_t, mask_t)
     assert torch.equal(got, torch.where(mask_t != 0, adv_N[:, None], 0.0))
 
@@ -160,7 +171,7 @@ def test_all_equal_groups_give_exact_zero(name):
     for dtype in (torch.float32, torch.float64):
         r = torch.tensor([0.1, 0.1, 0.1, 0.7, 0.7, 0.7, 0.7, 1.0, 0.0], dtype=dtype)
         ids = torch.tensor([5, 5, 5, 2, 2, 2, 2, 9, 9])
-        adv = ADVANTAGE_ESTIMATORS[name](r, ids)
+        adv = SEQ_FNS[name](r, ids)
         assert torch.equal(adv[:7], torch.zeros(7, dtype=dtype))
         assert (adv[7] > 0) and (adv[8] < 0)
         adv_NT = compute_advantages(name, r, ids, torch.ones(9, 3))
@@ -218,6 +229,48 @@ def test_empty_batch(name):
 def test_registry_keys():
     assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"}
     assert TOKEN_LEVEL_ESTIMATORS == {"reinforce_pp", "reinforce_pp_baseline"}
+    assert set(SEQ_FNS) == set(ADVANTAGE_ESTIMATORS) - TOKEN_LEVEL_ESTIMATORS
+
+
+def test_flags_say_what_each_estimator_takes():
+    """The trainer and the config ask these flags instead of naming an estimator. Only REINFORCE++ has token
+    returns (a per-token KL reward, a discount) and no group baseline (so it may run with one sample per prompt)."""
+    assert {n for n in NAMES if takes_token_kl(n)} == {"reinforce_pp"}
+    assert {n for n, e in ADVANTAGE_ESTIMATORS.items() if e.discounted} == {"reinforce_pp"}
+    assert {n for n, e in ADVANTAGE_ESTIMATORS.items() if not e.group_baseline} == {"reinforce_pp"}
+    with pytest.raises(ValueError, match="valid names"):
+        takes_token_kl("ppo")
+
+
+def test_compute_advantages_is_a_table_lookup(monkeypatch):
+    """A new entry needs no change to compute_advantages: it receives every setting in one AdvantageInputs, and
+    the settings its flags do not take are refused before it is called."""
+    seen = []
+
+    def fake(x: AdvantageInputs):
+        seen.append(x)
+        return torch.full(x.mask_NT.shape, 7.0)
+
+    s, g, m, kl = torch.tensor([0.0, 1.0]), torch.tensor([4, 4]), torch.ones(2, 3), torch.zeros(2, 3)
+    monkeypatch.setitem(ADVANTAGE_ESTIMATORS, "fake_kl", Estimator(fake, token_kl=True, discounted=True))
+    monkeypatch.setitem(ADVANTAGE_ESTIMATORS, "fake_seq", Estimator(fake))
+    out = compute_advantages("fake_kl", s, g, m, eps=0.5, gamma=0.9, kl_NT=kl, kl_coef=0.2, stats_mask_NT=m)
+    assert torch.equal(out, torch.full((2, 3), 7.0))
+    x = seen[0]
+    assert (x.scores_N is s and x.group_ids_N is g and x.mask_NT is m and x.kl_NT is kl and x.stats_mask_NT is m
+            and (x.eps, x.gamma, x.kl_coef) == (0.5, 0.9, 0.2))
+    with pytest.raises(ValueError, match="kl_NT.*'fake_kl'"):
+        compute_advantages("fake_seq", s, g, m, kl_NT=kl, kl_coef=0.2)
+    with pytest.raises(ValueError, match="gamma"):
+        compute_advantages("fake_seq", s, g, m, gamma=0.9)
+    assert len(seen) == 1
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_table_entries_equal_compute_advantages(name):
+    r, ids = _batch(5, [3, 4, 2])
+    args = (torch.tensor(r, dtype=torch.float64), torch.tensor(ids), torch.tensor(_mask(5, len(r))))
+    assert torch.equal(ADVANTAGE_ESTIMATORS[name].fn(AdvantageInputs(*args)), compute_advantages(name, *args))
 
 
 def test_unknown_name_lists_valid_names():

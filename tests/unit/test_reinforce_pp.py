@@ -355,3 +355,33 @@ def test_the_trainer_whitens_over_its_loss_mask(tiny_trainer_overrides, monkeypa
     (_, _, _, resp_mask), kwargs = calls[0]
     assert torch.equal(kwargs["stats_mask_NT"], seen["batch"].mask_NT)
     assert not torch.equal(resp_mask.bool(), seen["batch"].mask_NT.bool()), "the test needs truncated rows"
+
+
+def test_the_trainer_gives_a_reward_side_kl_per_token_only_to_estimators_that_take_it(tiny_trainer_overrides,
+                                                                                      monkeypatch):
+    """The trainer asks the estimator's token_kl flag: REINFORCE++ gets the per-token KL (KL-to-go in its returns)
+    and the raw scores; reinforce_pp_baseline gets the KL folded into its scores and no kl_NT (compute_advantages
+    would refuse one). Mutation: `if not takes_token_kl(...)` replaced by True (or False) fails one of them."""
+    from hybrid_rl import Trainer, load_config
+    from hybrid_rl import trainer as trainer_mod
+
+    for name, token_kl in (("reinforce_pp", True), ("reinforce_pp_baseline", False)):
+        calls = []
+        real = trainer_mod.compute_advantages
+        monkeypatch.setattr(trainer_mod, "compute_advantages", lambda *a, **k: calls.append((a, k)) or real(*a, **k))
+        tr = Trainer(load_config(None, [*tiny_trainer_overrides, f"algorithm.advantage={name}",
+                                        "algorithm.kl_placement=reward", "algorithm.kl_coef=0.3"]))
+        with torch.no_grad():  # a reference unlike the policy, so the KL is not 0
+            for p in tr.ref.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
+        scores = []
+        real_rollout = tr._rollout
+        monkeypatch.setattr(tr, "_rollout", lambda *a: (lambda out: scores.append(out[0].scores_N) or out)(
+            real_rollout(*a)))
+        tr.step()
+        (_, scores_N, _, _), kwargs = calls[0]
+        assert (kwargs["kl_NT"] is not None) == token_kl, name
+        assert kwargs["kl_coef"] == (0.3 if token_kl else 0.0), name
+        assert torch.equal(scores_N, scores[0]) == token_kl, f"{name}: scores penalised iff the KL is not per token"
+        tr.close()
+        monkeypatch.setattr(trainer_mod, "compute_advantages", real)
