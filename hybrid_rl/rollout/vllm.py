@@ -138,8 +138,9 @@ class VLLMEngine:
                     enforce_eager=not cuda, enable_sleep_mode=cuda)
         if self.kv_bytes:
             args["kv_cache_memory_bytes"] = self.kv_bytes
-        if cuda and mem_fraction is not None:
-            args["gpu_memory_utilization"] = mem_fraction
+        if cuda:
+            free, total = torch.cuda.mem_get_info(self.device)
+            args["gpu_memory_utilization"] = S.cuda_memory_utilization(mem_fraction, self.kv_bytes, free, total)
         if D.world_size() > 1:
             args["distributed_executor_backend"] = "external_launcher"
         args.update(extra)

@@ -20,6 +20,8 @@ read in its source (platforms/cpu.py, v1/worker/cpu_worker.py, utils/torch_utils
 * CPU memory: a NUMA MEMBIND policy on node 0 (torch.ops._C.init_cpu_memory_env); one-node
   machines only have node 0. Not undone (no API to), stated here.
 * gc.freeze() at engine start (undone by vLLM's own shutdown).
+* random number generators: the worker seeds random, numpy, torch's CPU and every CUDA generator with
+  rollout.seed (utils/torch_utils.set_random_seed). UNDONE: all four come back as they were.
 * torch.distributed: in a plain process vLLM creates a 1-rank gloo group, and its shutdown destroys
   the default group, the trainer's too under torchrun: `VLLMEngine.shutdown` keeps the trainer's.
 """
@@ -28,9 +30,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import random
 import signal
 from typing import Optional
 
+import numpy as np
 import torch
 
 from hybrid_rl.memory_rollout import VLLM_BLOCK_TOKENS, VLLM_SPARE_BYTES, vllm_kv_need
@@ -94,6 +98,37 @@ def kv_bytes_needed(model_path: str, dtype: torch.dtype, sequences: int, max_mod
     return vllm_kv_need(arch, dtype.itemsize, sequences, max_model_len, tp_size, block_tokens)
 
 
+# vLLM's default gpu_memory_utilization (config/cache.py). Its worker refuses to start unless the device's free
+# memory is at least that fraction of the total (v1/worker/utils.py request_memory, called from
+# gpu_worker.init_device), even when kv_cache_memory_bytes fixes the KV cache; and the trainer's shards, the
+# reference and the CUDA context are already resident when the engine starts.
+VLLM_DEFAULT_UTILIZATION = 0.92
+START_MARGIN_BYTES = 512 << 20  # what vLLM allocates on the device before that check (context, NCCL, workspace)
+
+
+def cuda_memory_utilization(mem_fraction: Optional[float], kv_bytes: int, free: int, total: int) -> float:
+    """gpu_memory_utilization to start vLLM with on a device with `free` of `total` bytes free.
+
+    rollout.mem_fraction as given, when the free memory admits it (else a ValueError naming the largest that
+    does); with an explicit KV budget (kv_bytes > 0) and no fraction, the default capped by what is free, so
+    vLLM's start-up check passes while its KV cache stays the budget."""
+    room = (free - START_MARGIN_BYTES) / total
+    if mem_fraction is not None:
+        if mem_fraction > room:
+            raise ValueError(f"config key 'rollout.mem_fraction': {mem_fraction} asks vLLM for {mem_fraction * total / 1e9:.1f} "
+                             f"GB but {free / 1e9:.1f} GB of {total / 1e9:.1f} GB is free when the engine starts (the "
+                             f"trainer's shards are resident); use at most {max(room, 0):.2f}, or set it to null and "
+                             "size the KV cache with rollout.kv_cache_bytes")
+        return mem_fraction
+    if kv_bytes <= 0:
+        return VLLM_DEFAULT_UTILIZATION
+    if room * total < kv_bytes:
+        raise ValueError(f"config key 'rollout.kv_cache_bytes': vLLM's KV cache of {kv_bytes / 1e9:.2f} GB does not fit "
+                         f"the {free / 1e9:.1f} GB free when the engine starts; lower it, offload more, or shorten "
+                         "the rollout (data.batch_size x rollout.n x context)")
+    return min(VLLM_DEFAULT_UTILIZATION, room)
+
+
 def kv_budget(configured: Optional[int], needed: int, sequences: int) -> int:
     """The KV-cache size to give vLLM: rollout.kv_cache_bytes, or one batch's need (the planner's) when null."""
     if configured is None:
@@ -110,6 +145,10 @@ class ProcessGuard:
     would hurt training (module docstring). `changes`: variable -> (before, vLLM's value)."""
 
     def __enter__(self) -> "ProcessGuard":
+        # vLLM's worker seeds random, numpy and torch (CPU and every CUDA device) with rollout.seed at start
+        # (utils/torch_utils.set_random_seed): the trainer's streams, seeded per rank before, come back as they were.
+        self.rng = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+                    torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
         self.threads = torch.get_num_threads()
         self.set_num_threads = torch.set_num_threads
         self.env = dict(os.environ)
@@ -118,6 +157,12 @@ class ProcessGuard:
         return self
 
     def __exit__(self, *exc) -> None:
+        py, numpy_state, cpu, cuda = self.rng
+        random.setstate(py)
+        np.random.set_state(numpy_state)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
         torch.set_num_threads = self.set_num_threads
         torch.set_num_threads(self.threads)
         now = dict(os.environ)
