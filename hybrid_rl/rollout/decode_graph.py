@@ -17,10 +17,22 @@ fails on every batch.
 Each bucket is captured the first time it is used, after one eager run of the same
 step (the warm-up the capture needs, on a side stream), and the replay is checked
 against that eager result once; any failure raises, and the engine falls back to
-eager decoding after `close()`. A failed capture is cleaned up here: torch's
-`graph.__exit__` does not restore the current stream when `capture_end` raises, so the
-stream is put back, and `close()` drops every graph (their private pool with them) and
-refuses to go on if a capture is still open. Imported only when graphs are asked for.
+eager decoding after `close()`.
+
+A failed capture is cleaned up here (`_abandon`), because torch leaves two things behind
+when `capture_end` raises at `cudaStreamEndCapture` (an invalidated capture: a host sync in
+the body): `graph.__exit__` skips restoring the current stream, and `capture_end` throws
+before it tells the caching allocator the capture is over, so the pool stays in the
+allocator's `captures_underway` for good; every later `torch.cuda.empty_cache()` then fails
+its `captures_underway.empty()` assertion (the engine's release, the next capture's
+`graph.__enter__`) and an OOM retry frees no cached blocks. The graph's own reset releases
+the pool only for a capture that ended. So the pool is ours (`graph_pool_handle`, shared by
+every bucket, all captured on one stream of ours): after a failure the stream is put back,
+the allocation to the pool is ended and the failed graph's hold on it dropped. `close()`
+drops every graph (the pool's last holders) and refuses to go on if our capture stream
+still captures. (The pinned host allocator keeps its own record of the capture, which torch
+exposes no call to end; its filter never matches a stream again, so it costs a lookup per
+pinned allocation, nothing more.) Imported only when graphs are asked for.
 
 Legend: N rows allocated, M rows live (a bucket size), S cache slots, V vocab.
 """
@@ -52,8 +64,9 @@ class DecodeGraphs:
         self.pos_N1 = torch.zeros((N, 1), dtype=torch.long, device=device)
         self.mask_NS = torch.zeros((N, S), dtype=torch.bool, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = None  # one memory pool shared by every bucket's graph
+        self.pool = None  # one memory pool shared by every bucket's graph (made at the first capture)
         self.capture = capture
+        self.capture_stream = torch.cuda.Stream(device) if capture else None  # every capture's (the pool's) stream
         self.capture_s = 0.0  # host seconds spent capturing (warm-up, capture, check), all buckets
 
     def step(self, ids_M1: torch.Tensor, pos_M1: torch.Tensor, mask_MS: torch.Tensor) -> torch.Tensor:
@@ -75,15 +88,18 @@ class DecodeGraphs:
         return self.lean(self.ids_N1[:M], self.pos_N1[:M], self.mask_NS[:M], self.cache)
 
     def close(self) -> None:
-        """Drop every graph (their shared private pool goes with the last one) after a failure.
+        """Drop every graph (they hold the shared private pool; it is freed with the last) after a failure.
 
-        Raises if this thread's stream is still capturing: eager decoding, and the engine's
-        empty_cache() at release, must not run inside an abandoned capture."""
+        Raises if our capture stream still captures: eager decoding, and the engine's
+        empty_cache() at release, must not run beside an abandoned capture."""
         self.graphs.clear()
         self.pool = None
-        if self.capture and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("a CUDA-graph capture is still open after a failed decode step; the process cannot "
-                               "safely allocate memory: restart it with the engine's cuda_graphs=False")
+        if self.capture_stream is not None:
+            with torch.cuda.stream(self.capture_stream):
+                capturing = torch.cuda.is_current_stream_capturing()
+            if capturing:
+                raise RuntimeError("a CUDA-graph capture is still open after a failed decode step; the process "
+                                   "cannot safely allocate memory: restart it with the engine's cuda_graphs=False")
 
     def _capture(self, M: int) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -94,14 +110,7 @@ class DecodeGraphs:
             eager_MV = self._forward(M).clone()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.current_stream()
-        try:
-            with torch.cuda.graph(graph, pool=self.pool):
-                logits_MV = self._forward(M)
-        except BaseException:
-            torch.cuda.set_stream(stream)  # graph.__exit__ skips this when capture_end raises
-            raise
-        self.pool = graph.pool()
+        logits_MV = self._record(graph, M)
         graph.replay()
         # One host sync per bucket: a capture that recorded the wrong thing (a hook that
         # ran only at capture time, a stale address) must not decode silently.
@@ -111,3 +120,46 @@ class DecodeGraphs:
         self.graphs[M] = (graph, logits_MV)
         self.capture_s += time.perf_counter() - t0  # the check above synchronised: the capture is done
         return logits_MV
+
+    def _record(self, graph: torch.cuda.CUDAGraph, M: int) -> torch.Tensor:
+        """The step of M rows captured into `graph`, in the shared pool; on failure, `_abandon` first."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        stream, device = torch.cuda.current_stream(), torch.cuda.current_device()
+        began = False
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
+                began = True  # capture_begin returned: the pool holds a count for this graph
+                return self._forward(M)
+        except BaseException:
+            self._abandon(graph, began, stream, device)
+            raise
+
+    def _abandon(self, graph: torch.cuda.CUDAGraph, began: bool, stream: torch.cuda.Stream, device: int) -> None:
+        """Undo what a failed capture leaves behind (aten CUDAGraph.cpp capture_begin / capture_end / reset).
+
+        capture_begin joins the pool (the allocator counts one more holder and lists the capture
+        as underway) before cudaStreamBeginCapture; capture_end ends the allocation after
+        cudaStreamEndCapture and marks the capture ended (then the graph's reset releases its
+        count) only at its very end. A capture that ended needs nothing. Otherwise the
+        allocation is ended here (unless capture_end got past that before failing) and the
+        count released; a capture_begin that failed before joining (endAllocateToPool then
+        says the pool is not recording) holds nothing to release."""
+        torch.cuda.set_stream(stream)  # graph.__exit__ skips this when capture_end raises
+        if began and _capture_ended(graph):
+            return
+        try:
+            torch._C._cuda_endAllocateToPool(device, self.pool)
+        except RuntimeError:
+            if not began:
+                return
+        torch._C._cuda_releasePool(device, self.pool)
+
+
+def _capture_ended(graph: torch.cuda.CUDAGraph) -> bool:
+    """Whether capture_end finished (CUDAGraph.pool() refuses a graph whose capture did not)."""
+    try:
+        graph.pool()
+    except RuntimeError:
+        return False
+    return True

@@ -146,11 +146,45 @@ def test_a_failed_capture_falls_back_and_leaves_the_allocator_clean(model, monke
     assert [c.token_ids for c in got] == [c.token_ids for c in ref]
     assert not torch.cuda.is_current_stream_capturing()
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    # capture_end raised before it ended the allocation to the pool: left so, the allocator's
+    # captures_underway never empties and empty_cache() fails its internal assertion.
+    torch.cuda.empty_cache()
     eng.release(["kv_cache"])
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == base
     eng.resume(["kv_cache"])
     assert [c.token_ids for c in eng.generate(PROMPTS, sp)] == [c.token_ids for c in ref]
+    monkeypatch.setattr(DecodeGraphs, "_forward", real)  # a new engine captures (graph.__enter__ empties the cache)
+    fresh = NativeEngine(model, PAD, EOS)
+    assert [c.token_ids for c in fresh.generate(PROMPTS, sp)] == [c.token_ids for c in ref]
+    assert fresh.last_decode_path == "cuda_graph", fresh.last_graph_error
+
+
+def test_failed_captures_into_the_shared_pool_leave_empty_cache_working(model):
+    """Two ways a bucket's capture fails, in turn into the same pool (then the first again): the body raises
+    without invalidating the capture (capture_end succeeds; the graph's reset releases the pool), and
+    a host sync invalidates it (capture_end raises before ending the allocation; DecodeGraphs ends it).
+    After each the stream is back and empty_cache() works; close() finds no capture open."""
+    from hybrid_rl.rollout.decode_graph import DecodeGraphs
+    from hybrid_rl.rollout.kv_cache import StaticKVCache
+
+    g = DecodeGraphs(model, StaticKVCache(4, 16), torch.device("cuda"), lean=object())
+
+    def bug(M):
+        raise ValueError("a bug in the step")
+
+    def host_sync(M):
+        torch.cuda.synchronize()  # not permitted while capturing
+        raise AssertionError("the sync above should have raised")
+
+    for broken, err in ((bug, ValueError), (host_sync, RuntimeError), (bug, ValueError)):
+        g._forward = broken
+        with pytest.raises(err):
+            g._record(torch.cuda.CUDAGraph(), 2)
+        assert torch.cuda.current_stream() == torch.cuda.default_stream()
+        torch.cuda.empty_cache()
+    g.close()
+    torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------- the memory cap, measured
