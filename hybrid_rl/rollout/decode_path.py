@@ -5,7 +5,7 @@ CUDA graphs capture only the lean step (`lean_step.py`). The generic Hugging Fac
 is never captured: under FSDP2 its module hooks make the all-gather streams wait on the
 capturing stream, so the capture fails on every batch, and a failed capture is not free
 (torch's `graph.__exit__` skips restoring the current stream when `capture_end` raises, and
-the private pool lives until the graph object dies). Where the model has no lean step the
+leaves the pool recorded as capturing in the allocator: `decode_graph.py` undoes both). Where the model has no lean step the
 engine decodes eagerly and says why once; a user who asked for graphs explicitly gets an error.
 
 The forward path hands the model a ready 4-D (M, 1, 1, S) boolean mask only where the
@@ -69,9 +69,9 @@ def choose_decode_path(device_type: str, cuda_graphs: Optional[bool], lean_step:
 
 
 def device_free_bytes(device) -> Optional[int]:
-    """Bytes a rollout may plan with on `device`: the device's free memory plus what torch's caching
-    allocator holds unused, less `memory_rollout.HEADROOM` of the device. None off CUDA: host
-    memory is not planned (the batch is then max_batch_size, or everything)."""
+    """Bytes a rollout may plan with on `device`: the device's free memory plus the cached segments
+    torch's caching allocator holds wholly unused, less `memory_rollout.HEADROOM` of the device. None
+    off CUDA: host memory is not planned (the batch is then max_batch_size, or everything)."""
     if device.type != "cuda":
         return None
     import torch
@@ -79,5 +79,17 @@ def device_free_bytes(device) -> Optional[int]:
     from hybrid_rl.memory_rollout import HEADROOM
 
     free, total = torch.cuda.mem_get_info(device)
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return max(0, free + cached - int(HEADROOM * total))
+    return plannable_bytes(free, total, torch.cuda.memory_stats(device), HEADROOM)
+
+
+def plannable_bytes(free: int, total: int, stats: dict, headroom: float) -> int:
+    """free + the allocator's cached bytes a large new tensor can use, less headroom * total.
+
+    reserved - allocated counts every unused cached byte, including the free pieces of segments
+    that still hold a live block ("inactive_split_bytes"): the allocator never hands out a block
+    larger than such a piece, and cannot return the segment to the device, so a KV cache sized
+    on them would not fit. Only wholly unused segments count (they are freed, and re-allocated,
+    on demand). Absent keys (an allocator not initialised yet) count 0."""
+    cached = stats.get("reserved_bytes.all.current", 0) - stats.get("allocated_bytes.all.current", 0)
+    unusable = stats.get("inactive_split_bytes.all.current", 0)
+    return max(0, free + cached - unusable - int(headroom * total))

@@ -143,3 +143,23 @@ def test_off_cuda_nothing_is_capped_by_default(sharp_model):
     eng.generate(MANY, SamplingParams(max_new_tokens=2))
     assert (eng.last_batch_rows, eng.last_prefill_rows) == (len(MANY), len(MANY))
     assert math.isclose(eng.act_bytes, torch.float32.itemsize)
+
+
+def test_measured_free_memory_leaves_out_the_free_pieces_of_used_segments(monkeypatch):
+    """On CUDA the cap plans with the device's free bytes plus the cached segments wholly unused: the
+    free pieces of a segment that still holds a live block (inactive_split_bytes) hold no KV cache."""
+    from hybrid_rl.memory_rollout import HEADROOM
+    from hybrid_rl.rollout import decode_path
+
+    GiB = 2**30
+    stats = {"reserved_bytes.all.current": 10 * GiB, "allocated_bytes.all.current": 4 * GiB,
+             "inactive_split_bytes.all.current": 5 * GiB}  # 1 GiB in wholly free segments
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 * GiB, 80 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: stats)
+
+    class Cuda:
+        type = "cuda"
+
+    assert decode_path.device_free_bytes(Cuda()) == 21 * GiB - int(HEADROOM * 80 * GiB)
+    assert decode_path.plannable_bytes(1 * GiB, 80 * GiB, stats, 0.5) == 0  # never negative
+    assert decode_path.plannable_bytes(3 * GiB, 8 * GiB, {}, 0.0) == 3 * GiB  # allocator not started yet
