@@ -104,7 +104,7 @@ class SGLangEngine:
         self.freed_bytes = 0  # device memory that came back at the last release (CUDA; 0 on CPU)
         self._kv_bytes = 0
         self._restore_settings: Optional[str] = None  # the allocator's settings while an export switched them
-        self._calls = EngineThread()  # a dedicated thread inside a running event loop (a notebook cell)
+        self._calls = EngineThread(self.device)  # a dedicated thread inside a running event loop (a notebook cell)
         self.engine = None
         if self.is_owner:
             self.engine = self._calls.run(self._start, model_path, mem_fraction, seed, engine_kwargs or {})

@@ -12,7 +12,9 @@ from, one dedicated thread as soon as the calling thread runs a loop: that threa
 so the Engine gets and keeps a loop of its own. Off a running loop (scripts, torchrun)
 nothing changes. Built on that thread, SGLang installs no SIGQUIT handler (signal handlers
 are for the main thread only): a scheduler failure then ends this process through SIGQUIT's
-default action instead of SGLang's process-tree kill; the kernel dies either way.
+default action instead of SGLang's process-tree kill; the kernel dies either way. A new
+thread's current CUDA device is cuda:0 whatever the caller's is, so the engine thread sets the
+engine's device first (the Engine's own CUDA work, the adapter's memory reads there).
 """
 from __future__ import annotations
 
@@ -39,8 +41,10 @@ def loop_running() -> bool:
 class EngineThread:
     """Runs Engine construction and calls inline, or on one dedicated thread once a loop runs here."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: Any = None) -> None:
+        """device: the engine's torch.device; a CUDA one becomes the current device of the engine thread."""
         self._pool: Optional[ThreadPoolExecutor] = None
+        self._device = device
 
     @property
     def dedicated(self) -> bool:
@@ -50,7 +54,12 @@ class EngineThread:
         """fn(*args, **kwargs) here, or on the engine's thread (where it stays once it is used:
         the Engine's loop was made, or last ran, there)."""
         if self._pool is None and loop_running():
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-engine")
+            setup: dict[str, Any] = {}
+            if getattr(self._device, "type", None) == "cuda":
+                import torch
+
+                setup = {"initializer": torch.cuda.set_device, "initargs": (self._device,)}
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-engine", **setup)
         if self._pool is None:
             return fn(*args, **kwargs)
         return self._pool.submit(fn, *args, **kwargs).result()
