@@ -4,7 +4,10 @@
     python recipes/grpo_7b.py --dry-run [--gpus 8] [--gpu-mem-gib 80] [key.sub=value ...]
 
 --dry-run prints the resolved config and the memory plan, loads no weights, and exits
-non-zero when a phase would not fit. A real start plans the same way for the GPUs it
+non-zero when a phase would not fit. It plans as the trainer's offload.auto does
+(hybrid_rl/plan_config.py): the reward model's config.json, and the prompt lengths measured
+on the dataset when the tokenizer and data are local (else data.max_prompt_tokens); it
+prints which. A real start plans the same way for the GPUs it
 runs on (or for --gpu-mem-gib) and refuses, printing the plan and the change to make,
 when a phase does not fit. The rollout engine is SGLang when `sglang` is importable,
 else the native engine (the log says which). On CPU, with a tiny model substituted:
@@ -22,8 +25,9 @@ import sys
 from omegaconf import OmegaConf
 
 from hybrid_rl import Trainer, distributed, load_config
-from hybrid_rl.memory_plan import GIB, PHASES, builtin_arch, load_arch, plan_memory, suggest_offload
+from hybrid_rl.memory_plan import GIB, PHASES
 from hybrid_rl.plan import format_plan
+from hybrid_rl.plan_config import PromptTokens, plan_from_config, prompt_tokens_for_plan
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -39,31 +43,17 @@ def choose_engine(overrides: list[str]) -> tuple[list[str], str]:
         "rollout engine: native (sglang is not importable here; pip install 'hybrid_rl[gpu]' on a GPU machine)")
 
 
-def memory_plan(cfg, n_gpus: int, gpu_mem_gib: float):
-    """The planner's bill for this config: (plan, suggestion); no weights are read."""
-    path = cfg.model.path
-    has_config = os.path.isfile(os.path.join(path, "config.json"))
-    arch = load_arch(path) if has_config else builtin_arch(os.path.basename(os.path.normpath(path)))
-    has_ref = cfg.algorithm.needs_ref_model
-    off = cfg.offload
-    flags = {"optimizer": off.optimizer, "ref": off.ref or not has_ref, "params": off.params}
-    ro = cfg.rollout
-    tp = ro.tp_size if ro.engine in ("sglang", "vllm") else 1
-    prompt_tokens = cfg.data.max_prompt_tokens or 1024
-    # The native engine decodes what fits in a batch: its prefill, sampler and graph pools are billed too.
-    native = dict(native_prompt_tokens=prompt_tokens, native_top_p=cfg.rollout.top_p < 1.0,
-                  native_samples_per_prompt=cfg.rollout.n) if cfg.rollout.engine == "native" else {}
-    kw = dict(tp_size=tp, gpu_mem_gib=gpu_mem_gib, train_micro_batch=cfg.trainer.micro_batch_size,
-              gradient_checkpointing=cfg.model.gradient_checkpointing, engine=ro.engine, **native)
-    if ro.engine == "vllm":  # the KV cache vLLM allocates at start, as rollout/vllm_setup.py sizes it
-        kw.update(kv_cache_budget=ro.kv_cache_bytes, mem_fraction=ro.mem_fraction)
-    dtype = "fp32" if cfg.model.dtype == "float32" else "bf16"
-    sequences = cfg.data.batch_size * cfg.rollout.n
-    context = prompt_tokens + cfg.rollout.max_new_tokens
-    suggestion = suggest_offload(arch, n_gpus, dtype, sequences, context, flags, **kw)
-    if off.auto:  # the trainer takes the planner's advice itself
-        flags = suggestion["offload"]
-    return plan_memory(arch, n_gpus, dtype, sequences, context, flags, **kw), suggestion
+def memory_plan(cfg, n_gpus: int, gpu_mem_gib: float, prompts: PromptTokens | None = None):
+    """The planner's bill for this config, as the trainer's offload.auto plans it (hybrid_rl/plan_config.py):
+    (plan, suggestion). No weights are read; prompts: the prompt length to bill (default: measured if local)."""
+    prompts = prompts or prompt_tokens_for_plan(cfg)
+    return plan_from_config(cfg, n_gpus, gpu_mem_gib, prompt_tokens=prompts.tokens)
+
+
+def plan_inputs(cfg, prompts: PromptTokens) -> str:
+    """What the plan billed that a run measures: the prompt length and the reward model."""
+    rm = f"reward.model_path={cfg.reward.model_path}" if cfg.reward.model_path else f"none (rule reward {cfg.reward.name})"
+    return f"planned for prompts of {prompts.tokens} tokens: {prompts.source}\nreward model billed: {rm}"
 
 
 def verdict(plan, suggestion) -> str:
@@ -91,7 +81,9 @@ def main(argv: list[str]) -> dict:
     if args.dry_run:
         print(engine_note)
         print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-        plan, suggestion = memory_plan(cfg, args.gpus or 8, args.gpu_mem_gib or 80.0)
+        prompts = prompt_tokens_for_plan(cfg)
+        plan, suggestion = memory_plan(cfg, args.gpus or 8, args.gpu_mem_gib or 80.0, prompts)
+        print(plan_inputs(cfg, prompts))
         print(format_plan(plan, suggestion))
         refusal = verdict(plan, suggestion)
         if refusal:
@@ -106,9 +98,11 @@ def main(argv: list[str]) -> dict:
     if distributed.is_main():
         print(engine_note)
     if gpu_mem is not None:  # on CPU the device is host memory: nothing to plan for unless asked
-        plan, suggestion = memory_plan(cfg, args.gpus or distributed.world_size(), gpu_mem)
+        prompts = prompt_tokens_for_plan(cfg)
+        plan, suggestion = memory_plan(cfg, args.gpus or distributed.world_size(), gpu_mem, prompts)
         refusal = verdict(plan, suggestion)
         if distributed.is_main():
+            print(plan_inputs(cfg, prompts))
             print(format_plan(plan, suggestion))
         if refusal:
             distributed.shutdown()

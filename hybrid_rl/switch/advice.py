@@ -4,13 +4,14 @@ Called once before the model is built, so a run that cannot fit says so up front
 """
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from hybrid_rl import memory_plan
+from hybrid_rl.plan_config import plan_from_config
 
 
 @dataclass
@@ -22,21 +23,19 @@ class OffloadDecision:
     params: bool
     message: str
     reward_model: bool = False
+    plan: Optional[memory_plan.MemoryPlan] = None  # offload.auto on CUDA: the plan the flags come from
 
 
-def decide_offload(offload, model_path: str, device: torch.device, world_size: int, mixed_precision: bool,
-                   sequences: int, context: int, has_ref: bool, reward_model_path: str = "",
-                   rollout=None) -> OffloadDecision:
+def decide_offload(cfg, device: torch.device, world_size: int, mixed_precision: bool,
+                   prompt_tokens: int) -> OffloadDecision:
     """Turn `cfg.offload` into the flags the phase switch uses.
 
-    sequences: rollout sequences per step over all ranks (batch x samples); context:
-    prompt + response tokens per sequence; reward_model_path: the run's reward model
-    directory ("" = none: rule rewards); rollout: `cfg.rollout` (None: one engine per rank,
-    KV cache from the batch), whose engine, tp_size and, for vLLM, kv_cache_bytes and
-    mem_fraction size the engine's weight copy and KV cache in the plan. Warnings, not
-    errors, for flags that name a role the run does not have.
+    prompt_tokens: the longest training prompt in tokens. With offload.auto on CUDA the flags are those of
+    plan_config.plan_from_config, the plan recipes/grpo_7b.py's dry run prints for the same config and
+    prompt length. Warnings, not errors, for flags that name a role the run does not have.
     """
-    has_rm = bool(reward_model_path)
+    offload = cfg.offload
+    has_ref, has_rm = cfg.algorithm.needs_ref_model, bool(cfg.reward.model_path)
     if offload.reward_model and not has_rm:
         warnings.warn("offload.reward_model is set but this run has no reward model (reward.model_path is empty); "
                       "ignored")
@@ -49,30 +48,15 @@ def decide_offload(offload, model_path: str, device: torch.device, world_size: i
     if device.type != "cuda":
         return OffloadDecision(False, False, False,
                                "offload.auto: on CPU the device is the host memory, so nothing is offloaded")
-    arch = memory_plan.ModelArch.from_hf_config(os.path.join(model_path, "config.json"))
-    rm_arch = memory_plan.ModelArch.from_hf_config(os.path.join(reward_model_path, "config.json")) if has_rm else None
     gib = torch.cuda.get_device_properties(device).total_memory / memory_plan.GIB
-    # Roles this run does not have are treated as already "offloaded" (they hold nothing).
-    base = {"ref": not has_ref, "reward_model": not has_rm}
-    advice = memory_plan.suggest_offload(arch, world_size, "bf16" if mixed_precision else "fp32", sequences, context,
-                                         offload=base, gpu_mem_gib=gib, reward_arch=rm_arch, **_engine_plan(rollout))
+    plan, advice = plan_from_config(cfg, world_size, gib, prompt_tokens=prompt_tokens,
+                                    mixed_precision=mixed_precision)
     flags = advice["offload"]
     if not advice["fits"]:
         warnings.warn(f"offload.auto: {advice['message']}")
     return OffloadDecision(flags["optimizer"], has_ref and flags["ref"], flags["params"],
                            f"offload.auto ({gib:.0f} GiB per GPU): {advice['message']}",
-                           reward_model=has_rm and flags["reward_model"])
-
-
-def _engine_plan(rollout) -> dict:
-    """The planner's engine arguments: an engine with its own copy is sharded over tp_size ranks, and vLLM's
-    KV cache is what its adapter allocates (memory_rollout.vllm_kv_budget)."""
-    if rollout is None:
-        return {}
-    kw = {"engine": rollout.engine, "tp_size": rollout.tp_size}
-    if rollout.engine == "vllm":
-        kw.update(kv_cache_budget=rollout.kv_cache_bytes, mem_fraction=rollout.mem_fraction)
-    return kw
+                           reward_model=has_rm and flags["reward_model"], plan=plan)
 
 
 def sglang_kv_room_warning(optimizer_bytes: int, free_bytes: int, mem_fraction: float | None,

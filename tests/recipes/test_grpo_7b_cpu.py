@@ -108,6 +108,9 @@ def test_dry_run_prints_the_config_and_the_plan_for_8_x_80gb(capsys):
     assert "model Qwen2.5-7B: N = 7,615,616,512 params" in out
     assert "GPUs 8," in out and "batch 5120 seqs x context 1536 tokens; GPU memory 80 GiB" in out
     assert "learner 16N = 121.85 GB" in out
+    # No tokenizer or weights here: the prompts are billed at data.max_prompt_tokens, and the output says so.
+    assert "planned for prompts of 512 tokens: data.max_prompt_tokens (no tokenizer at model.path" in out
+    assert "reward model billed: none (rule reward gsm8k)" in out
     for phase in ("train", "rollout", "score"):
         assert re.search(rf"^{phase} .* per GPU: fits", out, re.M), phase
     capsys.readouterr()
@@ -153,6 +156,91 @@ def test_a_real_start_refuses_before_any_weights_load(tiny_model_dir, tmp_path, 
         grpo_7b.main([f"model.path={tiny_model_dir}", f"trainer.out_dir={tmp_path}", "trainer.device=cpu",
                       "--gpu-mem-gib", "0.0001", "--gpus", "1"])
     assert "model model: N = " in capsys.readouterr().out  # planned from the directory's config.json
+
+
+def _classifier_dir(path) -> str:
+    """A reward model directory holding only its config.json: Qwen2.5-0.5B's shape as a 1-label classifier."""
+    from hybrid_rl.memory_plan import builtin_arch
+
+    a = builtin_arch("Qwen2.5-0.5B")
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"architectures": ["Qwen2ForSequenceClassification"], "model_type": "qwen2", "num_labels": 1,
+                   "hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size,
+                   "num_hidden_layers": a.num_hidden_layers, "num_attention_heads": a.num_attention_heads,
+                   "num_key_value_heads": a.num_key_value_heads, "vocab_size": a.vocab_size}, f)
+    return str(path)
+
+
+def test_dry_run_bills_the_reward_model(tmp_path, capsys):
+    """reward.model_path's config.json is billed as the trainer bills it (a REWARD phase holding the reward
+    model); the recipe used to plan as if there were none. Mutation: plan_from_config without reward_arch."""
+    rm = _classifier_dir(tmp_path / "rm")
+    without = grpo_7b.main(["--dry-run", "rollout.engine=sglang"])
+    capsys.readouterr()
+    with_rm = grpo_7b.main(["--dry-run", "rollout.engine=sglang", f"reward.model_path={rm}"])
+    out = capsys.readouterr().out
+    assert without["phase_totals"]["reward"] == 0 and with_rm["phase_totals"]["reward"] > 0
+    assert f"reward model billed: reward.model_path={rm}" in out
+    cfg = grpo_7b.load_config(os.path.join(ROOT, "recipes", "grpo_7b.yaml"),
+                              ["rollout.engine=sglang", f"reward.model_path={rm}"])
+    plan, _ = grpo_7b.memory_plan(cfg, 8, 80.0)
+    assert plan.reward_params == 494_032_768 + 896  # Qwen2.5-0.5B (tied: no lm_head) + a 1 x 896 score head
+    assert plan.phases["reward"]["reward_model"] == plan.per_gpu["reward_model"] > 0
+
+
+@pytest.mark.parametrize("engine", ["native", "sglang", "vllm"])
+def test_the_dry_run_plan_is_decide_offloads_plan(tmp_path, monkeypatch, engine):
+    """One plan from a config: with offload.auto, what the recipe prints for a prompt length is the plan the
+    trainer's decide_offload takes its flags from (fake 80 GiB GPUs), reward model included. Mutation: any
+    planner argument the two derive differently (micro-batch, engine, reward model, dtype) fails it."""
+    import torch
+
+    from hybrid_rl.plan_config import PromptTokens
+    from hybrid_rl.switch.advice import decide_offload
+
+    props = type("Props", (), {"total_memory": 80 * 2**30})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    rm = _classifier_dir(tmp_path / "rm")
+    overrides = [f"rollout.engine={engine}", "rollout.tp_size=1" if engine == "native" else "rollout.tp_size=2",
+                 f"reward.model_path={rm}", "offload.auto=true"]
+    cfg = grpo_7b.load_config(os.path.join(ROOT, "recipes", "grpo_7b.yaml"), overrides)
+    recipe_plan, suggestion = grpo_7b.memory_plan(cfg, 8, 80.0, PromptTokens(300, "test"))
+    decision = decide_offload(cfg, torch.device("cuda"), 8, True, prompt_tokens=300)
+    assert decision.plan == recipe_plan
+    assert recipe_plan.reward_params > 0 and recipe_plan.context == 300 + cfg.rollout.max_new_tokens
+    assert (decision.optimizer, decision.params) == (suggestion["offload"]["optimizer"], suggestion["offload"]["params"])
+
+
+def test_dry_run_measures_the_prompts_the_trainer_measures(tmp_path, monkeypatch, capsys):
+    """With a local tokenizer and GSM8K the dry run bills the longest of the first 256 prompts the trainer keeps
+    (chat template on, those over data.max_prompt_tokens dropped): the number the trainer hands decide_offload.
+    Mutation: measuring before the long prompts are dropped, or without the chat template, fails it."""
+    import hybrid_rl.trainer as trainer_mod
+    from hybrid_rl.models.tiny_text import build_tiny_text_model_dir
+
+    model = build_tiny_text_model_dir(str(tmp_path / "model"), max_positions=512)
+    overrides = [f"model.path={model}", "rollout.max_new_tokens=24", "data.max_prompt_tokens=200",
+                 "data.val_size=4", "data.val_batch_size=4", "trainer.device=cpu", f"trainer.out_dir={tmp_path / 'run'}",
+                 "trainer.micro_batch_size=16", "data.batch_size=4", "rollout.n=4",
+                 "algorithm.mini_batch_size=0"]
+    grpo_7b.main(["--dry-run", *overrides])
+    m = re.search(r"planned for prompts of (\d+) tokens: the longest of the first 256 training prompts of \S+gsm8k",
+                  capsys.readouterr().out)
+    assert m, "the dry run did not measure the local prompts"
+
+    class Seen(Exception):
+        pass
+
+    def spy(*args, prompt_tokens, **kwargs):
+        raise Seen(prompt_tokens)
+
+    monkeypatch.setattr(trainer_mod, "decide_offload", spy)
+    cfg = grpo_7b.load_config(os.path.join(ROOT, "recipes", "grpo_7b.yaml"), ["rollout.engine=native",
+                                                                               "rollout.tp_size=1", *overrides])
+    with pytest.raises(Seen) as seen:
+        trainer_mod.Trainer(cfg)
+    assert int(m.group(1)) == seen.value.args[0]
 
 
 def test_engine_is_sglang_when_importable_else_native(monkeypatch):

@@ -359,17 +359,20 @@ def test_decide_offload_takes_vllms_weights_and_kv_cache_into_account(tmp_path, 
     gpu_memory_utilization 0.9: KV = 77.31 - 15.23 = 62.08 GB, 92.54 GB in all: the optimizer goes."""
     import torch
 
-    from hybrid_rl.config import OffloadConfig, RolloutConfig
+    from hybrid_rl.config import Config, DataConfig, ModelConfig, OffloadConfig, RolloutConfig, TrainerConfig
     from hybrid_rl.switch.advice import decide_offload
 
     props = type("Props", (), {"total_memory": 80 * GIB})()
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
-    args = dict(model_path=_qwen7b_dir(tmp_path), device=torch.device("cuda"), world_size=8, mixed_precision=True,
-                sequences=64, context=1000, has_ref=True)
-    auto = OffloadConfig(auto=True)
+    model = _qwen7b_dir(tmp_path)
 
     def flags(**rollout):
-        d = decide_offload(auto, **args, rollout=RolloutConfig(**rollout) if rollout else None)
+        # 16 prompts x 4 samples, 488 prompt + 512 new tokens; sglang at tp 1 is the generic bill.
+        cfg = Config(model=ModelConfig(path=model), data=DataConfig(batch_size=16),
+                     rollout=RolloutConfig(**{"engine": "sglang", "n": 4, "max_new_tokens": 512, **rollout}),
+                     trainer=TrainerConfig(micro_batch_size=4), offload=OffloadConfig(auto=True))
+        d = decide_offload(cfg, torch.device("cuda"), 8, True, prompt_tokens=488)
+        assert d.plan is not None and (d.plan.batch, d.plan.context) == (64, 1000)
         return d.optimizer, d.params
     # the generic bill and vLLM's null budget (one batch: 64 x 1024 tokens, 3.76 GB) fit without offload
     assert flags() == flags(engine="vllm") == (False, False)

@@ -97,16 +97,19 @@ def _offload_cfg(**kw):
 def test_decide_offload_warns_for_missing_roles_and_auto_on_cpu(tiny_model_dir):
     from hybrid_rl.switch.advice import decide_offload
 
-    args = dict(model_path=tiny_model_dir, device=torch.device("cpu"), world_size=1, mixed_precision=False,
-                sequences=16, context=12, has_ref=False)
+    args = dict(device=torch.device("cpu"), world_size=1, mixed_precision=False, prompt_tokens=4)
+
+    def cfg(**offload):
+        return SimpleNamespace(offload=_offload_cfg(**offload), model=SimpleNamespace(path=tiny_model_dir),
+                               algorithm=SimpleNamespace(needs_ref_model=False), reward=SimpleNamespace(model_path=""))
     with pytest.warns(UserWarning, match="no reward model"):
-        d = decide_offload(_offload_cfg(reward_model=True), **args)
+        d = decide_offload(cfg(reward_model=True), **args)
     assert (d.optimizer, d.ref, d.params) == (False, False, False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        d = decide_offload(_offload_cfg(optimizer=True), **args)
+        d = decide_offload(cfg(optimizer=True), **args)
     assert d.optimizer and not d.ref
-    d = decide_offload(_offload_cfg(auto=True, optimizer=True), **args)
+    d = decide_offload(cfg(auto=True, optimizer=True), **args)
     assert not d.optimizer and "CPU" in d.message
 
 
