@@ -25,7 +25,6 @@ from hybrid_rl.algorithms.advantages import (
 from hybrid_rl.algorithms.aggregation import (
     LOSS_AGG_MODES,
     aggregate_loss,
-    masked_mean,
     masked_sum,
     normalizer_count,
 )
@@ -61,7 +60,6 @@ __all__ = [
     "LOSS_AGG_MODES",
     "normalizer_count",
     "aggregate_loss",
-    "masked_mean",
     "masked_sum",
     "KL_ESTIMATORS",
     "kl_estimate",

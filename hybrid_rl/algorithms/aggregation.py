@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["LOSS_AGG_MODES", "normalizer_count", "aggregate_loss", "masked_mean", "masked_sum"]
+__all__ = ["LOSS_AGG_MODES", "normalizer_count", "aggregate_loss", "masked_sum"]
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -68,17 +68,6 @@ def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
         raise ValueError(f"x and mask must have the same shape, got {tuple(x.shape)} and {tuple(mask.shape)}")
     kept = torch.where(mask != 0, x, torch.zeros((), dtype=x.dtype, device=x.device))
     return kept.sum() if dim is None else kept.sum(dim=dim)
-
-
-def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    """Mean of x over entries where mask != 0; 0 (not NaN) where nothing is valid.
-
-    x and mask: same shape. dim=None reduces everything to a 0-d tensor,
-    otherwise reduces along dim.
-    """
-    total = masked_sum(x, mask, dim)
-    count = (mask != 0).sum() if dim is None else (mask != 0).sum(dim=dim)
-    return total / count.clamp(min=1).to(total.dtype)
 
 
 def normalizer_count(mask_NT: Tensor, mode: str, *, count_empty_rows: bool = False) -> float:

@@ -20,9 +20,6 @@ import random
 from dataclasses import dataclass
 from typing import Optional
 
-TASKS = ["digits", "gsm8k", "jsonl", "parquet"]
-
-
 @dataclass
 class Datasets:
     train: list[dict]
@@ -177,7 +174,7 @@ class PromptLoader:
 
     Its position (epoch, cursor, seed) is a plain, JSON-safe dict via state_dict /
     load_state_dict, and restoring it replays the same batches: a checkpoint saves it with the
-    run's other state (trainer_state.py), so a resumed run draws the batches it would have drawn.
+    run's other state (run_state.py), so a resumed run draws the batches it would have drawn.
     """
 
     def __init__(self, rows: list[dict], batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0):

@@ -9,7 +9,7 @@ from hybrid_rl.algorithms import (
     LOSS_AGG_MODES,
     aggregate_loss,
     compute_policy_loss,
-    masked_mean,
+    masked_sum,
     normalizer_count,
 )
 
@@ -75,12 +75,20 @@ def test_normalizer_count_values():
     assert isinstance(normalizer_count(mask_NT, "token-mean"), float)
 
 
+def _naive_masked_mean(loss_NT, mask_NT):
+    """(mean over every valid token, mean over rows of each row's valid-token mean; 0 for an empty row)."""
+    rows = [[float(x) for x, m in zip(r, mr) if m] for r, mr in zip(loss_NT.tolist(), mask_NT.tolist())]
+    tokens = [x for r in rows for x in r]
+    return sum(tokens) / max(len(tokens), 1), sum(sum(r) / max(len(r), 1) for r in rows) / len(rows)
+
+
 def test_token_mean_equals_masked_mean_and_grpo_seq_mean():
     loss_NT, mask_NT = _random_batch(1, 4, 6)
+    token_mean, seq_mean = _naive_masked_mean(loss_NT, mask_NT)
     d = normalizer_count(mask_NT, "token-mean")
-    assert torch.allclose(aggregate_loss(loss_NT, mask_NT, "token-mean", d), masked_mean(loss_NT, mask_NT))
+    assert torch.allclose(aggregate_loss(loss_NT, mask_NT, "token-mean", d), torch.tensor(token_mean, dtype=torch.float64))
     d = normalizer_count(mask_NT, "seq-mean-token-mean")
-    want = masked_mean(loss_NT, mask_NT, dim=1).mean()
+    want = torch.tensor(seq_mean, dtype=torch.float64)
     assert torch.allclose(aggregate_loss(loss_NT, mask_NT, "seq-mean-token-mean", d), want)
 
 
@@ -167,13 +175,14 @@ def test_tensor_normaliser_matches_float():
         assert torch.allclose(a, b)
 
 
-def test_masked_mean():
+def test_masked_sum():
+    # (masked_mean, which only this test used, was removed as dead code; its masking checks stay.)
     x = torch.tensor([[1.0, 2.0, float("inf")], [4.0, 5.0, 6.0]])
     m = torch.tensor([[1, 1, 0], [0, 0, 0]])
-    assert masked_mean(x, m).item() == 1.5
-    assert torch.equal(masked_mean(x, m, dim=1), torch.tensor([1.5, 0.0]))
+    assert masked_sum(x, m).item() == 3.0
+    assert torch.equal(masked_sum(x, m, dim=1), torch.tensor([3.0, 0.0]))
     with pytest.raises(ValueError, match="same shape"):
-        masked_mean(x, m[:, :2])
+        masked_sum(x, m[:, :2])
 
 
 @pytest.mark.parametrize(
