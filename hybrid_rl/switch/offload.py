@@ -15,6 +15,7 @@ round trip is bit-exact and uses public APIs only.
 """
 from __future__ import annotations
 
+import types
 import warnings
 import weakref
 from typing import Iterator
@@ -117,8 +118,12 @@ class ModuleOffloader:
     (the same storage) and optimizer references all stay valid, as when FSDP2 frees its own
     unsharded parameters. `module.to("cpu")` instead allocated fresh pageable host memory
     every step, and its copy back from pageable memory waited for the device.
-    While offloaded, a forward of the module raises, saying so. A storage torch cannot
-    resize (memory-mapped, imported) is copied both ways but keeps its memory.
+    While offloaded, a forward of the module raises, saying so, and so do `load_state_dict` (a
+    checkpoint load, `set_state_dict`) and `_apply` (`.to()`, `.cuda()`, `.float()`, `to_empty`) on
+    it or any of its submodules: both end in FSDP2's `FSDPParam.reset_sharded_param`, whose
+    `data_ptr() > 0` test fails for a freed storage, so an uneven shard is re-padded by copying
+    from the freed memory (a crash, or garbage), and a load would write into freed storage. A
+    storage torch cannot resize (memory-mapped, imported) is copied both ways but keeps its memory.
 
     free_storage: empty the storages after the copy (None: on a device, not on CPU). On CPU
     with always_copy the copies run but the memory stays by default, so code that writes into
@@ -186,8 +191,13 @@ class ModuleOffloader:
                               "memory torch cannot resize (imported or memory-mapped) and stay on the device; "
                               "give the module tensors that torch allocated (e.g. clone them) to free it")
             # prepend: before FSDP2's pre-forward, whose all-gather would fail on the empty shards first
-            hook = self.module.register_forward_pre_hook(_refuse_offloaded, prepend=True)
-            _PARKED[self.module] = _Parked(self._host, layout, hook, self.device, self.pin)
+            hooks = [self.module.register_forward_pre_hook(_refuse_offloaded, prepend=True)]
+            modules = list(self.module.modules())
+            for m in modules:
+                hooks.append(m.register_load_state_dict_pre_hook(_refuse_load))
+                m._apply = types.MethodType(_refuse_apply, m)  # shadows the class's until the onload
+            _PARKED[self.module] = _Parked(self._host, layout, hooks, [weakref.ref(m) for m in modules],
+                                           self.device, self.pin)
             # Counted as the planner and the ledger count (each tensor's own bytes); the few bytes of
             # FSDP2's padding at the end of an uneven shard are copied too.
             moved = sum(local_bytes(t) for t in [*self.module.parameters(), *self.module.buffers()])
@@ -215,8 +225,9 @@ class _Parked:
     to the module), so that a later offloader of the module (a second PhaseManager over the same
     reference model) finds it offloaded and brings it back."""
 
-    def __init__(self, host: torch.Tensor, layout: list, hook, device: torch.device, pin: bool):
-        self.host, self.layout, self.hook, self.device, self.pin = host, layout, hook, device, pin
+    def __init__(self, host: torch.Tensor, layout: list, hooks: list, modules: list, device: torch.device, pin: bool):
+        self.host, self.layout, self.hooks, self.device, self.pin = host, layout, hooks, device, pin
+        self.modules = modules  # weak references: the module is this dict entry's key
 
     def restore(self) -> None:
         for st, offset, nbytes in self.layout:
@@ -224,7 +235,12 @@ class _Parked:
                 st.resize_(nbytes)
             _bytes_of(st).copy_(self.host[offset:offset + nbytes], non_blocking=self.pin)
         _sync(self.device)  # the host buffer is written again at the next offload
-        self.hook.remove()
+        for hook in self.hooks:
+            hook.remove()
+        for ref in self.modules:
+            m = ref()
+            if m is not None and "_apply" in m.__dict__:
+                del m._apply
 
 
 _PARKED: "weakref.WeakKeyDictionary[torch.nn.Module, _Parked]" = weakref.WeakKeyDictionary()
@@ -234,6 +250,18 @@ def _refuse_offloaded(module: torch.nn.Module, args) -> None:
     raise RuntimeError(f"{type(module).__name__} is offloaded to host memory by the phase switch: run it inside the "
                        "phase that holds it (the reference model in `with phases.score()`, the reward model in "
                        "`phases.reward()`), or onload it first")
+
+
+def _refuse_load(module: torch.nn.Module, *args) -> None:
+    raise RuntimeError(f"load_state_dict on {type(module).__name__}, which is offloaded to host memory by the phase "
+                       "switch (its device storage is freed, and FSDP2 would re-pad its shards from it): load inside "
+                       "the phase that holds it (`with phases.train()` for the policy), or onload it first")
+
+
+def _refuse_apply(module: torch.nn.Module, *args, **kwargs) -> None:
+    raise RuntimeError(f"{type(module).__name__} is offloaded to host memory by the phase switch, so it cannot be "
+                       "moved or cast (.to(), .cuda(), .float(), to_empty: FSDP2 would re-pad its shards from freed "
+                       "storage); do it inside the phase that holds it, or onload it first")
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
