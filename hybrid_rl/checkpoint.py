@@ -7,7 +7,7 @@ One checkpoint is a directory `<root>/step_00000010` holding
                    export needs no process group and no GPU
     rank_00000.pt  what each rank's next step reads besides the weights: RNG states (torch,
                    CUDA, Python, NumPy), prompt-loader position, step counters, LR scheduler,
-                   KL controller, reward normaliser (`Trainer._resume_state`)
+                   KL controller, reward normaliser (`run_state.Checkpointer.rank_state`)
     hf/            config.json + tokenizer of the policy: what `python -m hybrid_rl.export` needs
     meta.json      step, world size, model fingerprint, format version, and the resolved config of
                    the run that wrote it (checked on resume)

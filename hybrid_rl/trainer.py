@@ -32,9 +32,9 @@ import torch
 
 from hybrid_rl import checkpoint as ckpt
 from hybrid_rl import distributed as D
-from hybrid_rl.algorithms.advantages import compute_advantages
+from hybrid_rl.algorithms.advantages import compute_advantages, takes_token_kl
 from hybrid_rl.algorithms.correction import rollout_correction
-from hybrid_rl.algorithms.dapo import overlong_penalty, truncation_mask
+from hybrid_rl.algorithms.dapo import truncation_mask
 from hybrid_rl.algorithms.kl import AdaptiveKLController, FixedKLController, kl_estimate, kl_penalty_rewards
 from hybrid_rl.batch import RolloutBatch
 from hybrid_rl.config import Config, load_config, save_config
@@ -48,36 +48,47 @@ from hybrid_rl.switch.phases import PhaseManager
 from hybrid_rl.metrics import MeanAccumulator, StageTimer, bottleneck, plot_curve, split_summary
 from hybrid_rl.models.fsdp import load_sharded, prepare_policy
 from hybrid_rl.models.loading import load_tokenizer, model_eos_ids
-from hybrid_rl.rewards.base import RewardFn, compute_rewards
-from hybrid_rl.rewards.combine import combine
+from hybrid_rl.rewards.base import RewardFn
 from hybrid_rl.rewards.setup import RewardSetup
 from hybrid_rl.rollout.base import Completion, SamplingParams, engine_class, response_bodies
+from hybrid_rl.run_state import Checkpointer, RunState, find_resume
 from hybrid_rl.sampling import GroupCollector
 from hybrid_rl.stop import StopSignal, TrainingInterrupted
-from hybrid_rl.trainer_state import Checkpointing
 from hybrid_rl.update import TrainBatch, policy_update, score_logprobs, scores_old_policy
-from hybrid_rl.validation import check_val_set, validate
+from hybrid_rl.validation import Validator, check_val_set
 
 
 
-class Trainer(Checkpointing):
+class Trainer:
     def __init__(self, cfg: Config, reward_fn: Optional[RewardFn] = None):
         """`reward_fn`: a reward function (prompts, completions, metadata) -> floats, instead of the
         registry's `reward.name` or an imported `reward.fn`; it gets the same checks (rewards/base.py).
         `cfg` is checked again as `load_config` checks it (types and values): a notebook may have changed
         fields after loading it (`cfg.rollout.n = 1`), which no check had seen."""
-        cfg = load_config(base=cfg)
-        self.cfg = cfg
+        self.cfg = load_config(base=cfg)
+        resume_meta = self._build_runtime()  # device, the checks that need no model, the checkpoint to resume
+        # The reward's parts (rule, model); the reward model's directory, tokenizer and score are checked here.
+        self.rewards = RewardSetup.resolve(self.cfg, reward_fn)
+        train_rows, val_rows = self._build_data()  # tokenizer, stop tokens, prompts; the reward probed
+        self._build_models(train_rows)  # offload plan, policy, reference, reward model
+        self._build_optimizer()
+        self._build_engine_and_phases(train_rows, val_rows)
+        self._build_collaborators(val_rows, resume_meta)  # checkpointer, validator, out_dir, loggers
+        if self.resume_from:
+            self.checkpointer.restore(self.resume_from)
+        D.barrier()
+
+    def _build_runtime(self) -> Optional[dict]:
+        """The device and process-wide settings; everything a user can get wrong is checked before a model is
+        built, and the checkpoint to resume from is found and checked before anything is built or written."""
+        cfg = self.cfg
         self.device = D.init(cfg.trainer.device, cfg.trainer.dist_timeout_s)
         if self.device.type == "cpu" and cfg.trainer.keep_host_memory:
             keep_freed_blocks()
-        # Everything a user can get wrong is checked before a model is built.
         cfg.validate_runtime(D.world_size())
         with open(os.path.join(cfg.model.path, "config.json")) as f:
             self._model_config = json.load(f)
-        # The checkpoint to resume from is found and checked before anything is built or written.
-        self.resume_from, resume_meta = self._find_resume()
-        a = cfg.algorithm
+        self.resume_from, resume_meta = find_resume(cfg, self._model_config)
         if cfg.rollout.engine == "sglang":
             from hybrid_rl.rollout.sglang import check_available
 
@@ -89,17 +100,13 @@ class Trainer(Checkpointing):
         if self.device.type == "cpu" and cfg.model.dtype == "bfloat16":
             warnings.warn("model.dtype=bfloat16 is ignored on CPU: the policy trains in float32 there "
                           "(bf16 mixed precision is a CUDA path)")
-        # DAPO's buffer is a fifth of the maximum length (4096 of 20480); rounded down.
-        buffer = a.overlong_buffer_len
-        self.overlong_buffer = buffer if buffer is not None else cfg.rollout.max_new_tokens // 5
-        self.kl_ctl = (AdaptiveKLController(a.kl_coef, a.target_kl, a.kl_horizon) if a.kl_controller == "adaptive"
-                       else FixedKLController(a.kl_coef))
         check_loggers(cfg.trainer.loggers)
         ckpt.seed_all(cfg.trainer.seed)
-        # The reward's parts (rule, model); the reward model's directory, tokenizer and score are checked here.
-        self.rewards = RewardSetup.resolve(cfg, reward_fn)
-        self.reward_name, self.reward, self.reward_weights = self.rewards.name, self.rewards.rule, self.rewards.weights
-        self.reward_norm = self.rewards.norm
+        return resume_meta
+
+    def _build_data(self) -> tuple[list[dict], list[dict]]:
+        """(train rows, validation rows), tokenized and checked; the run state with its prompt loader."""
+        cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.model.path)
         # Every engine stops on the same ids: rollout.stop_token_ids and the EOS ids the model's configs
         # declare (SGLang stops on those whatever it is asked; the native engine adds the tokenizer's EOS).
@@ -111,33 +118,39 @@ class Trainer(Checkpointing):
                                     cfg.data.system_prompt)
         data = load_datasets(cfg.data)
         rows = self._prepare_rows(data.train, data.train_source, "train")
-        self.val_rows = self._prepare_rows(data.val, data.val_source, "validation") if data.val else []
-        self.val_rows = self.val_rows[:cfg.data.val_size]
+        val_rows = self._prepare_rows(data.val, data.val_source, "validation") if data.val else []
+        val_rows = val_rows[:cfg.data.val_size]
         if cfg.trainer.val_every or cfg.trainer.val_before_train:
-            if not self.val_rows:
+            if not val_rows:
                 raise ValueError(f"config key 'trainer.val_every' / 'trainer.val_before_train': validation needs a "
                                  f"validation set; set data.val_path or data.val_split (data.task={cfg.data.task} "
                                  "has none of its own)")
-            check_val_set(self.val_rows, cfg.data.val_batch_size or cfg.data.batch_size, data.val_source)
-        self.rewards.probe(rows[:2])
-        self.loader = PromptLoader(rows, cfg.data.batch_size, D.rank(), D.world_size(), cfg.data.seed)
+            check_val_set(val_rows, cfg.data.val_batch_size or cfg.data.batch_size, data.val_source)
+        self.rewards.probe(rows[:2], self.tokenizer)
+        a = cfg.algorithm
+        self.state = RunState(loader=PromptLoader(rows, cfg.data.batch_size, D.rank(), D.world_size(), cfg.data.seed),
+                              kl_ctl=(AdaptiveKLController(a.kl_coef, a.target_kl, a.kl_horizon)
+                                      if a.kl_controller == "adaptive" else FixedKLController(a.kl_coef)),
+                              reward_norm=self.rewards.norm)
+        return rows, val_rows
 
-        mixed = self.device.type == "cuda" and cfg.model.dtype in ("auto", "bfloat16")
+    def _build_models(self, rows: list[dict]) -> None:
+        """The offload plan, the policy and the frozen reference it starts as (only rank 0 reads the weights,
+        models/fsdp.py), and the reward model."""
+        cfg = self.cfg
+        self._mixed = self.device.type == "cuda" and cfg.model.dtype in ("auto", "bfloat16")
         longest_prompt = max(len(self.encode(r)) for r in rows[:256])
-        self.offload = decide_offload(cfg.offload, cfg.model.path, self.device, D.world_size(), mixed,
-                                      sequences=cfg.data.batch_size * cfg.rollout.n,
-                                      context=longest_prompt + cfg.rollout.max_new_tokens,
-                                      has_ref=cfg.algorithm.needs_ref_model, reward_model_path=cfg.reward.model_path,
-                                      rollout=cfg.rollout)
-        # The policy, and the frozen reference it starts as; only rank 0 reads the weights (models/fsdp.py).
+        self.offload = decide_offload(cfg, self.device, D.world_size(), self._mixed, prompt_tokens=longest_prompt)
         as_policy = functools.partial(prepare_policy, gradient_checkpointing=cfg.model.gradient_checkpointing)
         as_ref = lambda m: m.requires_grad_(False).eval()  # noqa: E731
-        models = load_sharded(cfg.model.path, self.device, mixed, cfg.model.attn_implementation,
+        models = load_sharded(cfg.model.path, self.device, self._mixed, cfg.model.attn_implementation,
                               [as_policy, as_ref] if cfg.algorithm.needs_ref_model else [as_policy])
         self.policy, self.ref = models[0], (models[1] if len(models) > 1 else None)
-        self.reward_model, self.rm_scorer = self.rewards.build_model(rows[:2], self.device, mixed)
+        self.rewards.build_model(rows[:2], self.device, self._mixed)
 
-        o = cfg.optim
+    def _build_optimizer(self) -> None:
+        """AdamW and its lr schedule over the run's optimizer steps."""
+        cfg, o = self.cfg, self.cfg.optim
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                            weight_decay=o.weight_decay)
         total = optimizer_steps(cfg.trainer.total_steps, cfg.data.batch_size * cfg.rollout.n,
@@ -145,6 +158,10 @@ class Trainer(Checkpointing):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, functools.partial(lr_factor, warmup=o.warmup_steps, total=total, kind=o.lr_schedule,
                                               min_ratio=o.min_lr_ratio))
+
+    def _build_engine_and_phases(self, train_rows: list[dict], val_rows: list[dict]) -> None:
+        """The rollout engine and the phase switch that moves memory between it and training."""
+        cfg = self.cfg
         if cfg.rollout.engine == "sglang" and self.device.type == "cuda":
             # Before the engine exists: what it will size its KV cache from is free now.
             optimizer_bytes = 8 * sum(p.numel() for p in self.policy.parameters()) // D.world_size()
@@ -152,29 +169,46 @@ class Trainer(Checkpointing):
                                           cfg.rollout.mem_fraction, self.offload.optimizer)
             if room:
                 warnings.warn(room)
-        self.engine = self._build_engine(torch.bfloat16 if mixed else None)
+        self.engine = self._build_engine(torch.bfloat16 if self._mixed else None, train_rows, val_rows)
         self.phases = PhaseManager(self.policy, self.optimizer, self.engine, self.device, ref=self.ref,
                                    offload_optimizer=self.offload.optimizer, offload_ref=self.offload.ref,
                                    offload_params=self.offload.params, bucket_bytes=cfg.rollout.bucket_mb << 20,
-                                   reward_model=self.reward_model, offload_reward_model=self.offload.reward_model)
-        self.step_idx = 0
+                                   reward_model=self.rewards.module, offload_reward_model=self.offload.reward_model)
+
+    def _build_collaborators(self, val_rows: list[dict], resume_meta: Optional[dict]) -> None:
+        """The checkpointer and the validator (built from the parts they use), the output directory and the
+        loggers (rank 0)."""
+        cfg = self.cfg
         self._closed = False
-        self.history: list[dict] = []
         self.out_dir = cfg.trainer.out_dir
+        self.checkpointer = Checkpointer(cfg, self._model_config, self.policy, self.optimizer, self.scheduler,
+                                         self.state, self.phases, self.tokenizer)
+        self.validator = Validator(cfg, val_rows, self.encode, self.rewards, self.tokenizer, self.phases,
+                                   self.stop_token_ids, self.stop_set, self.out_dir)
         if D.is_main():
             os.makedirs(self.out_dir, exist_ok=True)
             save_config(cfg, os.path.join(self.out_dir, "config.yaml"))
         resume_step = resume_meta["step"] if resume_meta else None
         self.loggers = build_loggers(cfg, console_write, resume_step) if D.is_main() else []
-        self._ledger_step = 0  # the phase-switch step of the last training rollout (memory report)
-        self._saved_step: Optional[int] = None  # the step of the last checkpoint this process wrote or loaded
         ckpt.remove_stale_temporaries(cfg.trainer.checkpoint_root)
-        if self.resume_from:
-            self._restore(self.resume_from)
-        D.barrier()
 
-    def _build_engine(self, weights_dtype: Optional[torch.dtype]):
-        """The rollout engine: native decodes with the policy module itself; sglang keeps its own copy."""
+    @property
+    def step_idx(self) -> int:
+        """Finished steps (the run state's count)."""
+        return self.state.step
+
+    def save_checkpoint(self) -> str:
+        """Write a sharded checkpoint of this step (every rank calls it, between steps); returns its path."""
+        return self.checkpointer.save()
+
+    def save_pretrained(self, path: str) -> str:
+        """Save the current policy and tokenizer as a Hugging Face directory (call on every rank): a checkpoint
+        of this step (written now unless one exists), exported by rank 0 (`python -m hybrid_rl.export`)."""
+        return self.checkpointer.export(path)
+
+    def _build_engine(self, weights_dtype: Optional[torch.dtype], train_rows: list[dict], val_rows: list[dict]):
+        """The rollout engine: native decodes with the policy module itself; sglang and vllm keep their own copy
+        (vllm sizes its context from the longest prompt, training or validation)."""
         r, tok = self.cfg.rollout, self.tokenizer
         engine_cls = engine_class(r.engine)
         if r.engine == "sglang":
@@ -184,7 +218,8 @@ class Trainer(Checkpointing):
         if r.engine == "vllm":
             from hybrid_rl.rollout.vllm import build_for_trainer
 
-            return build_for_trainer(self, weights_dtype)
+            longest = max(len(self.encode(row)) for row in [*train_rows, *val_rows])
+            return build_for_trainer(self.cfg, self.policy, tok, longest, bool(val_rows), weights_dtype)
         return engine_cls(self.policy, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, weights_dtype=weights_dtype)
 
     @property
@@ -194,8 +229,8 @@ class Trainer(Checkpointing):
     def _prepare_rows(self, rows: list[dict], source: str, what: str) -> list[dict]:
         """Rows the reward accepts, tokenized, without the prompts over data.max_prompt_tokens or too long for
         the model's context with rollout.max_new_tokens (`prompt_limit`; dropped and counted)."""
-        if self.reward.check_rows is not None:
-            self.reward.check_rows(rows, source)
+        if self.rewards.rule.check_rows is not None:
+            self.rewards.rule.check_rows(rows, source)
         lengths = self.encode.encode_all(rows, source)
         limit, limit_why, fix = prompt_limit(self.cfg.data.max_prompt_tokens, self.cfg.rollout.max_new_tokens,
                                              self._model_config.get("max_position_embeddings"))
@@ -217,14 +252,14 @@ class Trainer(Checkpointing):
         if self._closed:
             raise RuntimeError("this Trainer is closed (close() ran, or a signal stopped fit() after its checkpoint); "
                                "build a new Trainer(cfg): trainer.resume=auto continues from the newest checkpoint")
-        loader_state = self.loader.state_dict()
-        with self.phases.recovering(undo=lambda: self.loader.load_state_dict(loader_state)):
+        loader, loader_state = self.state.loader, self.state.loader.state_dict()
+        with self.phases.recovering(undo=lambda: loader.load_state_dict(loader_state)):
             return self._step()
 
     def _step(self) -> dict:
         """ROLLOUT -> REWARD -> SCORE -> ADVANTAGE -> TRAIN -> metrics (module docstring)."""
         timer = StageTimer()
-        kl_coef = self.kl_ctl.value  # this step's coefficient, whatever the step measures
+        kl_coef = self.state.kl_ctl.value  # this step's coefficient, whatever the step measures
         with timer("step"):
             # Generation and rewards share one ROLLOUT phase: dynamic sampling may need
             # several rounds, and the engine's memory should be switched in once per step.
@@ -241,16 +276,16 @@ class Trainer(Checkpointing):
                 metrics["actor/kl_coef"] = kl_coef
                 if "actor/kl_ref" in metrics:
                     # Ziegler et al.: the measured KL and the number of samples since the last update.
-                    self.kl_ctl.update(metrics["actor/kl_ref"], len(batch) * D.world_size())
+                    self.state.kl_ctl.update(metrics["actor/kl_ref"], len(batch) * D.world_size())
             else:
                 # Every rank agreed that no group is informative: nothing to train on this step.
                 with self.phases.train():
                     pass
         metrics.update(self._time_metrics(timer))
         metrics.update(self.phases.ledger.step_metrics(self.phases.step))
-        self._ledger_step = self.phases.step
-        self.step_idx += 1
-        metrics["step"] = self.step_idx
+        self.state.ledger_step = self.phases.step
+        self.state.step += 1
+        metrics["step"] = self.state.step
         metrics["bottleneck"] = bottleneck(metrics)
         return metrics
 
@@ -258,9 +293,10 @@ class Trainer(Checkpointing):
     def _rollout(self, engine, timer: StageTimer) -> tuple[Optional[RolloutBatch], dict]:
         """Sampling rounds until the collector has the step's groups; the kept groups as one batch (None if none)."""
         cfg, algo, G = self.cfg, self.cfg.algorithm, self.cfg.rollout.n
-        groups = GroupCollector(G, algo.dynamic_sampling, algo.max_sampling_rounds, self.reward.success_threshold)
+        groups = GroupCollector(G, algo.dynamic_sampling, algo.max_sampling_rounds,
+                                self.rewards.rule.success_threshold)
         while True:
-            rows = self.loader.next_batch()
+            rows = self.state.loader.next_batch()
             prompt_ids = [self.encode(r) for r in rows]
             with timer("rollout"):
                 completions = engine.generate([p for p in prompt_ids for _ in range(G)],
@@ -275,7 +311,7 @@ class Trainer(Checkpointing):
             n = min(cfg.trainer.log_rollouts, len(kept.completions))
             texts = self.tokenizer.batch_decode(response_bodies(kept.completions[:n], self.stop_set),
                                                 skip_special_tokens=True)
-            log_rollouts(os.path.join(self.out_dir, "rollouts.jsonl"), self.step_idx + 1, kept.rows, texts,
+            log_rollouts(os.path.join(self.out_dir, "rollouts.jsonl"), self.state.step + 1, kept.rows, texts,
                          kept.completions[:n], kept.rewards_N[:n].tolist(), kept.scores_N[:n].tolist(), G)
         if not kept.rows:
             return None, metrics
@@ -286,7 +322,7 @@ class Trainer(Checkpointing):
     def _sampling_params(self, round_idx: int) -> SamplingParams:
         r = self.cfg.rollout
         # A new seed per step, rank and sampling round (97 and 7919 are coprime: no two collide).
-        seed = r.seed + 1_000_003 * self.step_idx + 7919 * D.rank() + 97 * round_idx
+        seed = r.seed + 1_000_003 * self.state.step + 7919 * D.rank() + 97 * round_idx
         return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                               top_k=r.top_k, stop_token_ids=self.stop_token_ids, seed=seed)
 
@@ -297,32 +333,9 @@ class Trainer(Checkpointing):
 
     def _reward_parts(self, rows: list[dict], completions: list[Completion]) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """(reward, score, logged parts) per completion: the rule reward on the host and/or the reward model's
-        score from the completions' text in the REWARD stage (inside ROLLOUT), weighted (rewards/combine.py)."""
-        G = self.cfg.rollout.n
-        body = response_bodies(completions, self.stop_set)
-        texts = self.tokenizer.batch_decode(body, skip_special_tokens=True)
-        prompts = [rows[i // G]["prompt"] for i in range(len(completions))]
-        meta = [{**rows[i // G], "finish_reason": c.finish_reason, "response_tokens": len(b)}
-                for i, (c, b) in enumerate(zip(completions, body))]
-        parts = {}
-        if "rule" in self.reward_weights:
-            parts["rule"] = torch.tensor(compute_rewards(self.reward_name, self.reward, prompts, texts, meta))
-        if self.reward_model is not None:
-            # Text, never the policy's ids: the reward model has its own tokenizer (rewards/model.py). The
-            # policy's special tokens stay in it (the stop token is already cut), as verl keeps them: a decode
-            # that drops them lets "2 3 4 <unk>" pass for a finished "2 3 4", and a policy learns that fast.
-            rm_texts = self.tokenizer.batch_decode(body, skip_special_tokens=False)
-            with self.phases.reward() as rm:
-                parts["model"] = self.rm_scorer(rm, prompts, rm_texts)
-        rewards_N, logged = combine(parts, self.reward_weights, self.reward_norm)
-        logged = logged if self.reward_model is not None else {}  # a rule-only run logs reward/mean alone
-        algo = self.cfg.algorithm
-        if algo.overlong_penalty_factor == 0:
-            return rewards_N, rewards_N, logged
-        lengths_N = torch.tensor([len(c.token_ids) for c in completions])
-        penalty_N = overlong_penalty(lengths_N, self.cfg.rollout.max_new_tokens, self.overlong_buffer,
-                                     algo.overlong_penalty_factor)
-        return rewards_N, rewards_N + penalty_N, logged
+        score in the REWARD stage (inside ROLLOUT), weighted, + DAPO's soft overlong penalty (rewards/setup.py)."""
+        return self.rewards.score(rows, completions, self.cfg.rollout.n, self.tokenizer, self.stop_set,
+                                  model_phase=self.phases.reward)
 
     # -- SCORE ----------------------------------------------------------------
     def _score(self, batch: RolloutBatch, ref: Optional[torch.nn.Module]):
@@ -345,7 +358,7 @@ class Trainer(Checkpointing):
         if algo.kl_placement == "reward" and ref_logp_NT is not None:
             kl_NT = kl_estimate(old_logp_NT, ref_logp_NT, algo.kl_estimator, mask_NT=batch.resp_mask_NT)
             acc.add("reward/kl_penalty", kl_coef * kl_NT.sum(), len(batch))
-            if algo.advantage != "reinforce_pp":
+            if not takes_token_kl(algo.advantage):
                 # Sequence-level estimators see the KL as a penalty on the score; REINFORCE++
                 # takes it per token (KL-to-go in its returns) below.
                 scores_N, kl_NT = kl_penalty_rewards(scores_N, kl_NT, batch.resp_mask_NT, kl_coef), None
@@ -390,7 +403,7 @@ class Trainer(Checkpointing):
         return policy_update(policy=self.policy, optimizer=optimizer, scheduler=self.scheduler, batch=batch,
                              algo=cfg.algorithm, temperature=cfg.rollout.temperature,
                              micro_batch_size=cfg.trainer.micro_batch_size, grad_clip=cfg.optim.grad_clip,
-                             norm_length=cfg.rollout.max_new_tokens, seed=cfg.trainer.seed + self.step_idx,
+                             norm_length=cfg.rollout.max_new_tokens, seed=cfg.trainer.seed + self.state.step,
                              kl_coef=kl_coef, max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch,
                              packing=cfg.trainer.packing)
 
@@ -430,37 +443,37 @@ class Trainer(Checkpointing):
         stops at once. Checkpoints every `trainer.save_every` steps and after the last one."""
         from tqdm.auto import tqdm
 
-        t = self.cfg.trainer
-        total = steps if steps is not None else t.total_steps - self.step_idx
+        t, state = self.cfg.trainer, self.state
+        total = steps if steps is not None else t.total_steps - state.step
         if total <= 0 and D.is_main():
-            print(f"nothing to do: the run is at step {self.step_idx} of trainer.total_steps={t.total_steps}"
+            print(f"nothing to do: the run is at step {state.step} of trainer.total_steps={t.total_steps}"
                   + (f" (resumed from {self.resume_from}); raise total_steps, or start over in "
                      "another trainer.out_dir" if self.resume_from else ""))
         show = D.is_main() and t.progress_bar and interactive()
         bar = tqdm(total=max(total, 0), disable=not show, desc="grpo", dynamic_ncols=True)
         stop = StopSignal()
         try:
-            if t.val_before_train and self.step_idx == 0:
-                self._log({"step": 0, **validate(self, 0)})
+            if t.val_before_train and state.step == 0:
+                self._log({"step": 0, **self.validator.run(0)})
             for i in range(total):
                 m = self.step()
-                if t.val_every and (self.step_idx % t.val_every == 0 or i == total - 1):
-                    m.update(validate(self, self.step_idx))
-                self.history.append(m)
+                if t.val_every and (state.step % t.val_every == 0 or i == total - 1):
+                    m.update(self.validator.run(state.step))
+                state.history.append(m)
                 self._log(m)
                 bar.set_postfix(reward=f"{m['reward/mean']:.3f}")
                 bar.update()
                 signum = stop.agreed()
-                if signum or (t.save_every and (self.step_idx % t.save_every == 0 or i == total - 1)):
+                if signum or (t.save_every and (state.step % t.save_every == 0 or i == total - 1)):
                     path = self.save_checkpoint()
                 if signum:
                     self.close()
-                    raise TrainingInterrupted(signum, self.step_idx, path)
+                    raise TrainingInterrupted(signum, state.step, path)
         finally:
             stop.restore()
             bar.close()
-            if D.is_main() and self.history:
-                plot_curve(self.history, os.path.join(self.out_dir, "reward_curve.png"))
-                self.phases.ledger.write_report(self._ledger_step, self.out_dir, self.offload.message)
-                print(split_summary(self.history))
-        return self.history
+            if D.is_main() and state.history:
+                plot_curve(state.history, os.path.join(self.out_dir, "reward_curve.png"))
+                self.phases.ledger.write_report(state.ledger_step, self.out_dir, self.offload.message)
+                print(split_summary(state.history))
+        return state.history

@@ -1,7 +1,7 @@
 """Validation: pass@1 with greedy decoding on the held-out prompts, through the rollout engine,
 and with `trainer.val_n=k` also mean@k / pass@k over k sampled completions per prompt.
 
-It runs inside a ROLLOUT phase (`trainer.phases.rollout()`: weights synced, KV cache
+It runs inside a ROLLOUT phase (`phases.rollout()`: weights synced, KV cache
 resumed) and goes back to TRAIN the legal way (`with phases.train(): pass`), so what
 is resident stays decided by switch/phases.py alone. Its switch seconds are drained
 here and reported as `val/switch_s`, so no training step is billed for them.
@@ -26,14 +26,15 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from hybrid_rl import distributed as D
+from hybrid_rl.config import Config
 from hybrid_rl.metrics import MeanAccumulator
-from hybrid_rl.rewards.base import compute_rewards
-from hybrid_rl.rollout.base import Completion, SamplingParams, response_bodies
+from hybrid_rl.rewards.setup import RewardSetup
+from hybrid_rl.rollout.base import Completion, SamplingParams
 
 
 def check_val_set(rows: Sequence[dict], batch_size: int, source: str) -> None:
@@ -44,76 +45,76 @@ def check_val_set(rows: Sequence[dict], batch_size: int, source: str) -> None:
                          "validation set (data.val_size, data.val_split) or a smaller data.val_batch_size")
 
 
-def decode(tokenizer, completions: Sequence[Completion], stop_ids: set[int]) -> tuple[list[str], list[int]]:
-    """(texts, response token counts) with a final stop token removed, as the training rewards see them."""
-    if not completions:  # (transformers decodes an empty batch as [""])
-        return [], []
-    bodies = response_bodies(completions, stop_ids)
-    return tokenizer.batch_decode(bodies, skip_special_tokens=True), [len(b) for b in bodies]
+class Validator:
+    """Runs the validation set through the engine between steps; built from what it reads, not the Trainer.
 
+    rows: the validation prompts (checked with `check_val_set`); encode: row -> prompt ids (tokenized once);
+    rewards: the run's `RewardSetup` (its rule reward scores; `rule_rewards` as in training); phases: the
+    phase switch whose ROLLOUT it enters; stop_token_ids: what every generate call stops on, and stop_ids the
+    tokens cut from a completion's end before it is scored (the trainer's own sets)."""
 
-def _score(trainer, rows: list[dict], completions: list[Completion], k: int) -> tuple[list[str], torch.Tensor]:
-    """(texts, rewards_N) of N = len(rows) * k completions, row-major."""
-    texts, lengths = decode(trainer.tokenizer, completions, trainer.stop_set)
-    prompts = [rows[i // k]["prompt"] for i in range(len(completions))]
-    meta = [{**rows[i // k], "finish_reason": c.finish_reason, "response_tokens": n}
-            for i, (c, n) in enumerate(zip(completions, lengths))]
-    return texts, torch.tensor(compute_rewards(trainer.reward_name, trainer.reward, prompts, texts, meta),
-                               dtype=torch.float64)
+    def __init__(self, cfg: Config, rows: list[dict], encode: Callable[[dict], list[int]], rewards: RewardSetup,
+                 tokenizer, phases, stop_token_ids: tuple[int, ...], stop_ids: set[int], out_dir: str):
+        self.cfg, self.rows, self.encode, self.rewards = cfg, rows, encode, rewards
+        self.tokenizer, self.phases, self.out_dir = tokenizer, phases, out_dir
+        self.stop_token_ids, self.stop_ids = stop_token_ids, stop_ids
 
+    def run(self, step: int) -> dict[str, float]:
+        """Run the validation set through the engine now (between steps, in TRAIN); returns the `val/*` metrics.
+        After an exception the phase switch is back in TRAIN (`PhaseManager.recover`), as after a failed step."""
+        with self.phases.recovering():
+            return self._run(step)
 
-def validate(trainer, step: int) -> dict[str, float]:
-    """Run the validation set through the engine now (between steps, in TRAIN); returns the `val/*` metrics.
-    After an exception the phase switch is back in TRAIN (`PhaseManager.recover`), as after a failed step."""
-    with trainer.phases.recovering():
-        return _validate(trainer, step)
+    def _score(self, rows: list[dict], completions: list[Completion], k: int) -> tuple[list[str], torch.Tensor]:
+        """(texts, rewards_N) of N = len(rows) * k completions, row-major: the rule reward, as training sees it."""
+        texts, rewards = self.rewards.rule_rewards(rows, completions, k, self.tokenizer, self.stop_ids)
+        return texts, torch.tensor(rewards, dtype=torch.float64)
 
-
-def _validate(trainer, step: int) -> dict[str, float]:
-    cfg, rows = trainer.cfg, trainer.val_rows
-    r, k = cfg.rollout, cfg.trainer.val_n
-    batch = cfg.data.val_batch_size or cfg.data.batch_size
-    threshold = trainer.reward.success_threshold - 1e-9
-    stop = trainer.stop_token_ids
-    acc, samples = MeanAccumulator(), []
-    t0 = time.perf_counter()
-    with trainer.phases.rollout() as engine:
-        for start in range(0, len(rows), batch):
-            mine = rows[start:start + batch][D.rank()::D.world_size()]
-            ids = [trainer.encode(row) for row in mine]
-            greedy = engine.generate(ids, SamplingParams(max_new_tokens=r.max_new_tokens, stop_token_ids=stop,
-                                                         greedy=True, seed=r.seed))
-            texts, rewards_B = _score(trainer, mine, greedy, 1)
-            n = len(mine)
-            acc.add("val/pass@1", (rewards_B >= threshold).sum(), n)
-            acc.add("val/reward_mean", rewards_B.sum(), n)
-            acc.add("val/response_length", sum(len(c.token_ids) for c in greedy), n)
-            acc.add("val/truncated", sum(c.finish_reason == "length" for c in greedy), n)
-            s_texts, s_rewards = [], torch.zeros(0, dtype=torch.float64)
-            if k:
-                seed = r.seed + 1_000_003 * step + 7919 * D.rank() + start
-                sampled = engine.generate([p for p in ids for _ in range(k)], SamplingParams(
-                    max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                    stop_token_ids=stop, seed=seed))
-                s_texts, s_rewards = _score(trainer, mine, sampled, k)
-                right_Bk = (s_rewards >= threshold).view(n, k)
-                acc.add(f"val/mean@{k}", right_Bk.sum(), n * k)
-                acc.add(f"val/pass@{k}", right_Bk.any(dim=1).sum(), n)
-                acc.add(f"val/reward_mean@{k}", s_rewards.sum(), n * k)
-            for i in range(min(n, cfg.trainer.val_sample_rows - len(samples))):
-                samples.append(_sample_record(step, mine[i], texts[i], greedy[i], rewards_B[i].item(),
-                                              s_texts[i * k:(i + 1) * k], s_rewards[i * k:(i + 1) * k].tolist()))
-    with trainer.phases.train():
-        pass  # back round the cycle: TRAIN -> ROLLOUT -> TRAIN
-    switch = trainer.phases.pop_stats()
-    metrics = acc.reduce()
-    metrics.update({"val/prompts": float(len(rows)), "val/time_s": time.perf_counter() - t0,
-                    "val/switch_s": sum(switch.seconds.values())})
-    if D.is_main() and samples:
-        with open(os.path.join(trainer.out_dir, "val_samples.jsonl"), "a") as f:
-            for record in samples:
-                f.write(json.dumps(record) + "\n")
-    return metrics
+    def _run(self, step: int) -> dict[str, float]:
+        cfg, rows = self.cfg, self.rows
+        r, k = cfg.rollout, cfg.trainer.val_n
+        batch = cfg.data.val_batch_size or cfg.data.batch_size
+        threshold = self.rewards.rule.success_threshold - 1e-9
+        stop = self.stop_token_ids
+        acc, samples = MeanAccumulator(), []
+        t0 = time.perf_counter()
+        with self.phases.rollout() as engine:
+            for start in range(0, len(rows), batch):
+                mine = rows[start:start + batch][D.rank()::D.world_size()]
+                ids = [self.encode(row) for row in mine]
+                greedy = engine.generate(ids, SamplingParams(max_new_tokens=r.max_new_tokens, stop_token_ids=stop,
+                                                             greedy=True, seed=r.seed))
+                texts, rewards_B = self._score(mine, greedy, 1)
+                n = len(mine)
+                acc.add("val/pass@1", (rewards_B >= threshold).sum(), n)
+                acc.add("val/reward_mean", rewards_B.sum(), n)
+                acc.add("val/response_length", sum(len(c.token_ids) for c in greedy), n)
+                acc.add("val/truncated", sum(c.finish_reason == "length" for c in greedy), n)
+                s_texts, s_rewards = [], torch.zeros(0, dtype=torch.float64)
+                if k:
+                    seed = r.seed + 1_000_003 * step + 7919 * D.rank() + start
+                    sampled = engine.generate([p for p in ids for _ in range(k)], SamplingParams(
+                        max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                        stop_token_ids=stop, seed=seed))
+                    s_texts, s_rewards = self._score(mine, sampled, k)
+                    right_Bk = (s_rewards >= threshold).view(n, k)
+                    acc.add(f"val/mean@{k}", right_Bk.sum(), n * k)
+                    acc.add(f"val/pass@{k}", right_Bk.any(dim=1).sum(), n)
+                    acc.add(f"val/reward_mean@{k}", s_rewards.sum(), n * k)
+                for i in range(min(n, cfg.trainer.val_sample_rows - len(samples))):
+                    samples.append(_sample_record(step, mine[i], texts[i], greedy[i], rewards_B[i].item(),
+                                                  s_texts[i * k:(i + 1) * k], s_rewards[i * k:(i + 1) * k].tolist()))
+        with self.phases.train():
+            pass  # back round the cycle: TRAIN -> ROLLOUT -> TRAIN
+        switch = self.phases.pop_stats()
+        metrics = acc.reduce()
+        metrics.update({"val/prompts": float(len(rows)), "val/time_s": time.perf_counter() - t0,
+                        "val/switch_s": sum(switch.seconds.values())})
+        if D.is_main() and samples:
+            with open(os.path.join(self.out_dir, "val_samples.jsonl"), "a") as f:
+                for record in samples:
+                    f.write(json.dumps(record) + "\n")
+        return metrics
 
 
 def _sample_record(step: int, row: dict, text: str, c: Completion, reward: float, sampled: list[str],

@@ -72,7 +72,7 @@ def straight_and_resumed(model_dir: str, out: str, k: int, *extra: str, offload_
     return {"full_weights": full_state_dict(second.policy),  # a collective: every rank calls it
             "straight": [comparable(m) for m in full[k:]], "resumed": [comparable(m) for m in rest],
             "straight_weights": weights(straight), "resumed_weights": weights(second),
-            "loader": (straight.loader.state_dict(), second.loader.state_dict()),
+            "loader": (straight.state.loader.state_dict(), second.state.loader.state_dict()),
             "resumed_dir": os.path.join(out, "resumed")}
 
 

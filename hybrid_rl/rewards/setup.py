@@ -5,18 +5,28 @@ parts and their weights (combine.py), the reward model's directory, tokenizer an
 (model.py), and the running normaliser of its scores. `probe` calls the rule reward once
 and `build_model` loads and probes the reward model, so a broken reward fails before the
 first step, not after the first rollout.
+
+`rule_rewards` is the one definition of what a rule reward sees (prompt per completion, the
+decoded text without its stop token, metadata = the dataset row + `finish_reason` +
+`response_tokens`); the training step (`score`), validation and the start-up probe all go
+through it. `score` adds the reward model's part, the weighting and DAPO's soft overlong
+penalty.
+
+Legend: N completions, row-major: `group_size` per dataset row.
 """
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 
+from hybrid_rl.algorithms.dapo import overlong_penalty
 from hybrid_rl.config import Config
 from hybrid_rl.rewards.base import RewardFn, compute_rewards, resolve_reward
-from hybrid_rl.rewards.combine import RunningNorm, resolve_weights
+from hybrid_rl.rewards.combine import RunningNorm, combine, resolve_weights
+from hybrid_rl.rollout.base import Completion, response_bodies
 from hybrid_rl.rewards.model import RewardModelScorer, inspect_reward_model, load_reward_model
 
 # Built-in rewards and the built-in task each one scores (a mismatch is almost always a config slip).
@@ -32,6 +42,10 @@ class RewardSetup:
     rm_tokenizer: Any
     norm: Optional[RunningNorm]  # running mean/std of the model's scores (reward.normalize_model)
     max_tokens_per_micro_batch: int
+    # DAPO's soft overlong penalty on the score: (max_new_tokens, buffer, factor); factor 0 = off.
+    overlong: tuple[int, int, float] = (1, 0, 0.0)
+    module: Optional[torch.nn.Module] = None  # the sharded reward model, once `build_model` loaded it
+    scorer: Optional[RewardModelScorer] = None
 
     @classmethod
     def resolve(cls, cfg: Config, reward_fn: Optional[RewardFn] = None) -> "RewardSetup":
@@ -47,23 +61,69 @@ class RewardSetup:
                 and BUILTIN_REWARDS.get(r.name, cfg.data.task) != cfg.data.task):
             warnings.warn(f"reward.name={r.name} is the reward of data.task={BUILTIN_REWARDS[r.name]}, but this run "
                           f"trains on data.task={cfg.data.task}; set reward.name to the task's reward")
+        a, max_new = cfg.algorithm, cfg.rollout.max_new_tokens
+        # DAPO's buffer is a fifth of the maximum length (4096 of 20480); rounded down.
+        buffer = a.overlong_buffer_len if a.overlong_buffer_len is not None else max_new // 5
         return cls(name=name, rule=rule, weights=weights, rm_spec=rm_spec, rm_tokenizer=rm_tokenizer,
                    norm=RunningNorm() if r.normalize_model else None,
-                   max_tokens_per_micro_batch=r.max_tokens_per_micro_batch)
+                   max_tokens_per_micro_batch=r.max_tokens_per_micro_batch,
+                   overlong=(max_new, buffer, a.overlong_penalty_factor))
 
-    def probe(self, rows: list[dict]) -> None:
-        """Call the rule reward once on placeholder completions, so a broken function fails before training."""
+    def rule_rewards(self, rows: Sequence[dict], completions: Sequence[Completion], group_size: int, tokenizer,
+                     stop_ids: set[int]) -> tuple[list[str], list[float]]:
+        """(texts, rule reward per completion) of N = len(rows) * group_size completions, row-major.
+
+        What the reward function sees: completion i belongs to rows[i // group_size]; its text is decoded
+        without special tokens and without a final stop token (`response_bodies`)."""
+        bodies = response_bodies(completions, stop_ids)
+        # (transformers decodes an empty batch as [""])
+        texts = tokenizer.batch_decode(bodies, skip_special_tokens=True) if completions else []
+        prompts = [rows[i // group_size]["prompt"] for i in range(len(completions))]
+        meta = [{**rows[i // group_size], "finish_reason": c.finish_reason, "response_tokens": len(b)}
+                for i, (c, b) in enumerate(zip(completions, bodies))]
+        return texts, compute_rewards(self.name, self.rule, prompts, texts, meta)
+
+    def score(self, rows: Sequence[dict], completions: Sequence[Completion], group_size: int, tokenizer,
+              stop_ids: set[int], model_phase: Callable[[], ContextManager] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """(reward_N, score_N, logged parts) of a training step's completions.
+
+        The rule reward (`rule_rewards`) and/or the reward model's score from the completions' text, with the
+        model resident inside `model_phase()` (the REWARD stage), weighted (combine.py); the score adds DAPO's
+        soft overlong penalty. Logged parts are empty for a rule-only run (it logs reward/mean alone)."""
+        parts = {}
+        if "rule" in self.weights:
+            parts["rule"] = torch.tensor(self.rule_rewards(rows, completions, group_size, tokenizer, stop_ids)[1])
+        if self.module is not None:
+            # Text, never the policy's ids: the reward model has its own tokenizer (rewards/model.py). The
+            # policy's special tokens stay in it (the stop token is already cut), as verl keeps them: a decode
+            # that drops them lets "2 3 4 <unk>" pass for a finished "2 3 4", and a policy learns that fast.
+            rm_texts = tokenizer.batch_decode(response_bodies(completions, stop_ids), skip_special_tokens=False)
+            prompts = [rows[i // group_size]["prompt"] for i in range(len(completions))]
+            with model_phase() as rm:
+                parts["model"] = self.scorer(rm, prompts, rm_texts)
+        rewards_N, logged = combine(parts, self.weights, self.norm)
+        logged = logged if self.module is not None else {}
+        max_new, buffer, factor = self.overlong
+        if factor == 0:
+            return rewards_N, rewards_N, logged
+        lengths_N = torch.tensor([len(c.token_ids) for c in completions])
+        return rewards_N, rewards_N + overlong_penalty(lengths_N, max_new, buffer, factor), logged
+
+    def probe(self, rows: list[dict], tokenizer) -> None:
+        """Call the rule reward once on placeholder completions (empty, cut at the length limit), so a broken
+        function fails before training."""
         if "rule" not in self.weights:
             return  # a run on the reward model alone never calls it (its rows may lack what it reads)
-        meta = [{**r, "finish_reason": "length", "response_tokens": 0} for r in rows]
-        compute_rewards(self.name, self.rule, [r["prompt"] for r in rows], ["" for _ in rows], meta)
+        self.rule_rewards(rows, [Completion([], [], "length") for _ in rows], 1, tokenizer, set())
 
-    def build_model(self, probe_rows: list[dict], device: torch.device, mixed: bool):
-        """(sharded frozen module, scorer) of reward.model_path, or (None, None); probed once on placeholder
-        completions (every rank: the forward is a collective), so a model that scores NaN fails before training."""
+    def build_model(self, probe_rows: list[dict], device: torch.device, mixed: bool) -> None:
+        """Load reward.model_path (sharded, frozen) into `module` and its `scorer`, if the run has one; probed once
+        on placeholder completions (every rank: the forward is a collective), so a model that scores NaN fails
+        before training."""
         if self.rm_spec is None:
-            return None, None
+            return
         module = load_reward_model(self.rm_spec, device, bf16=mixed)
         scorer = RewardModelScorer(self.rm_spec, self.rm_tokenizer, device, self.max_tokens_per_micro_batch)
         scorer(module, [r["prompt"] for r in probe_rows], ["" for _ in probe_rows])
-        return module, scorer
+        self.module, self.scorer = module, scorer

@@ -346,16 +346,15 @@ def check_config(cfg, device: torch.device) -> None:
     S.check_model(cfg.model.path, device)
 
 
-def build_for_trainer(trainer, weights_dtype: Optional[torch.dtype]) -> VLLMEngine:
-    """The engine for a Trainer: max_model_len from the longest kept prompt (training and validation) plus
-    rollout.max_new_tokens; the KV budget from the largest generate call one rank makes."""
-    cfg, r, tok = trainer.cfg, trainer.cfg.rollout, trainer.tokenizer
-    rows = [*trainer.loader.rows, *trainer.val_rows]
-    longest = max(len(trainer.encode(row)) for row in rows)
+def build_for_trainer(cfg, policy: torch.nn.Module, tok, longest: int, has_val: bool,
+                      weights_dtype: Optional[torch.dtype]) -> VLLMEngine:
+    """The trainer's engine: max_model_len from `longest`, the longest kept prompt in tokens (training and
+    validation), plus rollout.max_new_tokens; the KV budget from the largest generate call one rank makes."""
+    r = cfg.rollout
     W = D.world_size()
     train = cfg.data.batch_size * r.n // W
-    val = -(-(cfg.data.val_batch_size or cfg.data.batch_size) // W) * max(r.n, 1) if trainer.val_rows else 0
-    return VLLMEngine(trainer.policy, cfg.model.path, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id,
+    val = -(-(cfg.data.val_batch_size or cfg.data.batch_size) // W) * max(r.n, 1) if has_val else 0
+    return VLLMEngine(policy, cfg.model.path, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id,
                       max_model_len=longest + r.max_new_tokens, sequences=max(train, val), tp_size=r.tp_size,
                       weights_dtype=weights_dtype, kv_cache_bytes=r.kv_cache_bytes, mem_fraction=r.mem_fraction,
                       enable_prefix_caching=r.enable_prefix_caching, seed=r.seed, timeout_s=r.engine_timeout_s)

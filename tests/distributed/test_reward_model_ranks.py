@@ -96,7 +96,7 @@ def _rank_fn(rank: int, model_dir: str, rm_dir: str, overrides: list[str]) -> di
     tr = Trainer(load_config(None, overrides))
     m = tr.step()
     out["trainer"] = {"metrics": m, "ledger": {s.label: s.roles for s in tr.phases.ledger.step_snapshots(tr.phases.step)},
-                      "norm": tr.reward_norm.state_dict()}
+                      "norm": tr.rewards.norm.state_dict()}
     return out
 
 

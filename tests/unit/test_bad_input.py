@@ -98,7 +98,7 @@ def test_good_input_builds_a_trainer(tiny_trainer_overrides, tmp_path):
     tr = _trainer(tiny_trainer_overrides)
     assert tr.tokenizer.eos_token_id == 1 and tr.tokenizer.pad_token_id == 0
     assert os.path.isfile(os.path.join(tr.out_dir, "config.yaml"))
-    assert tr.loader.batch_size == 4
+    assert tr.state.loader.batch_size == 4
 
 
 # ---------------------------------------------------------------------------- model directory

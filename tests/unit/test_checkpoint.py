@@ -159,7 +159,7 @@ def test_length_of_a_decaying_lr_is_part_of_the_run(tiny_model_dir, tmp_path):
     assert replanned.step_idx == 2
     # The next update uses the new schedule's lr for step 3 of 4: the cosine half-way down, not the floor.
     replanned.fit(1)
-    assert replanned.history[-1]["actor/lr"] == pytest.approx(replanned.cfg.optim.lr * 0.5 * (1 + math.cos(math.pi * 2 / 3)))
+    assert replanned.state.history[-1]["actor/lr"] == pytest.approx(replanned.cfg.optim.lr * 0.5 * (1 + math.cos(math.pi * 2 / 3)))
 
 
 def test_full_disk_keeps_previous_checkpoint(two_checkpoints, tiny_model_dir, monkeypatch):

@@ -71,7 +71,7 @@ def test_reward_is_the_weighted_sum_of_the_rule_and_the_models_score_of_the_text
     torch.testing.assert_close(parts["model"], model_N, rtol=0, atol=1e-5)
     torch.testing.assert_close(reward_N, 0.5 * rule_N + 2.0 * model_N, rtol=0, atol=1e-5)
     assert torch.equal(score_N, reward_N)
-    assert tr.rm_scorer.last_micro_batches == 1 and tr.reward_norm is None
+    assert tr.rewards.scorer.last_micro_batches == 1 and tr.rewards.norm is None
 
 
 def test_combine_and_the_default_parts():
@@ -202,17 +202,17 @@ def test_trainer_logs_each_part_and_keeps_the_reward_model_off_device_outside_it
                   "reward.weights.model=0.5", "reward.normalize_model=true", "offload.reward_model=true",
                   "trainer.total_steps=2")
     assert tr.offload.reward_model and tr.phases.rm_offload is not None
-    assert all(not p.requires_grad for p in tr.reward_model.parameters())
+    assert all(not p.requires_grad for p in tr.rewards.module.parameters())
     history = tr.fit()
     m = history[-1]
     for key in ("reward/rule_mean", "reward/rule_std", "reward/model_mean", "reward/model_std",
                 "reward/model_norm_mean", "switch/onload_reward_model_s", "memory/reward_model_peak"):
         assert key in m, key
     assert m["reward/mean"] == pytest.approx(m["reward/rule_mean"] + 0.5 * m["reward/model_norm_mean"], abs=1e-6)
-    assert tr.reward_norm.count == 2 * 4 * 2, "every score of both steps (batch 4 x n 2)"
-    json.dumps(tr.reward_norm.state_dict())
+    assert tr.rewards.norm.count == 2 * 4 * 2, "every score of both steps (batch 4 x n 2)"
+    json.dumps(tr.rewards.norm.state_dict())
     snaps = {s.label: s.roles for s in tr.phases.ledger.step_snapshots(tr.phases.step)}
-    rm_bytes = sum(p.numel() * p.element_size() for p in tr.reward_model.parameters())
+    rm_bytes = sum(p.numel() * p.element_size() for p in tr.rewards.module.parameters())
     assert snaps["reward:ready"]["reward_model"] == rm_bytes == m["memory/reward_model_peak"]
     assert [k for k, v in snaps.items() if v["reward_model"]] == ["reward:ready"]
 
@@ -234,7 +234,7 @@ def test_a_reward_model_alone_needs_no_rule(tiny_trainer_overrides, rm_dir, tmp_
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"{i} {i} ="}) + "\n" for i in range(8)))
     tr = _trainer(tiny_trainer_overrides, f"reward.model_path={rm_dir}", "data.task=jsonl", f"data.path={rows}")
-    assert tr.reward_weights == {"model": 1.0}
+    assert tr.rewards.weights == {"model": 1.0}
     m = tr.fit()[-1]
     assert "reward/rule_mean" not in m and m["reward/mean"] == pytest.approx(m["reward/model_mean"])
     assert "reward/accuracy" not in m, "a model's score has no threshold of 'correct'"

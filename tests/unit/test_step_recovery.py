@@ -84,16 +84,14 @@ def test_failures_in_score_and_while_entering_rollout(tiny_trainer_overrides, mo
 
 
 def test_validation_that_fails_returns_to_train(tiny_trainer_overrides):
-    from hybrid_rl.validation import validate
-
     reward = FlakyReward()
     tr = Trainer(load_config(None, [*tiny_trainer_overrides, "data.num_prompts=40", "data.val_split=0.2"]),
                  reward_fn=reward)
     reward.fail = True
     with pytest.raises(RuntimeError, match="hiccup"):
-        validate(tr, 0)
+        tr.validator.run(0)
     _between_steps(tr)
-    assert "val/pass@1" in validate(tr, 0)
+    assert "val/pass@1" in tr.validator.run(0)
     assert tr.step()["step"] == 1
 
 

@@ -325,6 +325,6 @@ def test_trainer_skips_the_update_when_no_group_is_informative(tiny_trainer_over
     m = tr.step()
     assert m["sampling/rounds"] == 3 and m["sampling/groups_kept"] == 0 and m["sampling/groups_filtered"] == 12
     assert "actor/grad_norm" not in m and m["reward/mean"] == 0.5
-    assert tr.loader.cursor == 3 * 4, "three rounds drew three batches of prompts"
+    assert tr.state.loader.cursor == 3 * 4, "three rounds drew three batches of prompts"
     assert all(torch.equal(p, before[n]) for n, p in tr.policy.named_parameters())
     assert tr.step()["step"] == 2, "the phase cycle is intact after a skipped update"

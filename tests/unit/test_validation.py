@@ -18,7 +18,6 @@ from hybrid_rl.data.gsm8k import default_dirs
 from hybrid_rl.rollout.base import SamplingParams
 from hybrid_rl.switch.phases import Phase
 from hybrid_rl.trainer import Trainer
-from hybrid_rl.validation import validate
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -69,7 +68,7 @@ def test_validate_metrics_match_the_completions_it_wrote(text_model_dir, gsm8k_f
     real_generate = tr.engine.generate
     monkeypatch.setattr(tr.engine, "generate", lambda ids, p: calls.append((ids, p, tr.phases.inside)) or real_generate(ids, p))
     rollouts_before = tr.phases.step
-    m = validate(tr, 7)
+    m = tr.validator.run(7)
 
     # It went TRAIN -> ROLLOUT -> TRAIN through the phase switch, and generated only inside ROLLOUT.
     assert tr.phases.phase is Phase.TRAIN and tr.phases.inside is None
@@ -79,13 +78,13 @@ def test_validate_metrics_match_the_completions_it_wrote(text_model_dir, gsm8k_f
     # Two batches (4 + 1 prompts), each: one greedy call, then one with 3 samples per prompt.
     assert [len(ids) for ids, _, _ in calls] == [4, 12, 1, 3]
     assert [p.greedy for _, p, _ in calls] == [True, False, True, False]
-    assert calls[0][0] == [tr.encode(r["prompt"]) for r in tr.val_rows[:4]]
+    assert calls[0][0] == [tr.encode(r["prompt"]) for r in tr.validator.rows[:4]]
     assert calls[1][0] == [ids for ids in calls[0][0] for _ in range(3)]
 
     recs = _records(tmp_path)
     assert len(recs) == 5 and {r["step"] for r in recs} == {7}
-    assert [r["prompt"] for r in recs] == [r["prompt"] for r in tr.val_rows]
-    for r, row in zip(recs, tr.val_rows):
+    assert [r["prompt"] for r in recs] == [r["prompt"] for r in tr.validator.rows]
+    for r, row in zip(recs, tr.validator.rows):
         assert r["reward"] == parity_reward(None, [r["completion"]], None)[0]
         assert len(r["samples"]) == 3 and r["answer"] == row["answer"] and r["finish_reason"] in ("stop", "length")
     greedy = [r["reward"] for r in recs]
@@ -98,7 +97,7 @@ def test_validate_metrics_match_the_completions_it_wrote(text_model_dir, gsm8k_f
     assert 0 < m["val/mean@3"] < 1, "the parity reward should split 15 random completions"
 
     # Greedy decoding is deterministic: a second validation writes the same greedy completions.
-    validate(tr, 8)
+    tr.validator.run(8)
     again = [r for r in _records(tmp_path) if r["step"] == 8]
     assert [r["completion"] for r in again] == [r["completion"] for r in recs]
 
@@ -120,9 +119,9 @@ def test_fit_validates_every_n_steps_at_the_end_and_before_training(text_model_d
 def test_greedy_validation_matches_a_direct_greedy_decode(text_model_dir, gsm8k_files, tmp_path):
     cfg = load_config(None, _overrides(text_model_dir, gsm8k_files, tmp_path, "trainer.val_sample_rows=5"))
     tr = Trainer(cfg, reward_fn=parity_reward)
-    validate(tr, 1)
+    tr.validator.run(1)
     with tr.phases.rollout() as engine:
-        direct = engine.generate([tr.encode(r["prompt"]) for r in tr.val_rows],
+        direct = engine.generate([tr.encode(r["prompt"]) for r in tr.validator.rows],
                                  SamplingParams(max_new_tokens=12, greedy=True))
     with tr.phases.train():
         pass
@@ -137,7 +136,7 @@ def _validate_on_rank(rank: int, overrides: list[str]):
 
     D.init("cpu", timeout_s=60)
     tr = Trainer(load_config(None, overrides), reward_fn=parity_reward)
-    return validate(tr, 3)
+    return tr.validator.run(3)
 
 
 @pytest.mark.slow
@@ -147,8 +146,8 @@ def test_two_ranks_report_what_one_rank_reports(text_model_dir, gsm8k_files, tmp
 
     overrides = _overrides(text_model_dir, gsm8k_files, tmp_path / "two", "trainer.val_n=2")
     two = run_ranks(_validate_on_rank, world=2, args=(overrides,))
-    one = validate(Trainer(load_config(None, _overrides(text_model_dir, gsm8k_files, tmp_path / "one")),
-                           reward_fn=parity_reward), 3)
+    one = Trainer(load_config(None, _overrides(text_model_dir, gsm8k_files, tmp_path / "one")),
+                  reward_fn=parity_reward).validator.run(3)
     for name in ("val/pass@1", "val/reward_mean", "val/response_length", "val/truncated", "val/prompts"):
         assert two[0][name] == two[1][name] == pytest.approx(one[name]), name
     assert two[0]["val/mean@2"] == two[1]["val/mean@2"]
@@ -185,8 +184,8 @@ def test_conversational_rows_train_and_validate_with_the_system_prompt(text_mode
     tr.step()
     train_ids = calls[0][0]
     calls.clear()
-    validate(tr, 1)
-    for ids, rows in ((train_ids, None), (calls[0][0], tr.val_rows[0])):
+    tr.validator.run(1)
+    for ids, rows in ((train_ids, None), (calls[0][0], tr.validator.rows[0])):
         text = tr.tokenizer.decode(ids)
         assert text.startswith("<|im_start|>system\nThink step by step.<|im_end|>\n<|im_start|>user\n"), text
         assert text.endswith("<|im_end|>\n<|im_start|>assistant\n")
