@@ -4,7 +4,8 @@
     python recipes/grpo_tiny.py [key.sub=value ...]
 
 The task: the prompt is three digits, the answer is each digit plus one (mod 10).
-A random policy scores ~0.06; the trained one should score above 0.8.
+A random policy scores ~0.06; with the defaults (40 steps) the trained one scores above 0.9
+over the last 10% of steps on every engine (benchmarks/results/grpo_tiny_seeds_cpu_2026-11-25.md).
 """
 import os
 import sys

@@ -18,21 +18,30 @@ def _rewards(out_dir: str) -> list[float]:
 
 
 @pytest.mark.slow
-def test_recipe_two_ranks_improves_reward(tmp_path):
+def test_recipe_two_ranks_learns_the_task(tmp_path):
+    """`make demo` as shipped (the YAML's defaults, seed 0, 2 ranks) reaches the README's reward.
+
+    The defaults reached a last-10% reward >= 0.9 for seeds 0-4 on every engine
+    (benchmarks/results/grpo_tiny_seeds_cpu_2026-11-25.md); runs are bit-reproducible on one
+    machine, so a failure here means a change moved the sampling streams or the numerics.
+    """
     out = tmp_path / "run"
+    from hybrid_rl import load_config
     from hybrid_rl.distributed import free_port
 
+    steps = load_config(os.path.join(ROOT, "recipes", "grpo_tiny.yaml"), []).trainer.total_steps
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           os.path.join(ROOT, "recipes", "grpo_tiny.py"),
-           f"model.path={tmp_path / 'model'}", f"trainer.out_dir={out}", "trainer.total_steps=60",
-           "trainer.progress_bar=false", "trainer.log_every=10"]
+           os.path.join(ROOT, "recipes", "grpo_tiny.py"), f"model.path={tmp_path / 'model'}", f"trainer.out_dir={out}",
+           "trainer.resume=none", "trainer.progress_bar=false", "trainer.log_every=10"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rewards = _rewards(str(out))
-    assert len(rewards) == 60
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert len(rewards) == steps
+    k = max(1, steps // 10)
+    first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
     assert first < 0.2, f"a random-init policy should score low, got {first:.3f}"
-    assert last > first + 0.1, f"reward did not improve: first {first:.3f} -> last {last:.3f}"
+    curve = " ".join(f"{r:.2f}" for r in rewards)
+    assert last >= 0.9, f"last-10% reward {last:.3f} < 0.9 (first 10% {first:.3f}); reward/mean per step: {curve}"
     assert os.path.isfile(out / "reward_curve.png") and os.path.isfile(out / "config.yaml")
     # The trained policy is saved as a normal HF directory that the ordinary loader reads back.
     from hybrid_rl.models.loading import load_causal_lm, load_tokenizer

@@ -7,14 +7,15 @@ last 10% of steps) of at least 0.8, and each stand-in run must be within 0.05 of
 
 The engines draw different sampling streams (native: one torch generator; the stand-in: a seed
 per sample), so at a fixed number of steps they differ as runs with different seeds do. The
-settings below (OVERRIDES) make that difference small: 128 prompts x 8 samples a step in
-mini-batches of 128 sequences, and a cosine learning-rate decay from a high peak (2.5e-3) to
-20% of it, so that in the runs measured every stream had learned the digits and the stop token
-before the last 10% of steps, and the lower final rate holds it there (with a constant rate a
-converged run can fall back by ~0.1 within a few steps). It is not immune: the stop token is a
-rare event learned abruptly, and a stream that learns it only in the last steps ends ~0.08 low
-(1 such stream in the ~30 measured of this family of settings). The search and every run are in
-benchmarks/results/sglang_vs_native_cpu_2026-11-22.md. The runs are bit-reproducible on one
+recipe's defaults (recipes/grpo_tiny.yaml, found while building this test) make that difference
+small: 128 prompts x 8 samples a step in mini-batches of 128 sequences, and a cosine learning-rate
+decay from a high peak (2.5e-3) to 20% of it, so that in the runs measured every stream had learned
+the digits and the stop token before the last 10% of steps, and the lower final rate holds it there
+(with a constant rate a converged run can fall back by ~0.1 within a few steps). It is not immune:
+the stop token is a rare event learned abruptly, and a stream that learns it only in the last steps
+ends ~0.08 low (1 such stream in the ~30 measured of this family of settings). The search and every
+run are in benchmarks/results/sglang_vs_native_cpu_2026-11-22.md, the seed table of the defaults in
+benchmarks/results/grpo_tiny_seeds_cpu_2026-11-25.md. The runs are bit-reproducible on one
 machine (two tp2 runs of 8 steps gave identical metrics), so for given code and CPU the outcome
 is fixed, not a coin toss; a change to sampling or numerics moves every stream, and if a stream
 then learns late the assertion prints its reward curve.
@@ -35,14 +36,8 @@ import pytest
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-STEPS = 40
+STEPS = 40  # the recipe's default; passed explicitly so that the curve checked here stays this one
 SEED = 0
-OVERRIDES = (
-    "data.batch_size=128", "algorithm.mini_batch_size=128",
-    "optim.lr=2.5e-3", "optim.betas=[0.9,0.99]", "optim.lr_schedule=cosine", "optim.min_lr_ratio=0.2",
-    "algorithm.kl_placement=reward", "algorithm.kl_estimator=k1", "algorithm.kl_coef=0.01",
-    "algorithm.entropy_coef=0.01",
-)
 MIN_REWARD = 0.8  # last-10% reward every engine must reach
 MAX_GAP = 0.05  # |stand-in - native| in last-10% reward
 MAX_MISMATCH = 1e-4  # engine vs trainer log-probs (fp32), every step
@@ -56,7 +51,7 @@ def _run(root, name: str, *overrides: str) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            os.path.join(ROOT, "recipes", "grpo_tiny.py"), f"model.path={root / 'model'}", f"trainer.out_dir={out}",
            f"trainer.total_steps={STEPS}", f"trainer.seed={SEED}", "trainer.resume=none",
-           "trainer.progress_bar=false", "trainer.log_every=10", *OVERRIDES, *overrides]
+           "trainer.progress_bar=false", "trainer.log_every=10", *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     with open(out / "metrics.jsonl") as f:
