@@ -1,4 +1,4 @@
-"""The batch one step carries from ROLLOUT to TRAIN, this rank's share of it.
+"""The batches one step carries from ROLLOUT to TRAIN, this rank's share of them.
 
 Legend: B prompts (groups) on this rank, G samples per prompt, N = B*G sequences,
 P prompt tokens (left-padded), T response tokens (right-padded), L = P + T.
@@ -12,6 +12,9 @@ device, each padded once on the host and moved in one copy:
     engine_logp_NT       the engine's sampled-token log-probs, 0 on padding
     truncated_N          finish_reason == "length"
     rewards_N, scores_N  task reward; the score the advantage sees (+ overlong shaping)
+
+ADVANTAGE turns a RolloutBatch into a `TrainBatch`: the same ids, the loss mask, the
+advantages and the log-probs SCORE computed, all the update (update.py) reads.
 """
 from __future__ import annotations
 
@@ -74,3 +77,22 @@ class RolloutBatch:
                    engine_logp_NT=torch.tensor(logp, dtype=torch.float32, device=device),
                    truncated_N=torch.tensor(truncated, dtype=torch.bool, device=device),
                    rewards_N=rewards_N.to(device), scores_N=scores_N.to(device))
+
+
+@dataclass
+class TrainBatch:
+    """This rank's sequences with everything the loss needs (all on the compute device)."""
+
+    ids_NL: torch.Tensor
+    attn_NL: torch.Tensor
+    mask_NT: torch.Tensor  # float, 1 = response token in the loss
+    P: int
+    adv_NT: torch.Tensor  # advantage per token (a sequence-level estimator repeats its value)
+    old_logp_NT: torch.Tensor | None = None  # None: on-policy, the update's own forward is the old policy
+    ref_logp_NT: torch.Tensor | None = None
+    weight_NT: torch.Tensor | None = None  # rollout-correction importance weight (TIS), detached
+    engine_logp_NT: torch.Tensor | None = None  # the sampler's log-probs, for the mismatch metric
+    group_size: int = 1  # rows per prompt, laid out contiguously (G); mini-batches are shuffled group by group
+
+    def __len__(self) -> int:
+        return self.ids_NL.shape[0]

@@ -36,7 +36,7 @@ from hybrid_rl.algorithms.advantages import compute_advantages, takes_token_kl
 from hybrid_rl.algorithms.correction import rollout_correction
 from hybrid_rl.algorithms.dapo import truncation_mask
 from hybrid_rl.algorithms.kl import AdaptiveKLController, FixedKLController, kl_estimate, kl_penalty_rewards
-from hybrid_rl.batch import RolloutBatch
+from hybrid_rl.batch import RolloutBatch, TrainBatch
 from hybrid_rl.config import Config, load_config, save_config
 from hybrid_rl.data.chat import PromptEncoder, drop_long_prompts, prompt_limit, use_chat_template
 from hybrid_rl.data.prompts import PromptLoader, load_datasets
@@ -54,7 +54,7 @@ from hybrid_rl.rollout.base import Completion, SamplingParams, engine_class, res
 from hybrid_rl.run_state import Checkpointer, RunState, find_resume
 from hybrid_rl.sampling import GroupCollector
 from hybrid_rl.stop import StopSignal, TrainingInterrupted
-from hybrid_rl.update import TrainBatch, policy_update, score_logprobs, scores_old_policy
+from hybrid_rl.update import UpdateSettings, policy_update, score_logprobs, scores_old_policy
 from hybrid_rl.validation import Validator, check_val_set
 
 
@@ -149,7 +149,7 @@ class Trainer:
         self.rewards.build_model(rows[:2], self.device, self._mixed)
 
     def _build_optimizer(self) -> None:
-        """AdamW and its lr schedule over the run's optimizer steps."""
+        """AdamW, its lr schedule over the run's optimizer steps, and the update's settings."""
         cfg, o = self.cfg, self.cfg.optim
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                            weight_decay=o.weight_decay)
@@ -158,6 +158,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, functools.partial(lr_factor, warmup=o.warmup_steps, total=total, kind=o.lr_schedule,
                                               min_ratio=o.min_lr_ratio))
+        self.update_settings = UpdateSettings.from_config(cfg)
 
     def _build_engine_and_phases(self, train_rows: list[dict], val_rows: list[dict]) -> None:
         """The rollout engine and the phase switch that moves memory between it and training."""
@@ -399,13 +400,10 @@ class Trainer:
 
     # -- TRAIN ----------------------------------------------------------------
     def _train(self, optimizer: torch.optim.Optimizer, batch: TrainBatch, kl_coef: float) -> dict:
-        cfg = self.cfg
+        # A new mini-batch shuffle every step: the seed moves with the step.
         return policy_update(policy=self.policy, optimizer=optimizer, scheduler=self.scheduler, batch=batch,
-                             algo=cfg.algorithm, temperature=cfg.rollout.temperature,
-                             micro_batch_size=cfg.trainer.micro_batch_size, grad_clip=cfg.optim.grad_clip,
-                             norm_length=cfg.rollout.max_new_tokens, seed=cfg.trainer.seed + self.state.step,
-                             kl_coef=kl_coef, max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch,
-                             packing=cfg.trainer.packing)
+                             settings=self.update_settings, seed=self.cfg.trainer.seed + self.state.step,
+                             kl_coef=kl_coef)
 
     # -- metrics --------------------------------------------------------------
     def _time_metrics(self, timer: StageTimer) -> dict[str, float]:

@@ -33,117 +33,12 @@ from hybrid_rl import distributed as D
 from hybrid_rl.algorithms.aggregation import aggregate_loss, masked_sum, normalizer_count
 from hybrid_rl.algorithms.kl import kl_estimate
 from hybrid_rl.algorithms.losses import compute_policy_loss
-from hybrid_rl.config import AlgorithmConfig
+from hybrid_rl.batch import TrainBatch
+from hybrid_rl.batching import micro_batches, response_ends, shuffled_rows, trimmed
+from hybrid_rl.config import AlgorithmConfig, Config
 from hybrid_rl.metrics import MeanAccumulator
 from hybrid_rl.models.logprobs import response_logprobs
 from hybrid_rl.models.packing import packed_response_logprobs
-
-
-@dataclass
-class TrainBatch:
-    """This rank's sequences with everything the loss needs (all on the compute device)."""
-
-    ids_NL: torch.Tensor
-    attn_NL: torch.Tensor
-    mask_NT: torch.Tensor  # float, 1 = response token in the loss
-    P: int
-    adv_NT: torch.Tensor  # advantage per token (a sequence-level estimator repeats its value)
-    old_logp_NT: torch.Tensor | None = None  # None: on-policy, the update's own forward is the old policy
-    ref_logp_NT: torch.Tensor | None = None
-    weight_NT: torch.Tensor | None = None  # rollout-correction importance weight (TIS), detached
-    engine_logp_NT: torch.Tensor | None = None  # the sampler's log-probs, for the mismatch metric
-    group_size: int = 1  # rows per prompt, laid out contiguously (G); mini-batches are shuffled group by group
-
-    def __len__(self) -> int:
-        return self.ids_NL.shape[0]
-
-
-def trimmed(b: TrainBatch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Rows of the batch cut to their longest response (padding columns cost compute): ids, attn, mask, T."""
-    mask = b.mask_NT[rows]
-    # Host sync: the slice bound is a Python int.
-    T = int(mask.sum(0).nonzero().max().item()) + 1 if mask.any() else 1
-    return b.ids_NL[rows, :b.P + T], b.attn_NL[rows, :b.P + T], mask[:, :T], T
-
-
-def response_ends(mask_NT: torch.Tensor) -> list[int]:
-    """Per row, one past the last token in the loss (0 for an empty row); one host copy per step."""
-    pos_NT = torch.arange(1, mask_NT.shape[1] + 1, device=mask_NT.device)
-    return (torch.where(mask_NT != 0, pos_NT, 0).amax(dim=1) if mask_NT.shape[1] else
-            torch.zeros(mask_NT.shape[0], dtype=torch.long)).tolist()
-
-
-def micro_batches(rows: list[int], ends: list[int], P: int, micro_batch_size: int, max_tokens: int,
-                  packed: bool = False, group_size: int = 1) -> list[list[int]]:
-    """Split a mini-batch's rows into micro-batches, the same NUMBER on every rank.
-
-    max_tokens == 0: consecutive groups of micro_batch_size rows; packed with group_size G > 1
-    and micro_batch_size >= G, of the largest multiple of G rows within micro_batch_size
-    (the rows come in whole prompt groups, `shuffled_rows`, so each micro-batch then holds
-    whole groups and runs each prompt once: 15 rows at micro_batch_size 16 and G = 5,
-    instead of 16 rows that split a group). Otherwise rows are sorted
-    by length and grouped while the group's cost stays within max_tokens: padded, rows x
-    (P + the longest response in the group) (each micro-batch is trimmed to its longest
-    response); packed, the sum of P + each row's response (at most its real tokens: no
-    padding is computed). Packed with group_size G > 1 (rows r with equal r // G share a
-    prompt), a prompt's rows stay together: a group costs P + its responses (the prompt runs
-    once, `models.shared_prefix`), groups are sorted by cost, and a group over the budget is
-    split into its rows. A row longer than the budget goes alone. Every micro-batch forward is an FSDP
-    collective, so the ranks agree on the count (an all-reduce of the max) and a rank with
-    fewer splits its largest groups until it has as many. The loss is unchanged: its
-    normaliser is global, so grouping only changes the summation order.
-    """
-    if max_tokens <= 0:
-        # Same number of rows on every rank, so the same count: nothing to agree on.
-        size = micro_batch_size
-        if packed and 1 < group_size <= micro_batch_size:
-            size -= micro_batch_size % group_size
-        return [rows[i:i + size] for i in range(0, len(rows), size)]
-
-    def packed_cost(unit: list[int]) -> int:
-        return P + sum(max(1, ends[r]) for r in unit)
-
-    if packed and group_size > 1:
-        by_prompt: dict[int, list[int]] = {}
-        for r in rows:
-            by_prompt.setdefault(r // group_size, []).append(r)
-        units = [u for g in by_prompt.values() for u in ([g] if packed_cost(g) <= max_tokens else [[r] for r in g])]
-        units.sort(key=packed_cost)
-    else:
-        units = [[r] for r in sorted(rows, key=lambda i: ends[i])]
-    groups, current, longest, total = [], [], 0, 0
-    for unit in units:
-        cost = packed_cost(unit)
-        group_cost = total + cost if packed else max(longest, cost) * (len(current) + 1)
-        if current and group_cost > max_tokens:
-            groups.append(current)
-            current, longest, total = [], 0, 0
-        current += unit
-        longest, total = max(longest, cost), total + cost
-    if current:
-        groups.append(current)
-    target = int(D.all_reduce_max(torch.tensor([len(groups)], dtype=torch.int64)).item())
-    while len(groups) < target:
-        big = max(range(len(groups)), key=lambda g: len(groups[g]))
-        if len(groups[big]) < 2:
-            raise RuntimeError(f"cannot make {target} micro-batches from {len(rows)} rows; every rank must hold "
-                               "as many rows per mini-batch")
-        half = len(groups[big]) // 2
-        groups[big:big + 1] = [groups[big][:half], groups[big][half:]]
-    return groups
-
-
-def shuffled_rows(n: int, group_size: int, gen: torch.Generator) -> torch.Tensor:
-    """A random order of n rows that keeps each group of `group_size` contiguous rows together.
-
-    A prompt's G samples then land in the same mini-batch (as in verl, which splits without
-    shuffling), where the micro-batch forward computes their shared prompt once
-    (`models.shared_prefix`). Rows that do not divide into groups are shuffled one by one.
-    """
-    if group_size <= 1 or n % group_size:
-        return torch.randperm(n, generator=gen)
-    groups = torch.randperm(n // group_size, generator=gen)
-    return (groups[:, None] * group_size + torch.arange(group_size)).reshape(-1)
 
 
 def is_on_policy(algo: AlgorithmConfig, n_global: int) -> bool:
@@ -201,104 +96,120 @@ def train_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
             m.training = training
 
 
-def policy_update(
-    *,
-    policy: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler,
-    batch: TrainBatch,
-    algo: AlgorithmConfig,
-    temperature: float,
-    micro_batch_size: int,
-    grad_clip: float,
-    norm_length: int,
-    seed: int,
-    kl_coef: float | None = None,
-    max_tokens_per_micro_batch: int = 0,
-    packing: bool = False,
-) -> dict[str, float]:
+@dataclass(frozen=True)
+class UpdateSettings:
+    """What an update reads from the config, gathered once (`from_config`) instead of passed key by key."""
+
+    algo: AlgorithmConfig
+    temperature: float  # rollout.temperature: log-probs at the temperature the batch was sampled at
+    micro_batch_size: int  # rows per forward/backward (trainer.micro_batch_size)
+    grad_clip: float
+    norm_length: int  # rollout.max_new_tokens: the constant of the length-normalised aggregations
+    max_tokens_per_micro_batch: int = 0  # > 0: micro-batches by a token budget (batching.micro_batches)
+    packing: bool = False  # padding-free forward (models/packing.py)
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "UpdateSettings":
+        t = cfg.trainer
+        return cls(algo=cfg.algorithm, temperature=cfg.rollout.temperature, micro_batch_size=t.micro_batch_size,
+                   grad_clip=cfg.optim.grad_clip, norm_length=cfg.rollout.max_new_tokens,
+                   max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, packing=t.packing)
+
+
+def policy_update(*, policy: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, batch: TrainBatch,
+                  settings: UpdateSettings, seed: int, kl_coef: float | None = None) -> dict[str, float]:
     """Epochs x mini-batches x micro-batches of `batch`; returns the update's metrics (reduced over ranks).
 
-    kl_coef: the KL coefficient for this step (a controller's value); None means algo.kl_coef.
+    seed: the mini-batch shuffle's (a new one per step); kl_coef: the KL coefficient for this step (a
+    controller's value), None means settings.algo.kl_coef.
     Every rank must hold the same number of rows: each micro-batch forward is a collective.
     Metrics measured on the policy that generated the batch (first epoch: `old` vs engine
     and vs reference) are actor/... and rollout/logp_mismatch; the rest average over updates.
     The policy runs in train mode here (activation checkpointing acts only then), and leaves in
     the mode it came in.
     """
+    algo = settings.algo
     with train_mode(policy):
         kl_coef = algo.kl_coef if kl_coef is None else kl_coef
-        kl_in_loss = algo.kl_placement == "loss" and kl_coef > 0
-        if kl_in_loss and batch.ref_logp_NT is None:
+        if algo.kl_placement == "loss" and kl_coef > 0 and batch.ref_logp_NT is None:
             raise ValueError("the KL is placed in the loss (algorithm.kl_placement=loss, kl_coef > 0) "
                              "but the batch has no reference log-probs")
-        clip_low, clip_high = algo.clip_bounds()
-        W = D.world_size()
-        n_global = len(batch) * W
-        mb_local = (algo.mini_batch_size or n_global) // W
+        mb_local = (algo.mini_batch_size or len(batch) * D.world_size()) // D.world_size()
         acc = MeanAccumulator()
         gen = torch.Generator().manual_seed(seed)
         ends = response_ends(batch.mask_NT)
-        forward = logprob_function(packing)
         for epoch in range(algo.ppo_epochs):
             shuffle = algo.ppo_epochs > 1 or mb_local < len(batch)
             order = shuffled_rows(len(batch), batch.group_size, gen) if shuffle else torch.arange(len(batch))
             for m0 in range(0, len(batch), mb_local):
-                mini = order[m0:m0 + mb_local].to(batch.ids_NL.device)
-                # Host round trip: the normaliser is a count the ranks sum before any micro-batch runs.
-                local_norm = normalizer_count(batch.mask_NT[mini], algo.loss_agg)
-                denom = D.all_reduce_sum(torch.tensor([local_norm], dtype=torch.float64)).item()
-                # Gradients of the last mini-batch stay until the phase switch frees them on the
-                # way to ROLLOUT, so the memory ledger sees them in TRAIN.
-                optimizer.zero_grad(set_to_none=True)
-                mini_loss = torch.zeros((), device=batch.ids_NL.device)
-                for group in micro_batches(order[m0:m0 + mb_local].tolist(), ends, batch.P, micro_batch_size,
-                                           max_tokens_per_micro_batch, packing, batch.group_size):
-                    rows = torch.tensor(group, device=batch.ids_NL.device)
-                    ids, attn, mask, T = trimmed(batch, rows)
-                    logp, ent = forward(policy, ids, attn, batch.P, temperature)
-                    # On-policy: no scoring forward ran; the policy being updated generated the batch.
-                    old = batch.old_logp_NT[rows, :T] if batch.old_logp_NT is not None else logp.detach()
-                    ref = batch.ref_logp_NT[rows, :T] if batch.ref_logp_NT is not None else None
-                    n_tok = mask.sum()
-                    if epoch == 0:
-                        acc |= _behaviour_metrics(old, ref, batch, rows, mask, T, algo.kl_estimator)
-                    weight = batch.weight_NT[rows, :T] if batch.weight_NT is not None else None
-                    loss_NT, pm = compute_policy_loss(
-                        algo.policy_loss, logp, old, batch.adv_NT[rows, :T], mask,
-                        clip_ratio_low=clip_low, clip_ratio_high=clip_high, clip_ratio_c=algo.clip_ratio_c,
-                        weight_NT=weight)
-                    if kl_in_loss:
-                        kl_NT = kl_estimate(logp, ref, algo.kl_estimator, mask_NT=mask)
-                        loss_NT = loss_NT + kl_coef * kl_NT
-                        acc.add("actor/kl_loss", masked_sum(kl_NT.detach(), mask), n_tok)
-                    if algo.entropy_coef > 0:
-                        loss_NT = loss_NT - algo.entropy_coef * ent
-                    acc.add("actor/entropy", masked_sum(ent.detach(), mask), n_tok)
-                    loss = aggregate_loss(loss_NT, mask, algo.loss_agg, denom, norm_length=norm_length)
-                    (loss * W).backward()
-                    mini_loss = mini_loss + loss.detach()
-                    for k, v in pm.items():
-                        if k == "ratio_max":  # the step's extremes, not a mean of micro-batch extremes
-                            acc.add_max(f"actor/{k}", torch.where(n_tok > 0, v, float("-inf")))
-                        elif k == "ratio_min":
-                            acc.add_min(f"actor/{k}", torch.where(n_tok > 0, v, float("inf")))
-                        else:
-                            acc.add(f"actor/{k}", v * n_tok, n_tok)
-                # Each rank holds its share of the mini-batch loss; the shares sum to the total.
-                acc.add("actor/loss", mini_loss, 1.0 / W)
-                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
-                if hasattr(grad_norm, "full_tensor"):
-                    grad_norm = grad_norm.full_tensor()
-                # Host sync, on purpose: a non-finite step must stop before it reaches the weights.
-                if not torch.isfinite(grad_norm):
-                    raise FloatingPointError(f"gradient norm is {grad_norm.item()}; lower optim.lr or check the "
-                                             "reward scale")
-                acc.add("actor/lr", optimizer.param_groups[0]["lr"])  # the lr this update uses
-                optimizer.step()
-                scheduler.step()
-                acc.add("actor/grad_norm", grad_norm)
+                _mini_batch(policy, optimizer, scheduler, batch, order[m0:m0 + mb_local], ends, settings, kl_coef,
+                            epoch == 0, acc)
         return acc.reduce()
+
+
+def _mini_batch(policy, optimizer, scheduler, batch: TrainBatch, rows_M: torch.Tensor, ends: list[int],
+                settings: UpdateSettings, kl_coef: float, first_epoch: bool, acc: MeanAccumulator) -> None:
+    """One optimizer step over the mini-batch `rows_M` (gradients accumulated over its micro-batches)."""
+    algo, W = settings.algo, D.world_size()
+    # Host round trip: the normaliser is a count the ranks sum before any micro-batch runs.
+    local_norm = normalizer_count(batch.mask_NT[rows_M.to(batch.ids_NL.device)], algo.loss_agg)
+    denom = D.all_reduce_sum(torch.tensor([local_norm], dtype=torch.float64)).item()
+    # Gradients of the last mini-batch stay until the phase switch frees them on the
+    # way to ROLLOUT, so the memory ledger sees them in TRAIN.
+    optimizer.zero_grad(set_to_none=True)
+    mini_loss = torch.zeros((), device=batch.ids_NL.device)
+    for micro in micro_batches(rows_M.tolist(), ends, batch.P, settings.micro_batch_size,
+                               settings.max_tokens_per_micro_batch, settings.packing, batch.group_size):
+        loss = _micro_batch_loss(policy, batch, torch.tensor(micro, device=batch.ids_NL.device), settings, kl_coef,
+                                 denom, first_epoch, acc)
+        (loss * W).backward()
+        mini_loss = mini_loss + loss.detach()
+    # Each rank holds its share of the mini-batch loss; the shares sum to the total.
+    acc.add("actor/loss", mini_loss, 1.0 / W)
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), settings.grad_clip)
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    # Host sync, on purpose: a non-finite step must stop before it reaches the weights.
+    if not torch.isfinite(grad_norm):
+        raise FloatingPointError(f"gradient norm is {grad_norm.item()}; lower optim.lr or check the reward scale")
+    acc.add("actor/lr", optimizer.param_groups[0]["lr"])  # the lr this update uses
+    optimizer.step()
+    scheduler.step()
+    acc.add("actor/grad_norm", grad_norm)
+
+
+def _micro_batch_loss(policy, batch: TrainBatch, rows: torch.Tensor, settings: UpdateSettings, kl_coef: float,
+                      denom: float, first_epoch: bool, acc: MeanAccumulator) -> torch.Tensor:
+    """The micro-batch `rows`' share of the mini-batch loss (global normaliser `denom`); its metrics into acc."""
+    algo = settings.algo
+    ids, attn, mask, T = trimmed(batch, rows)
+    logp, ent = logprob_function(settings.packing)(policy, ids, attn, batch.P, settings.temperature)
+    # On-policy: no scoring forward ran; the policy being updated generated the batch.
+    old = batch.old_logp_NT[rows, :T] if batch.old_logp_NT is not None else logp.detach()
+    ref = batch.ref_logp_NT[rows, :T] if batch.ref_logp_NT is not None else None
+    n_tok = mask.sum()
+    if first_epoch:
+        acc |= _behaviour_metrics(old, ref, batch, rows, mask, T, algo.kl_estimator)
+    weight = batch.weight_NT[rows, :T] if batch.weight_NT is not None else None
+    clip_low, clip_high = algo.clip_bounds()
+    loss_NT, pm = compute_policy_loss(algo.policy_loss, logp, old, batch.adv_NT[rows, :T], mask,
+                                      clip_ratio_low=clip_low, clip_ratio_high=clip_high,
+                                      clip_ratio_c=algo.clip_ratio_c, weight_NT=weight)
+    if algo.kl_placement == "loss" and kl_coef > 0:
+        kl_NT = kl_estimate(logp, ref, algo.kl_estimator, mask_NT=mask)
+        loss_NT = loss_NT + kl_coef * kl_NT
+        acc.add("actor/kl_loss", masked_sum(kl_NT.detach(), mask), n_tok)
+    if algo.entropy_coef > 0:
+        loss_NT = loss_NT - algo.entropy_coef * ent
+    acc.add("actor/entropy", masked_sum(ent.detach(), mask), n_tok)
+    for k, v in pm.items():
+        if k == "ratio_max":  # the step's extremes, not a mean of micro-batch extremes
+            acc.add_max(f"actor/{k}", torch.where(n_tok > 0, v, float("-inf")))
+        elif k == "ratio_min":
+            acc.add_min(f"actor/{k}", torch.where(n_tok > 0, v, float("inf")))
+        else:
+            acc.add(f"actor/{k}", v * n_tok, n_tok)
+    return aggregate_loss(loss_NT, mask, algo.loss_agg, denom, norm_length=settings.norm_length)
 
 
 def _behaviour_metrics(old_NT, ref_NT, batch: TrainBatch, rows, mask_NT, T: int, kl_estimator: str) -> MeanAccumulator:

@@ -17,7 +17,7 @@ policy's scoring does), so every sequence ends at the last position: that is whe
 the score is read, whatever the pad id (a classifier's config gets a pad id no token
 has, which makes Hugging Face's pooling pick exactly that position). Micro-batches
 hold at most `reward.max_tokens_per_micro_batch` padded tokens; each forward is an
-FSDP collective, so the ranks agree on the number (update.micro_batches).
+FSDP collective, so the ranks agree on the number (batching.micro_batches).
 
 Frozen (requires_grad False, eval), FSDP2-sharded like the reference, bf16 on CUDA
 with mixed precision and fp32 otherwise. Where it is resident is the phase switch's
@@ -35,6 +35,7 @@ from typing import NoReturn, Optional, Sequence
 
 import torch
 
+from hybrid_rl.batching import micro_batches
 from hybrid_rl.models.logprobs import left_pad, position_ids
 
 @dataclass(frozen=True)
@@ -231,8 +232,6 @@ class RewardModelScorer:
     @torch.no_grad()
     def __call__(self, model: torch.nn.Module, prompts: Sequence[str], completions: Sequence[str]) -> torch.Tensor:
         """score_N on the host (fp32), one per completion; every rank calls it together (FSDP forwards)."""
-        from hybrid_rl.update import micro_batches
-
         ids = encode_texts(self.tokenizer, prompts, completions)
         lengths = [len(x) for x in ids]
         check_lengths(lengths, self.spec, prompts, completions)

@@ -31,7 +31,8 @@ def _train(model_dir: str, rows: slice, steps: int, loss_agg: str, keep_model: s
     from hybrid_rl.config import AlgorithmConfig
     from hybrid_rl.models.fsdp import shard_model
     from hybrid_rl.models.loading import load_causal_lm
-    from hybrid_rl.update import TrainBatch, policy_update, score_logprobs
+    from hybrid_rl.batch import TrainBatch
+    from hybrid_rl.update import UpdateSettings, policy_update, score_logprobs
 
     dev = D.init("cpu", timeout_s=60)
     if packing:  # every micro-batch packed, even one where packing would save little
@@ -51,9 +52,9 @@ def _train(model_dir: str, rows: slice, steps: int, loss_agg: str, keep_model: s
     for step in range(steps):
         old = score_logprobs(model, ids, attn, P, 1.0, micro_batch_size=3, max_tokens=max_tokens, packing=packing) + shift
         batch = TrainBatch(ids_NL=ids, attn_NL=attn, mask_NT=mask, P=P, adv_NT=adv[:, None] * mask, old_logp_NT=old)
-        m = policy_update(policy=model, optimizer=opt, scheduler=sched, batch=batch, algo=algo, temperature=1.0,
-                          micro_batch_size=3, grad_clip=1.0, norm_length=6, seed=step, max_tokens_per_micro_batch=max_tokens,
-                          packing=packing)
+        m = policy_update(policy=model, optimizer=opt, scheduler=sched, batch=batch, seed=step, settings=UpdateSettings(
+            algo=algo, temperature=1.0, micro_batch_size=3, grad_clip=1.0, norm_length=6,
+            max_tokens_per_micro_batch=max_tokens, packing=packing))
         # The gradient of the step just taken (clipped in place; kept until the next zero_grad).
         grads = {n: _full(p.grad) for n, p in model.named_parameters()}
         losses.append((m["actor/loss"], m["actor/grad_norm"], grads))

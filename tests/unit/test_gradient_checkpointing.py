@@ -215,7 +215,8 @@ def _fsdp_update_fn(rank: int, model_dir: str) -> dict:
     from hybrid_rl.config import AlgorithmConfig
     from hybrid_rl.models.fsdp import load_sharded
     from hybrid_rl.models.logprobs import build_sequences
-    from hybrid_rl.update import TrainBatch, policy_update
+    from hybrid_rl.batch import TrainBatch
+    from hybrid_rl.update import UpdateSettings, policy_update
 
     dev = D.init("cpu", timeout_s=60)
     g = torch.Generator().manual_seed(0)
@@ -231,9 +232,10 @@ def _fsdp_update_fn(rank: int, model_dir: str) -> dict:
         calls, handles = _record_calls(policy)
         opt = torch.optim.SGD(policy.parameters(), lr=0.0)
         batch = TrainBatch(ids_NL=ids[rows], attn_NL=attn[rows], mask_NT=mask[rows].float(), P=P, adv_NT=adv)
+        settings = UpdateSettings(algo=AlgorithmConfig(kl_coef=0.0), temperature=1.0, micro_batch_size=2,
+                                  grad_clip=1e9, norm_length=6)
         metrics = policy_update(policy=policy, optimizer=opt, scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-                                batch=batch, algo=AlgorithmConfig(kl_coef=0.0), temperature=1.0, micro_batch_size=2,
-                                grad_clip=1e9, norm_length=6, seed=0)
+                                batch=batch, settings=settings, seed=0)
         for h in handles:
             h.remove()
         grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()

@@ -14,7 +14,8 @@ from hybrid_rl.config import AlgorithmConfig, load_config
 from hybrid_rl.models.logprobs import build_sequences, response_logprobs
 from hybrid_rl.rollout.base import Completion
 from hybrid_rl.trainer import Trainer
-from hybrid_rl.update import TrainBatch, policy_update
+from hybrid_rl.batch import TrainBatch
+from hybrid_rl.update import UpdateSettings, policy_update
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -39,8 +40,8 @@ def _update(model, batch, adv_N, *, lr: float, algo: AlgorithmConfig, seed: int 
     opt = optimizer or torch.optim.AdamW(model.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     tb = TrainBatch(ids_NL=ids, attn_NL=attn, mask_NT=mask, P=P, adv_NT=adv_N[:, None] * mask)
-    return policy_update(policy=model, optimizer=opt, scheduler=sched, batch=tb, algo=algo, temperature=1.0,
-                         micro_batch_size=64, grad_clip=1e9, norm_length=4, seed=seed)
+    settings = UpdateSettings(algo=algo, temperature=1.0, micro_batch_size=64, grad_clip=1e9, norm_length=4)
+    return policy_update(policy=model, optimizer=opt, scheduler=sched, batch=tb, settings=settings, seed=seed)
 
 
 def _mean_entropy(model, batch) -> float:

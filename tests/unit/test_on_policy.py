@@ -9,7 +9,8 @@ import torch
 from hybrid_rl.algorithms.aggregation import LOSS_AGG_MODES
 from hybrid_rl.config import AlgorithmConfig
 from hybrid_rl.models.logprobs import build_sequences
-from hybrid_rl.update import TrainBatch, is_on_policy, policy_update, score_logprobs, scores_old_policy
+from hybrid_rl.batch import TrainBatch
+from hybrid_rl.update import UpdateSettings, is_on_policy, policy_update, score_logprobs, scores_old_policy
 
 
 def _step(model, batch_kwargs, old_from_scoring: bool):
@@ -19,8 +20,8 @@ def _step(model, batch_kwargs, old_from_scoring: bool):
     old = score_logprobs(model, ids, attn, P, 1.0, micro_batch_size=3) if old_from_scoring else None
     algo = AlgorithmConfig(kl_coef=0.0)
     batch = TrainBatch(ids_NL=ids, attn_NL=attn, mask_NT=mask, P=P, adv_NT=adv[:, None] * mask, old_logp_NT=old)
-    m = policy_update(policy=model, optimizer=opt, scheduler=sched, batch=batch, algo=algo, temperature=1.0,
-                      micro_batch_size=3, grad_clip=1.0, norm_length=6, seed=0)
+    m = policy_update(policy=model, optimizer=opt, scheduler=sched, batch=batch, seed=0, settings=UpdateSettings(
+        algo=algo, temperature=1.0, micro_batch_size=3, grad_clip=1.0, norm_length=6))
     return {n: p.detach().clone() for n, p in model.named_parameters()}, m
 
 
@@ -60,7 +61,7 @@ def test_old_logprobs_are_scored_exactly_when_something_reads_them_before_the_up
 
 
 def test_token_budget_micro_batches_cover_every_row_once_within_the_budget():
-    from hybrid_rl.update import micro_batches
+    from hybrid_rl.batching import micro_batches
 
     ends = [1, 6, 5, 4, 3, 2, 1, 6, 0]
     groups = micro_batches(list(range(9)), ends, P=5, micro_batch_size=3, max_tokens=20)
@@ -74,7 +75,7 @@ def test_token_budget_micro_batches_cover_every_row_once_within_the_budget():
 
 
 def test_packed_token_budget_counts_each_rows_tokens_not_the_longest():
-    from hybrid_rl.update import micro_batches
+    from hybrid_rl.batching import micro_batches
 
     ends = [1, 6, 5, 4, 3, 2, 1, 6, 0]
     cost = {r: 5 + max(1, e) for r, e in enumerate(ends)}  # 6, 11, 10, 9, 8, 7, 6, 11, 6
@@ -103,9 +104,9 @@ def test_token_budget_and_packing_give_the_same_update_as_padded_rows(tiny_model
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         batch = TrainBatch(ids_NL=ids, attn_NL=attn, mask_NT=mask.float(), P=P, adv_NT=adv[:, None] * mask.float())
         out[max_tokens, packing] = policy_update(
-            policy=model, optimizer=opt, scheduler=sched, batch=batch,
-            algo=AlgorithmConfig(kl_coef=0.0, loss_agg=loss_agg), temperature=1.0, micro_batch_size=3, grad_clip=1.0,
-            norm_length=7, seed=0, max_tokens_per_micro_batch=max_tokens, packing=packing)
+            policy=model, optimizer=opt, scheduler=sched, batch=batch, seed=0, settings=UpdateSettings(
+                algo=AlgorithmConfig(kl_coef=0.0, loss_agg=loss_agg), temperature=1.0, micro_batch_size=3,
+                grad_clip=1.0, norm_length=7, max_tokens_per_micro_batch=max_tokens, packing=packing))
     want = out[0, False]
     for key, m in out.items():
         assert m["actor/loss"] == pytest.approx(want["actor/loss"], rel=1e-5), key
@@ -115,7 +116,7 @@ def test_token_budget_and_packing_give_the_same_update_as_padded_rows(tiny_model
 def test_mini_batches_are_shuffled_group_by_group():
     """A prompt's G samples stay together (so a micro-batch can share their prompt); the groups'
     order is random and every row comes once. Rows that do not divide into groups: one by one."""
-    from hybrid_rl.update import shuffled_rows
+    from hybrid_rl.batching import shuffled_rows
 
     gen = torch.Generator().manual_seed(0)
     orders = [shuffled_rows(24, 4, gen).tolist() for _ in range(5)]
@@ -145,7 +146,7 @@ def test_the_trainer_hands_the_group_size_to_the_update(tiny_trainer_overrides, 
 def test_packed_row_micro_batches_take_whole_prompt_groups():
     """micro_batch_size 16 at G = 5 (grpo_7b.yaml): micro-batches of 15 rows, three whole groups each,
     whatever order the groups come in; padded, or with G above the size, plain chunks of the size."""
-    from hybrid_rl.update import micro_batches, shuffled_rows
+    from hybrid_rl.batching import micro_batches, shuffled_rows
 
     order = shuffled_rows(40, 5, torch.Generator().manual_seed(0)).tolist()
     groups = micro_batches(order, [3] * 40, P=5, micro_batch_size=16, max_tokens=0, packed=True, group_size=5)
@@ -160,7 +161,7 @@ def test_packed_row_micro_batches_take_whole_prompt_groups():
 def test_packed_token_budget_keeps_a_prompts_rows_together():
     """With G rows per prompt, a micro-batch takes whole prompt groups, costed with the prompt once
     (P + the group's responses); a group over the budget is split into its rows."""
-    from hybrid_rl.update import micro_batches
+    from hybrid_rl.batching import micro_batches
 
     ends = [1, 6, 5, 4, 3, 2, 1, 6, 0, 9, 9, 9]  # 4 groups of 3 rows: costs 5+12, 5+9, 5+8, 5+27
     groups = micro_batches(list(range(12)), ends, P=5, micro_batch_size=3, max_tokens=30, packed=True, group_size=3)
@@ -173,3 +174,16 @@ def test_packed_token_budget_keeps_a_prompts_rows_together():
         whole = {r // 3 for r in g if r < 9}
         assert all(set(range(3 * k, 3 * k + 3)) <= set(g) for k in whole), f"group split: {g}"
     assert [sorted(g) for g in groups if set(g) & {9, 10, 11}] == [[9, 10], [11]], "the over-budget group goes by rows"
+
+
+def test_update_settings_are_read_from_their_config_keys():
+    """Catches UpdateSettings.from_config reading a neighbouring key (the sampling temperature for the
+    scoring one, max_new_tokens vs micro_batch_size): the update would score or normalise differently."""
+    from hybrid_rl.config import load_config
+
+    cfg = load_config(None, ["rollout.temperature=0.7", "trainer.micro_batch_size=5", "optim.grad_clip=0.3",
+                             "rollout.max_new_tokens=9", "trainer.max_tokens_per_micro_batch=64", "trainer.packing=false"])
+    s = UpdateSettings.from_config(cfg)
+    assert s.algo is cfg.algorithm
+    assert (s.temperature, s.micro_batch_size, s.grad_clip, s.norm_length, s.max_tokens_per_micro_batch,
+            s.packing) == (0.7, 5, 0.3, 9, 64, False)
