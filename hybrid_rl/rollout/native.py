@@ -188,6 +188,8 @@ class NativeEngine:
             raise RuntimeError("engine memory is released; call resume(['weights', 'kv_cache']) before generate")
         if any(len(p) == 0 for p in prompt_ids):
             raise ValueError("every prompt needs at least one token")
+        if not prompt_ids:  # a rank with no rows this round (an uneven validation split)
+            return []
         dev, N, T = self._device(), len(prompt_ids), params.max_new_tokens
         path = self._decode_path(dev)
         rows, prefill_rows = self._batch_limits(prompt_ids, params, dev, path)

@@ -82,6 +82,14 @@ def test_greedy_equals_full_forward_argmax(engine, sharp_model):
             assert c.token_ids[-1] == EOS and EOS not in c.token_ids[:-1]
 
 
+@pytest.mark.parametrize("free", [None, 1 << 34])
+def test_no_prompts_give_no_completions(sharp_model, free):
+    # A rank with no rows this round (two ranks validating three prompts) still calls generate; with the
+    # memory-sized batch it computed a batch of 0 rows (range step 0).
+    eng = NativeEngine(sharp_model, pad_id=PAD, eos_id=EOS, free_memory=lambda dev: free)
+    assert eng.generate([], SamplingParams(max_new_tokens=4, seed=0)) == []
+
+
 def test_greedy_batch_equals_one_prompt_at_a_time(engine):
     """Left padding and batching must not change any row's result."""
     sp = SamplingParams(max_new_tokens=8, greedy=True)
