@@ -2,20 +2,21 @@
 
     ROLLOUT    this rank's prompts (tokenized once) x G samples through the engine;
     REWARD     rule rewards on the host and/or the reward model in its own stage
-               (phases.reward(), nested in ROLLOUT), weighted (rewards/combine.py), + DAPO
-               soft overlong penalty; with dynamic sampling, rounds repeat until enough
-               informative groups (sampling.py)
+               (phases.reward(), nested in ROLLOUT), weighted, + DAPO soft overlong penalty
+               (RewardSetup.score, rewards/setup.py); with dynamic sampling, rounds repeat
+               until enough informative groups (sampling.py)
     SCORE      old-policy log-probs (when `scores_old_policy` says so) + reference log-probs
     ADVANTAGE  loss mask (overlong filter, rollout correction), KL as a reward penalty,
-               advantages of this rank's groups (whitening statistics over all ranks)
-    TRAIN      epochs x mini-batches x micro-batches; optimizer step (update.py)
+               advantages of this rank's groups (advantage_stage.py)
+    TRAIN      epochs x mini-batches x micro-batches; optimizer step (update.py, batching.py)
     metrics    one reduction per stage, the slowest rank's seconds, the memory ledger;
                the KL controller is updated here, once, from the KL this step measured
 
-`fit` runs steps, validates every `trainer.val_every` (validation.py: its own
-ROLLOUT -> TRAIN round of the phase cycle, between steps), hands each step's metrics
-to the loggers (loggers.py), writes checkpoints every `trainer.save_every` steps
-(checkpoint.py; resume is decided in `__init__`) and stops cleanly on SIGTERM / SIGINT.
+The run's mutable state is a `RunState` (run_state.py); `fit` runs steps, validates every
+`trainer.val_every` (validation.Validator: its own ROLLOUT -> TRAIN round of the phase cycle,
+between steps), hands each step's metrics to the loggers (loggers.py), writes checkpoints every
+`trainer.save_every` steps (run_state.Checkpointer; resume is decided in `__init__`) and stops
+cleanly on SIGTERM / SIGINT. Each collaborator is built from the parts it uses, not the Trainer.
 
 Works under `torchrun` (one process per device) and in a plain process.
 Legend: B prompts per step (global), G samples per prompt, N sequences, T tokens.
@@ -32,20 +33,19 @@ import torch
 
 from hybrid_rl import checkpoint as ckpt
 from hybrid_rl import distributed as D
-from hybrid_rl.algorithms.advantages import compute_advantages, takes_token_kl
-from hybrid_rl.algorithms.correction import rollout_correction
-from hybrid_rl.algorithms.dapo import truncation_mask
-from hybrid_rl.algorithms.kl import AdaptiveKLController, FixedKLController, kl_estimate, kl_penalty_rewards
-from hybrid_rl.batch import RolloutBatch, TrainBatch
+from hybrid_rl.advantage_stage import advantage_stage
+from hybrid_rl.algorithms.kl import AdaptiveKLController, FixedKLController
+from hybrid_rl.batch import RolloutBatch
 from hybrid_rl.config import Config, load_config, save_config
-from hybrid_rl.data.chat import PromptEncoder, drop_long_prompts, prompt_limit, use_chat_template
+from hybrid_rl.data.chat import PromptEncoder, use_chat_template
+from hybrid_rl.data.prepare import prepare_rows
 from hybrid_rl.data.prompts import PromptLoader, load_datasets
 from hybrid_rl.host_malloc import keep_freed_blocks
 from hybrid_rl.lr_schedule import lr_factor, optimizer_steps
 from hybrid_rl.loggers import build_loggers, check_loggers, console_write, interactive, log_rollouts
 from hybrid_rl.switch.advice import decide_offload, sglang_kv_room_warning
 from hybrid_rl.switch.phases import PhaseManager
-from hybrid_rl.metrics import MeanAccumulator, StageTimer, bottleneck, plot_curve, split_summary
+from hybrid_rl.metrics import StageTimer, bottleneck, plot_curve, split_summary
 from hybrid_rl.models.fsdp import load_sharded, prepare_policy
 from hybrid_rl.models.loading import load_tokenizer, model_eos_ids
 from hybrid_rl.rewards.base import RewardFn
@@ -56,7 +56,6 @@ from hybrid_rl.sampling import GroupCollector
 from hybrid_rl.stop import StopSignal, TrainingInterrupted
 from hybrid_rl.update import UpdateSettings, policy_update, score_logprobs, scores_old_policy
 from hybrid_rl.validation import Validator, check_val_set
-
 
 
 class Trainer:
@@ -117,8 +116,10 @@ class Trainer:
                                                                       cfg.model.path), cfg.model.path,
                                     cfg.data.system_prompt)
         data = load_datasets(cfg.data)
-        rows = self._prepare_rows(data.train, data.train_source, "train")
-        val_rows = self._prepare_rows(data.val, data.val_source, "validation") if data.val else []
+        prepare = functools.partial(prepare_rows, cfg=cfg, encode=self.encode, check_rows=self.rewards.rule.check_rows,
+                                    max_positions=self._model_config.get("max_position_embeddings"))
+        rows = prepare(data.train, data.train_source, "train")
+        val_rows = prepare(data.val, data.val_source, "validation") if data.val else []
         val_rows = val_rows[:cfg.data.val_size]
         if cfg.trainer.val_every or cfg.trainer.val_before_train:
             if not val_rows:
@@ -227,25 +228,6 @@ class Trainer:
     def metrics_path(self) -> str:
         return os.path.join(self.out_dir, "metrics.jsonl")
 
-    def _prepare_rows(self, rows: list[dict], source: str, what: str) -> list[dict]:
-        """Rows the reward accepts, tokenized, without the prompts over data.max_prompt_tokens or too long for
-        the model's context with rollout.max_new_tokens (`prompt_limit`; dropped and counted)."""
-        if self.rewards.rule.check_rows is not None:
-            self.rewards.rule.check_rows(rows, source)
-        lengths = self.encode.encode_all(rows, source)
-        limit, limit_why, fix = prompt_limit(self.cfg.data.max_prompt_tokens, self.cfg.rollout.max_new_tokens,
-                                             self._model_config.get("max_position_embeddings"))
-        kept, dropped = drop_long_prompts(rows, lengths, limit)
-        if not kept:
-            raise ValueError(f"every {what} prompt of {source} is longer than {limit_why} "
-                             f"(the shortest has {min(lengths)} tokens); {fix}")
-        if D.is_main():
-            note = f", dropped {dropped} longer than {limit_why}" if dropped else ""
-            print(f"data: {len(kept)} {what} prompts from {source}{note} (longest kept "
-                  f"{max(n for n in lengths if not limit or n <= limit)} tokens; chat template "
-                  f"{'on' if self.encode.chat_template else 'off'})")
-        return kept
-
     # -- one step -------------------------------------------------------------
     def step(self) -> dict:
         """One GRPO step; its metrics. After an exception (a failing reward, an out-of-memory error, Ctrl-C in a
@@ -270,9 +252,12 @@ class Trainer:
                 with self.phases.score() as ref, timer("score"):
                     old_logp_NT, ref_logp_NT = self._score(batch, ref)
                 with timer("advantage"):
-                    train_batch, shaping = self._advantage(batch, old_logp_NT, ref_logp_NT, kl_coef)
-                with self.phases.train() as optimizer, timer("train"):
-                    metrics.update(self._train(optimizer, train_batch, kl_coef))
+                    train_batch, shaping = advantage_stage(batch, old_logp_NT, ref_logp_NT, kl_coef,
+                                                           self.cfg.algorithm)
+                with self.phases.train() as optimizer, timer("train"):  # a new mini-batch shuffle every step
+                    metrics.update(policy_update(policy=self.policy, optimizer=optimizer, scheduler=self.scheduler,
+                                                 batch=train_batch, settings=self.update_settings, kl_coef=kl_coef,
+                                                 seed=self.cfg.trainer.seed + self.state.step))
                 metrics.update(shaping.reduce())
                 metrics["actor/kl_coef"] = kl_coef
                 if "actor/kl_ref" in metrics:
@@ -349,61 +334,6 @@ class Trainer:
 
         old = score(self.policy) if scores_old_policy(self.cfg.algorithm, len(batch) * D.world_size()) else None
         return old, score(ref) if ref is not None else None
-
-    # -- ADVANTAGE ------------------------------------------------------------
-    def _advantage(self, batch: RolloutBatch, old_logp_NT, ref_logp_NT, kl_coef: float) -> tuple[TrainBatch, MeanAccumulator]:
-        """Loss mask and correction weight, KL in the reward, advantages: the batch the update trains on."""
-        algo = self.cfg.algorithm
-        loss_mask_NT, weight_NT, acc = self._loss_mask(batch, old_logp_NT)
-        scores_N, kl_NT = batch.scores_N, None
-        if algo.kl_placement == "reward" and ref_logp_NT is not None:
-            kl_NT = kl_estimate(old_logp_NT, ref_logp_NT, algo.kl_estimator, mask_NT=batch.resp_mask_NT)
-            acc.add("reward/kl_penalty", kl_coef * kl_NT.sum(), len(batch))
-            if not takes_token_kl(algo.advantage):
-                # Sequence-level estimators see the KL as a penalty on the score; REINFORCE++
-                # takes it per token (KL-to-go in its returns) below.
-                scores_N, kl_NT = kl_penalty_rewards(scores_N, kl_NT, batch.resp_mask_NT, kl_coef), None
-        # Token-level estimators whiten over the tokens the loss trains (stats_mask_NT), not the filtered ones.
-        adv_NT = compute_advantages(algo.advantage, scores_N, batch.group_ids_N, batch.resp_mask_NT, eps=algo.adv_eps,
-                                    gamma=algo.gamma, kl_NT=kl_NT, kl_coef=kl_coef if kl_NT is not None else 0.0,
-                                    reduce_sum=D.all_reduce_sum, stats_mask_NT=loss_mask_NT)
-        acc.add("reward/trained_mean", batch.rewards_N.sum(), len(batch))
-        if algo.overlong_penalty_factor > 0:
-            acc.add("reward/overlong_penalty", (batch.scores_N - batch.rewards_N).sum(), len(batch))
-        train_batch = TrainBatch(ids_NL=batch.ids_NL, attn_NL=batch.attn_NL, mask_NT=loss_mask_NT, P=batch.P,
-                                 adv_NT=adv_NT, old_logp_NT=old_logp_NT, ref_logp_NT=ref_logp_NT, weight_NT=weight_NT,
-                                 engine_logp_NT=batch.engine_logp_NT, group_size=batch.group_size)
-        return train_batch, acc
-
-    def _loss_mask(self, batch: RolloutBatch, old_logp_NT) -> tuple[torch.Tensor, Optional[torch.Tensor], MeanAccumulator]:
-        """(loss mask, TIS weight or None, metrics): overlong filter, then rollout correction (MIS may mask more)."""
-        algo, acc, n = self.cfg.algorithm, MeanAccumulator(), len(batch)
-        loss_mask_NT = batch.resp_mask_NT
-        if algo.overlong_filter:
-            loss_mask_NT = truncation_mask(batch.truncated_N, loss_mask_NT)
-            acc.add("response/overlong_filtered", batch.truncated_N.sum(), n)
-        weight_NT = None
-        if algo.rollout_correction != "none":
-            n_tok = loss_mask_NT.sum()  # the correction's metrics are means over its input mask
-            weight_NT, loss_mask_NT, corr = rollout_correction(old_logp_NT, batch.engine_logp_NT, loss_mask_NT,
-                                                               algo.rollout_correction, algo.correction_cap,
-                                                               algo.correction_lower)
-            for k, v in sorted(corr.items()):
-                if k.endswith("_max"):
-                    acc.add_max(f"rollout/{k}", v)
-                else:
-                    acc.add(f"rollout/{k}", v * n_tok, n_tok)
-            if not algo.rollout_correction.startswith("tis"):
-                weight_NT = None  # MIS only masks
-        acc.add("response/loss_tokens", loss_mask_NT.sum(), n)
-        return loss_mask_NT, weight_NT, acc
-
-    # -- TRAIN ----------------------------------------------------------------
-    def _train(self, optimizer: torch.optim.Optimizer, batch: TrainBatch, kl_coef: float) -> dict:
-        # A new mini-batch shuffle every step: the seed moves with the step.
-        return policy_update(policy=self.policy, optimizer=optimizer, scheduler=self.scheduler, batch=batch,
-                             settings=self.update_settings, seed=self.cfg.trainer.seed + self.state.step,
-                             kl_coef=kl_coef)
 
     # -- metrics --------------------------------------------------------------
     def _time_metrics(self, timer: StageTimer) -> dict[str, float]:

@@ -341,11 +341,12 @@ def test_whitening_over_the_trained_tokens_only(name):
 
 def test_the_trainer_whitens_over_its_loss_mask(tiny_trainer_overrides, monkeypatch):
     from hybrid_rl import Trainer, load_config
+    from hybrid_rl import advantage_stage as stage_mod
     from hybrid_rl import trainer as trainer_mod
 
     calls = []
-    real = trainer_mod.compute_advantages
-    monkeypatch.setattr(trainer_mod, "compute_advantages", lambda *a, **k: calls.append((a, k)) or real(*a, **k))
+    real = stage_mod.compute_advantages
+    monkeypatch.setattr(stage_mod, "compute_advantages", lambda *a, **k: calls.append((a, k)) or real(*a, **k))
     seen = {}
     real_update = trainer_mod.policy_update
     monkeypatch.setattr(trainer_mod, "policy_update", lambda **k: seen.update(batch=k["batch"]) or real_update(**k))
@@ -363,12 +364,13 @@ def test_the_trainer_gives_a_reward_side_kl_per_token_only_to_estimators_that_ta
     and the raw scores; reinforce_pp_baseline gets the KL folded into its scores and no kl_NT (compute_advantages
     would refuse one). Mutation: `if not takes_token_kl(...)` replaced by True (or False) fails one of them."""
     from hybrid_rl import Trainer, load_config
+    from hybrid_rl import advantage_stage as stage_mod
     from hybrid_rl import trainer as trainer_mod
 
     for name, token_kl in (("reinforce_pp", True), ("reinforce_pp_baseline", False)):
         calls = []
-        real = trainer_mod.compute_advantages
-        monkeypatch.setattr(trainer_mod, "compute_advantages", lambda *a, **k: calls.append((a, k)) or real(*a, **k))
+        real = stage_mod.compute_advantages
+        monkeypatch.setattr(stage_mod, "compute_advantages", lambda *a, **k: calls.append((a, k)) or real(*a, **k))
         tr = Trainer(load_config(None, [*tiny_trainer_overrides, f"algorithm.advantage={name}",
                                         "algorithm.kl_placement=reward", "algorithm.kl_coef=0.3"]))
         with torch.no_grad():  # a reference unlike the policy, so the KL is not 0
@@ -384,4 +386,4 @@ def test_the_trainer_gives_a_reward_side_kl_per_token_only_to_estimators_that_ta
         assert kwargs["kl_coef"] == (0.3 if token_kl else 0.0), name
         assert torch.equal(scores_N, scores[0]) == token_kl, f"{name}: scores penalised iff the KL is not per token"
         tr.close()
-        monkeypatch.setattr(trainer_mod, "compute_advantages", real)
+        monkeypatch.setattr(stage_mod, "compute_advantages", real)
