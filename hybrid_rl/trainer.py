@@ -224,10 +224,6 @@ class Trainer:
             return build_for_trainer(self.cfg, self.policy, tok, longest, bool(val_rows), weights_dtype)
         return engine_cls(self.policy, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, weights_dtype=weights_dtype)
 
-    @property
-    def metrics_path(self) -> str:
-        return os.path.join(self.out_dir, "metrics.jsonl")
-
     # -- one step -------------------------------------------------------------
     def step(self) -> dict:
         """One GRPO step; its metrics. After an exception (a failing reward, an out-of-memory error, Ctrl-C in a
@@ -311,11 +307,6 @@ class Trainer:
         seed = r.seed + 1_000_003 * self.state.step + 7919 * D.rank() + 97 * round_idx
         return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                               top_k=r.top_k, stop_token_ids=self.stop_token_ids, seed=seed)
-
-    def _reward(self, rows: list[dict], completions: list[Completion]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(task reward, score) per completion, on the host; the score adds the DAPO soft overlong penalty."""
-        rewards_N, scores_N, _ = self._reward_parts(rows, completions)
-        return rewards_N, scores_N
 
     def _reward_parts(self, rows: list[dict], completions: list[Completion]) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """(reward, score, logged parts) per completion: the rule reward on the host and/or the reward model's
