@@ -252,8 +252,3 @@ def test_engine_is_sglang_when_importable_else_native(monkeypatch):
     assert overrides == ["rollout.engine=native", "rollout.tp_size=1"] and "native" in note
     assert grpo_7b.choose_engine(["rollout.engine=sglang"])[0] == []  # the command line decides
     assert grpo_7b.choose_engine(["rollout.engine=native"])[0] == ["rollout.tp_size=1"]  # native has no TP
-
-
-def test_the_recipe_reads_in_under_150_lines():
-    with open(RECIPE) as f:
-        assert len(f.read().splitlines()) < 150
