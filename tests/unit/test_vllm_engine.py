@@ -15,20 +15,10 @@ import os
 import pytest
 import torch
 
+from tests.engine_helpers import PROMPTS, perturbed as _perturbed
+
 pytestmark = [pytest.mark.usefixtures("torch_one_thread"),
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not importable")]
-
-PROMPTS = [[5, 6, 7, 14], [8, 14], [11, 12, 13, 4, 5, 6, 14]]
-
-
-def _perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Trained-looking weights: neither the checkpoint nor the engine's dummy init."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.add_(0.3 * torch.randn(p.shape, generator=g))
-    return model
 
 
 @pytest.fixture(scope="module")

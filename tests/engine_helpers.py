@@ -1,0 +1,17 @@
+"""Shared by the engine adapter tests (vLLM, the SGLang stand-in): prompts over the digits vocabulary and
+trained-looking weights for a policy before a sync."""
+from __future__ import annotations
+
+import torch
+
+PROMPTS = [[5, 6, 7, 14], [8, 14], [11, 12, 13, 4, 5, 6, 14]]
+
+
+def perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Trained-looking weights: neither the checkpoint nor the engine's dummy init."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return model
