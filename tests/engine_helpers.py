@@ -1,5 +1,5 @@
-"""Shared by the engine adapter tests (vLLM, the SGLang stand-in): prompts over the digits vocabulary and
-trained-looking weights for a policy before a sync."""
+"""Shared by the engine adapter tests (vLLM, the SGLang stand-in): prompts over the digits vocabulary,
+trained-looking weights for a policy before a sync, and one rollout through the phase switch."""
 from __future__ import annotations
 
 import torch
@@ -15,3 +15,12 @@ def perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
             if p.dim() >= 2:
                 p.add_(0.3 * torch.randn(p.shape, generator=g))
     return model
+
+
+def rollout(pm, prompts, params):
+    """Generate through the phase switch (resume, sync, generate), then back to TRAIN (release)."""
+    with pm.rollout() as engine:
+        out = engine.generate(prompts, params)
+    with pm.train():
+        pass
+    return out

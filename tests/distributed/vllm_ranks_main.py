@@ -21,6 +21,7 @@ from hybrid_rl.rollout.base import SamplingParams
 from hybrid_rl.rollout.native import NativeEngine
 from hybrid_rl.rollout.vllm import VLLMEngine
 from hybrid_rl.switch.phases import PhaseManager
+from tests.engine_helpers import perturbed
 
 PROMPTS = [[5, 6, 7, 14], [8, 14], [11, 12, 13, 4, 5, 6, 14], [9, 9, 14]]
 
@@ -28,12 +29,7 @@ PROMPTS = [[5, 6, 7, 14], [8, 14], [11, 12, 13, 4, 5, 6, 14], [9, 9, 14]]
 def main(model_dir: str, tp_size: int, out_dir: str) -> None:
     dev = D.init("cpu", timeout_s=120)
     rank = D.rank()
-    plain = load_causal_lm(model_dir)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in plain.parameters():
-            if p.dim() >= 2:
-                p.add_(0.3 * torch.randn(p.shape, generator=g))
+    plain = perturbed(load_causal_lm(model_dir), seed=1)
     reference = copy.deepcopy(plain)
     policy = shard_model(plain, dev, mixed_precision=False)
     tok = load_tokenizer(model_dir)

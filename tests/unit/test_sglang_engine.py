@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 
-from tests.engine_helpers import PROMPTS, perturbed as _perturbed
+from tests.engine_helpers import PROMPTS, perturbed as _perturbed, rollout as _rollout
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread", "fake_sglang")
 
@@ -32,14 +32,6 @@ def setup(tiny_model_dir):
     pm = PhaseManager(policy, opt, engine, torch.device("cpu"), bucket_bytes=64 << 10)
     yield policy, engine, pm, tok
     engine.shutdown()
-
-
-def _rollout(pm, prompts, params):
-    with pm.rollout() as engine:
-        out = engine.generate(prompts, params)
-    with pm.train():
-        pass
-    return out
 
 
 def test_engine_starts_released_and_the_first_sync_is_complete(setup):

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from tests.engine_helpers import PROMPTS, perturbed as _perturbed
+from tests.engine_helpers import PROMPTS, perturbed as _perturbed, rollout as _rollout
 
 pytestmark = [pytest.mark.usefixtures("torch_one_thread"),
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not importable")]
@@ -46,14 +46,6 @@ def setup(wide_model_dir):
     pm = PhaseManager(policy, opt, engine, torch.device("cpu"), bucket_bytes=64 << 10)
     yield policy, engine, pm, tok, threads
     engine.shutdown()
-
-
-def _rollout(pm, prompts, params):
-    with pm.rollout() as engine:
-        out = engine.generate(prompts, params)
-    with pm.train():
-        pass
-    return out
 
 
 def _greedy(max_new_tokens: int = 8):
