@@ -218,6 +218,46 @@ def plan_memory(arch: ModelArch, n_gpus: int, dtype: str, batch: int, context: i
     gradient_checkpointing: model.gradient_checkpointing (the activation estimate without it is several times larger).
     engine: rollout.engine; "vllm" bills the KV cache vLLM allocates, from kv_cache_budget (rollout.kv_cache_bytes,
     per GPU) or mem_fraction (rollout.mem_fraction, its gpu_memory_utilization), else from batch and context."""
+    _check_plan_args(n_gpus=n_gpus, batch=batch, context=context, gpu_mem_gib=gpu_mem_gib, tp_size=tp_size,
+                     train_micro_batch=train_micro_batch, engine=engine, kv_cache_budget=kv_cache_budget,
+                     mem_fraction=mem_fraction, native_prompt_tokens=native_prompt_tokens)
+    off = normalize_offload(offload)
+    b = dtype_bytes(dtype)
+    n = count_parameters(arch)
+    n_rm = count_parameters(reward_arch) if reward_arch is not None else 0
+    cap = int(gpu_mem_gib * GIB)
+    per_gpu, notes = _role_bytes_per_gpu(arch, dtype, n, n_rm, batch, context, n_gpus, tp_size, cap,
+                                         engine, kv_cache_budget, mem_fraction)
+    phases = phase_residency(per_gpu, off)
+    if reward_arch is None:
+        phases["reward"] = {}  # rule rewards: the run never enters the REWARD stage
+    act = activation_estimate(arch, dtype, train_micro_batch, context, checkpointing=gradient_checkpointing)
+    if act:
+        phases["train"]["activations_estimate"] = act
+    native = {}
+    if native_prompt_tokens:
+        native = bill_native_rollout(arch, dtype, math.ceil(batch * tp_size / n_gpus), native_prompt_tokens,
+                                      context - native_prompt_tokens, phases["rollout"], cap, native_top_p, native_graphs,
+                                      native_samples_per_prompt)
+        per_gpu["kv_cache"] = native["kv_cache"]
+    totals = {p: sum(phases[p].values()) for p in PHASES}
+    notes += _arch_notes(arch, context, tp_size)
+    return MemoryPlan(
+        model=arch.name, n_params=n, reward_params=n_rm, n_gpus=n_gpus, tp_size=tp_size, dtype=dtype,
+        batch=batch, context=context, gpu_mem_bytes=cap, offload=off, per_gpu=per_gpu,
+        gradient_checkpointing=gradient_checkpointing,
+        total={r: v * n_gpus for r, v in per_gpu.items()}, phases=phases, phase_totals=totals,
+        fits={p: totals[p] <= cap for p in PHASES},
+        shortfall={p: max(0, totals[p] - cap) for p in PHASES},
+        bill={"learner": 16 * n, "ref": b * n, "engine_copy": b * n, "reward_model": b * n_rm,
+              "engine_replicas": n_gpus // tp_size},
+        activations_estimate=act, notes=notes, native_rollout=native)
+
+
+def _check_plan_args(*, n_gpus: int, batch: int, context: int, gpu_mem_gib: float, tp_size: int,
+                     train_micro_batch: int, engine: str, kv_cache_budget: int | None, mem_fraction: float | None,
+                     native_prompt_tokens: int) -> None:
+    """Raise ValueError naming the first `plan_memory` argument out of range or at odds with `engine`."""
     _positive(n_gpus=n_gpus, batch=batch, context=context, gpu_mem_gib=gpu_mem_gib, tp_size=tp_size)
     for k, v in (("n_gpus", n_gpus), ("batch", batch), ("context", context), ("tp_size", tp_size)):
         if int(v) != v:
@@ -232,10 +272,18 @@ def plan_memory(arch: ModelArch, n_gpus: int, dtype: str, batch: int, context: i
         raise ValueError("kv_cache_budget and mem_fraction size vLLM's KV cache; pass engine='vllm' with them")
     if native_prompt_tokens and engine != "native":
         raise ValueError(f"native_prompt_tokens bills the native engine's rollout, not engine={engine!r}")
-    off = normalize_offload(offload)
+
+
+def _role_bytes_per_gpu(arch: ModelArch, dtype: str, n: int, n_rm: int, batch: int, context: int, n_gpus: int,
+                        tp_size: int, cap: int, engine: str, kv_cache_budget: int | None,
+                        mem_fraction: float | None) -> tuple[dict[str, int], list[str]]:
+    """Bytes per GPU of each role in ROLES order (the module docstring's table), for a policy of n and
+    a reward model of n_rm parameters; and vLLM's note on how its KV cache was sized, if any.
+
+    The learner's roles, the reference and the reward model are sharded over all n_gpus; the engine's
+    weights over tp_size. The KV cache is one batch of `context` tokens (`kv_cache_bytes`), or what
+    vLLM allocates (`bill_vllm_kv`, with cap the GPU's bytes)."""
     b = dtype_bytes(dtype)
-    n = count_parameters(arch)
-    n_rm = count_parameters(reward_arch) if reward_arch is not None else 0
     mixed = b == 2
     whole = {
         "policy_weights": (6 if mixed else 4) * n,
@@ -247,42 +295,24 @@ def plan_memory(arch: ModelArch, n_gpus: int, dtype: str, batch: int, context: i
     per_gpu = {r: math.ceil(v / n_gpus) for r, v in whole.items()}
     per_gpu["engine_weights"] = math.ceil(b * n / tp_size)
     per_gpu["kv_cache"] = kv_cache_bytes(arch, dtype, batch, context, n_gpus, tp_size)
-    cap = int(gpu_mem_gib * GIB)
     notes = []
     if engine == "vllm" and arch.has_kv_dims:
         per_gpu["kv_cache"], note = bill_vllm_kv(arch, dtype, batch, context, n_gpus, tp_size, kv_cache_budget,
                                                  mem_fraction, cap, per_gpu["engine_weights"])
         notes += [note] if note else []
-    per_gpu = {r: per_gpu[r] for r in ROLES}
-    phases = phase_residency(per_gpu, off)
-    if reward_arch is None:
-        phases["reward"] = {}  # rule rewards: the run never enters the REWARD stage
-    act = activation_estimate(arch, dtype, train_micro_batch, context, checkpointing=gradient_checkpointing)
-    if act:
-        phases["train"]["activations_estimate"] = act
-    native = {}
-    if native_prompt_tokens:
-        native = bill_native_rollout(arch, dtype, math.ceil(batch * tp_size / n_gpus), native_prompt_tokens,
-                                      context - native_prompt_tokens, phases["rollout"], cap, native_top_p, native_graphs,
-                                      native_samples_per_prompt)
-        per_gpu["kv_cache"] = native["kv_cache"]
-    totals = {p: sum(phases[p].values()) for p in PHASES}
+    return {r: per_gpu[r] for r in ROLES}, notes
+
+
+def _arch_notes(arch: ModelArch, context: int, tp_size: int) -> list[str]:
+    """Warnings about the architecture: KV dims unknown, context past its positions, more TP ranks than KV heads."""
+    notes = []
     if not arch.has_kv_dims:
         notes.append("kv_cache not computed: give the layer count, KV heads and head_dim (--layers --kv-heads --head-dim)")
     if arch.max_position_embeddings and context > arch.max_position_embeddings:
         notes.append(f"context {context} exceeds max_position_embeddings {arch.max_position_embeddings}")
     if tp_size > arch.kv_heads > 0:
         notes.append(f"tp_size {tp_size} > {arch.kv_heads} KV heads: KV heads are replicated across TP ranks")
-    return MemoryPlan(
-        model=arch.name, n_params=n, reward_params=n_rm, n_gpus=n_gpus, tp_size=tp_size, dtype=dtype,
-        batch=batch, context=context, gpu_mem_bytes=cap, offload=off, per_gpu=per_gpu,
-        gradient_checkpointing=gradient_checkpointing,
-        total={r: v * n_gpus for r, v in per_gpu.items()}, phases=phases, phase_totals=totals,
-        fits={p: totals[p] <= cap for p in PHASES},
-        shortfall={p: max(0, totals[p] - cap) for p in PHASES},
-        bill={"learner": 16 * n, "ref": b * n, "engine_copy": b * n, "reward_model": b * n_rm,
-              "engine_replicas": n_gpus // tp_size},
-        activations_estimate=act, notes=notes, native_rollout=native)
+    return notes
 
 
 def suggest_offload(arch: ModelArch, n_gpus: int, dtype: str, batch: int, context: int,

@@ -149,67 +149,101 @@ def shown_phases(plan: MemoryPlan) -> tuple[str, ...]:
 
 
 def format_plan(plan: MemoryPlan, suggestion: dict) -> str:
-    lines = []
+    """The printed report: the run's header, the roles x phases table, each phase's fit, the native
+    engine's decode batch, the notes and the suggested offload (`suggest_offload`'s result)."""
     phases = shown_phases(plan)
+    lines = _header_lines(plan) + [""] + _table_lines(plan, phases) + [""] + _fit_lines(plan, phases)
+    lines += native_rollout_lines(plan) + _note_lines(plan)
+    lines.append(_suggestion_line(plan, suggestion))
+    return "\n".join(lines)
+
+
+def _header_lines(plan: MemoryPlan) -> list[str]:
+    """The model and its size, the GPUs and batch, the offload flags, and the whole-model bill."""
     n = plan.n_params
-    lines.append(f"model {plan.model}: N = {n:,} params ({n / 1e9:.2f} B), dtype {plan.dtype}"
-                 + (f"; reward model N = {plan.reward_params:,}" if plan.reward_params else ""))
     dp = plan.n_gpus // plan.tp_size
-    lines.append(f"GPUs {plan.n_gpus}, rollout tp {plan.tp_size} x dp {dp}; batch {plan.batch} seqs x context "
-                 f"{plan.context} tokens; GPU memory {plan.gpu_mem_bytes / 2**30:g} GiB = {_gb(plan.gpu_mem_bytes)} GB")
-    lines.append("offload: " + (", ".join(f for f in OFFLOAD_FLAGS if plan.offload[f]) or "none"))
     b = plan.bill
-    lines.append(f"bill (whole model): learner 16N = {_gb(b['learner'])} GB, reference = {_gb(b['ref'])} GB, "
-                 f"inference copy = {_gb(b['engine_copy'])} GB (x{b['engine_replicas']} replicas on the GPUs = "
-                 f"{_gb(plan.total['engine_weights'])} GB)"
-                 + (f", reward model = {_gb(b['reward_model'])} GB" if plan.reward_params else ""))
-    lines.append("")
-    w = 22
+    return [
+        f"model {plan.model}: N = {n:,} params ({n / 1e9:.2f} B), dtype {plan.dtype}"
+        + (f"; reward model N = {plan.reward_params:,}" if plan.reward_params else ""),
+        f"GPUs {plan.n_gpus}, rollout tp {plan.tp_size} x dp {dp}; batch {plan.batch} seqs x context "
+        f"{plan.context} tokens; GPU memory {plan.gpu_mem_bytes / 2**30:g} GiB = {_gb(plan.gpu_mem_bytes)} GB",
+        "offload: " + (", ".join(f for f in OFFLOAD_FLAGS if plan.offload[f]) or "none"),
+        f"bill (whole model): learner 16N = {_gb(b['learner'])} GB, reference = {_gb(b['ref'])} GB, "
+        f"inference copy = {_gb(b['engine_copy'])} GB (x{b['engine_replicas']} replicas on the GPUs = "
+        f"{_gb(plan.total['engine_weights'])} GB)"
+        + (f", reward model = {_gb(b['reward_model'])} GB" if plan.reward_params else ""),
+    ]
+
+
+_ROLE_COLUMN = 22  # width of the table's first column
+
+
+def _table_lines(plan: MemoryPlan, phases: tuple[str, ...]) -> list[str]:
+    """One row per role (plus the activation estimate and the native engine's working set and
+    headroom when billed): GB per GPU, in total, and resident in each phase; then the phase totals."""
+    w = _ROLE_COLUMN
     head = f"{'role':<{w}}{'per GPU':>10}{'total':>11} |" + "".join(f"{p:>10}" for p in phases)
-    lines.append(head + "   (GB)")
-    lines.append("-" * len(head))
+    lines = [head + "   (GB)", "-" * len(head)]
     rows = list(ROLES) + (["activations_estimate"] if plan.activations_estimate else [])
     rows += ["rollout_working", "rollout_headroom"] if plan.native_rollout else []
     for role in rows:
-        if role == "activations_estimate":
-            pg, tot = plan.activations_estimate, plan.activations_estimate * plan.n_gpus
-        elif role in ("rollout_working", "rollout_headroom"):
-            pg = plan.native_rollout["working" if role == "rollout_working" else "headroom"]
-            tot = pg * plan.n_gpus
-        else:
-            pg, tot = plan.per_gpu[role], plan.total[role]
-        cells = []
-        for p in phases:
-            if role == "reward_model" and not plan.reward_params:
-                cells.append("-")
-            elif role in plan.phases[p]:
-                cells.append(_gb(plan.phases[p][role]))
-            else:
-                flag = RESIDENCY.get(role, (None, None))[1]
-                cells.append("cpu" if flag and plan.offload.get(flag) else "-")
+        pg, tot = _role_bytes(plan, role)
+        cells = [_phase_cell(plan, role, p) for p in phases]
         lines.append(f"{role:<{w}}{_gb(pg):>10}{_gb(tot):>11} |" + "".join(f"{c:>10}" for c in cells))
     lines.append("-" * len(head))
     lines.append(f"{'phase total per GPU':<{w + 21}} |" + "".join(f"{_gb(plan.phase_totals[p]):>10}" for p in phases))
-    lines.append("")
+    return lines
+
+
+def _role_bytes(plan: MemoryPlan, role: str) -> tuple[int, int]:
+    """(bytes per GPU, bytes over all GPUs) of a table row."""
+    if role == "activations_estimate":
+        return plan.activations_estimate, plan.activations_estimate * plan.n_gpus
+    if role in ("rollout_working", "rollout_headroom"):
+        pg = plan.native_rollout["working" if role == "rollout_working" else "headroom"]
+        return pg, pg * plan.n_gpus
+    return plan.per_gpu[role], plan.total[role]
+
+
+def _phase_cell(plan: MemoryPlan, role: str, phase: str) -> str:
+    """GB of `role` resident in `phase`; "cpu" where its offload flag parks it, "-" where it is not held."""
+    if role == "reward_model" and not plan.reward_params:
+        return "-"
+    if role in plan.phases[phase]:
+        return _gb(plan.phases[phase][role])
+    flag = RESIDENCY.get(role, (None, None))[1]
+    return "cpu" if flag and plan.offload.get(flag) else "-"
+
+
+def _fit_lines(plan: MemoryPlan, phases: tuple[str, ...]) -> list[str]:
+    """Per phase: bytes used per GPU against the capacity, and the free or missing GB."""
+    lines = []
     for p in phases:
         used = plan.phase_totals[p]
         verdict = (f"fits ({_gb(plan.gpu_mem_bytes - used)} GB free)" if plan.fits[p]
                    else f"does NOT fit (short by {_gb(plan.shortfall[p])} GB)")
         lines.append(f"{p:<8} {_gb(used):>8} / {_gb(plan.gpu_mem_bytes)} GB per GPU: {verdict}")
-    lines += native_rollout_lines(plan)
-    for note in plan.notes:
-        lines.append(f"note: {note}")
+    return lines
+
+
+def _note_lines(plan: MemoryPlan) -> list[str]:
+    """The plan's notes, and a warning that the activation figure is an estimate."""
+    lines = [f"note: {note}" for note in plan.notes]
     if plan.activations_estimate:
         how = "with" if plan.gradient_checkpointing else "WITHOUT"
         lines.append(f"note: activations_estimate is a rough estimate ({how} gradient checkpointing)")
-    if suggestion["fits"]:
-        flags = [f for f in OFFLOAD_FLAGS if suggestion["offload"][f]]
-        given = [f for f in OFFLOAD_FLAGS if plan.offload[f]]
-        extra = f" (adds {', '.join(suggestion['added'])} to --offload)" if given and suggestion["added"] else ""
-        lines.append(f"suggested offload: {','.join(flags) or 'none needed'}{extra}")
-    else:
-        lines.append(f"suggested offload: {suggestion['message']}")
-    return "\n".join(lines)
+    return lines
+
+
+def _suggestion_line(plan: MemoryPlan, suggestion: dict) -> str:
+    """The offload flags that make every phase fit (and which of them --offload lacks), or why none do."""
+    if not suggestion["fits"]:
+        return f"suggested offload: {suggestion['message']}"
+    flags = [f for f in OFFLOAD_FLAGS if suggestion["offload"][f]]
+    given = [f for f in OFFLOAD_FLAGS if plan.offload[f]]
+    extra = f" (adds {', '.join(suggestion['added'])} to --offload)" if given and suggestion["added"] else ""
+    return f"suggested offload: {','.join(flags) or 'none needed'}{extra}"
 
 
 def native_rollout_lines(plan: MemoryPlan) -> list[str]:

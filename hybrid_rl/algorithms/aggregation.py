@@ -124,16 +124,34 @@ def aggregate_loss(
     """
     _check_mode(mode)
     _check_mask_NT(mask_NT)
+    _check_loss_NT(loss_NT, mask_NT)
+    denom, denom_value = _denominator(global_normalizer, mode, norm_length, loss_NT)
+    numerator = _numerator(loss_NT, mask_NT, mode)
+    return _divide(numerator, denom, denom_value)
+
+
+def _check_loss_NT(loss_NT: Tensor, mask_NT: Tensor) -> None:
     if not isinstance(loss_NT, Tensor) or loss_NT.shape != mask_NT.shape:
         raise ValueError(
             f"loss_NT must have the same (N, T) shape as mask_NT {tuple(mask_NT.shape)}, "
             f"got {getattr(loss_NT, 'shape', type(loss_NT))}"
         )
+
+
+def _denominator(
+    global_normalizer: float | Tensor, mode: str, norm_length: int | None, loss_NT: Tensor
+) -> tuple[float | Tensor, float | None]:
+    """The divisor of the numerator: D, times norm_length for seq-mean-token-sum-norm.
+
+    Returns (denom, denom_value): denom is a float, or a 0-d tensor in loss_NT's dtype and
+    device when D is a tensor; denom_value is D as a float, or None for a tensor D (reading
+    it would sync the device, so a tensor D is not checked for sign).
+    """
     if isinstance(global_normalizer, Tensor):
         if global_normalizer.numel() != 1:
             raise ValueError(f"global_normalizer must be a scalar, got shape {tuple(global_normalizer.shape)}")
         denom = global_normalizer.reshape(()).to(device=loss_NT.device, dtype=loss_NT.dtype)
-        denom_value = None  # avoid a device sync just to validate
+        denom_value = None
     else:
         denom_value = float(global_normalizer)
         denom = denom_value
@@ -146,17 +164,26 @@ def aggregate_loss(
                 f"maximum response length; got {norm_length}"
             )
         denom = denom * norm_length
+    return denom, denom_value
 
+
+def _numerator(loss_NT: Tensor, mask_NT: Tensor, mode: str) -> Tensor:
+    """The micro-batch's summed loss: sum_i (sum_t m_it l_it / |y_i|) for seq-mean-token-mean
+    (an empty row's length counts as 1, so it adds 0), sum_it m_it l_it for every other mode."""
     if mode == "seq-mean-token-mean":
         row_sum_N = masked_sum(loss_NT, mask_NT, dim=1)
         len_N = (mask_NT != 0).sum(dim=1).clamp(min=1).to(row_sum_N.dtype)
-        numerator = (row_sum_N / len_N).sum()
-    else:
-        numerator = masked_sum(loss_NT, mask_NT)
+        return (row_sum_N / len_N).sum()
+    return masked_sum(loss_NT, mask_NT)
 
-    # A zero normaliser means nothing is valid anywhere, so the numerator is 0 too;
-    # return 0 rather than 0/0 and keep the graph connected so every rank still
-    # runs backward (FSDP's collectives need that).
+
+def _divide(numerator: Tensor, denom: float | Tensor, denom_value: float | None) -> Tensor:
+    """numerator / denom, or 0 when denom is 0.
+
+    A zero normaliser means nothing is valid anywhere, so the numerator is 0 too; return 0
+    rather than 0/0 and keep the graph connected so every rank still runs backward (FSDP's
+    collectives need that). A tensor denom is tested on the device, without a sync.
+    """
     if denom_value is None:
         positive = denom > 0
         return torch.where(positive, numerator / torch.where(positive, denom, torch.ones_like(denom)), numerator * 0.0)

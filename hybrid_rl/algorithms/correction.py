@@ -90,6 +90,22 @@ def rollout_correction(
             mismatch_frac_capped     fraction of valid tokens whose TIS weight
                                      was truncated (at cap or lower)
     """
+    log_cap, log_lower = _checked_log_bounds(old_logp_NT, engine_logp_NT, mask_NT, mode, cap, lower)
+    is_seq = mode.endswith("_seq")
+    valid_NT = mask_NT != 0
+    d_NT = _token_log_ratio(old_logp_NT, engine_logp_NT, valid_NT)
+    seq_d_N = d_NT.sum(dim=1)
+    # The log-ratio that decides, per token: the token's own or its sequence's.
+    dec_NT = seq_d_N[:, None].expand_as(d_NT) if is_seq else d_NT
+    weight_NT, out_valid_NT, capped_NT, masked_NT = _correct(mode, d_NT, dec_NT, valid_NT, log_cap, log_lower)
+    metrics = _mismatch_metrics(d_NT, seq_d_N, valid_NT, is_seq, capped_NT, masked_NT)
+    return weight_NT, out_valid_NT.to(mask_NT.dtype), metrics
+
+
+def _checked_log_bounds(old_logp_NT: Tensor, engine_logp_NT: Tensor, mask_NT: Tensor, mode: str, cap: float,
+                lower: float | None) -> tuple[float, float | None]:
+    """Checks the arguments; returns (log cap, log lower bound), the lower bound defaulting to
+    1 / cap for MIS and to None (no lower bound) for TIS and none."""
     if mode not in CORRECTION_MODES:
         raise ValueError(f"unknown rollout correction mode {mode!r}; valid modes: {list(CORRECTION_MODES)}")
     _check(old_logp_NT, engine_logp_NT, mask_NT)
@@ -97,18 +113,20 @@ def rollout_correction(
         raise ValueError(f"cap must be > 0, got {cap}")
     if lower is not None and not 0 < lower < cap:
         raise ValueError(f"lower must satisfy 0 < lower < cap = {cap}, got {lower}")
-    is_seq = mode.endswith("_seq")
     if lower is None and mode.startswith("mis"):
         lower = 1.0 / cap
-    log_cap = math.log(cap)
-    log_lower = None if lower is None else math.log(lower)
+    return math.log(cap), None if lower is None else math.log(lower)
 
-    valid_NT = mask_NT != 0
-    d_NT = _token_log_ratio(old_logp_NT, engine_logp_NT, valid_NT)
-    seq_d_N = d_NT.sum(dim=1)
-    # The log-ratio that decides, per token: the token's own or its sequence's.
-    dec_NT = seq_d_N[:, None].expand_as(d_NT) if is_seq else d_NT
 
+def _correct(mode: str, d_NT: Tensor, dec_NT: Tensor, valid_NT: Tensor, log_cap: float,
+             log_lower: float | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The mode's weights and mask from the deciding log-ratio dec_NT (per token, or its sequence's).
+
+    TIS: weight = exp(clamp(dec, log lower, log cap)) on valid tokens; MIS: valid tokens whose
+    dec lies outside [log lower, log cap] are masked out; none: neither.
+    Returns weight_NT (1.0 off the valid tokens), the valid mask after MIS, and the boolean
+    (N, T) masks of the tokens TIS truncated and MIS masked out (for the metrics).
+    """
     weight_NT = torch.ones_like(d_NT)
     out_valid_NT = valid_NT
     above_NT = valid_NT & (dec_NT > log_cap)
@@ -122,8 +140,13 @@ def rollout_correction(
     elif mode.startswith("mis"):
         masked_NT = above_NT | below_NT
         out_valid_NT = valid_NT & ~masked_NT
-    out_mask_NT = out_valid_NT.to(mask_NT.dtype)
+    return weight_NT, out_valid_NT, capped_NT, masked_NT
 
+
+def _mismatch_metrics(d_NT: Tensor, seq_d_N: Tensor, valid_NT: Tensor, is_seq: bool, capped_NT: Tensor,
+                      masked_NT: Tensor) -> dict[str, Tensor]:
+    """The `rollout_correction` metrics (its docstring), from the token log-ratios d_NT (0 off
+    the valid tokens), their per-sequence sums seq_d_N, and the TIS-truncated / MIS-masked tokens."""
     n_tok = valid_NT.sum().clamp(min=1)
     zero_f = torch.zeros((), dtype=torch.float32, device=d_NT.device)
     if bool(valid_NT.any()):
@@ -134,7 +157,7 @@ def rollout_correction(
         ratio_max, seq_abs_max = zero_f + 1.0, zero_f
     # k3 for KL(engine || old) with samples from the engine: rho - 1 - log rho.
     k3_NT = torch.expm1(d_NT.clamp(max=_LOG_RATIO_LOG_CLAMP)) - d_NT
-    metrics = {
+    return {
         "mismatch_abs_logp_mean": (d_NT.abs().sum() / n_tok).float(),
         "mismatch_k3_mean": (torch.where(valid_NT, k3_NT, torch.zeros_like(k3_NT)).sum() / n_tok).float(),
         "mismatch_ratio_max": ratio_max,
@@ -142,4 +165,3 @@ def rollout_correction(
         "mismatch_frac_masked": (masked_NT.sum() / n_tok).float(),
         "mismatch_frac_capped": (capped_NT.sum() / n_tok).float(),
     }
-    return weight_NT, out_mask_NT, metrics

@@ -106,9 +106,34 @@ def load_sharded(path: str, device: torch.device, mixed_precision: bool, attn_im
         for model, fn in zip(models, prepare):
             fn(model)
         return [shard_model(m, device, mixed_precision) for m in models]
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    full = _load_on_rank0(load, path)
+    config = AutoConfig.from_pretrained(path)
+    config.use_cache = False  # as the loaders leave it
+    generation = _generation_config(path)
+    full_state = full.state_dict() if full is not None else {}
+    # Buffers a state dict leaves out (the rotary inv_freq is not persistent) are rank 0's too.
+    full_buffers = dict(full.named_buffers()) if full is not None else None
+    models = []
+    for fn in prepare:
+        with torch.device("meta"):
+            model = (model_class or AutoModelForCausalLM).from_config(config, dtype=dtype,
+                                                                      attn_implementation=attn_implementation)
+        if generation is not None and hasattr(model, "generation_config"):
+            model.generation_config = copy.deepcopy(generation)
+        model.eval()  # as from_pretrained returns it
+        fn(model)
+        _fully_shard(model, mixed_precision)
+        _receive_from_rank0(model, device, full_state, full_buffers)
+        models.append(model)
+    del full, full_state, full_buffers
+    return models
+
+
+def _load_on_rank0(load: Callable[[], torch.nn.Module], path: str) -> Optional[torch.nn.Module]:
+    """The whole model, read by `load` on rank 0 (None on the other ranks). If rank 0 fails,
+    every rank raises: rank 0 its own error, the others a RuntimeError naming it."""
     full, failure = None, None
     if D.is_main():
         try:
@@ -120,36 +145,34 @@ def load_sharded(path: str, device: torch.device, mixed_precision: bool, attn_im
         raise failure
     if reason is not None:
         raise RuntimeError(f"rank 0 could not load the model in {path!r} ({reason}); see rank 0's error")
-    config = AutoConfig.from_pretrained(path)
-    config.use_cache = False  # as the loaders leave it
-    generation: Optional[GenerationConfig] = None
+    return full
+
+
+def _generation_config(path: str):
+    """The directory's generation_config.json as a GenerationConfig, or None where it has none."""
+    from transformers import GenerationConfig
+
     if os.path.isfile(os.path.join(path, "generation_config.json")):
-        generation = GenerationConfig.from_pretrained(path)
-    full_state = full.state_dict() if full is not None else {}
-    # Buffers a state dict leaves out (the rotary inv_freq is not persistent) are rank 0's too.
-    full_buffers = dict(full.named_buffers()) if full is not None else {}
-    models = []
-    for fn in prepare:
-        with torch.device("meta"):
-            model = (model_class or AutoModelForCausalLM).from_config(config, dtype=dtype,
-                                                                      attn_implementation=attn_implementation)
-        if generation is not None and hasattr(model, "generation_config"):
-            model.generation_config = copy.deepcopy(generation)
-        model.eval()  # as from_pretrained returns it
-        fn(model)
-        _fully_shard(model, mixed_precision)
-        model.to_empty(device=device)
-        # A copy of the dict each time: set_model_state_dict pops the entries it renames.
-        set_model_state_dict(model, dict(full_state),
-                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        with torch.no_grad():
-            for name, buf in model.named_buffers():
-                if full is not None:
-                    buf.copy_(full_buffers[name])
-                D.broadcast_tensor_(buf, 0)
-        models.append(model)
-    del full, full_state, full_buffers
-    return models
+        return GenerationConfig.from_pretrained(path)
+    return None
+
+
+def _receive_from_rank0(model: torch.nn.Module, device: torch.device, full_state: dict,
+                        full_buffers: Optional[dict]) -> None:
+    """Allocate the sharded meta `model`'s shards on `device` and fill them from rank 0's whole
+    state dict (`full_state`, empty on the other ranks), then every buffer from rank 0's
+    `full_buffers` (None on the other ranks) by broadcast."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model.to_empty(device=device)
+    # A copy of the dict each time: set_model_state_dict pops the entries it renames.
+    set_model_state_dict(model, dict(full_state),
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if full_buffers is not None:
+                buf.copy_(full_buffers[name])
+            D.broadcast_tensor_(buf, 0)
 
 
 def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
