@@ -10,6 +10,8 @@ the digits-task vocabulary (`<pad>`=0, `<eos>`=1, `<bos>`=2, `<unk>`=3, then
     sharp_model             module-scoped: the tiny model with seeded noise on every matrix, so outputs
                             depend on the context and EOS is sampled now and then (do not mutate)
     tiny_trainer_overrides  small `key=value` overrides for a fast `Trainer` in one process
+    no_model_build          loading the policy model fails the test: a check of bad input that
+                            should run before the model loads also pins *when* its error comes
     fake_sglang             module-scoped: `import sglang` resolves to the CPU stand-in (tests/fake_sglang)
                             while the module runs; undone after it
     torch_one_thread        module-scoped: torch intra-op threads = 1 while the module runs
@@ -80,6 +82,14 @@ def tiny_trainer_overrides(tiny_model_dir, tmp_path) -> list[str]:
         "trainer.progress_bar=false",
         "trainer.device=cpu",
     ]
+
+
+@pytest.fixture
+def no_model_build(monkeypatch):
+    def fail(*a, **k):
+        raise AssertionError("the policy model was loaded before the bad input was reported")
+
+    monkeypatch.setattr("hybrid_rl.models.fsdp.load_causal_lm", fail)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""The phase switch: legal order only, and a full round trip changes nothing."""
+"""The phase switch: legal order only, a full round trip changes nothing, and the policy holds only
+its shards between phases."""
 from __future__ import annotations
 
 import pytest
@@ -116,3 +117,63 @@ def test_illegal_transitions_raise(tiny_model_dir):
     with pm.train():
         pass
     assert pm.phase is Phase.TRAIN
+
+
+def _sharded(model) -> bool:
+    """Every parameter is this rank's shard (FSDP2 swaps in plain full tensors while gathered)."""
+    from torch.distributed.tensor import DTensor
+
+    return all(isinstance(p, DTensor) and p.to_local().numel() < p.numel() for p in model.parameters())
+
+
+def _residency_through_the_phases(rank: int, model_dir: str, own_weights: bool):
+    import copy
+
+    import torch
+
+    from hybrid_rl import distributed as D
+    from hybrid_rl.models.fsdp import shard_model
+    from hybrid_rl.models.loading import load_causal_lm
+    from hybrid_rl.models.logprobs import build_sequences
+    from hybrid_rl.rollout.base import SamplingParams
+    from hybrid_rl.rollout.native import NativeEngine
+    from hybrid_rl.switch.phases import PhaseManager
+    from hybrid_rl.update import score_logprobs
+
+    dev = D.init("cpu", timeout_s=60)
+    base = load_causal_lm(model_dir)
+    # own_weights: an engine with its own (unsharded) copy that the switch syncs, as SGLang has.
+    engine_model = copy.deepcopy(base) if own_weights else None
+    model = shard_model(base, dev, False)
+    engine = NativeEngine(engine_model if own_weights else model, pad_id=0, eos_id=1, own_weights=own_weights)
+    pm = PhaseManager(model, torch.optim.AdamW(model.parameters(), lr=1e-3), engine, dev)
+    seen = {"start": _sharded(model)}
+    with pm.rollout() as engine:
+        seen["rollout"] = _sharded(model)
+        out = engine.generate([[4, 5, 6], [7, 8]], SamplingParams(max_new_tokens=3, seed=rank))
+    seen["after_rollout"] = _sharded(model)
+    with pm.score():
+        ids, attn, _, P = build_sequences([[4, 5, 6], [7, 8]], [c.token_ids for c in out], pad_id=0)
+        score_logprobs(model, ids, attn, P, 1.0, micro_batch_size=2)
+        seen["scored"] = _sharded(model)
+    seen["after_score"] = _sharded(model)
+    with pm.train():
+        pass
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("own_weights", [False, True], ids=["zero_copy_engine", "copy_engine"])
+def test_the_policy_holds_only_its_shards_between_phases(tiny_model_dir, own_weights):
+    """Catches a phase switch that forgets to free gathered weights: the native engine's release
+    without release_full_weights (zero-copy: the whole policy stays gathered after ROLLOUT), or
+    SCORE without reshard(policy) (copy engine: FSDP2 keeps the root module's parameters gathered
+    after the scoring forward, since by default it expects a backward next)."""
+    for seen in run_ranks(_residency_through_the_phases, world=2, args=(tiny_model_dir, own_weights), timeout=120):
+        assert seen["start"], seen
+        if own_weights:
+            assert seen["rollout"] and not seen["scored"], f"the test must see the scoring forward gather: {seen}"
+        else:
+            assert not seen["rollout"], f"the zero-copy engine decodes with gathered weights: {seen}"
+        assert seen["after_rollout"], "leaving ROLLOUT must free the gathered weights"
+        assert seen["after_score"], "leaving SCORE must free what the scoring forward gathered"

@@ -1,6 +1,9 @@
-"""A real 2-rank `Trainer.step`: each rank trains on its own groups, and every collective
-the loop runs would also be served by the process group a GPU run uses."""
+"""A real 2-rank `Trainer.step`: each rank trains on its own groups, samples with its own seed and
+takes its share of a global mini-batch, and every collective the loop runs would also be served by
+the process group a GPU run uses."""
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -68,6 +71,56 @@ def test_ranks_report_the_same_global_metrics(two_rank_step):
                 "rollout/logp_mismatch", "time/step"):
         assert m0[key] == pytest.approx(m1[key], rel=1e-9, abs=1e-12), key
     assert m0["rollout/logp_mismatch"] < 1e-5, "engine and trainer logprobs agree in fp32"
+
+
+def _same_prompt_step(rank: int, overrides: list[str]):
+    from hybrid_rl import distributed as D
+    from hybrid_rl import trainer as trainer_mod
+    from hybrid_rl.config import load_config
+
+    D.init("cpu", timeout_s=60)
+    tr = trainer_mod.Trainer(load_config(None, overrides))
+    seen = {}
+    real_rollout = tr._rollout
+
+    def rollout(engine, timer):
+        batch, metrics = real_rollout(engine, timer)
+        seen["completions"] = [c.token_ids for c in batch.completions]
+        seen["prompts"] = [r["prompt"] for r in batch.rows]
+        return batch, metrics
+
+    tr._rollout = rollout
+    m = tr.step()
+    return {**seen, "optimizer_steps": tr.scheduler.last_epoch, "metrics": m}
+
+
+@pytest.fixture(scope="module")
+def same_prompt_step(tiny_model_dir, tmp_path_factory):
+    """One 2-rank step on a dataset whose every row is the same prompt: 4 prompts x 2 samples
+    per step over 2 ranks, global mini-batches of 4 sequences (2 per rank)."""
+    out = tmp_path_factory.mktemp("same_prompt")
+    data = out / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "1 2 3 =", "answer": "234"}) + "\n" for _ in range(8)))
+    overrides = [f"model.path={tiny_model_dir}", "data.task=jsonl", f"data.path={data}", "data.batch_size=4",
+                 "rollout.n=2", "rollout.max_new_tokens=4", "algorithm.mini_batch_size=4", f"trainer.out_dir={out / 'run'}",
+                 "trainer.progress_bar=false", "trainer.device=cpu", "trainer.dist_timeout_s=60", "optim.lr=1e-3"]
+    return run_ranks(_same_prompt_step, world=2, args=(overrides,), timeout=120)
+
+
+def test_ranks_sample_with_their_own_seeds(same_prompt_step):
+    """Catches a rollout seed without the rank term: ranks given the same prompts would then
+    generate the same completions, and data parallelism would train on duplicated samples."""
+    r0, r1 = same_prompt_step
+    assert r0["prompts"] == r1["prompts"], "the test needs both ranks to see identical prompts"
+    assert r0["completions"] != r1["completions"], "ranks must sample independently"
+
+
+def test_global_mini_batch_size_is_split_over_ranks(same_prompt_step):
+    """Catches algorithm.mini_batch_size used as a per-rank size (not divided by the world size):
+    4 global sequences per mini-batch are 2 per rank, so each rank's 4 sequences give 2
+    optimizer steps, not 1."""
+    r0, r1 = same_prompt_step
+    assert r0["optimizer_steps"] == r1["optimizer_steps"] == 2
 
 
 def test_the_gpu_backend_serves_host_and_device_tensors():

@@ -241,14 +241,6 @@ def test_a_reward_model_alone_needs_no_rule(tiny_trainer_overrides, rm_dir, tmp_
 
 
 # ---------------------------------------------------------------------------- bad input
-@pytest.fixture
-def no_model_build(monkeypatch):
-    def fail(*a, **k):
-        raise AssertionError("the policy was loaded before the bad input was reported")
-
-    monkeypatch.setattr("hybrid_rl.models.fsdp.load_causal_lm", fail)
-
-
 def test_bad_reward_model_fails_before_the_policy_loads(tiny_trainer_overrides, rm_dir, tmp_path, no_model_build):
     with pytest.raises(ValueError, match=r"'reward.model_path'.*does not exist"):
         _trainer(tiny_trainer_overrides, f"reward.model_path={tmp_path / 'nope'}")

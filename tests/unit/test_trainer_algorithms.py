@@ -1,5 +1,6 @@
 """The algorithm keys reach the Trainer: KL placement and controller, rollout correction,
-entropy bonus, DAPO dynamic sampling / overlong shaping, epochs x mini-batches.
+entropy bonus, DAPO dynamic sampling / overlong shaping, epochs x mini-batches, and the temperature
+SCORE takes the old-policy log-probs at.
 
 Each test predicts a number from the pure functions in hybrid_rl/algorithms and checks
 the Trainer (or the sampler) produces it. One process, a tiny model, one thread.
@@ -168,6 +169,15 @@ def test_epochs_and_mini_batches_score_old_logprobs_once(tiny_trainer_overrides,
     assert len(scores) == 1, "old-policy logprobs are computed once per step, before the first epoch"
     assert tr.scheduler.last_epoch == 2 * 2, "optimizer steps: 2 epochs x (8 sequences / mini-batches of 4)"
     assert m["actor/ratio_max"] > m["actor/ratio_min"], "later mini-batches are off-policy w.r.t. the old logprobs"
+
+
+def test_scoring_uses_the_sampling_temperature(tiny_trainer_overrides):
+    """Catches SCORE computing the old-policy log-probs at temperature 1.0 instead of
+    rollout.temperature: they must equal the engine's sampled-token log-probs, which are
+    taken at the sampling temperature (the recipe runs at 1.0, where the two agree)."""
+    # Two mini-batches: the update is off-policy, so SCORE runs the policy forward.
+    m = _trainer(tiny_trainer_overrides, "rollout.temperature=0.5", "algorithm.mini_batch_size=4").step()
+    assert m["rollout/logp_mismatch"] < 1e-5, "old-policy log-probs and the engine's must agree in fp32"
 
 
 def test_ratio_extremes_are_the_steps_not_a_mean_of_micro_batches(tiny_trainer_overrides, monkeypatch):

@@ -1,6 +1,8 @@
-"""Tests added by a mutation-testing pass: each one fails under a specific, plausible bug
-that the rest of the suite let through (the docstring names it). One process, a tiny
-model, one thread; each test runs in seconds.
+"""The policy update (hybrid_rl/update.py `policy_update`): what an entropy bonus, mini-batches and
+epochs do to the step, and the mini-batch shuffle the trainer seeds per step.
+
+Each test fails under a specific, plausible bug that the rest of the suite let through (its
+docstring names it). One process, a tiny model, one thread; each test runs in seconds.
 """
 from __future__ import annotations
 
@@ -10,11 +12,10 @@ import pytest
 import torch
 
 import hybrid_rl.update as update_mod
+from hybrid_rl.batch import TrainBatch
 from hybrid_rl.config import AlgorithmConfig, load_config
 from hybrid_rl.models.logprobs import build_sequences, response_logprobs
-from hybrid_rl.rollout.base import Completion
 from hybrid_rl.trainer import Trainer
-from hybrid_rl.batch import TrainBatch
 from hybrid_rl.update import UpdateSettings, policy_update
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -51,7 +52,21 @@ def _mean_entropy(model, batch) -> float:
     return ((ent * mask).sum() / mask.sum()).item()
 
 
-# ---------------------------------------------------------------------------- update.py
+def _mini_batch_orders(monkeypatch, run) -> list[list[int]]:
+    """Rows of every micro-batch `policy_update` trains on during run() (one micro-batch per mini-batch)."""
+    seen = []
+    real = update_mod.trimmed
+
+    def spy(b, rows):
+        seen.append(rows.tolist())
+        return real(b, rows)
+
+    monkeypatch.setattr(update_mod, "trimmed", spy)
+    run()
+    return seen
+
+
+# ---------------------------------------------------------------------------- entropy bonus
 def test_entropy_bonus_raises_the_entropy(tiny_model):
     """Catches the entropy bonus with the wrong sign (loss + coef * entropy): the gradient norm
     is the same either way, so only the direction of the step tells them apart."""
@@ -63,6 +78,7 @@ def test_entropy_bonus_raises_the_entropy(tiny_model):
     assert _mean_entropy(bonus, batch) > before + 1e-4, "an entropy bonus must make the policy less certain"
 
 
+# ---------------------------------------------------------------------------- mini-batches and epochs
 def test_every_mini_batch_starts_from_a_zero_gradient(tiny_model):
     """Catches gradients accumulating across mini-batches (zero_grad missing in the mini-batch loop):
     with identical rows every mini-batch has the same gradient, and an optimizer with lr=0 keeps
@@ -82,20 +98,6 @@ def test_every_mini_batch_starts_from_a_zero_gradient(tiny_model):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-7, msg=lambda m: f"{n}: {m}")
 
 
-def _mini_batch_orders(monkeypatch, run) -> list[list[int]]:
-    """Rows of every micro-batch `policy_update` trains on during run() (one micro-batch per mini-batch)."""
-    seen = []
-    real = update_mod.trimmed
-
-    def spy(b, rows):
-        seen.append(rows.tolist())
-        return real(b, rows)
-
-    monkeypatch.setattr(update_mod, "trimmed", spy)
-    run()
-    return seen
-
-
 def test_each_epoch_reshuffles_the_mini_batches(tiny_model, monkeypatch):
     """Catches the mini-batch permutation being redrawn from the same seed every epoch (so every
     epoch visits the mini-batches in the same order, with the same composition)."""
@@ -109,16 +111,6 @@ def test_each_epoch_reshuffles_the_mini_batches(tiny_model, monkeypatch):
     assert len({tuple(o) for o in epochs}) == 3, "every epoch draws a new order"
 
 
-# ---------------------------------------------------------------------------- trainer.py
-def test_scoring_uses_the_sampling_temperature(tiny_trainer_overrides):
-    """Catches SCORE computing the old-policy log-probs at temperature 1.0 instead of
-    rollout.temperature: they must equal the engine's sampled-token log-probs, which are
-    taken at the sampling temperature (the recipe runs at 1.0, where the two agree)."""
-    # Two mini-batches: the update is off-policy, so SCORE runs the policy forward.
-    m = _trainer(tiny_trainer_overrides, "rollout.temperature=0.5", "algorithm.mini_batch_size=4").step()
-    assert m["rollout/logp_mismatch"] < 1e-5, "old-policy log-probs and the engine's must agree in fp32"
-
-
 def test_each_step_draws_its_own_mini_batch_order(tiny_trainer_overrides, monkeypatch):
     """Catches policy_update getting the same shuffle seed every step (trainer.seed without the step
     index): then every step splits its batch into mini-batches the same way."""
@@ -129,21 +121,3 @@ def test_each_step_draws_its_own_mini_batch_order(tiny_trainer_overrides, monkey
     first, second = sum(calls[:4], []), sum(calls[4:], [])
     assert sorted(first) == sorted(second) == list(range(8))
     assert first != second, "the mini-batch shuffle must change from step to step"
-
-
-def test_reward_scores_each_completion_against_its_own_row(tiny_trainer_overrides, tiny_tokenizer):
-    """Catches the trainer's reward (Trainer._reward_parts -> RewardSetup.score) pairing completions with the wrong dataset row (rows[i % B] instead of
-    rows[i // G]) and counting the stop token as part of the answer (which makes the digits
-    reward's "stopped right after the answer" bonus unreachable)."""
-    tr = _trainer(tiny_trainer_overrides)  # rollout.n = 2
-    rows = [{"prompt": "1 2 3 =", "answer": "234"}, {"prompt": "7 8 9 =", "answer": "890"}]
-
-    def completion(text: str, stop: bool) -> Completion:
-        ids = tiny_tokenizer(" ".join(text), add_special_tokens=False).input_ids
-        ids = ids + [tiny_tokenizer.eos_token_id] if stop else ids
-        return Completion(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason="stop" if stop else "length")
-
-    completions = [completion("234", True), completion("230", False), completion("890", True), completion("8", True)]
-    rewards, scores, _ = tr._reward_parts(rows, completions)
-    torch.testing.assert_close(rewards, torch.tensor([1.0, 0.6, 1.0, 0.3]))
-    torch.testing.assert_close(scores, rewards)
