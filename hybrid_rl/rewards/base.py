@@ -6,9 +6,9 @@ one float per completion. `metadata[i]` holds the dataset row's own metadata plu
 
 Registration is an import side effect: `@register_reward("name")` adds the function
 to the registry when its module is imported, and `reward.name=name` selects it. The
-built-in rewards live in `hybrid_rl.rewards.toy` (digits) and `hybrid_rl.rewards.math` (gsm8k,
-gsm8k_format), which `get_reward` imports itself,
-so they need nothing from the user. A reward of your own must be registered before
+built-in rewards live in `hybrid_rl.rewards.toy` (digits), `hybrid_rl.rewards.math` (gsm8k,
+gsm8k_format) and `hybrid_rl.rewards.latex_math` (math: LaTeX answers via math-verify), which
+`get_reward` imports itself, so they need nothing from the user. A reward of your own must be registered before
 `Trainer(cfg)` is built (its constructor calls `get_reward` and probes the function):
 decorate it in your script, or in a module the script imports, above that line. Every
 rank needs it; under torchrun every rank runs the same script, so that holds.
@@ -60,6 +60,7 @@ def _register_builtin_rewards() -> None:
     """Import the built-in reward modules; their @register_reward decorators fill the registry."""
     # Inside a function, not at the top: toy imports this module for register_reward.
     import hybrid_rl.rewards.math  # noqa: F401  (imported for their side effect; Python imports each once)
+    import hybrid_rl.rewards.latex_math  # noqa: F401  (`math`: LaTeX answers through math-verify)
     import hybrid_rl.rewards.toy  # noqa: F401
 
 
