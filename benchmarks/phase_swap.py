@@ -247,7 +247,7 @@ def run_engine(mode: str, args, dev, policy, opt, ref, engine_module, train_ids,
         st = pm.pop_stats()
         if split is not None:
             gen.update(split.pop())
-        snaps = {s.label: s.roles for s in pm.ledger.step_snapshots(pm.step)}
+        snaps = {s.label: s.roles for s in pm.ledger.rollout_snapshots(pm.rollouts)}
         secs, nbytes, freed = dict(st.seconds), dict(st.bytes), {}
         secs["kv_prefill"] = gen["prefill_s"]
         nbytes["kv_prefill"] = snaps["rollout:generated"]["kv_cache"]
@@ -274,8 +274,8 @@ def run_engine(mode: str, args, dev, policy, opt, ref, engine_module, train_ids,
                 s["copy_bytes"].append(cb)
         for key, v in gen.items():
             compute.setdefault(key, []).append(v)
-    ledger = [{"boundary": s.label, **s.roles, "total": s.total} for s in pm.ledger.step_snapshots(pm.step)]
-    out = {"samples": samples, "compute": compute, "ledger": ledger, "ledger_table": pm.ledger.table(pm.step),
+    ledger = [{"boundary": s.label, **s.roles, "total": s.total} for s in pm.ledger.rollout_snapshots(pm.rollouts)]
+    out = {"samples": samples, "compute": compute, "ledger": ledger, "ledger_table": pm.ledger.table(pm.rollouts),
            "engine_module_bytes": memory.module_bytes(engine_module, dev) if mode == "copy" else 0,
            "sync": dict(getattr(engine, "sync_stats", {}))}  # sglang: bytes, payloads, handles of one sync
     if split is not None:

@@ -6,7 +6,8 @@ Legend: N sequences on this rank, P prompt tokens (left-padded), T response toke
 `micro_batches` splits a mini-batch's rows by a row count or a token budget, the same
 number on every rank (each micro-batch forward is an FSDP collective); `trimmed` cuts a
 micro-batch to its longest response. The update (update.py), scoring and the reward model
-(rewards/model.py) all batch through here, so they group and trim the same way.
+(rewards/model.py) all batch through here, so they split and trim the same way.
+"Group" here means only a prompt's G samples (r // G); a micro-batch is a micro-batch.
 """
 from __future__ import annotations
 
@@ -27,21 +28,21 @@ def micro_batches(rows: list[int], ends: list[int], P: int, micro_batch_size: in
                   packed: bool = False, group_size: int = 1) -> list[list[int]]:
     """Split a mini-batch's rows into micro-batches, the same NUMBER on every rank.
 
-    max_tokens == 0: consecutive groups of micro_batch_size rows; packed with group_size G > 1
+    max_tokens == 0: consecutive runs of micro_batch_size rows; packed with group_size G > 1
     and micro_batch_size >= G, of the largest multiple of G rows within micro_batch_size
     (the rows come in whole prompt groups, `shuffled_rows`, so each micro-batch then holds
     whole groups and runs each prompt once: 15 rows at micro_batch_size 16 and G = 5,
     instead of 16 rows that split a group). Otherwise rows are sorted
-    by length and grouped while the group's cost stays within max_tokens: padded, rows x
-    (P + the longest response in the group) (each micro-batch is trimmed to its longest
+    by length and added to a micro-batch while its cost stays within max_tokens: padded, rows x
+    (P + the longest response in the micro-batch) (each micro-batch is trimmed to its longest
     response); packed, the sum of P + each row's response (at most its real tokens: no
     padding is computed). Packed with group_size G > 1 (rows r with equal r // G share a
     prompt), a prompt's rows stay together: a group costs P + its responses (the prompt runs
     once, `models.shared_prefix`), groups are sorted by cost, and a group over the budget is
     split into its rows. A row longer than the budget goes alone. Every micro-batch forward is an FSDP
     collective, so the ranks agree on the count (an all-reduce of the max) and a rank with
-    fewer splits its largest groups until it has as many. The loss is unchanged: its
-    normaliser is global, so grouping only changes the summation order.
+    fewer splits its largest micro-batches until it has as many. The loss is unchanged: its
+    normaliser is global, so the split only changes the summation order.
     """
     if max_tokens <= 0:
         # Same number of rows on every rank, so the same count: nothing to agree on.
@@ -61,30 +62,30 @@ def micro_batches(rows: list[int], ends: list[int], P: int, micro_batch_size: in
         units.sort(key=packed_cost)
     else:
         units = [[r] for r in sorted(rows, key=lambda i: ends[i])]
-    groups, current, longest, total = [], [], 0, 0
+    micros, current, longest, total = [], [], 0, 0
     for unit in units:
         cost = packed_cost(unit)
-        group_cost = total + cost if packed else max(longest, cost) * (len(current) + 1)
-        if current and group_cost > max_tokens:
-            groups.append(current)
+        micro_cost = total + cost if packed else max(longest, cost) * (len(current) + 1)
+        if current and micro_cost > max_tokens:
+            micros.append(current)
             current, longest, total = [], 0, 0
         current += unit
         longest, total = max(longest, cost), total + cost
     if current:
-        groups.append(current)
-    target = int(D.all_reduce_max(torch.tensor([len(groups)], dtype=torch.int64)).item())
-    while len(groups) < target:
-        big = max(range(len(groups)), key=lambda g: len(groups[g]))
-        if len(groups[big]) < 2:
+        micros.append(current)
+    target = int(D.all_reduce_max(torch.tensor([len(micros)], dtype=torch.int64)).item())
+    while len(micros) < target:
+        big = max(range(len(micros)), key=lambda m: len(micros[m]))
+        if len(micros[big]) < 2:
             raise RuntimeError(f"cannot make {target} micro-batches from {len(rows)} rows; every rank must hold "
                                "as many rows per mini-batch")
-        half = len(groups[big]) // 2
-        groups[big:big + 1] = [groups[big][:half], groups[big][half:]]
-    return groups
+        half = len(micros[big]) // 2
+        micros[big:big + 1] = [micros[big][:half], micros[big][half:]]
+    return micros
 
 
 def shuffled_rows(n: int, group_size: int, gen: torch.Generator) -> torch.Tensor:
-    """A random order of n rows that keeps each group of `group_size` contiguous rows together.
+    """A random order of n rows that keeps each prompt's group (`group_size` contiguous rows) together.
 
     A prompt's G samples then land in the same mini-batch (as in verl, which splits without
     shuffling), where the micro-batch forward computes their shared prompt once
@@ -92,8 +93,8 @@ def shuffled_rows(n: int, group_size: int, gen: torch.Generator) -> torch.Tensor
     """
     if group_size <= 1 or n % group_size:
         return torch.randperm(n, generator=gen)
-    groups = torch.randperm(n // group_size, generator=gen)
-    return (groups[:, None] * group_size + torch.arange(group_size)).reshape(-1)
+    groups_B = torch.randperm(n // group_size, generator=gen)
+    return (groups_B[:, None] * group_size + torch.arange(group_size)).reshape(-1)
 
 
 def trimmed(b: TrainBatch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:

@@ -55,11 +55,11 @@ class MeanAccumulator:
     def reduce(self) -> dict[str, float]:
         """Means and maxima over every rank; every rank must call it with the same names."""
         means, maxes = sorted(self.sums), sorted(self.maxima)  # same order on every rank
-        groups = [self.sums[n] for n in means] + [self.counts[n] for n in means] + [self.maxima[n] for n in maxes]
-        host = _to_host([v for g in groups for v in g])
+        series = [self.sums[n] for n in means] + [self.counts[n] for n in means] + [self.maxima[n] for n in maxes]
+        host = _to_host([v for values in series for v in values])
         folded, i = [], 0
-        for k, g in enumerate(groups):
-            part, i = host[i:i + len(g)], i + len(g)
+        for k, values in enumerate(series):
+            part, i = host[i:i + len(values)], i + len(values)
             folded.append(max(part) if k >= 2 * len(means) else sum(part))
         out = {}
         if means:

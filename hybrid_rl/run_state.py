@@ -34,7 +34,7 @@ class RunState:
     kl_ctl: Any  # algorithms.kl Fixed/AdaptiveKLController: the coefficient the next step uses
     reward_norm: Any = None  # rewards.combine.RunningNorm of the reward model's scores, or None
     step: int = 0  # finished steps
-    ledger_step: int = 0  # the phase switch's rollout count at the last training rollout (memory report)
+    ledger_rollout: int = 0  # the phase switch's rollout count at the last training rollout (memory report)
     # This process's step metrics, what fit() returns. Not saved: a resumed run's history starts at its
     # first step (metrics.jsonl keeps the earlier ones).
     history: list[dict] = field(default_factory=list)
@@ -42,7 +42,7 @@ class RunState:
     def state_dict(self) -> dict:
         norm = self.reward_norm
         return {"step": self.step, "loader": self.loader.state_dict(), "kl_coef": self.kl_ctl.value,
-                "ledger_step": self.ledger_step, "reward_norm": norm.state_dict() if norm is not None else None}
+                "ledger_rollout": self.ledger_rollout, "reward_norm": norm.state_dict() if norm is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
         """Raises ValueError when the saved run had the reward normaliser on and this one off, or the reverse."""
@@ -54,9 +54,14 @@ class RunState:
         self.step = state["step"]
         self.loader.load_state_dict(state["loader"])
         self.kl_ctl.value = state["kl_coef"]
-        self.ledger_step = state["ledger_step"]
+        self.ledger_rollout = state[_renamed(state, "ledger_rollout", "ledger_step")]
         if norm is not None:
             norm.load_state_dict(state["reward_norm"])
+
+
+def _renamed(saved: dict, key: str, old_key: str) -> str:
+    """`key`, or the name it had in checkpoints written before issue 26 renamed it (`old_key`)."""
+    return key if key in saved else old_key
 
 
 def plain_config(cfg: Config) -> dict:
@@ -116,8 +121,8 @@ class Checkpointer:
 
     def rank_state(self) -> dict:
         """Everything this rank's next step reads besides weights and optimizer state."""
-        return {**self.state.state_dict(), "scheduler": self.scheduler.state_dict(), "switch_step": self.phases.step,
-                "rng": ckpt.rng_state()}
+        return {**self.state.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "switch_rollouts": self.phases.rollouts, "rng": ckpt.rng_state()}
 
     def save(self) -> str:
         """Write a sharded checkpoint of this step (every rank calls it, between steps); returns its path."""
@@ -148,7 +153,7 @@ class Checkpointer:
         # decides it (the same value unless trainer.resume_ignore let a decaying schedule's length change).
         for group, base, factor in zip(self.optimizer.param_groups, self.scheduler.base_lrs, self.scheduler.lr_lambdas):
             group["lr"] = base * factor(self.scheduler.last_epoch)
-        self.phases.step = saved["switch_step"]
+        self.phases.rollouts = saved[_renamed(saved, "switch_rollouts", "switch_step")]
         ckpt.set_rng_state(saved["rng"])
         self.saved_step, self.path = self.state.step, path
         if D.is_main():

@@ -264,8 +264,8 @@ class Trainer:
                 with self.phases.train():
                     pass
         metrics.update(self._time_metrics(timer))
-        metrics.update(self.phases.ledger.step_metrics(self.phases.step))
-        self.state.ledger_step = self.phases.step
+        metrics.update(self.phases.ledger.rollout_metrics(self.phases.rollouts))
+        self.state.ledger_rollout = self.phases.rollouts
         self.state.step += 1
         metrics["step"] = self.state.step
         metrics["bottleneck"] = bottleneck(metrics)
@@ -393,6 +393,6 @@ class Trainer:
             bar.close()
             if D.is_main() and state.history:
                 plot_curve(state.history, os.path.join(self.out_dir, "reward_curve.png"))
-                self.phases.ledger.write_report(state.ledger_step, self.out_dir, self.offload.message)
+                self.phases.ledger.write_report(state.ledger_rollout, self.out_dir, self.offload.message)
                 print(split_summary(state.history))
         return state.history

@@ -68,7 +68,7 @@ def score_logprobs(model: torch.nn.Module, ids_NL: torch.Tensor, attn_NL: torch.
                    group_size: int = 1) -> torch.Tensor:
     """logp_NT of the response tokens (0 on padding), no gradients, in the update's micro-batches.
 
-    Same grouping and trimming as the update (`micro_batches`, `trimmed`): rows by length
+    Same micro-batches and trimming as the update (`micro_batches`, `trimmed`): rows by length
     under a token budget, each micro-batch cut to its longest response.
     """
     N, T = ids_NL.shape[0], ids_NL.shape[1] - P
@@ -76,11 +76,11 @@ def score_logprobs(model: torch.nn.Module, ids_NL: torch.Tensor, attn_NL: torch.
     ends = response_ends(resp_mask_NT)
     forward = logprob_function(packing)
     logp_NT = torch.zeros((N, T), dtype=torch.float32, device=ids_NL.device)
-    for group in micro_batches(list(range(N)), ends, P, micro_batch_size, max_tokens, packing, group_size):
-        rows = torch.tensor(group, device=ids_NL.device)
-        Tg = max(1, max(ends[r] for r in group))
-        logp, _ = forward(model, ids_NL[rows, :P + Tg], attn_NL[rows, :P + Tg], P, temperature)
-        logp_NT[rows, :Tg] = logp * resp_mask_NT[rows, :Tg]
+    for micro in micro_batches(list(range(N)), ends, P, micro_batch_size, max_tokens, packing, group_size):
+        rows = torch.tensor(micro, device=ids_NL.device)
+        Tm = max(1, max(ends[r] for r in micro))  # the micro-batch's longest response
+        logp, _ = forward(model, ids_NL[rows, :P + Tm], attn_NL[rows, :P + Tm], P, temperature)
+        logp_NT[rows, :Tm] = logp * resp_mask_NT[rows, :Tm]
     return logp_NT
 
 

@@ -235,12 +235,12 @@ class RewardModelScorer:
         ids = encode_texts(self.tokenizer, prompts, completions)
         lengths = [len(x) for x in ids]
         check_lengths(lengths, self.spec, prompts, completions)
-        groups = micro_batches(list(range(len(ids))), lengths, 0, len(ids), self.max_tokens)
+        micros = micro_batches(list(range(len(ids))), lengths, 0, len(ids), self.max_tokens)
         score_N = torch.empty(len(ids), dtype=torch.float32)
-        for rows in groups:
+        for rows in micros:
             ids_NL, attn_NL = left_pad_batch([ids[i] for i in rows], self.tokenizer.pad_token_id, self.device)
             score_N[rows] = score_forward(model, ids_NL, attn_NL, self.spec.kind, self.spec.index).cpu()
-        self.last_micro_batches = len(groups)
+        self.last_micro_batches = len(micros)
         check_scores(score_N, prompts, completions, self.spec.path)
         return score_N
 

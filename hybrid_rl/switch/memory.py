@@ -42,7 +42,7 @@ def optimizer_bytes(opt: torch.optim.Optimizer, device: torch.device) -> int:
 @dataclass
 class Snapshot:
     label: str  # "<phase>:<moment>", e.g. "rollout:generated"
-    step: int
+    rollout: int  # the phase switch's rollout count (`PhaseManager.rollouts`) when it was taken
     roles: dict[str, int]
     allocated: Optional[int] = None  # CUDA allocator, bytes
     peak: Optional[int] = None  # CUDA peak since the previous snapshot
@@ -56,28 +56,28 @@ class Snapshot:
 class MemoryLedger:
     device: torch.device
     snapshots: list[Snapshot] = field(default_factory=list)
-    keep_steps: int = 2  # older steps are dropped so a long run does not grow the ledger
+    keep_rollouts: int = 2  # older rollouts are dropped so a long run does not grow the ledger
 
-    def record(self, label: str, step: int, roles: dict[str, int]) -> Snapshot:
+    def record(self, label: str, rollout: int, roles: dict[str, int]) -> Snapshot:
         unknown = set(roles) - set(ROLES)
         if unknown:
             raise ValueError(f"unknown memory roles {sorted(unknown)}; valid: {list(ROLES)}")
-        snap = Snapshot(label, step, {r: int(roles.get(r, 0)) for r in ROLES})
+        snap = Snapshot(label, rollout, {r: int(roles.get(r, 0)) for r in ROLES})
         if self.device.type == "cuda":
             snap.allocated = torch.cuda.memory_allocated(self.device)
             snap.peak = torch.cuda.max_memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         self.snapshots.append(snap)
-        if self.snapshots[0].step < step - self.keep_steps + 1:
-            self.snapshots = [s for s in self.snapshots if s.step > step - self.keep_steps]
+        if self.snapshots[0].rollout < rollout - self.keep_rollouts + 1:
+            self.snapshots = [s for s in self.snapshots if s.rollout > rollout - self.keep_rollouts]
         return snap
 
-    def step_snapshots(self, step: int) -> list[Snapshot]:
-        return [s for s in self.snapshots if s.step == step]
+    def rollout_snapshots(self, rollout: int) -> list[Snapshot]:
+        return [s for s in self.snapshots if s.rollout == rollout]
 
-    def step_metrics(self, step: int) -> dict[str, float]:
-        """Per-role peak over the step's boundaries, and the peak total, in bytes."""
-        snaps = self.step_snapshots(step)
+    def rollout_metrics(self, rollout: int) -> dict[str, float]:
+        """Per-role peak over one cycle's boundaries (that rollout, then its update), and the peak total, in bytes."""
+        snaps = self.rollout_snapshots(rollout)
         out: dict[str, float] = {}
         for r in ROLES:
             out[f"memory/{r}_peak"] = float(max((s.roles[r] for s in snaps), default=0))
@@ -87,32 +87,32 @@ class MemoryLedger:
             out["memory/cuda_peak"] = float(max(s.peak or 0 for s in snaps))
         return out
 
-    def table(self, step: int) -> str:
-        snaps = self.step_snapshots(step)
+    def table(self, rollout: int) -> str:
+        snaps = self.rollout_snapshots(rollout)
         head = f"{'boundary':<22}" + "".join(f"{r:>16}" for r in ROLES) + f"{'total':>12}   (MB)"
         rows = [head]
         for s in snaps:
             rows.append(f"{s.label:<22}" + "".join(f"{s.roles[r] / 1e6:>16.2f}" for r in ROLES) + f"{s.total / 1e6:>12.2f}")
         return "\n".join(rows)
 
-    def write_report(self, step: int, out_dir: str, header: str) -> None:
-        """memory.txt (header, then the step's table) and memory_timeline.png in out_dir; nothing if no snapshots."""
-        if not self.step_snapshots(step):
+    def write_report(self, rollout: int, out_dir: str, header: str) -> None:
+        """memory.txt (header, then the cycle's table) and memory_timeline.png in out_dir; nothing if no snapshots."""
+        if not self.rollout_snapshots(rollout):
             return
         with open(os.path.join(out_dir, "memory.txt"), "w") as f:
-            f.write(f"{header}\n\n{self.table(step)}\n")
-        self.plot(step, os.path.join(out_dir, "memory_timeline.png"))
+            f.write(f"{header}\n\n{self.table(rollout)}\n")
+        self.plot(rollout, os.path.join(out_dir, "memory_timeline.png"))
 
-    def plot(self, step: int, path: str) -> None:
-        """Memory timeline of one step: one lane per role, one column per phase boundary."""
+    def plot(self, rollout: int, path: str) -> None:
+        """Memory timeline of one cycle: one lane per role, one column per phase boundary."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        snaps = self.step_snapshots(step)
+        snaps = self.rollout_snapshots(rollout)
         if not snaps:
-            raise ValueError(f"no memory snapshots recorded for step {step}")
+            raise ValueError(f"no memory snapshots recorded for rollout {rollout}")
         scale = max(max(s.roles[r] for s in snaps for r in ROLES), 1)
         fig, ax = plt.subplots(figsize=(1.4 * len(snaps) + 3, 0.55 * len(ROLES) + 1.5))
         cmap = plt.get_cmap("tab10")
@@ -128,7 +128,7 @@ class MemoryLedger:
         ax.set_yticks(range(len(ROLES)), ROLES)
         ax.set_xticks([x + 0.5 for x in range(len(snaps))], [s.label for s in snaps], rotation=30, ha="right", fontsize=8)
         ax.invert_yaxis()
-        ax.set_title(f"device memory per role at each phase boundary, step {step} (MB; bar height ~ bytes)")
+        ax.set_title(f"device memory per role at each phase boundary, rollout {rollout} (MB; bar height ~ bytes)")
         fig.tight_layout()
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         fig.savefig(path, dpi=100)

@@ -106,7 +106,7 @@ class PhaseManager:
         self.failed_phase: Optional[Phase] = None  # where the last failed step stopped (set by recover)
         self.stats = SwitchStats()
         self.ledger = MemoryLedger(device)
-        self.step = 0  # counts rollouts; labels ledger snapshots
+        self.rollouts = 0  # rollouts begun (training and validation); labels ledger snapshots
         # The native engine bound to the policy module reads its weights in place.
         self.zero_copy = getattr(engine, "model", None) is policy
         if offload_params and self.zero_copy:
@@ -182,13 +182,13 @@ class PhaseManager:
         }
 
     def snapshot(self, label: str) -> None:
-        self.ledger.record(label, self.step, self.resident())
+        self.ledger.record(label, self.rollouts, self.resident())
 
     # -- phases ---------------------------------------------------------------
     @contextlib.contextmanager
     def rollout(self) -> Iterator[object]:
         self._transition(Phase.ROLLOUT)
-        self.step += 1
+        self.rollouts += 1
         with self._stage("zero_grad"):
             self.optimizer.zero_grad(set_to_none=True)
         if self.opt_offload is not None:

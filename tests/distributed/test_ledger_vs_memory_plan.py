@@ -39,7 +39,7 @@ def _rank_fn(rank: int, model_dir: str) -> dict:
         pass
     with pm.train():
         model(input_ids=ids).logits.sum().backward()
-    return {s.label: s.roles for s in pm.ledger.step_snapshots(pm.step)}
+    return {s.label: s.roles for s in pm.ledger.rollout_snapshots(pm.rollouts)}
 
 
 def test_planner_matches_ledger_on_tiny_model(tiny_model_dir):

@@ -77,7 +77,7 @@ def _rank_fn(rank: int, model_dir: str, rm_dir: str, overrides: list[str]) -> di
                           reward_model=rm, offload_reward_model=offload, always_copy=offload)
         out[offload] = {"scores": [_cycle(pm, engine_prompts, scorer, prompts, texts, rank, scribble=offload)
                                    for _ in range(2)],
-                        "ledger": {s.label: s.roles for s in pm.ledger.step_snapshots(pm.step)},
+                        "ledger": {s.label: s.roles for s in pm.ledger.rollout_snapshots(pm.rollouts)},
                         "micro_batches": scorer.last_micro_batches,
                         "moved": pm.pop_stats().bytes.get("onload_reward_model", 0),
                         "shard_bytes": sum(p.to_local().numel() * p.element_size() for p in rm.parameters()),
@@ -95,7 +95,7 @@ def _rank_fn(rank: int, model_dir: str, rm_dir: str, overrides: list[str]) -> di
 
     tr = Trainer(load_config(None, overrides))
     m = tr.step()
-    out["trainer"] = {"metrics": m, "ledger": {s.label: s.roles for s in tr.phases.ledger.step_snapshots(tr.phases.step)},
+    out["trainer"] = {"metrics": m, "ledger": {s.label: s.roles for s in tr.phases.ledger.rollout_snapshots(tr.phases.rollouts)},
                       "norm": tr.rewards.norm.state_dict()}
     return out
 

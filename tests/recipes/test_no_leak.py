@@ -32,16 +32,16 @@ def test_memory_after_step_k_equals_step_1(tiny_model_dir, tmp_path):
     trainer = Trainer(cfg)
     ledger = trainer.phases.ledger
     trainer.step()
-    held_after_1 = {s.label: s.roles for s in ledger.step_snapshots(1)}["train:end"]
+    held_after_1 = {s.label: s.roles for s in ledger.rollout_snapshots(1)}["train:end"]
     first_tensors = _live_tensors()
     trainer.step()  # step 1 starts without optimizer state; from step 2 every boundary repeats
-    first_roles = {s.label: s.roles for s in ledger.step_snapshots(2)}
+    first_roles = {s.label: s.roles for s in ledger.rollout_snapshots(2)}
     trainer.save_checkpoint()  # the first save builds what every later one reuses
     assert first_roles["train:end"] == held_after_1
     rss = {}
     for k in range(3, 101):
         trainer.step()
-        roles = {s.label: s.roles for s in ledger.step_snapshots(k)}
+        roles = {s.label: s.roles for s in ledger.rollout_snapshots(k)}
         assert roles == first_roles, f"step {k}: resident bytes per role changed"
         if k % 10 == 0:
             trainer.save_checkpoint()

@@ -26,13 +26,13 @@ def test_counts_come_from_the_tensors(tiny_model):
     assert module_bytes(tiny_model, torch.device("meta")) == 0, "tensors elsewhere are not resident here"
 
 
-def test_ledger_keeps_recent_steps_and_rejects_unknown_roles(tmp_path):
-    led = MemoryLedger(torch.device("cpu"), keep_steps=2)
-    for step in range(1, 6):
-        led.record("rollout:ready", step, {"policy_weights": 10 * step, "kv_cache": 3})
-        led.record("train:end", step, {"policy_weights": 10 * step, "grads": 7})
-    assert {s.step for s in led.snapshots} == {4, 5}, "old steps are dropped so a long run does not grow"
-    m = led.step_metrics(5)
+def test_ledger_keeps_recent_rollouts_and_rejects_unknown_roles(tmp_path):
+    led = MemoryLedger(torch.device("cpu"), keep_rollouts=2)
+    for rollout in range(1, 6):
+        led.record("rollout:ready", rollout, {"policy_weights": 10 * rollout, "kv_cache": 3})
+        led.record("train:end", rollout, {"policy_weights": 10 * rollout, "grads": 7})
+    assert {s.rollout for s in led.snapshots} == {4, 5}, "old rollouts are dropped so a long run does not grow"
+    m = led.rollout_metrics(5)
     assert m["memory/policy_weights_peak"] == 50 and m["memory/grads_peak"] == 7
     assert m["memory/total_peak"] == 57
     assert "rollout:ready" in led.table(5)

@@ -64,12 +64,12 @@ def test_token_budget_micro_batches_cover_every_row_once_within_the_budget():
     from hybrid_rl.batching import micro_batches
 
     ends = [1, 6, 5, 4, 3, 2, 1, 6, 0]
-    groups = micro_batches(list(range(9)), ends, P=5, micro_batch_size=3, max_tokens=20)
-    assert sorted(r for g in groups for r in g) == list(range(9))
-    for g in groups:
-        longest = max(5 + max(1, ends[r]) for r in g)
-        assert len(g) == 1 or longest * len(g) <= 20, g
-    lengths = [ends[r] for g in groups for r in g]
+    micros = micro_batches(list(range(9)), ends, P=5, micro_batch_size=3, max_tokens=20)
+    assert sorted(r for mb in micros for r in mb) == list(range(9))
+    for mb in micros:
+        longest = max(5 + max(1, ends[r]) for r in mb)
+        assert len(mb) == 1 or longest * len(mb) <= 20, mb
+    lengths = [ends[r] for mb in micros for r in mb]
     assert lengths == sorted(lengths), "grouped by length"
     assert micro_batches(list(range(9)), ends, P=5, micro_batch_size=4, max_tokens=0) == [[0, 1, 2, 3], [4, 5, 6, 7], [8]]
 
@@ -79,13 +79,13 @@ def test_packed_token_budget_counts_each_rows_tokens_not_the_longest():
 
     ends = [1, 6, 5, 4, 3, 2, 1, 6, 0]
     cost = {r: 5 + max(1, e) for r, e in enumerate(ends)}  # 6, 11, 10, 9, 8, 7, 6, 11, 6
-    groups = micro_batches(list(range(9)), ends, P=5, micro_batch_size=3, max_tokens=24, packed=True)
-    assert sorted(r for g in groups for r in g) == list(range(9))
-    assert all(sum(cost[r] for r in g) <= 24 for g in groups)
-    assert [[cost[r] for r in g] for g in groups] == [[6, 6, 6], [7, 8, 9], [10, 11], [11]]
+    micros = micro_batches(list(range(9)), ends, P=5, micro_batch_size=3, max_tokens=24, packed=True)
+    assert sorted(r for mb in micros for r in mb) == list(range(9))
+    assert all(sum(cost[r] for r in mb) <= 24 for mb in micros)
+    assert [[cost[r] for r in mb] for mb in micros] == [[6, 6, 6], [7, 8, 9], [10, 11], [11]]
     # Padded, the same budget holds rows x the longest: 7 + 8 + 9 would cost 27.
     padded = micro_batches(list(range(9)), ends, P=5, micro_batch_size=3, max_tokens=24)
-    assert [[cost[r] for r in g] for g in padded] == [[6, 6, 6], [7, 8], [9, 10], [11, 11]]
+    assert [[cost[r] for r in mb] for mb in padded] == [[6, 6, 6], [7, 8], [9, 10], [11, 11]]
 
 
 @pytest.mark.parametrize("loss_agg", LOSS_AGG_MODES)
@@ -149,13 +149,13 @@ def test_packed_row_micro_batches_take_whole_prompt_groups():
     from hybrid_rl.batching import micro_batches, shuffled_rows
 
     order = shuffled_rows(40, 5, torch.Generator().manual_seed(0)).tolist()
-    groups = micro_batches(order, [3] * 40, P=5, micro_batch_size=16, max_tokens=0, packed=True, group_size=5)
-    assert [len(g) for g in groups] == [15, 15, 10]
-    assert sorted(r for g in groups for r in g) == list(range(40))
-    for g in groups:
-        assert all(sum(1 for r in g if r // 5 == k) in (0, 5) for k in range(8)), f"a prompt group split: {g}"
-    assert [len(g) for g in micro_batches(order, [3] * 40, 5, 16, 0, packed=False, group_size=5)] == [16, 16, 8]
-    assert [len(g) for g in micro_batches(order, [3] * 40, 5, 4, 0, packed=True, group_size=5)] == [4] * 10
+    micros = micro_batches(order, [3] * 40, P=5, micro_batch_size=16, max_tokens=0, packed=True, group_size=5)
+    assert [len(mb) for mb in micros] == [15, 15, 10]
+    assert sorted(r for mb in micros for r in mb) == list(range(40))
+    for mb in micros:
+        assert all(sum(1 for r in mb if r // 5 == k) in (0, 5) for k in range(8)), f"a prompt group split: {mb}"
+    assert [len(mb) for mb in micro_batches(order, [3] * 40, 5, 16, 0, packed=False, group_size=5)] == [16, 16, 8]
+    assert [len(mb) for mb in micro_batches(order, [3] * 40, 5, 4, 0, packed=True, group_size=5)] == [4] * 10
 
 
 def test_packed_token_budget_keeps_a_prompts_rows_together():
@@ -164,16 +164,16 @@ def test_packed_token_budget_keeps_a_prompts_rows_together():
     from hybrid_rl.batching import micro_batches
 
     ends = [1, 6, 5, 4, 3, 2, 1, 6, 0, 9, 9, 9]  # 4 groups of 3 rows: costs 5+12, 5+9, 5+8, 5+27
-    groups = micro_batches(list(range(12)), ends, P=5, micro_batch_size=3, max_tokens=30, packed=True, group_size=3)
-    assert sorted(r for g in groups for r in g) == list(range(12))
+    micros = micro_batches(list(range(12)), ends, P=5, micro_batch_size=3, max_tokens=30, packed=True, group_size=3)
+    assert sorted(r for mb in micros for r in mb) == list(range(12))
     # Units by cost: group 2 (13), group 1 (14), rows 9, 10, 11 (14 each), group 0 (17).
-    assert groups == [[6, 7, 8, 3, 4, 5], [9, 10], [11], [0, 1, 2]]
+    assert micros == [[6, 7, 8, 3, 4, 5], [9, 10], [11], [0, 1, 2]]
     cost = lambda rows: 5 + sum(max(1, ends[r]) for r in rows)  # noqa: E731
-    for g in groups:
-        assert cost(g) <= 30 or len(g) == 1, g
-        whole = {r // 3 for r in g if r < 9}
-        assert all(set(range(3 * k, 3 * k + 3)) <= set(g) for k in whole), f"group split: {g}"
-    assert [sorted(g) for g in groups if set(g) & {9, 10, 11}] == [[9, 10], [11]], "the over-budget group goes by rows"
+    for mb in micros:
+        assert cost(mb) <= 30 or len(mb) == 1, mb
+        whole = {r // 3 for r in mb if r < 9}
+        assert all(set(range(3 * k, 3 * k + 3)) <= set(mb) for k in whole), f"group split: {mb}"
+    assert [sorted(mb) for mb in micros if set(mb) & {9, 10, 11}] == [[9, 10], [11]], "the over-budget group goes by rows"
 
 
 def test_update_settings_are_read_from_their_config_keys():

@@ -186,7 +186,7 @@ def test_offloaded_reward_model_is_restored_bit_for_bit(tiny_model, rm_dir):
             pass
     stats = pm.pop_stats()
     assert stats.bytes["onload_reward_model"] == stats.bytes["offload_reward_model"] == 2 * n_bytes
-    snaps = {s.label: s.roles for s in pm.ledger.step_snapshots(pm.step)}
+    snaps = {s.label: s.roles for s in pm.ledger.rollout_snapshots(pm.rollouts)}
     rm_param_bytes = sum(p.numel() * p.element_size() for p in rm_module.parameters())
     assert snaps["reward:ready"]["reward_model"] == rm_param_bytes
     for label in ("rollout:ready", "rollout:generated", "train:ready", "train:end"):
@@ -211,7 +211,7 @@ def test_trainer_logs_each_part_and_keeps_the_reward_model_off_device_outside_it
     assert m["reward/mean"] == pytest.approx(m["reward/rule_mean"] + 0.5 * m["reward/model_norm_mean"], abs=1e-6)
     assert tr.rewards.norm.count == 2 * 4 * 2, "every score of both steps (batch 4 x n 2)"
     json.dumps(tr.rewards.norm.state_dict())
-    snaps = {s.label: s.roles for s in tr.phases.ledger.step_snapshots(tr.phases.step)}
+    snaps = {s.label: s.roles for s in tr.phases.ledger.rollout_snapshots(tr.phases.rollouts)}
     rm_bytes = sum(p.numel() * p.element_size() for p in tr.rewards.module.parameters())
     assert snaps["reward:ready"]["reward_model"] == rm_bytes == m["memory/reward_model_peak"]
     assert [k for k, v in snaps.items() if v["reward_model"]] == ["reward:ready"]
@@ -224,7 +224,8 @@ def test_dynamic_sampling_scores_every_round_and_a_zero_weight_only_logs(tiny_tr
     history = tr.fit()
     assert max(m["sampling/rounds"] for m in history) >= 2, "the test needs a step with a second round"
     for m in history:
-        labels = [s.label for s in tr.phases.ledger.snapshots if s.step == int(m["step"])]
+        # No validation: the phase switch's rollout count is the step (one ROLLOUT phase per step).
+        labels = [s.label for s in tr.phases.ledger.snapshots if s.rollout == int(m["step"])]
         assert labels.count("reward:ready") == m["sampling/rounds"], "one REWARD stage per sampling round"
         assert m["reward/mean"] == pytest.approx(m["reward/rule_mean"]), "weight 0: the model score is only logged"
         assert m["reward/model_std"] > 0

@@ -17,9 +17,9 @@ from hybrid_rl.rewards.setup import RewardSetup
 from hybrid_rl.rollout.base import Completion
 from hybrid_rl.run_state import RunState
 
-# What a rank file held when the Trainer's mixin wrote it (trainer_state.py, before issue 26):
-# the run state writes the same keys, so those checkpoints load.
-RANK_FILE_KEYS = {"step", "loader", "scheduler", "kl_coef", "switch_step", "ledger_step", "reward_norm", "rng"}
+# What a rank file holds. Issue 26 renamed two keys (the phase switch counts rollouts, not steps):
+# files written before it hold "switch_step" and "ledger_step" instead, and still load.
+RANK_FILE_KEYS = {"step", "loader", "scheduler", "kl_coef", "switch_rollouts", "ledger_rollout", "reward_norm", "rng"}
 
 
 def _state(norm: bool) -> RunState:
@@ -36,12 +36,12 @@ def test_run_state_round_trip_continues_the_same_run():
         a.loader.next_batch()
     a.kl_ctl.update(0.5, 8)
     a.reward_norm.update(torch.tensor([1.0, 2.0, 4.0]))
-    a.step, a.ledger_step = 3, 7
+    a.step, a.ledger_rollout = 3, 7
     a.history.append({"step": 3})
     b = _state(norm=True)
     b.load_state_dict(a.state_dict())
     assert b.state_dict() == a.state_dict()
-    assert (b.step, b.ledger_step, b.kl_ctl.value) == (3, 7, a.kl_ctl.value) and b.kl_ctl.value != 0.1
+    assert (b.step, b.ledger_rollout, b.kl_ctl.value) == (3, 7, a.kl_ctl.value) and b.kl_ctl.value != 0.1
     assert b.loader.next_batch() == a.loader.next_batch()
     assert b.history == [], "the history is this process's, not saved"
 
@@ -62,8 +62,27 @@ def test_rank_file_keeps_the_layout_of_earlier_checkpoints(tiny_trainer_override
     path = tr.save_checkpoint()
     saved = torch.load(os.path.join(path, "rank_00000.pt"), weights_only=True)
     assert set(saved) == RANK_FILE_KEYS
-    assert saved["switch_step"] == tr.phases.step and saved["scheduler"] == tr.scheduler.state_dict()
+    assert saved["switch_rollouts"] == tr.phases.rollouts and saved["scheduler"] == tr.scheduler.state_dict()
     tr.close()
+
+
+def test_a_rank_file_with_the_old_counter_names_still_loads(tiny_trainer_overrides):
+    """Catches dropping the fallback to "switch_step" / "ledger_step": a checkpoint written before issue 26
+    renamed them would stop loading (KeyError), or load without the phase switch's rollout count."""
+    from hybrid_rl.trainer import Trainer
+
+    tr = Trainer(load_config(None, tiny_trainer_overrides))
+    tr.phases.rollouts, tr.state.ledger_rollout = 5, 4
+    path = tr.save_checkpoint()
+    tr.close()
+    rank_file = os.path.join(path, "rank_00000.pt")
+    saved = torch.load(rank_file, weights_only=True)
+    saved["switch_step"], saved["ledger_step"] = saved.pop("switch_rollouts"), saved.pop("ledger_rollout")
+    torch.save(saved, rank_file)
+    fresh = Trainer(load_config(None, tiny_trainer_overrides))
+    fresh.checkpointer.restore(path)
+    assert (fresh.phases.rollouts, fresh.state.ledger_rollout) == (5, 4)
+    fresh.close()
 
 
 def test_the_probe_validation_and_training_see_the_same_reward_inputs(tiny_trainer_overrides, tiny_tokenizer):

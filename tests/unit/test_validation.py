@@ -67,12 +67,12 @@ def test_validate_metrics_match_the_completions_it_wrote(text_model_dir, gsm8k_f
     calls = []
     real_generate = tr.engine.generate
     monkeypatch.setattr(tr.engine, "generate", lambda ids, p: calls.append((ids, p, tr.phases.inside)) or real_generate(ids, p))
-    rollouts_before = tr.phases.step
+    rollouts_before = tr.phases.rollouts
     m = tr.validator.run(7)
 
     # It went TRAIN -> ROLLOUT -> TRAIN through the phase switch, and generated only inside ROLLOUT.
     assert tr.phases.phase is Phase.TRAIN and tr.phases.inside is None
-    assert tr.phases.step == rollouts_before + 1
+    assert tr.phases.rollouts == rollouts_before + 1
     assert all(inside is Phase.ROLLOUT for _, _, inside in calls)
     assert not tr.phases.pop_stats().seconds, "validation's switch time must not be billed to the next step"
     # Two batches (4 + 1 prompts), each: one greedy call, then one with 3 samples per prompt.

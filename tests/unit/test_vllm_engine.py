@@ -278,7 +278,7 @@ def test_trainer_runs_with_vllm_in_one_process_and_recovers_from_an_engine_error
         assert 0 < m["rollout/logp_mismatch"] < 1e-4 and m["memory/engine_weights_peak"] > 0
         assert m["memory/kv_cache_peak"] == trainer.engine.kv_bytes > 0
         # vLLM's CPU sleep frees nothing: the train-phase rows of the ledger still hold its weights and KV cache.
-        train_rows = [sn for sn in trainer.phases.ledger.step_snapshots(1) if sn.label.startswith("train")]
+        train_rows = [sn for sn in trainer.phases.ledger.rollout_snapshots(1) if sn.label.startswith("train")]
         assert train_rows and all(sn.roles["kv_cache"] == trainer.engine.kv_bytes for sn in train_rows)
         assert all(sn.roles["engine_weights"] > 0 for sn in train_rows)
         real = trainer.engine.llm.generate
