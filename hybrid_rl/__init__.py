@@ -14,8 +14,12 @@ def __getattr__(name: str) -> Any:
         from hybrid_rl.trainer import Trainer
 
         return Trainer
-    if name in ("Config", "load_config"):
-        from hybrid_rl import config
+    if name == "Config":
+        from hybrid_rl.config import Config
 
-        return getattr(config, name)
+        return Config
+    if name == "load_config":
+        from hybrid_rl.config_load import load_config
+
+        return load_config
     raise AttributeError(f"module 'hybrid_rl' has no attribute {name!r}")

@@ -1,51 +1,41 @@
 """Configuration schema: the single source of truth for every setting.
 
 Dataclasses with defaults, validated in `__post_init__` (a bad value raises
-`ValueError` naming the key). OmegaConf is used only to merge a YAML file and
-`key.sub=value` command-line overrides onto the schema; unknown keys fail there
-with the key named.
+`ValueError` naming the key; config_checks.py). A key whose value is one of a fixed
+set of strings is annotated `Literal[...]`, and `check_choices` reads the allowed values
+from that annotation: adding a choice is editing the annotation, nothing else. Merging
+a YAML file, `key.sub=value` overrides and presets onto the schema is config_load.py.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Literal, Optional, Union
 
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
-
-def _check(cond: bool, key: str, msg: str) -> None:
-    if not cond:
-        raise ValueError(f"config key '{key}': {msg}")
-
-
-def _one_of(value: Any, key: str, choices: Sequence[str]) -> None:
-    _check(value in choices, key, f"got {value!r}, expected one of {list(choices)}")
+from hybrid_rl.config_checks import check, check_choices, check_preset_applied, clip_bound, one_of, validate_runtime
 
 
 @dataclass
 class ModelConfig:
     path: str = ""  # local Hugging Face directory (config.json + safetensors + tokenizer)
-    dtype: str = "auto"  # "auto": bf16 mixed precision on CUDA, fp32 on CPU
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # "auto": bf16 mixed precision on CUDA, fp32 on CPU
     # Recompute each decoder layer in backward (non-reentrant, FSDP2-safe). The policy always trains with its
     # dropout forced off (models/fsdp.py prepare_policy): the update's log-probs must be the old policy's.
     gradient_checkpointing: bool = False
-    attn_implementation: str = "sdpa"
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
 
     def __post_init__(self) -> None:
-        _one_of(self.dtype, "model.dtype", ["auto", "float32", "bfloat16"])
-        _one_of(self.attn_implementation, "model.attn_implementation", ["sdpa", "eager", "flash_attention_2"])
+        check_choices(self, "model")
 
 
-DATA_TASKS = ["digits", "gsm8k", "jsonl", "parquet"]
+DataTask = Literal["digits", "gsm8k", "jsonl", "parquet"]
 
 
 @dataclass
 class DataConfig:
     """Where prompts come from, how they become token ids, and the validation set (data/prompts.py)."""
 
-    task: str = "digits"  # digits (generated) | gsm8k | jsonl | parquet (a local file of rows)
+    task: DataTask = "digits"  # digits: generated; jsonl, parquet: a local file of rows
     # jsonl/parquet: the training file. gsm8k: a directory holding train/test .jsonl (or .parquet);
     # "" = ../shared/data/gsm8k beside the repository if present, else openai/gsm8k through `datasets`.
     path: str = ""
@@ -67,23 +57,27 @@ class DataConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _one_of(self.task, "data.task", DATA_TASKS)
-        _check(self.batch_size > 0, "data.batch_size", f"must be > 0, got {self.batch_size}")
-        _check(self.num_prompts is None or self.num_prompts > 0, "data.num_prompts",
-               f"must be > 0 (or null), got {self.num_prompts}")
+        check_choices(self, "data")
+        check(self.batch_size > 0, "data.batch_size", f"must be > 0, got {self.batch_size}")
+        check(self.num_prompts is None or self.num_prompts > 0, "data.num_prompts",
+              f"must be > 0 (or null), got {self.num_prompts}")
         if self.task in ("jsonl", "parquet"):
-            _check(bool(self.path), "data.path", f"is required when data.task={self.task}")
-        _check(bool(self.prompt_key), "data.prompt_key", "is empty; name the row key that holds the prompt")
-        _check(self.max_prompt_tokens >= 0, "data.max_prompt_tokens", f"must be >= 0 (0 = no limit), got {self.max_prompt_tokens}")
-        _check(0.0 <= self.val_split < 1.0, "data.val_split", f"must be in [0, 1), got {self.val_split}")
-        _check(self.val_size is None or self.val_size > 0, "data.val_size", f"must be > 0 (or null), got {self.val_size}")
-        _check(self.val_batch_size is None or self.val_batch_size > 0, "data.val_batch_size",
-               f"must be > 0 (or null: data.batch_size), got {self.val_batch_size}")
+            check(bool(self.path), "data.path", f"is required when data.task={self.task}")
+        check(bool(self.prompt_key), "data.prompt_key", "is empty; name the row key that holds the prompt")
+        check(self.max_prompt_tokens >= 0, "data.max_prompt_tokens", f"must be >= 0 (0 = no limit), got {self.max_prompt_tokens}")
+        check(0.0 <= self.val_split < 1.0, "data.val_split", f"must be in [0, 1), got {self.val_split}")
+        check(self.val_size is None or self.val_size > 0, "data.val_size", f"must be > 0 (or null), got {self.val_size}")
+        check(self.val_batch_size is None or self.val_batch_size > 0, "data.val_batch_size",
+              f"must be > 0 (or null: data.batch_size), got {self.val_batch_size}")
+
+
+# tests/unit/test_config.py checks this against rollout/base.py's table of engine classes.
+Engine = Literal["native", "sglang", "vllm"]
 
 
 @dataclass
 class RolloutConfig:
-    engine: str = "native"  # native (torch, the policy's own weights) | sglang (GPU extra) | vllm (extra [vllm]); own weights
+    engine: Engine = "native"  # native (torch, the policy's own weights) | sglang (GPU extra) | vllm (extra [vllm]); own weights
     n: int = 8  # samples per prompt (G)
     temperature: float = 1.0
     top_p: float = 1.0
@@ -104,25 +98,33 @@ class RolloutConfig:
     engine_timeout_s: int = 3600
 
     def __post_init__(self) -> None:
-        # A new engine goes in both this list and rollout/base.py's _ENGINES.
-        _one_of(self.engine, "rollout.engine", ["native", "sglang", "vllm"])
-        _check(self.n >= 1, "rollout.n", f"must be >= 1, got {self.n}")  # >= 2 for group baselines: Config checks it
-        _check(self.temperature > 0, "rollout.temperature", f"must be > 0, got {self.temperature}")
-        _check(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(self.top_k == -1 or self.top_k > 0, "rollout.top_k", f"must be -1 (off) or > 0, got {self.top_k}")
-        _check(self.max_new_tokens > 0, "rollout.max_new_tokens", f"must be > 0, got {self.max_new_tokens}")
-        _one_of(self.tp_size, "rollout.tp_size", [1, 2, 4, 8])
-        _check(self.engine in ("sglang", "vllm") or self.tp_size == 1, "rollout.tp_size",
-               f"tensor-parallel inference needs rollout.engine=sglang or vllm (got {self.engine!r})")
-        _check(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "rollout.kv_cache_bytes",
-               f"must be > 0 or null (sized from the batch), got {self.kv_cache_bytes}")
-        _check(self.mem_fraction is None or 0 < self.mem_fraction < 1, "rollout.mem_fraction",
-               f"must be in (0, 1) or null, got {self.mem_fraction}")
-        _check(self.bucket_mb > 0, "rollout.bucket_mb", f"must be > 0, got {self.bucket_mb}")
-        _check(self.engine_timeout_s > 0, "rollout.engine_timeout_s", f"must be > 0, got {self.engine_timeout_s}")
+        check_choices(self, "rollout")
+        check(self.n >= 1, "rollout.n", f"must be >= 1, got {self.n}")  # >= 2 for group baselines: Config checks it
+        check(self.temperature > 0, "rollout.temperature", f"must be > 0, got {self.temperature}")
+        check(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
+        check(self.top_k == -1 or self.top_k > 0, "rollout.top_k", f"must be -1 (off) or > 0, got {self.top_k}")
+        check(self.max_new_tokens > 0, "rollout.max_new_tokens", f"must be > 0, got {self.max_new_tokens}")
+        one_of(self.tp_size, "rollout.tp_size", [1, 2, 4, 8])
+        check(self.engine in ("sglang", "vllm") or self.tp_size == 1, "rollout.tp_size",
+              f"tensor-parallel inference needs rollout.engine=sglang or vllm (got {self.engine!r})")
+        check(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "rollout.kv_cache_bytes",
+              f"must be > 0 or null (sized from the batch), got {self.kv_cache_bytes}")
+        check(self.mem_fraction is None or 0 < self.mem_fraction < 1, "rollout.mem_fraction",
+              f"must be in (0, 1) or null, got {self.mem_fraction}")
+        check(self.bucket_mb > 0, "rollout.bucket_mb", f"must be > 0, got {self.bucket_mb}")
+        check(self.engine_timeout_s > 0, "rollout.engine_timeout_s", f"must be > 0, got {self.engine_timeout_s}")
 
 
 ClipBound = Optional[Union[int, float, str]]  # a number, null (that side off) or "auto"
+# Names of the tables in hybrid_rl/algorithms/ (presets.PRESETS, advantages.ADVANTAGE_ESTIMATORS, ...), written
+# out rather than built from them: the schema stays importable without torch and readable by a type checker.
+# tests/unit/test_config.py checks each against its table, so a name added to one and not the other fails there.
+Preset = Literal["", "dapo", "drgrpo", "grpo", "gspo"]
+AdvantageName = Literal["drgrpo", "grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo"]
+PolicyLoss = Literal["cispo", "gspo", "ppo_clip"]
+LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
+Correction = Literal["none", "tis_token", "tis_seq", "mis_token", "mis_seq"]
 
 
 @dataclass
@@ -136,22 +138,22 @@ class AlgorithmConfig:
     own values is set).
     """
 
-    preset: str = ""  # "" (none) | grpo | drgrpo | dapo | gspo
-    advantage: str = "grpo"
-    policy_loss: str = "ppo_clip"
-    loss_agg: str = "token-mean"
+    preset: Preset = ""  # "" = none
+    advantage: AdvantageName = "grpo"
+    policy_loss: PolicyLoss = "ppo_clip"
+    loss_agg: LossAgg = "token-mean"
     # "auto": the policy loss's own bounds (ppo_clip 0.2/0.2, gspo 3e-4/4e-4, cispo null/0.2); null: no bound.
     clip_ratio_low: ClipBound = "auto"
     clip_ratio_high: ClipBound = "auto"
     clip_ratio_c: Optional[float] = None  # dual clip for negative advantages (ppo_clip)
-    kl_placement: str = "loss"  # loss: a term in the loss | reward: penalty on the reward | none
+    kl_placement: Literal["loss", "reward", "none"] = "loss"  # loss: a term in the loss | reward: penalty on the reward
     kl_coef: float = 0.0  # KL to the reference model; 0 = no KL and no reference model
-    kl_estimator: str = "k3"
-    kl_controller: str = "fixed"  # fixed | adaptive (Ziegler et al. 2019: coef tracks target_kl; either placement)
+    kl_estimator: KLEstimator = "k3"
+    kl_controller: Literal["fixed", "adaptive"] = "fixed"  # adaptive: coef tracks target_kl (Ziegler 2019), either placement
     target_kl: float = 0.1  # adaptive controller: the per-token KL to hold
     kl_horizon: int = 10000  # adaptive controller: horizon in sequences
     entropy_coef: float = 0.0  # entropy bonus in the loss
-    rollout_correction: str = "none"  # engine/trainer mismatch: none | tis_token | tis_seq | mis_token | mis_seq
+    rollout_correction: Correction = "none"  # engine/trainer mismatch
     correction_cap: float = 2.0  # upper bound on the importance ratio
     correction_lower: Optional[float] = None  # lower bound; null: 1/cap for MIS, none for TIS
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, sample more prompts
@@ -166,61 +168,31 @@ class AlgorithmConfig:
 
     def __post_init__(self) -> None:
         from hybrid_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS
-        from hybrid_rl.algorithms.aggregation import LOSS_AGG_MODES
-        from hybrid_rl.algorithms.correction import CORRECTION_MODES
-        from hybrid_rl.algorithms.kl import KL_ESTIMATORS
-        from hybrid_rl.algorithms.losses import POLICY_LOSSES
-        from hybrid_rl.algorithms.presets import PRESETS
 
-        _one_of(self.preset, "algorithm.preset", ["", *sorted(PRESETS)])
-        self._check_preset_applied()
-        _one_of(self.advantage, "algorithm.advantage", sorted(ADVANTAGE_ESTIMATORS))
-        _one_of(self.policy_loss, "algorithm.policy_loss", sorted(POLICY_LOSSES))
-        _one_of(self.loss_agg, "algorithm.loss_agg", LOSS_AGG_MODES)
+        check_choices(self, "algorithm")
+        check_preset_applied(self)
         # "auto" stays in the config (the schema's own default instance must not bake in one loss's
         # bounds); clip_bounds() resolves it.
-        self.clip_ratio_low = _clip_bound(self.clip_ratio_low, "algorithm.clip_ratio_low")
-        self.clip_ratio_high = _clip_bound(self.clip_ratio_high, "algorithm.clip_ratio_high")
-        _check(self.clip_ratio_c is None or self.clip_ratio_c > 1, "algorithm.clip_ratio_c", "must be > 1 (or null)")
-        _one_of(self.kl_placement, "algorithm.kl_placement", ["loss", "reward", "none"])
-        _check(self.kl_coef >= 0, "algorithm.kl_coef", "must be >= 0")
-        _one_of(self.kl_estimator, "algorithm.kl_estimator", list(KL_ESTIMATORS))
-        _one_of(self.kl_controller, "algorithm.kl_controller", ["fixed", "adaptive"])
-        _check(self.target_kl > 0, "algorithm.target_kl", f"must be > 0, got {self.target_kl}")
-        _check(self.kl_horizon > 0, "algorithm.kl_horizon", f"must be > 0 (sequences), got {self.kl_horizon}")
-        _check(self.entropy_coef >= 0, "algorithm.entropy_coef", "must be >= 0 (a bonus: the loss subtracts it)")
-        _one_of(self.rollout_correction, "algorithm.rollout_correction", list(CORRECTION_MODES))
-        _check(self.correction_cap > 0, "algorithm.correction_cap", f"must be > 0, got {self.correction_cap}")
-        _check(self.correction_lower is None or 0 < self.correction_lower < self.correction_cap,
-               "algorithm.correction_lower", f"must be in (0, correction_cap={self.correction_cap}) or null")
-        _check(self.max_sampling_rounds >= 1, "algorithm.max_sampling_rounds",
-               f"must be >= 1 (1 = filter only, never sample again), got {self.max_sampling_rounds}")
-        _check(self.overlong_penalty_factor >= 0, "algorithm.overlong_penalty_factor", "must be >= 0 (0 = off)")
-        _check(self.overlong_buffer_len is None or self.overlong_buffer_len >= 0, "algorithm.overlong_buffer_len",
-               "must be >= 0 or null (a fifth of rollout.max_new_tokens)")
-        _check(self.ppo_epochs >= 1, "algorithm.ppo_epochs", "must be >= 1")
-        _check(self.mini_batch_size >= 0, "algorithm.mini_batch_size", "must be >= 0 (0 = whole batch)")
-        _check(0 < self.gamma <= 1, "algorithm.gamma", f"must be in (0, 1], got {self.gamma}")
-        _check(self.gamma == 1 or ADVANTAGE_ESTIMATORS[self.advantage].discounted, "algorithm.gamma",
-               f"a discount needs token-level returns: set algorithm.advantage=reinforce_pp (got {self.advantage!r})")
-
-    def _check_preset_applied(self) -> None:
-        """`AlgorithmConfig(preset="dapo")` records the name only: refuse it when none of the preset's own
-        values (those that differ from the defaults) is set, instead of silently running the defaults."""
-        if not self.preset:
-            return
-        from dataclasses import fields
-
-        from hybrid_rl.algorithms.presets import preset_values
-
-        defaults = {f.name: f.default for f in fields(self)}
-        distinctive = {k: v for k, v in preset_values(self.preset).items() if v != defaults[k]}
-        if distinctive and all(getattr(self, k) == defaults[k] for k in distinctive):
-            raise ValueError(
-                f"config key 'algorithm.preset': {self.preset!r} is named but none of its values "
-                f"({', '.join(f'{k}={v!r}' for k, v in sorted(distinctive.items()))}) is set: the constructor "
-                f"records the name only. Use AlgorithmConfig.from_preset({self.preset!r}, ...) in Python, or "
-                f"algorithm.preset={self.preset} in a YAML or an override")
+        self.clip_ratio_low = clip_bound(self.clip_ratio_low, "algorithm.clip_ratio_low")
+        self.clip_ratio_high = clip_bound(self.clip_ratio_high, "algorithm.clip_ratio_high")
+        check(self.clip_ratio_c is None or self.clip_ratio_c > 1, "algorithm.clip_ratio_c", "must be > 1 (or null)")
+        check(self.kl_coef >= 0, "algorithm.kl_coef", "must be >= 0")
+        check(self.target_kl > 0, "algorithm.target_kl", f"must be > 0, got {self.target_kl}")
+        check(self.kl_horizon > 0, "algorithm.kl_horizon", f"must be > 0 (sequences), got {self.kl_horizon}")
+        check(self.entropy_coef >= 0, "algorithm.entropy_coef", "must be >= 0 (a bonus: the loss subtracts it)")
+        check(self.correction_cap > 0, "algorithm.correction_cap", f"must be > 0, got {self.correction_cap}")
+        check(self.correction_lower is None or 0 < self.correction_lower < self.correction_cap,
+              "algorithm.correction_lower", f"must be in (0, correction_cap={self.correction_cap}) or null")
+        check(self.max_sampling_rounds >= 1, "algorithm.max_sampling_rounds",
+              f"must be >= 1 (1 = filter only, never sample again), got {self.max_sampling_rounds}")
+        check(self.overlong_penalty_factor >= 0, "algorithm.overlong_penalty_factor", "must be >= 0 (0 = off)")
+        check(self.overlong_buffer_len is None or self.overlong_buffer_len >= 0, "algorithm.overlong_buffer_len",
+              "must be >= 0 or null (a fifth of rollout.max_new_tokens)")
+        check(self.ppo_epochs >= 1, "algorithm.ppo_epochs", "must be >= 1")
+        check(self.mini_batch_size >= 0, "algorithm.mini_batch_size", "must be >= 0 (0 = whole batch)")
+        check(0 < self.gamma <= 1, "algorithm.gamma", f"must be in (0, 1], got {self.gamma}")
+        check(self.gamma == 1 or ADVANTAGE_ESTIMATORS[self.advantage].discounted, "algorithm.gamma",
+              f"a discount needs token-level returns: set algorithm.advantage=reinforce_pp (got {self.advantage!r})")
 
     def clip_bounds(self) -> tuple[Optional[float], Optional[float]]:
         """(low, high) clip ratios for the policy loss; "auto" is that loss's own default, None no bound."""
@@ -248,15 +220,6 @@ class AlgorithmConfig:
         return cls(**{**values, "preset": name, **overrides})
 
 
-def _clip_bound(value: Any, key: str) -> Union[float, str, None]:
-    """A number >= 0 (as float), null (no bound) or "auto" (the loss's default, see clip_bounds)."""
-    if value is None or value == "auto":
-        return value
-    _check(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0, key,
-           f"got {value!r}; expected a number >= 0, null (no bound on that side) or 'auto' (the loss's default)")
-    return float(value)
-
-
 @dataclass
 class OptimConfig:
     lr: float = 1e-6
@@ -267,16 +230,16 @@ class OptimConfig:
     warmup_steps: int = 0  # optimizer steps of linear warm-up from lr / warmup_steps to lr
     # After warm-up: "constant", or "cosine" / "linear" decay to lr * min_lr_ratio at the last
     # optimizer step of trainer.total_steps (lr_schedule.py).
-    lr_schedule: str = "constant"
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     min_lr_ratio: float = 0.0
 
     def __post_init__(self) -> None:
-        _check(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
-        _one_of(self.lr_schedule, "optim.lr_schedule", ["constant", "cosine", "linear"])
-        _check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
-        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas", "must be two values in [0, 1)")
-        _check(self.grad_clip > 0, "optim.grad_clip", "must be > 0")
-        _check(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+        check_choices(self, "optim")
+        check(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
+        check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas", "must be two values in [0, 1)")
+        check(self.grad_clip > 0, "optim.grad_clip", "must be > 0")
+        check(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
 
 
 @dataclass
@@ -311,30 +274,30 @@ class RewardConfig:
     normalize_model: bool = False  # standardise model scores by their running mean/std before weighting
 
     def __post_init__(self) -> None:
-        _check(bool(self.name) or bool(self.fn), "reward.name", "is empty (and reward.fn is not set)")
-        _check(not self.fn or (":" in self.fn and all(self.fn.partition(":")[::2])), "reward.fn",
-               f"{self.fn!r} is not of the form package.module:function")
+        check(bool(self.name) or bool(self.fn), "reward.name", "is empty (and reward.fn is not set)")
+        check(not self.fn or (":" in self.fn and all(self.fn.partition(":")[::2])), "reward.fn",
+              f"{self.fn!r} is not of the form package.module:function")
         unknown = sorted(set(self.weights) - {"rule", "model"})
-        _check(not unknown, "reward.weights", f"unknown part(s) {unknown}; the parts are 'rule' and 'model'")
+        check(not unknown, "reward.weights", f"unknown part(s) {unknown}; the parts are 'rule' and 'model'")
         for part, w in self.weights.items():
-            _check(isinstance(w, (int, float)) and w == w and abs(w) != float("inf"), f"reward.weights.{part}",
-                   f"must be a finite number, got {w!r}")
-        _check(not self.weights or any(w != 0 for w in self.weights.values()), "reward.weights",
-               f"every weight is 0 ({dict(self.weights)}); nothing would be trained on")
+            check(isinstance(w, (int, float)) and w == w and abs(w) != float("inf"), f"reward.weights.{part}",
+                  f"must be a finite number, got {w!r}")
+        check(not self.weights or any(w != 0 for w in self.weights.values()), "reward.weights",
+              f"every weight is 0 ({dict(self.weights)}); nothing would be trained on")
         has_model = bool(self.model_path)
-        _check(has_model or "model" not in self.weights, "reward.weights",
-               "has a 'model' weight but reward.model_path is empty; set reward.model_path to a reward model directory")
-        _check(not has_model or not self.weights or "model" in self.weights, "reward.weights",
-               f"{dict(self.weights)} has no 'model' weight although reward.model_path is set; add reward.weights.model")
-        _check(has_model or not self.normalize_model, "reward.normalize_model",
-               "normalises the reward model's score, but reward.model_path is empty")
-        _check(self.max_tokens_per_micro_batch > 0, "reward.max_tokens_per_micro_batch",
-               f"must be > 0, got {self.max_tokens_per_micro_batch}")
-        _check(self.score_index >= -1, "reward.score_index", f"must be >= 0 (or -1: the only label), got {self.score_index}")
-        _check(self.score_token_id >= -1, "reward.score_token_id", f"must be >= 0 (or -1: unset), got {self.score_token_id}")
+        check(has_model or "model" not in self.weights, "reward.weights",
+              "has a 'model' weight but reward.model_path is empty; set reward.model_path to a reward model directory")
+        check(not has_model or not self.weights or "model" in self.weights, "reward.weights",
+              f"{dict(self.weights)} has no 'model' weight although reward.model_path is set; add reward.weights.model")
+        check(has_model or not self.normalize_model, "reward.normalize_model",
+              "normalises the reward model's score, but reward.model_path is empty")
+        check(self.max_tokens_per_micro_batch > 0, "reward.max_tokens_per_micro_batch",
+              f"must be > 0, got {self.max_tokens_per_micro_batch}")
+        check(self.score_index >= -1, "reward.score_index", f"must be >= 0 (or -1: the only label), got {self.score_index}")
+        check(self.score_token_id >= -1, "reward.score_token_id", f"must be >= 0 (or -1: unset), got {self.score_token_id}")
 
 
-LOGGERS = ["console", "jsonl", "tensorboard", "wandb"]
+LoggerName = Literal["console", "jsonl", "tensorboard", "wandb"]
 
 
 @dataclass
@@ -345,7 +308,7 @@ class TrainerConfig:
     packing: bool = True  # padding-free forward/backward (models/packing.py); false: every row padded to the longest
     out_dir: str = "runs/default"
     seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     dist_timeout_s: int = 300
     # CPU device: glibc malloc keeps freed activation buffers for the next step instead of
     # unmapping them and page-faulting them back (host_malloc.py); resident memory stays at its peak.
@@ -353,10 +316,10 @@ class TrainerConfig:
     progress_bar: bool = True  # shown only in an interactive terminal (never written into a log file)
     log_every: int = 1  # one console line every N steps (0 = none)
     # metrics.jsonl is always written; add tensorboard (out_dir/tensorboard) and/or wandb (when installed).
-    loggers: list[str] = field(default_factory=lambda: ["console"])
+    loggers: list[LoggerName] = field(default_factory=lambda: ["console"])
     project: str = "hybrid_rl"  # wandb project
     experiment: str = ""  # wandb run name; "" = the last part of out_dir
-    wandb_mode: str = "offline"  # offline (no network needed; `wandb sync` later) | online | disabled
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"  # offline: no network needed; `wandb sync` later
     val_every: int = 0  # validate every N steps and after the last one; 0 = never
     val_before_train: bool = False  # also validate the initial policy (step 0)
     val_n: int = 0  # k > 0: also k sampled completions per prompt at rollout.temperature, logged as val/mean@k
@@ -370,24 +333,21 @@ class TrainerConfig:
     resume_ignore: list[str] = field(default_factory=list)  # config keys allowed to differ from the checkpoint's
 
     def __post_init__(self) -> None:
-        _check(self.total_steps > 0, "trainer.total_steps", "must be > 0")
-        _check(self.micro_batch_size > 0, "trainer.micro_batch_size", "must be > 0")
-        _check(self.max_tokens_per_micro_batch >= 0, "trainer.max_tokens_per_micro_batch",
-               f"must be >= 0 (0 = off: micro_batch_size rows), got {self.max_tokens_per_micro_batch}")
-        _one_of(self.device, "trainer.device", ["auto", "cpu", "cuda"])
-        _check(self.dist_timeout_s > 0, "trainer.dist_timeout_s", "must be > 0")
-        _check(self.log_every >= 0, "trainer.log_every", f"must be >= 0 (0 = no console lines), got {self.log_every}")
-        for name in self.loggers:
-            _one_of(name, "trainer.loggers", LOGGERS)
-        _check(len(set(self.loggers)) == len(self.loggers), "trainer.loggers", f"names a logger twice: {self.loggers}")
-        _one_of(self.wandb_mode, "trainer.wandb_mode", ["offline", "online", "disabled"])
-        _check(self.val_every >= 0, "trainer.val_every", f"must be >= 0 (0 = never), got {self.val_every}")
-        _check(self.val_n >= 0, "trainer.val_n", f"must be >= 0 (0 = greedy pass@1 only), got {self.val_n}")
-        _check(self.val_sample_rows >= 0, "trainer.val_sample_rows", f"must be >= 0, got {self.val_sample_rows}")
-        _check(self.log_rollouts >= 0, "trainer.log_rollouts", f"must be >= 0 (0 = off), got {self.log_rollouts}")
-        _check(self.save_every >= 0, "trainer.save_every", f"must be >= 0 (0 = no periodic checkpoints), got {self.save_every}")
-        _check(self.keep_last >= 0, "trainer.keep_last", f"must be >= 0 (0 = keep all), got {self.keep_last}")
-        _check(bool(self.resume), "trainer.resume", "is empty; use auto, none or a checkpoint directory")
+        check_choices(self, "trainer")
+        check(self.total_steps > 0, "trainer.total_steps", "must be > 0")
+        check(self.micro_batch_size > 0, "trainer.micro_batch_size", "must be > 0")
+        check(self.max_tokens_per_micro_batch >= 0, "trainer.max_tokens_per_micro_batch",
+              f"must be >= 0 (0 = off: micro_batch_size rows), got {self.max_tokens_per_micro_batch}")
+        check(self.dist_timeout_s > 0, "trainer.dist_timeout_s", "must be > 0")
+        check(self.log_every >= 0, "trainer.log_every", f"must be >= 0 (0 = no console lines), got {self.log_every}")
+        check(len(set(self.loggers)) == len(self.loggers), "trainer.loggers", f"names a logger twice: {self.loggers}")
+        check(self.val_every >= 0, "trainer.val_every", f"must be >= 0 (0 = never), got {self.val_every}")
+        check(self.val_n >= 0, "trainer.val_n", f"must be >= 0 (0 = greedy pass@1 only), got {self.val_n}")
+        check(self.val_sample_rows >= 0, "trainer.val_sample_rows", f"must be >= 0, got {self.val_sample_rows}")
+        check(self.log_rollouts >= 0, "trainer.log_rollouts", f"must be >= 0 (0 = off), got {self.log_rollouts}")
+        check(self.save_every >= 0, "trainer.save_every", f"must be >= 0 (0 = no periodic checkpoints), got {self.save_every}")
+        check(self.keep_last >= 0, "trainer.keep_last", f"must be >= 0 (0 = keep all), got {self.keep_last}")
+        check(bool(self.resume), "trainer.resume", "is empty; use auto, none or a checkpoint directory")
 
     @property
     def checkpoint_root(self) -> str:
@@ -415,101 +375,19 @@ class Config:
         if group or a.dynamic_sampling:
             why = "dynamic sampling keeps groups whose rewards differ" if not group else \
                 f"algorithm.advantage={a.advantage} takes its baseline from a prompt's group"
-            _check(n >= 2, "rollout.n", f"needs at least 2 samples per prompt ({why}), got {n}")
+            check(n >= 2, "rollout.n", f"needs at least 2 samples per prompt ({why}), got {n}")
 
     def validate_runtime(self, world_size: int) -> None:
         """Checks that need the machine (paths, ranks); raised before any model is built."""
-        _check(bool(self.model.path), "model.path", "is empty; point it at a local Hugging Face model directory")
-        _check(os.path.isdir(self.model.path), "model.path",
-               f"directory {self.model.path!r} does not exist; give a local Hugging Face model directory")
-        _check(os.path.isfile(os.path.join(self.model.path, "config.json")), "model.path",
-               f"{self.model.path!r} has no config.json; is it a Hugging Face model directory?")
-        if self.reward.model_path:
-            rm = self.reward.model_path
-            _check(os.path.isdir(rm), "reward.model_path",
-                   f"directory {rm!r} does not exist; give a local Hugging Face reward model directory")
-            _check(os.path.isfile(os.path.join(rm, "config.json")), "reward.model_path",
-                   f"{rm!r} has no config.json; is it a Hugging Face model directory?")
-        if self.rollout.engine in ("sglang", "vllm"):
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-            _check(local % self.rollout.tp_size == 0, "rollout.tp_size",
-                   f"{self.rollout.tp_size} does not divide the {local} ranks of this node")
-        b = self.data.batch_size
-        _check(b % world_size == 0, "data.batch_size",
-               f"{b} prompts do not divide over {world_size} ranks; use a multiple of {world_size}")
-        n_seq = b * self.rollout.n
-        mb = self.algorithm.mini_batch_size or n_seq
-        _check(n_seq % mb == 0, "algorithm.mini_batch_size",
-               f"{mb} does not divide the {n_seq} sequences of a step (data.batch_size x rollout.n)")
-        _check(mb % world_size == 0, "algorithm.mini_batch_size",
-               f"{mb} sequences do not divide over {world_size} ranks")
-        _check(mb % self.rollout.n == 0, "algorithm.mini_batch_size",
-               f"counts sequences, and {mb} is not a multiple of rollout.n={self.rollout.n}: a mini-batch would split a "
-               f"prompt's group (verl's ppo_mini_batch_size counts prompts: multiply it by rollout.n)")
-        buffer = self.algorithm.overlong_buffer_len
-        _check(buffer is None or buffer <= self.rollout.max_new_tokens, "algorithm.overlong_buffer_len",
-               f"{buffer} is longer than rollout.max_new_tokens={self.rollout.max_new_tokens}; use at most that (or null)")
+        validate_runtime(self, world_size)
 
 
-def _schema_error(err: OmegaConfBaseException) -> ValueError:
-    key = getattr(err, "full_key", None) or ""
-    # The first line: OmegaConf's own detail lines (full_key, reference_type, object_type) repeat the key.
-    msg = str(err.msg if hasattr(err, "msg") else err).strip().splitlines()[0]
-    if "is not a ListConfig" in msg:
-        msg += f"; a list is written in brackets: {key}=[a,b] (or {key}=[] for none)"
-    elif msg.startswith("Incompatible value 'None'"):
-        msg += f"; `{key}=` with nothing after it is null: give a value"
-    return ValueError(f"config key '{key}': {msg}")
+def __getattr__(name: str) -> Any:
+    # load_config and save_config live in config_load.py; the public path is `from hybrid_rl import load_config`.
+    # This forward only carries the test files being split by subject (issue 26) that still import them from
+    # here; drop it once `grep -rn "hybrid_rl.config import.*_config" tests hybrid_rl` finds nothing.
+    if name in ("load_config", "save_config"):
+        from hybrid_rl import config_load
 
-
-def _with_preset(layer: Any) -> list:
-    """A layer that names `algorithm.preset` gets the preset's keys right below it.
-
-    So the preset beats the layers before it (the schema, a YAML under a command-line
-    preset) and every key written in the same layer or a later one beats the preset.
-    """
-    name = OmegaConf.select(layer, "algorithm.preset", default=None)
-    if not name:
-        return [layer]
-    from hybrid_rl.algorithms.presets import preset_values
-
-    try:
-        values = preset_values(name)
-    except (ValueError, TypeError) as err:
-        raise ValueError(f"config key 'algorithm.preset': {err}") from None
-    return [OmegaConf.create({"algorithm": values}), layer]
-
-
-def load_config(yaml_path: Optional[str] = None, overrides: Sequence[str] = (), base: Optional[Config] = None) -> Config:
-    """Build a validated `Config` from (base dataclass) <- YAML <- `key.sub=value` overrides.
-
-    `algorithm.preset=NAME` in the YAML or the overrides expands, in that layer, to the
-    preset's algorithm keys (hybrid_rl/algorithms/presets.py); explicit keys in the same or a
-    later layer override them. A `base` config counts as already resolved: its preset is
-    not expanded again.
-    """
-    if isinstance(overrides, str):
-        raise TypeError(f"load_config: overrides is a list of 'key.sub=value' strings; got the string {overrides!r}: "
-                        f"pass [{overrides!r}]")
-    try:
-        schema = OmegaConf.structured(base if base is not None else Config)
-        layers = [schema]
-        if yaml_path:
-            if not os.path.isfile(yaml_path):
-                raise FileNotFoundError(f"config file {yaml_path!r} does not exist")
-            layers += _with_preset(OmegaConf.load(yaml_path))
-        bad = [o for o in overrides if "=" not in o]
-        if bad:
-            raise ValueError(f"command-line override {bad[0]!r} is not of the form key.sub=value")
-        layers += _with_preset(OmegaConf.from_dotlist(list(overrides)))
-        merged = OmegaConf.merge(*layers)
-        return OmegaConf.to_object(merged)  # runs every __post_init__
-    except OmegaConfBaseException as err:
-        raise _schema_error(err) from None
-
-
-def save_config(cfg: Config, path: str) -> None:
-    """Write the resolved config as YAML (the run directory's record of what ran)."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        f.write(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        return getattr(config_load, name)
+    raise AttributeError(f"module 'hybrid_rl.config' has no attribute {name!r}")

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict as to_dict
+from dataclasses import dataclass, field
+from typing import Literal, get_args, get_type_hints
 
 import pytest
 import yaml
 
 from hybrid_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from hybrid_rl.algorithms.aggregation import LOSS_AGG_MODES
-from hybrid_rl.config import Config, RolloutConfig, load_config, save_config
+from hybrid_rl.config import Config, RolloutConfig
+from hybrid_rl.config_load import load_config, save_config
 
 
 def _write(path, text):
@@ -315,3 +318,98 @@ def test_list_and_empty_value_errors_say_how_to_write_them():
         load_config(None, ["trainer.loggers=console"])
     with pytest.raises(ValueError, match=r"'model.path'.*nothing after it is null"):
         load_config(None, ["model.path="])
+
+
+# ---------------------------------------------------------------------------- choices (Literal keys)
+def _choice_keys():
+    """(section, field, allowed values, is a list) for every Literal / list[Literal] key of the schema."""
+    out = []
+    for section, cls in get_type_hints(Config).items():
+        for name, annotation in get_type_hints(cls).items():
+            is_list = getattr(annotation, "__origin__", None) is list
+            inner = get_args(annotation)[0] if is_list else annotation
+            if getattr(inner, "__origin__", None) is Literal:
+                out.append((section, name, get_args(inner), is_list))
+    return out
+
+
+def test_the_schema_has_its_choice_keys():
+    keys = {f"{s}.{n}" for s, n, _, _ in _choice_keys()}
+    assert {"model.dtype", "data.task", "rollout.engine", "algorithm.advantage", "algorithm.loss_agg",
+            "algorithm.kl_placement", "optim.lr_schedule", "trainer.device", "trainer.loggers"} <= keys
+    # Registries a user extends at run time stay strings.
+    assert "reward.name" not in keys and "reward.fn" not in keys
+
+
+@pytest.mark.parametrize("section,name,choices,is_list", _choice_keys(), ids=lambda v: v if isinstance(v, str) else "")
+def test_a_value_outside_the_annotation_is_refused_with_the_choices(section, name, choices, is_list):
+    """Mutation: check_choices skipped (a no-op) -> the dataclass accepts 'bogus'; the Literal rewrite in
+    config_load._schema_error dropped -> OmegaConf's own message, keyed trainer.loggers[1]."""
+    bad = ["bogus"] if is_list else "bogus"
+    cls = get_type_hints(Config)[section]
+    with pytest.raises(ValueError) as direct:
+        cls(**{name: bad})
+    text = "[bogus]" if is_list else "bogus"
+    with pytest.raises(ValueError) as loaded:
+        load_config(None, [f"{section}.{name}={text}"])
+    assert str(direct.value) == f"config key '{section}.{name}': got 'bogus', expected one of {list(choices)}"
+    # A preset name is looked up while merging (presets.preset_values words it); every other key reads as above.
+    msg = str(loaded.value)
+    assert msg.startswith(f"config key '{section}.{name}': ") and "'bogus'" in msg
+    assert all(repr(c) in msg for c in choices if c), msg
+    assert name == "preset" or msg == str(direct.value)
+
+
+@pytest.mark.parametrize("section,name,choices,is_list", _choice_keys(), ids=lambda v: v if isinstance(v, str) else "")
+def test_every_value_of_the_annotation_is_accepted(section, name, choices, is_list):
+    for choice in choices:
+        value = f"['{choice}']" if is_list else f"'{choice}'"  # quoted: preset '' is none, a bare `key=` is null
+        cfg = load_config(None, [f"{section}.{name}={value}", "data.path=rows.jsonl"])
+        assert getattr(getattr(cfg, section), name) == ([choice] if is_list else choice)
+
+
+def test_a_choice_added_to_the_annotation_needs_no_other_change():
+    """The check reads the annotation: a new choice is accepted as soon as the Literal names it."""
+    from hybrid_rl.config_checks import check_choices
+
+    @dataclass
+    class Old:
+        mode: Literal["a", "b"] = "a"
+        tags: list[Literal["x"]] = field(default_factory=list)
+
+        def __post_init__(self):
+            check_choices(self, "toy")
+
+    @dataclass
+    class New:  # the same section, one choice added to each annotation and nothing else
+        mode: Literal["a", "b", "c"] = "a"
+        tags: list[Literal["x", "y"]] = field(default_factory=list)
+
+        def __post_init__(self):
+            check_choices(self, "toy")
+
+    with pytest.raises(ValueError, match=r"^config key 'toy.mode': got 'c', expected one of \['a', 'b'\]$"):
+        Old(mode="c")
+    with pytest.raises(ValueError, match=r"^config key 'toy.tags': got 'y', expected one of \['x'\]$"):
+        Old(tags=["x", "y"])
+    assert New(mode="c", tags=["x", "y"]).mode == "c"
+
+
+def test_choices_agree_with_the_tables_they_name():
+    """The algorithm and engine Literals are written out in config.py (importable without torch, readable by a
+    type checker); the tables that implement the names are the other half. Mutation: a name added to one only."""
+    from hybrid_rl import config
+    from hybrid_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS
+    from hybrid_rl.algorithms.correction import CORRECTION_MODES
+    from hybrid_rl.algorithms.kl import KL_ESTIMATORS
+    from hybrid_rl.algorithms.losses import POLICY_LOSSES
+    from hybrid_rl.algorithms.presets import PRESETS
+    from hybrid_rl.rollout import base
+
+    assert set(get_args(config.Preset)) == {"", *PRESETS}
+    assert set(get_args(config.AdvantageName)) == set(ADVANTAGE_ESTIMATORS)
+    assert set(get_args(config.PolicyLoss)) == set(POLICY_LOSSES)
+    assert get_args(config.LossAgg) == tuple(LOSS_AGG_MODES)
+    assert get_args(config.KLEstimator) == tuple(KL_ESTIMATORS)
+    assert get_args(config.Correction) == tuple(CORRECTION_MODES)
+    assert set(get_args(config.Engine)) == set(base._ENGINES)

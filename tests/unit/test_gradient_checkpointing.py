@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_rl.config import load_config
+from hybrid_rl.config_load import load_config
 from hybrid_rl.memory_plan import ModelArch, activation_estimate, activation_parts
 from hybrid_rl.models.fsdp import prepare_policy
 from hybrid_rl.models.loading import decoder_layers

@@ -60,7 +60,7 @@ def test_freed_blocks_stay_in_the_heap_for_the_next_step():
 
 def test_the_trainer_keeps_host_memory_on_cpu_unless_told_not_to(monkeypatch, tmp_path):
     from hybrid_rl import trainer as trainer_module
-    from hybrid_rl.config import load_config
+    from hybrid_rl.config_load import load_config
 
     calls = []
     monkeypatch.setattr(trainer_module, "keep_freed_blocks", lambda: calls.append(1) or True)

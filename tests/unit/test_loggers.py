@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from hybrid_rl.config import load_config
+from hybrid_rl.config_load import load_config
 from hybrid_rl.loggers import ConsoleLogger, JsonlLogger, build_loggers, check_loggers, interactive
 from hybrid_rl.metrics import format_val_line
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from hybrid_rl.config import load_config
+from hybrid_rl.config_load import load_config
 from hybrid_rl.lr_schedule import lr_factor, optimizer_steps
 from hybrid_rl.trainer import Trainer
 

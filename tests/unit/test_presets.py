@@ -13,7 +13,8 @@ import pytest
 from hybrid_rl.algorithms.correction import CORRECTION_MODES
 from hybrid_rl.algorithms.losses import POLICY_LOSSES
 from hybrid_rl.algorithms.presets import LOSS_CLIP_DEFAULTS, PRESETS, preset_values
-from hybrid_rl.config import AlgorithmConfig, load_config, save_config
+from hybrid_rl.config import AlgorithmConfig
+from hybrid_rl.config_load import load_config, save_config
 
 FIELDS = {f.name for f in dataclasses.fields(AlgorithmConfig)}
 EXPECTED = {  # the published settings, restated independently of presets.py

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from hybrid_rl.config import load_config
+from hybrid_rl.config_load import load_config
 from hybrid_rl.models.loading import model_eos_ids
 from hybrid_rl.trainer import Trainer
 
