@@ -48,6 +48,7 @@ import torch
 
 from hybrid_rl.models.logprobs import left_pad, position_ids
 from hybrid_rl.rollout.base import Completion, SamplingParams
+from hybrid_rl.rollout.decode_loop import to_completions
 from hybrid_rl.rollout.native import NativeEngine, check_every, filter_logits
 from phase_swap import hardware, sync  # run as a script: benchmarks/ is on sys.path
 import vllm_bench
@@ -148,8 +149,7 @@ def legacy_generate(model, prompts: list[list[int]], sp: SamplingParams, pad_id:
         logits = model(input_ids=toks[-1][:, None], attention_mask=attn, position_ids=next_pos,
                        past_key_values=cache, use_cache=True).logits[:, -1]
         next_pos = next_pos + 1
-    engine = NativeEngine(model, pad_id, eos_id)
-    return engine._to_completions(torch.stack(toks, 1), torch.stack(lps, 1), stop_ids)
+    return to_completions(torch.stack(toks, 1), torch.stack(lps, 1), stop_ids)
 
 
 def useful_bytes(model, comps: list[Completion], prompt_lens: list[int], elem: int) -> tuple[int, int]:

@@ -20,7 +20,7 @@ I intermediate, H heads, K kv heads, d head_dim, V vocab, L layers):
                    (the lean step's fp32 scores, biased scores and softmax over S slots, one
                    layer's MLP and projections, the logits)
   graph pools      R * 2*V*b  with CUDA graphs (the step above stays reserved in the pool, and
-                   every bucket's logits output is kept: buckets halve, so they sum to < 2R rows)
+                   every graph size's logits output is kept: graph sizes halve, so they sum to < 2R rows)
   bookkeeping      R * (K*S*d*b + 12T + S)  (a compaction's gather of one layer's rows,
                    tokens int64 + logprobs fp32, the bool attention mask)
 

@@ -1,4 +1,4 @@
-"""The native engine's decode step replayed as a CUDA graph, one graph per live-batch size.
+"""The native engine's decode step replayed as CUDA graphs, one per graph size (live rows padded to a power of two).
 
 A decode step of a small batch is mostly kernel-launch latency: one token through
 every layer is hundreds of small kernels. Capturing the step once per batch size and
@@ -14,10 +14,11 @@ all-gather streams wait on the current stream, which inside a capture would fork
 captured stream onto streams that never rejoin it, so capturing the model's forward
 fails on every batch.
 
-Each bucket is captured the first time it is used, after one eager run of the same
+Each graph size is captured the first time it is used, after one eager run of the same
 step (the warm-up the capture needs, on a side stream), and the replay is checked
-against that eager result once; any failure raises, and the engine falls back to
-eager decoding after `close()`.
+against that eager result once; any failure raises out of the token loop
+(`decode_path.GraphStep` calls `close()` first), and the engine decodes that batch again,
+eagerly, from its prefill.
 
 A failed capture is cleaned up here (`_abandon`), because torch leaves two things behind
 when `capture_end` raises at `cudaStreamEndCapture` (an invalidated capture: a host sync in
@@ -27,14 +28,14 @@ allocator's `captures_underway` for good; every later `torch.cuda.empty_cache()`
 its `captures_underway.empty()` assertion (the engine's release, the next capture's
 `graph.__enter__`) and an OOM retry frees no cached blocks. The graph's own reset releases
 the pool only for a capture that ended. So the pool is ours (`graph_pool_handle`, shared by
-every bucket, all captured on one stream of ours): after a failure the stream is put back,
+every graph size, all captured on one stream of ours): after a failure the stream is put back,
 the allocation to the pool is ended and the failed graph's hold on it dropped. `close()`
 drops every graph (the pool's last holders) and refuses to go on if our capture stream
 still captures. (The pinned host allocator keeps its own record of the capture, which torch
 exposes no call to end; its filter never matches a stream again, so it costs a lookup per
 pinned allocation, nothing more.) Imported only when graphs are asked for.
 
-Legend: N rows allocated, M rows live (a bucket size), S cache slots, V vocab.
+Legend: N rows allocated, M rows live (a graph size: `decode_loop.graph_size`), S cache slots, V vocab.
 """
 from __future__ import annotations
 
@@ -47,12 +48,12 @@ from hybrid_rl.rollout.lean_step import LeanStep
 
 
 class DecodeGraphs:
-    """Captures and replays `model`'s one-token forward over `cache` for each live-batch size M."""
+    """Captures and replays `model`'s one-token forward over `cache` for each graph size M (the live rows, padded)."""
 
     def __init__(self, model: torch.nn.Module, cache: StaticKVCache, device: torch.device, capture: bool = True,
                  lean: LeanStep | None = None):
         """capture=False runs the same fixed-shape step eagerly, on any device (tests of the
-        graph path's full-length cache, masks and batch buckets on CPU). lean: the step to
+        graph path's full-length cache, masks and graph sizes on CPU). lean: the step to
         capture, required (the model's forward is never captured)."""
         if capture and device.type != "cuda":
             raise RuntimeError(f"CUDA graphs need a CUDA device, the model is on {device}")
@@ -64,10 +65,10 @@ class DecodeGraphs:
         self.pos_N1 = torch.zeros((N, 1), dtype=torch.long, device=device)
         self.mask_NS = torch.zeros((N, S), dtype=torch.bool, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = None  # one memory pool shared by every bucket's graph (made at the first capture)
+        self.pool = None  # one memory pool shared by every graph size's graph (made at the first capture)
         self.capture = capture
         self.capture_stream = torch.cuda.Stream(device) if capture else None  # every capture's (the pool's) stream
-        self.capture_s = 0.0  # host seconds spent capturing (warm-up, capture, check), all buckets
+        self.capture_s = 0.0  # host seconds spent capturing (warm-up, capture, check), all graph sizes
 
     def step(self, ids_M1: torch.Tensor, pos_M1: torch.Tensor, mask_MS: torch.Tensor) -> torch.Tensor:
         """logits_MV of the next token. The result is a graph output: read it before the next step."""
@@ -112,7 +113,7 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         logits_MV = self._record(graph, M)
         graph.replay()
-        # One host sync per bucket: a capture that recorded the wrong thing (a hook that
+        # One host sync per graph size: a capture that recorded the wrong thing (a hook that
         # ran only at capture time, a stale address) must not decode silently.
         err = (logits_MV.float() - eager_MV.float()).abs().max()
         if not bool(err <= 1e-3 * (1.0 + eager_MV.float().abs().max())):

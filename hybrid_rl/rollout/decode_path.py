@@ -1,5 +1,12 @@
 """How the native engine decodes, decided in one place: CUDA graphs, the lean step, or the model's forward
-(and which mask that forward gets), plus the device memory a rollout may plan with.
+(and which mask that forward gets), each path's step function, and the device memory a rollout may plan with.
+
+The engine chooses the path once per rollout (`choose_decode_path`) and builds that path's step
+(`ForwardStep`, `LeanDecodeStep`, `GraphStep`) once per batch, over the batch's cache; the token
+loop calls only that step. Nothing inside the loop picks a path, falls back or retries: a CUDA
+graph that fails raises `GraphDecodeFailed` out of the loop, and the engine decodes that batch
+again from its prefill through the lean step (and the rest of its rollouts, graphs off for good),
+so every completion comes from one path.
 
 CUDA graphs capture only the lean step (`lean_step.py`). The generic Hugging Face forward
 is never captured: under FSDP2 its module hooks make the all-gather streams wait on the
@@ -16,7 +23,7 @@ own mask builder, which is what flash-attention's varlen path reads.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 MASK_4D_IMPLEMENTATIONS = ("sdpa", "eager")  # attention functions that accept a ready boolean 4-D mask
 
@@ -66,6 +73,64 @@ def choose_decode_path(device_type: str, cuda_graphs: Optional[bool], lean_step:
         note = (f"CUDA graphs off: they capture only the lean decode step, which does not run here ({why}); "
                 "decoding with the model's forward, eagerly")
     return DecodePath("lean" if lean else "forward", mask_4d, note)
+
+
+class GraphDecodeFailed(RuntimeError):
+    """A CUDA graph's capture or replay failed during a batch (its graphs are already dropped)."""
+
+
+class ForwardStep:
+    """One token through the model's own forward (any model): logits_MV from ids_M1, pos_M1 and the
+    attention mask attn_MS over all S slots, of which the first P + t + 1 are read at token t."""
+
+    fixed_shape = False  # the live batch shrinks to exactly the unfinished rows
+    capture_s = 0.0
+
+    def __init__(self, model: Any, cache: Any, P: int, mask_4d: bool):
+        self.model, self.cache, self.P, self.mask_4d = model, cache, P, mask_4d
+
+    def __call__(self, ids_M1, pos_M1, attn_MS, t: int):
+        live_MS = attn_MS[:, :self.P + t + 1]
+        # Only sdpa and eager take a ready 4-D mask; flash-attention gets the 2-D one (module docstring).
+        mask = live_MS[:, None, None, :] if self.mask_4d else live_MS
+        return self.model(input_ids=ids_M1, attention_mask=mask, position_ids=pos_M1, past_key_values=self.cache,
+                          use_cache=True).logits[:, -1]
+
+
+class LeanDecodeStep:
+    """One token through the lean step (`lean_step.LeanStep`), eagerly; same arguments as `ForwardStep`."""
+
+    fixed_shape = False
+    capture_s = 0.0
+
+    def __init__(self, lean: Any, cache: Any, P: int):
+        self.lean, self.cache, self.P = lean, cache, P
+
+    def __call__(self, ids_M1, pos_M1, attn_MS, t: int):
+        return self.lean(ids_M1, pos_M1, attn_MS[:, :self.P + t + 1], self.cache)
+
+
+class GraphStep:
+    """One token through `decode_graph.DecodeGraphs` (the lean step captured per graph size) over a
+    full-length cache; same arguments as `ForwardStep`. A failure drops the graphs and raises
+    `GraphDecodeFailed`: the loop never continues on another path."""
+
+    fixed_shape = True  # every slot is read, and the live batch shrinks only to graph sizes
+
+    def __init__(self, graphs: Any):
+        self.graphs = graphs
+
+    @property
+    def capture_s(self) -> float:
+        return self.graphs.capture_s
+
+    def __call__(self, ids_M1, pos_M1, attn_MS, t: int):
+        try:
+            return self.graphs.step(ids_M1, pos_M1, attn_MS)
+        except Exception as err:  # a capture can still fail (an op that syncs, an unsupported kernel)
+            # close() raises, instead, if a capture is left open: then nothing may allocate.
+            self.graphs.close()
+            raise GraphDecodeFailed(f"{type(err).__name__}: {err}") from err
 
 
 def device_free_bytes(device) -> Optional[int]:

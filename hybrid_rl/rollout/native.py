@@ -6,9 +6,11 @@ collectives), `release(["weights"])` frees the gathered copy. This is the
 zero-copy limit other engines are measured against, and it runs on CPU.
 
 Decoding (`_generate_batch`) keeps the work proportional to the live rows:
+* the decode path (CUDA graph, lean step or the model's forward) is chosen once per rollout, and the
+  token loop calls that path's step only (`decode_path.py`; a failed graph re-decodes its batch eagerly);
 * a prompt repeated in the batch (its G samples) is prefilled once and its cache rows copied;
 * the KV cache is allocated once per batch at its final size (`kv_cache.StaticKVCache`);
-* the loop never waits for the device except every `stop_check_every` tokens (on CUDA;
+* the token loop (`decode_loop.py`) never waits for the device except every `stop_check_every` tokens (on CUDA;
   on CPU there is nothing to wait for, so it checks every token), where
   it asks which rows are still alive; tokens a row samples after its stop are
   replaced by pad on the device, so checking late changes no output;
@@ -19,8 +21,8 @@ Decoding (`_generate_batch`) keeps the work proportional to the live rows:
   batch), and computes one log-sum-exp per row for the logprob;
 * the one-token step skips transformers' generic forward for the Llama family
   (`lean_step.py`: the model's own modules, attention written out, no mask building);
-* on CUDA the lean step is replayed as a CUDA graph (`decode_graph.py`), one per
-  live-batch size (a power of two), falling back to eager decoding if capture fails; a
+* on CUDA the lean step is replayed as a CUDA graph (`decode_graph.py`), one per graph size
+  (the live batch padded to a power of two); a failed capture turns graphs off for the engine; a
   model without the lean step is never captured (`decode_path.py`).
 
 Memory: on CUDA a decode batch holds at most the rows whose KV cache and working set fit
@@ -36,6 +38,7 @@ Legend: N sequences, M sequences still in the decode batch, P prompt tokens
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
@@ -46,27 +49,13 @@ from hybrid_rl.models.fsdp import fsdp_modules, gather_full_weights, release_ful
 from hybrid_rl.models.loading import attention_implementation, model_config
 from hybrid_rl.models.logprobs import left_pad, position_ids
 from hybrid_rl.rollout.base import Completion, SamplingParams, check_tags
-from hybrid_rl.rollout.decode_path import (DecodePath, base_attention, check_graph_request, choose_decode_path,
-                                           device_free_bytes)
+from hybrid_rl.rollout.decode_loop import Prefilled, check_every, decode, to_completions
+from hybrid_rl.rollout.decode_path import (DecodePath, ForwardStep, GraphDecodeFailed, GraphStep, LeanDecodeStep,
+                                           base_attention, check_graph_request, choose_decode_path, device_free_bytes)
 from hybrid_rl.rollout.kv_cache import StaticKVCache
 from hybrid_rl.rollout.lean_step import LeanStep, all_full_attention, unsupported_reason
 from hybrid_rl.rollout.sampler import _draw, filter_logits, sample_tokens  # noqa: F401  (re-exported: tests and benchmarks import them from here)
 
-
-
-def _alive_rows(done_M: torch.Tensor) -> torch.Tensor:
-    """Indices of the rows not finished: the decode loop's only host synchronisation."""
-    return torch.nonzero(~done_M).squeeze(1)
-
-
-def check_every(requested: int | None, device_type: str) -> int:
-    """Tokens between stop checks: as requested, else 8 on CUDA (a check waits for the device), else 1."""
-    return requested or (8 if device_type == "cuda" else 1)
-
-
-def _bucket(n: int) -> int:
-    """The CUDA-graph batch size for n live rows: the next power of two."""
-    return 1 << (n - 1).bit_length()
 
 
 class NativeEngine:
@@ -110,12 +99,12 @@ class NativeEngine:
         self._notes_logged: set[str] = set()
         self.last_batch_rows = 0  # rows of the last generate call's decode batches (its cap)
         self.last_prefill_rows = 0  # prompts per prefill forward in the last generate call
-        self.last_decode_path = ""  # how the last batch decoded: "cuda_graph", "lean" or "forward"
+        self.last_decode_path = ""  # how the last batch decoded, all of it: "cuda_graph", "lean" or "forward"
         self._sharded = bool(fsdp_modules(model))
         self._weights_ready = not self._sharded
         self._kv_ready = True
         self.last_kv_bytes = 0  # KV cache size of the last generate call (the largest batch's)
-        self.last_graph_error: str | None = None  # why the last CUDA-graph capture fell back, if it did
+        self.last_graph_error: str | None = None  # why CUDA graphs were not used, if asked for or failed
         self._graphs_failed = False  # a capture failed: no more attempts on this engine
         self.last_capture_s = 0.0  # seconds the last generate call spent capturing CUDA graphs
         # Gathered (unsharded) weights are an extra full copy only when the module is sharded;
@@ -191,7 +180,7 @@ class NativeEngine:
         if not prompt_ids:  # a rank with no rows this round (an uneven validation split)
             return []
         dev, N, T = self._device(), len(prompt_ids), params.max_new_tokens
-        path = self._decode_path(dev)
+        path = self._decode_path(dev)  # once per rollout: the token loop never chooses
         rows, prefill_rows = self._batch_limits(prompt_ids, params, dev, path)
         gen = torch.Generator(device=dev).manual_seed(params.seed)
         # One uniform per (sequence, step), drawn before any batching: a sequence samples the same
@@ -201,9 +190,25 @@ class NativeEngine:
         self.last_batch_rows, self.last_prefill_rows = rows, prefill_rows
         out: list[Completion] = []
         for start in range(0, N, rows):
-            u = None if u_NT is None else u_NT[start:start + rows]
-            out += self._generate_batch(prompt_ids[start:start + rows], params, u, path, prefill_rows)
+            batch, u = prompt_ids[start:start + rows], None if u_NT is None else u_NT[start:start + rows]
+            done = self._try_batch(batch, params, u, path, prefill_rows)
+            if done is None:  # its CUDA graphs failed: this batch again, and the rest, through the lean step
+                path = replace(path, name="lean")
+                done = self._generate_batch(batch, params, u, path, prefill_rows)
+            out += done
         return out
+
+    def _try_batch(self, prompts: list[list[int]], sp: SamplingParams, u_NT: torch.Tensor | None,
+                   path: DecodePath, prefill_rows: int) -> list[Completion] | None:
+        """The batch's completions, or None when its CUDA graphs failed (said once; graphs stay off on this
+        engine). Returning, not retrying here, frees the failed batch's cache (the error's frames hold it)."""
+        try:
+            return self._generate_batch(prompts, sp, u_NT, path, prefill_rows)
+        except GraphDecodeFailed as err:
+            self.last_graph_error, self._graphs_failed = str(err), True
+            warnings.warn(f"CUDA-graph decode failed, decoding eagerly from now on (this batch again, from its "
+                          f"prefill): {self.last_graph_error}")
+            return None
 
     def _device(self) -> torch.device:
         return next(iter(self.model.parameters())).device
@@ -214,10 +219,19 @@ class NativeEngine:
             warnings.warn(note)
 
     def _decode_path(self, dev: torch.device) -> DecodePath:
+        """The rollout's decode path; a flag asked for and not honoured is said here, not per batch or token."""
         path = choose_decode_path(dev.type, self.cuda_graphs, self.lean_step, unsupported_reason(self.model),
                                   all_full_attention(self.model), attention_implementation(self.model))
         if path.note:
             self._log_once(path.note)
+        if self.cuda_graphs and dev.type != "cuda":
+            self.last_graph_error = f"CUDA graphs need a CUDA device, the model is on {dev}"
+            warnings.warn(f"cuda_graphs=True ignored: {self.last_graph_error}")
+        if self.lean_step and path.name == "forward":
+            self._log_once(f"lean_step=True ignored: {unsupported_reason(self.model)}; "
+                           "decoding with the model's forward")
+        if path.name == "cuda_graph" and self._graphs_failed:  # a capture failed on this engine: no more attempts
+            return replace(path, name="lean")
         return path
 
     def _batch_limits(self, prompts: list[list[int]], sp: SamplingParams, dev: torch.device,
@@ -244,19 +258,19 @@ class NativeEngine:
                 "(offload.optimizer=true, offload.ref=true) or shorten data.max_prompt_tokens / rollout.max_new_tokens")
         return budget.rows, budget.prefill_rows
 
-    def _start_graphs(self, cache: StaticKVCache, dev: torch.device, path: DecodePath, lean: LeanStep | None):
-        """DecodeGraphs capturing the lean step over `cache`, or None: not the graph path, a capture
-        already failed on this engine, or asked for off CUDA (then a warning, the reason in
-        last_graph_error, and eager decoding)."""
-        if self.cuda_graphs and dev.type != "cuda":
-            self.last_graph_error = f"CUDA graphs need a CUDA device, the model is on {dev}"
-            warnings.warn(f"cuda_graphs=True ignored: {self.last_graph_error}")
-            return None
-        if self._graphs_failed or path.name != "cuda_graph" or lean is None:
-            return None
+    def _decode_step(self, path: DecodePath, cache: StaticKVCache, dev: torch.device, P: int):
+        """The batch's step function on the rollout's `path` (decode_path.py), over its prefilled `cache`."""
+        if path.name == "forward":
+            return ForwardStep(self.model, cache, P, path.mask_4d)
+        lean = LeanStep(self.model)
+        if path.name == "lean":
+            return LeanDecodeStep(lean, cache, P)
+        cache.set_full_length(True, dev)
+        return GraphStep(self._new_graphs(cache, dev, lean))
+
+    def _new_graphs(self, cache: StaticKVCache, dev: torch.device, lean: LeanStep):
         from hybrid_rl.rollout.decode_graph import DecodeGraphs
 
-        cache.set_full_length(True, dev)
         return DecodeGraphs(self.model, cache, dev, lean=lean)
 
     def _prefill(self, ids_UP: torch.Tensor, attn_UP: torch.Tensor, pos_UP: torch.Tensor, cache: StaticKVCache,
@@ -275,17 +289,31 @@ class NativeEngine:
 
     def _generate_batch(self, prompts: list[list[int]], sp: SamplingParams, u_NT: torch.Tensor | None,
                         path: DecodePath, prefill_rows: int) -> list[Completion]:
+        """Completions of one decode batch: prefill, build `path`'s step, run the token loop with it."""
         dev = self._device()
-        # A prompt's G samples share its prefill: the unique prompts run once, then their rows of the
-        # cache, logits and masks are copied to every sample (src_N: the unique prompt of each row).
+        stop_K = torch.tensor(sorted({self.eos_id, *sp.stop_token_ids}), device=dev)
+        batch = self._prefill_batch(prompts, sp.max_new_tokens, dev, prefill_rows)
+        step = self._decode_step(path, batch.cache, dev, batch.P)
+        every = check_every(self.stop_check_every, dev.type)
+        try:
+            toks_NT, lps_NT = decode(batch, step, sp, u_NT, stop_K, self.pad_id, every)
+        finally:
+            self.last_capture_s += step.capture_s
+        self.last_kv_bytes = max(self.last_kv_bytes, batch.cache.nbytes())
+        self.last_decode_path = path.name
+        del batch, step  # the cache (and any graphs) before the host copies
+        return to_completions(toks_NT, lps_NT, stop_K)
+
+    def _prefill_batch(self, prompts: list[list[int]], T: int, dev: torch.device, prefill_rows: int) -> Prefilled:
+        """The cache allocated at its final size and filled with the prompts.
+
+        A prompt's G samples share its prefill: the unique prompts run once, then their rows of the
+        cache, logits and masks are copied to every sample (src_N: the unique prompt of each row)."""
         first: dict[tuple[int, ...], int] = {}
         src = [first.setdefault(tuple(p), len(first)) for p in prompts]
-        unique = [list(p) for p in first]
-        ids_UP, attn_UP = left_pad(unique, self.pad_id, dev)
-        N, (U, P) = len(prompts), ids_UP.shape
+        ids_UP, attn_UP = left_pad([list(p) for p in first], self.pad_id, dev)
+        N, P = len(prompts), ids_UP.shape[1]
         src_N = torch.tensor(src, device=dev)
-        T = sp.max_new_tokens
-        stop_K = torch.tensor(sorted({self.eos_id, *sp.stop_token_ids}), device=dev)
         cache = StaticKVCache(N, P + T - 1)
         # True = a slot the next forward may attend to: the prompt's real tokens, then each
         # fed-back token (finished rows included: their outputs are discarded anyway).
@@ -294,100 +322,4 @@ class NativeEngine:
         pos_UP = position_ids(attn_UP)
         logits_UV = self._prefill(ids_UP, attn_UP, pos_UP, cache, prefill_rows)
         cache.expand_rows(src_N)
-        logits_MV, pos_NP = logits_UV[src_N], pos_UP[src_N]
-        del logits_UV
-        pos_M1 = pos_NP[:, -1:] + 1
-        lean = self._start_lean(path)
-        graphs = self._start_graphs(cache, dev, path, lean)
-        started_graphs = graphs
-        every = check_every(self.stop_check_every, dev.type)
-
-        toks_NT = torch.full((N, T), self.pad_id, dtype=torch.long, device=dev)
-        lps_NT = torch.zeros((N, T), dtype=torch.float32, device=dev)
-        rows_M = torch.arange(N, device=dev)  # original row of each live row
-        done_M = torch.zeros(N, dtype=torch.bool, device=dev)
-        for t in range(T):
-            tok_M, lp_M = sample_tokens(logits_MV, sp, None if u_NT is None else u_NT[rows_M, t].unsqueeze(1))
-            tok_M = torch.where(done_M, self.pad_id, tok_M)
-            toks_NT[rows_M, t] = tok_M
-            lps_NT[rows_M, t] = lp_M
-            done_M = done_M | torch.isin(tok_M, stop_K)
-            if t == T - 1:
-                break
-            if (t + 1) % every == 0:
-                alive_A = _alive_rows(done_M)
-                if alive_A.numel() == 0:
-                    break
-                keep = self._rows_to_keep(alive_A, done_M, graphs is not None)
-                if keep is not None:
-                    cache.keep_rows(keep)
-                    attn_NS[:keep.numel()] = attn_NS[keep]
-                    rows_M, done_M, pos_M1, tok_M = rows_M[keep], done_M[keep], pos_M1[keep], tok_M[keep]
-            M = rows_M.numel()
-            attn_NS[:M, P + t] = True
-            if graphs is not None:
-                try:
-                    logits_MV = graphs.step(tok_M[:, None], pos_M1, attn_NS[:M])
-                except Exception as err:  # a capture can still fail (an op that syncs, an unsupported kernel)
-                    # The same step would fail again: this engine decodes eagerly through the lean
-                    # step from now on, without retrying. close() checks no capture is left open.
-                    self.last_graph_error = f"{type(err).__name__}: {err}"
-                    self._graphs_failed = True
-                    warnings.warn(f"CUDA-graph decode failed, decoding eagerly from now on: {self.last_graph_error}")
-                    graphs.close()
-                    graphs = None
-                    cache.set_full_length(False)
-            if graphs is None and lean is not None:
-                logits_MV = lean(tok_M[:, None], pos_M1, attn_NS[:M, :P + t + 1], cache)
-            elif graphs is None:
-                # Only sdpa and eager take a ready 4-D mask; flash-attention gets the 2-D one (decode_path.py).
-                mask = attn_NS[:M, None, None, :P + t + 1] if path.mask_4d else attn_NS[:M, :P + t + 1]
-                logits_MV = self.model(input_ids=tok_M[:, None], attention_mask=mask,
-                                       position_ids=pos_M1, past_key_values=cache, use_cache=True).logits[:, -1]
-            cache.advance(1)
-            pos_M1 = pos_M1 + 1
-        self.last_kv_bytes = max(self.last_kv_bytes, cache.nbytes())
-        self.last_capture_s += getattr(started_graphs, "capture_s", 0.0)
-        self.last_decode_path = "cuda_graph" if graphs is not None else "lean" if lean is not None else "forward"
-        del cache, graphs, started_graphs
-        return self._to_completions(toks_NT, lps_NT, stop_K)
-
-    def _start_lean(self, path: DecodePath) -> LeanStep | None:
-        """The lean decode step, or None: off, or the model is not supported (asked for: a warning)."""
-        if path.name == "forward":
-            if self.lean_step:
-                self._log_once(f"lean_step=True ignored: {unsupported_reason(self.model)}; "
-                               "decoding with the model's forward")
-            return None
-        return LeanStep(self.model)
-
-    @staticmethod
-    def _rows_to_keep(alive_A: torch.Tensor, done_M: torch.Tensor, graphs: bool) -> torch.Tensor | None:
-        """Rows (indices into the M live rows) to keep after a stop check, or None to keep all.
-
-        Eager: drop the finished rows once they are at least 1/8 of the batch (a compaction
-        copies the live cache, about one decode step's KV reads). Graphs: shrink to the
-        next power of two, filled up with finished rows, so few graphs are ever captured.
-        """
-        M, A = done_M.numel(), alive_A.numel()
-        if graphs:
-            target = _bucket(A)
-            if target >= M:
-                return None
-            return torch.cat([alive_A, torch.nonzero(done_M).squeeze(1)[:target - A]])
-        if M - A < max(1, M // 8):
-            return None
-        return alive_A
-
-    def _to_completions(self, toks_NT: torch.Tensor, lps_NT: torch.Tensor, stop_ids: torch.Tensor) -> list[Completion]:
-        toks, lps = toks_NT.tolist(), lps_NT.tolist()
-        stops = set(stop_ids.tolist())
-        out = []
-        for row, lrow in zip(toks, lps):
-            n, reason = len(row), "length"
-            for j, tok in enumerate(row):
-                if tok in stops:
-                    n, reason = j + 1, "stop"
-                    break
-            out.append(Completion(token_ids=row[:n], logprobs=lrow[:n], finish_reason=reason))
-        return out
+        return Prefilled(cache, attn_NS, pos_UP[src_N][:, -1:] + 1, logits_UV[src_N], P)

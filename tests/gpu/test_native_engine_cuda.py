@@ -161,7 +161,7 @@ def test_a_failed_capture_falls_back_and_leaves_the_allocator_clean(model, monke
 
 
 def test_failed_captures_into_the_shared_pool_leave_empty_cache_working(model):
-    """Two ways a bucket's capture fails, in turn into the same pool (then the first again): the body raises
+    """Two ways a graph size's capture fails, in turn into the same pool (then the first again): the body raises
     without invalidating the capture (capture_end succeeds; the graph's reset releases the pool), and
     a host sync invalidates it (capture_end raises before ending the allocation; DecodeGraphs ends it).
     After each the stream is back and empty_cache() works; close() finds no capture open."""

@@ -153,7 +153,7 @@ def test_a_failed_capture_leaves_no_capture_underway_and_only_its_own_hold_dropp
     alloc, streams = fake_cuda
     g = graphs_over(streams, lambda M: torch.zeros(M, 3))
     made = [Graph(alloc) for _ in range(live)]
-    for i, good in enumerate(made):  # buckets already captured into the shared pool
+    for i, good in enumerate(made):  # graph sizes already captured into the shared pool
         g._record(good, 1 << i)
     g._forward = host_sync if fail == "host_sync" else (lambda M: torch.zeros(M, 3))
     bad = Graph(alloc, fail)

@@ -257,7 +257,7 @@ def test_native_rollout_bills_prefill_sampling_and_caps_the_batch_by_hand():
     kv_row = 2 * 28 * 4 * 128 * 2 * 1535  # S = 512 + 1024 - 1 slots
     dec_row = (152_064 * 10  # sampling: bf16 logits + fp32 copy + exp
                + 28 * 1535 * 14 + 152_064 * 2 + 8 * 3584 + 2 * (3 * 18944 + 6 * 3584 + 36 * 128)  # decode step
-               + 2 * 152_064 * 2  # graph pools: every bucket's logits
+               + 2 * 152_064 * 2  # graph pools: every graph size's logits
                + 4 * 1535 * 128 * 2 + 12 * 1024 + 1535)  # bookkeeping
     prefill_prompt = 512 * (2 * (3 * 18944 + 6 * 3584 + 36 * 128) + 8 * 3584) + 152_064 * 2
     rows = free // (kv_row + dec_row)

@@ -109,3 +109,57 @@ def test_flash_attention_decodes_through_the_forward_with_a_2d_mask(tiny_model_d
     ref = NativeEngine(sharp_model, PAD, EOS, lean_step=False).generate(PROMPTS, sp)
     assert seen and set(seen) <= {None, 2}, seen
     assert [c.token_ids for c in got] == [c.token_ids for c in ref]
+
+
+# ---------------------------------------------------------------------------- one step per rollout
+class Watched:
+    """A decode step, its calls counted and marked as running (`active`)."""
+
+    def __init__(self, step, active: list):
+        self.step, self.active, self.calls = step, active, 0
+
+    def __getattr__(self, name):
+        return getattr(self.step, name)
+
+    def __call__(self, *args):
+        self.calls += 1
+        self.active.append(self)
+        try:
+            return self.step(*args)
+        finally:
+            self.active.pop()
+
+
+@pytest.mark.parametrize("path", ["forward", "lean", "cuda_graph"])
+def test_the_decode_step_is_chosen_once_per_rollout(sharp_model, path, monkeypatch):
+    """Catches a decode path decided, or a step switched, inside the token loop: the path is chosen once
+    per rollout (two batches here), one step is built per batch, and after the prefill every forward and
+    lean-step call runs inside that step's own call, one call per decoded token."""
+    from hybrid_rl.rollout.lean_step import LeanStep
+    from tests.unit.test_native_engine_speedups import fixed_shape_engine
+
+    make = fixed_shape_engine if path == "cuda_graph" else (lambda m, **kw: NativeEngine(m, PAD, EOS, **kw))
+    eng = make(sharp_model, max_batch_size=2, lean_step=path != "forward")
+    active, chosen, steps, outside = [], [], [], []
+    real_path, real_step, real_lean = eng._decode_path, eng._decode_step, LeanStep.__call__
+    eng._decode_path = lambda dev: chosen.append(real_path(dev)) or chosen[-1]
+    eng._decode_step = lambda *a: steps.append(Watched(real_step(*a), active)) or steps[-1]
+
+    def lean_call(lean, *args):
+        outside.extend([] if active else ["lean"])
+        return real_lean(lean, *args)
+
+    def on_forward(module, args, kwargs):  # prompts of 2+ tokens: a 1-token input is a decode step
+        outside.extend([] if active or kwargs["input_ids"].shape[1] > 1 else ["forward"])
+
+    monkeypatch.setattr(LeanStep, "__call__", lean_call)
+    handle = sharp_model.register_forward_pre_hook(on_forward, with_kwargs=True)
+    try:
+        comps = eng.generate(PROMPTS, SamplingParams(max_new_tokens=6, seed=2))
+    finally:
+        handle.remove()
+    assert [p.name for p in chosen] == [path] and eng.last_decode_path == path
+    assert len(steps) == 2, "one step per batch"
+    assert outside == [], f"decode calls outside the rollout's step: {outside}"
+    longest = [max(len(c.token_ids) for c in comps[i:i + 2]) for i in (0, 2)]
+    assert [s.calls for s in steps] == [n - 1 for n in longest], "one step call per token after the first"

@@ -4,17 +4,18 @@ step, each still exact against the trainer's logprobs.
 
 Legend: N sequences, P prompt tokens (left-padded), T new tokens, S = P + T - 1 cache slots.
 The CUDA-graph capture itself needs a GPU (tests/gpu); here its fixed-shape step runs
-eagerly (`DecodeGraphs(capture=False)`), which exercises the same cache, masks and buckets.
+eagerly (`DecodeGraphs(capture=False)`), which exercises the same cache, masks and graph sizes.
 """
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
 
 from hybrid_rl.models.logprobs import build_sequences, response_logprobs
-from hybrid_rl.rollout import native
+from hybrid_rl.rollout import decode_loop, native
 from hybrid_rl.rollout.base import SamplingParams
 from hybrid_rl.rollout.decode_graph import DecodeGraphs
 from hybrid_rl.rollout.kv_cache import StaticKVCache, _SlotLayer
@@ -110,16 +111,18 @@ def assert_logprobs_match_trainer(model, prompts, comps, temperature):
 
 def fixed_shape_engine(model, **kw):
     """An engine whose decode step takes the CUDA-graph path's shapes (full-length cache, full
-    mask, power-of-two buckets), run eagerly so that it works on CPU. The step is the lean
+    mask, power-of-two graph sizes), run eagerly so that it works on CPU. The step is the lean
     one, as on CUDA (the model's forward is never captured)."""
     eng = NativeEngine(model, pad_id=PAD, eos_id=EOS, **kw)
+    real_path = eng._decode_path
 
-    def start(cache, dev, path, lean):
-        assert path.name == "lean" and lean is not None  # on CUDA this path would be "cuda_graph"
-        cache.set_full_length(True, dev)
-        return DecodeGraphs(eng.model, cache, dev, capture=False, lean=lean)
+    def graph_path(dev):
+        path = real_path(dev)
+        assert path.name == "lean"  # on CUDA this path would be "cuda_graph"
+        return replace(path, name="cuda_graph")
 
-    eng._start_graphs = start
+    eng._decode_path = graph_path
+    eng._new_graphs = lambda cache, dev, lean: DecodeGraphs(eng.model, cache, dev, capture=False, lean=lean)
     return eng
 
 
@@ -232,7 +235,7 @@ def test_stop_on_the_last_token_and_on_a_check_boundary(sharp_model, every):
 @pytest.mark.parametrize("fixed_shape", [None, "lean"])
 def test_logprobs_match_trainer_with_rows_dropped(sharp_model, top_k, top_p, temperature, fixed_shape):
     """Ragged prompts, rows stopping at different steps, rows dropped mid-run (eager: exactly the
-    finished ones; fixed shape, through the lean step: down to power-of-two buckets padded with
+    finished ones; fixed shape, through the lean step: down to power-of-two graph sizes padded with
     finished rows)."""
     T = 12
     make = fixed_shape_engine if fixed_shape else (lambda m, **kw: NativeEngine(m, PAD, EOS, **kw))
@@ -249,13 +252,13 @@ def test_logprobs_match_trainer_with_rows_dropped(sharp_model, top_k, top_p, tem
     sizes = [s[0] for s in rec.shapes[1:]]
     assert min(sizes) < len(MANY), "no row was dropped: the test would not cover compaction"
     if fixed_shape:
-        assert all(s & (s - 1) == 0 for s in sizes if s != len(MANY)), f"non power-of-two bucket in {sizes}"
+        assert all(s & (s - 1) == 0 for s in sizes if s != len(MANY)), f"non power-of-two graph size in {sizes}"
     assert_logprobs_match_trainer(sharp_model, MANY, comps, temperature)
 
 
 def test_greedy_with_rows_dropped_equals_one_row_at_a_time(sharp_model):
     # Eager only: the forced stops need the wrapper's forward, which the fixed-shape (lean) step skips;
-    # its compaction into buckets is covered by test_logprobs_match_trainer_with_rows_dropped.
+    # its compaction into graph sizes is covered by test_logprobs_match_trainer_with_rows_dropped.
     sp = SamplingParams(max_new_tokens=10, greedy=True)
     wrapped = ForceTokens(sharp_model, {2: [(1, EOS)], 3: [(3, EOS)]})  # two rows stop early
     batched = NativeEngine(wrapped, PAD, EOS, stop_check_every=1).generate(PROMPTS, sp)
@@ -269,8 +272,8 @@ def test_greedy_with_rows_dropped_equals_one_row_at_a_time(sharp_model):
 # ---------------------------------------------------------------------------- host syncs
 def test_host_checks_only_every_few_tokens(sharp_model, monkeypatch):
     checks = []
-    real = native._alive_rows
-    monkeypatch.setattr(native, "_alive_rows", lambda done: (checks.append(done.numel()), real(done))[1])
+    real = decode_loop.alive_rows
+    monkeypatch.setattr(decode_loop, "alive_rows", lambda done: (checks.append(done.numel()), real(done))[1])
     eng = NativeEngine(ForceTokens(sharp_model, {}, ban=[EOS]), PAD, EOS, stop_check_every=8)
     eng.generate(PROMPTS, SamplingParams(max_new_tokens=33, seed=0))
     assert len(checks) == 4  # after tokens 8, 16, 24, 32 (none after the last token)
@@ -279,8 +282,8 @@ def test_host_checks_only_every_few_tokens(sharp_model, monkeypatch):
 def test_default_checks_every_8_tokens_on_cuda_and_every_token_on_cpu(sharp_model, monkeypatch):
     """On CPU a check waits for nothing, and checking every token drops finished rows at once."""
     checks = []
-    real = native._alive_rows
-    monkeypatch.setattr(native, "_alive_rows", lambda done: (checks.append(done.numel()), real(done))[1])
+    real = decode_loop.alive_rows
+    monkeypatch.setattr(decode_loop, "alive_rows", lambda done: (checks.append(done.numel()), real(done))[1])
     NativeEngine(ForceTokens(sharp_model, {}, ban=[EOS]), PAD, EOS).generate(PROMPTS, SamplingParams(max_new_tokens=9))
     assert len(checks) == 8
     assert [native.check_every(None, d) for d in ("cpu", "cuda")] == [1, 8]
@@ -356,31 +359,39 @@ def test_cuda_graphs_default_off_on_cpu_and_forced_on_falls_back(sharp_model):
     assert [c.token_ids for c in got] == [c.token_ids for c in ref]
 
 
-def test_failed_graph_step_falls_back_to_eager_mid_run(sharp_model):
-    class Broken:
-        closed = False
+def test_a_failed_graph_step_decodes_its_batch_again_through_the_lean_step(sharp_model):
+    """Catches a fallback inside the token loop: a graph step that fails at the third token drops its
+    graphs and the batch is decoded again from its prefill through the lean step (a third prefill for two
+    batches), so every token and logprob equals a lean rollout's exactly; the next batch tries no graphs,
+    and neither does a later rollout on this engine."""
+    made = []
+
+    class FailsAtThirdToken(DecodeGraphs):
+        steps, closed = 0, False
 
         def step(self, *args):
-            raise RuntimeError("capture failed")
+            FailsAtThirdToken.steps += 1
+            if FailsAtThirdToken.steps == 3:
+                raise RuntimeError("capture failed")
+            return super().step(*args)
 
-        def close(self):  # the engine drops the failed graphs (and their pool) before decoding on
-            Broken.closed = True
+        def close(self):  # the graphs (and their pool) are dropped before anything decodes on
+            FailsAtThirdToken.closed = True
+            super().close()
 
     sp = SamplingParams(max_new_tokens=7, seed=5)
-    ref = NativeEngine(sharp_model, PAD, EOS).generate(PROMPTS, sp)
-    eng = NativeEngine(sharp_model, PAD, EOS)
-    eng._start_graphs = lambda cache, dev, fa, lean: (cache.set_full_length(True, dev), Broken())[1]
-    with pytest.warns(UserWarning, match="decoding eagerly"):
+    ref = NativeEngine(sharp_model, PAD, EOS, max_batch_size=2).generate(PROMPTS, sp)
+    eng = fixed_shape_engine(sharp_model, max_batch_size=2)
+    eng._new_graphs = lambda cache, dev, lean: made.append(1) or FailsAtThirdToken(eng.model, cache, dev,
+                                                                                 capture=False, lean=lean)
+    with Recorder(sharp_model) as rec, pytest.warns(UserWarning, match="decoding eagerly"):
         got = eng.generate(PROMPTS, sp)
-    assert "capture failed" in eng.last_graph_error and Broken.closed
-    # The rest of the run decodes through the lean step, not the slower generic forward.
-    assert eng.last_decode_path == "lean"
-    assert [c.token_ids for c in got] == [c.token_ids for c in ref]
-    for a, b in zip(got, ref):
-        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-6)
-    # A capture that failed is not tried again on the next batch.
-    del eng._start_graphs
-    assert eng._start_graphs(StaticKVCache(1, 1), torch.device("cuda"), True, None) is None
+    assert "capture failed" in eng.last_graph_error and FailsAtThirdToken.closed
+    assert eng.last_decode_path == "lean" and made == [1]
+    assert len(rec.shapes) - rec.lean_calls == 3, "prefills: batch 1, batch 1 again, batch 2"
+    assert [(c.token_ids, c.logprobs) for c in got] == [(c.token_ids, c.logprobs) for c in ref]
+    del eng._decode_path
+    assert eng._decode_path(torch.device("cuda")).name == "lean", "a capture that failed is not tried again"
 
 
 def test_bad_stop_check_every_raises(sharp_model):
