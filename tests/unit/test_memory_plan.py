@@ -395,3 +395,37 @@ def test_cli_plans_vllm_as_the_trainer_does():
     assert generic["per_gpu"]["kv_cache"] == 64 * 4000 * 57_344 // 2
     r = _cli(*base, "--kv-cache-gb", "20")
     assert r.returncode != 0 and "--engine vllm" in r.stderr
+
+
+NO_SUGGESTION = {"fits": False, "message": "(not asked)"}
+
+
+def _row(text: str, role: str) -> list[str]:
+    """The cells of `role`'s line in the printed roles x phases table."""
+    line = next(ln for ln in text.splitlines() if ln.startswith(role + " "))
+    return line.split("|")[1].split()
+
+
+def test_printed_table_says_cpu_where_an_offload_flag_parks_a_role():
+    """Catches: the table printing "-" (not held) for a role that its offload flag parks on the host, and the
+    reverse; the cells come from the same plan the fit lines use."""
+    from hybrid_rl.plan import format_plan, shown_phases
+
+    a = builtin_arch("Qwen2.5-1.5B")
+    for flags, parked in (({}, "-"), ({"optimizer": True}, "cpu")):
+        plan = plan_memory(a, 4, "bf16", 16, 1024, flags)
+        cells = dict(zip(shown_phases(plan), _row(format_plan(plan, NO_SUGGESTION), "optimizer")))
+        assert cells["rollout"] == (parked if flags else f"{plan.per_gpu['optimizer'] / GB:.2f}"), cells
+        assert cells["train"] not in ("cpu", "-"), cells  # trained on the device either way
+
+
+def test_more_tp_ranks_than_kv_heads_is_noted():
+    """Catches: the "tp_size > KV heads" note never firing (the KV cache is then replicated, not split)."""
+    from hybrid_rl.plan import format_plan
+
+    a = builtin_arch("Qwen2.5-1.5B")  # 2 KV heads
+    assert a.kv_heads == 2
+    noted = [format_plan(p, NO_SUGGESTION) for p in (plan_memory(a, 8, "bf16", 16, 1024, {}, tp_size=4),
+                                                         plan_memory(a, 8, "bf16", 16, 1024, {}, tp_size=2))]
+    assert "tp_size 4 > 2 KV heads" in noted[0]
+    assert "KV heads are replicated" not in noted[1]
