@@ -384,8 +384,8 @@ class Config:
 
 def __getattr__(name: str) -> Any:
     # load_config and save_config live in config_load.py; the public path is `from hybrid_rl import load_config`.
-    # This forward only carries the test files being split by subject (issue 26) that still import them from
-    # here; drop it once `grep -rn "hybrid_rl.config import.*_config" tests hybrid_rl` finds nothing.
+    # This forward only carries tests/unit/test_config_errors.py (issue 26's test split; not this change's file), which
+    # still imports load_config from here: drop it with that import.
     if name in ("load_config", "save_config"):
         from hybrid_rl import config_load
 

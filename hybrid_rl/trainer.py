@@ -36,7 +36,8 @@ from hybrid_rl import distributed as D
 from hybrid_rl.advantage_stage import advantage_stage
 from hybrid_rl.algorithms.kl import AdaptiveKLController, FixedKLController
 from hybrid_rl.batch import RolloutBatch
-from hybrid_rl.config import Config, load_config, save_config
+from hybrid_rl.config import Config
+from hybrid_rl.config_load import load_config, save_config
 from hybrid_rl.data.chat import PromptEncoder, use_chat_template
 from hybrid_rl.data.prepare import prepare_rows
 from hybrid_rl.data.prompts import PromptLoader, load_datasets
@@ -219,7 +220,6 @@ class Trainer:
                               seed=r.seed, timeout_s=r.engine_timeout_s)
         if r.engine == "vllm":
             from hybrid_rl.rollout.vllm import build_for_trainer
-
             longest = max(len(self.encode(row)) for row in [*train_rows, *val_rows])
             return build_for_trainer(self.cfg, self.policy, tok, longest, bool(val_rows), weights_dtype)
         return engine_cls(self.policy, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, weights_dtype=weights_dtype)
@@ -232,7 +232,8 @@ class Trainer:
             raise RuntimeError("this Trainer is closed (close() ran, or a signal stopped fit() after its checkpoint); "
                                "build a new Trainer(cfg): trainer.resume=auto continues from the newest checkpoint")
         loader, loader_state = self.state.loader, self.state.loader.state_dict()
-        with self.phases.recovering(undo=lambda: loader.load_state_dict(loader_state)):
+        where = lambda: (self.state.step + 1, self.phases.failed_phase or self.phases.phase)  # for failure_line
+        with D.failure_context(where), self.phases.recovering(undo=lambda: loader.load_state_dict(loader_state)):
             return self._step()
 
     def _step(self) -> dict:
@@ -372,22 +373,23 @@ class Trainer:
         bar = tqdm(total=max(total, 0), disable=not show, desc="grpo", dynamic_ncols=True)
         stop = StopSignal()
         try:
-            if t.val_before_train and state.step == 0:
-                self._log({"step": 0, **self.validator.run(0)})
-            for i in range(total):
-                m = self.step()
-                if t.val_every and (state.step % t.val_every == 0 or i == total - 1):
-                    m.update(self.validator.run(state.step))
-                state.history.append(m)
-                self._log(m)
-                bar.set_postfix(reward=f"{m['reward/mean']:.3f}")
-                bar.update()
-                signum = stop.agreed()
-                if signum or (t.save_every and (state.step % t.save_every == 0 or i == total - 1)):
-                    path = self.save_checkpoint()
-                if signum:
-                    self.close()
-                    raise TrainingInterrupted(signum, state.step, path)
+            with D.failure_context(lambda: (state.step, self.phases.failed_phase or self.phases.phase)):
+                if t.val_before_train and state.step == 0:
+                    self._log({"step": 0, **self.validator.run(0)})
+                for i in range(total):
+                    m = self.step()
+                    if t.val_every and (state.step % t.val_every == 0 or i == total - 1):
+                        m.update(self.validator.run(state.step))
+                    state.history.append(m)
+                    self._log(m)
+                    bar.set_postfix(reward=f"{m['reward/mean']:.3f}")
+                    bar.update()
+                    signum = stop.agreed()
+                    if signum or (t.save_every and (state.step % t.save_every == 0 or i == total - 1)):
+                        path = self.save_checkpoint()
+                    if signum:
+                        self.close()
+                        raise TrainingInterrupted(signum, state.step, path)
         finally:
             stop.restore()
             bar.close()

@@ -8,7 +8,7 @@ not a mix. Batch shape (ppo_epochs, mini_batch_size), the sampling budget
 (max_sampling_rounds) and rollout correction are left to the user: they depend
 on the hardware and the engine, not on the method.
 
-Selection (see `config.load_config`): `algorithm.preset=dapo` expands to these
+Selection (see `config_load.load_config`): `algorithm.preset=dapo` expands to these
 keys in the layer that names it; keys set explicitly in that layer or a later
 one (YAML < command line) still win.
 

@@ -90,7 +90,7 @@ def _rank_fn(rank: int, model_dir: str, rm_dir: str, overrides: list[str]) -> di
                                         for x in encode_texts(tok, prompts, texts)])
 
     # The trainer on both ranks: rule + model reward, the model offloaded outside its stage.
-    from hybrid_rl.config import load_config
+    from hybrid_rl.config_load import load_config
     from hybrid_rl.trainer import Trainer
 
     tr = Trainer(load_config(None, overrides))

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 def _step_on_rank(rank: int, overrides: list[str], gpu_backend: bool):
     from hybrid_rl import distributed as D
     from hybrid_rl import trainer as trainer_mod
-    from hybrid_rl.config import load_config
+    from hybrid_rl.config_load import load_config
 
     D.init("cpu", timeout_s=60)
     if gpu_backend:
@@ -76,7 +76,7 @@ def test_ranks_report_the_same_global_metrics(two_rank_step):
 def _same_prompt_step(rank: int, overrides: list[str]):
     from hybrid_rl import distributed as D
     from hybrid_rl import trainer as trainer_mod
-    from hybrid_rl.config import load_config
+    from hybrid_rl.config_load import load_config
 
     D.init("cpu", timeout_s=60)
     tr = trainer_mod.Trainer(load_config(None, overrides))

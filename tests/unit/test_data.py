@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from hybrid_rl.config import load_config
+from hybrid_rl.config_load import load_config
 from hybrid_rl.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")

@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 
-from hybrid_rl.config import load_config
+from hybrid_rl.config_load import load_config
 from hybrid_rl.models.loading import load_causal_lm, load_tokenizer
 from hybrid_rl.trainer import Trainer
 

@@ -179,7 +179,7 @@ def test_packed_token_budget_keeps_a_prompts_rows_together():
 def test_update_settings_are_read_from_their_config_keys():
     """Catches UpdateSettings.from_config reading a neighbouring key (the sampling temperature for the
     scoring one, max_new_tokens vs micro_batch_size): the update would score or normalise differently."""
-    from hybrid_rl.config import load_config
+    from hybrid_rl.config_load import load_config
 
     cfg = load_config(None, ["rollout.temperature=0.7", "trainer.micro_batch_size=5", "optim.grad_clip=0.3",
                              "rollout.max_new_tokens=9", "trainer.max_tokens_per_micro_batch=64", "trainer.packing=false"])

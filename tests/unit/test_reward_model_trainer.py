@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hybrid_rl.config import load_config
+from hybrid_rl.config_load import load_config
 from hybrid_rl.models.tiny_reward import random_reward_model_dir
 from hybrid_rl.rewards.combine import RunningNorm, combine, resolve_weights
 from hybrid_rl.rewards.model import RewardModelScorer, encode_texts, inspect_reward_model, load_reward_model

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from hybrid_rl.config import load_config
+from hybrid_rl.config_load import load_config
 from hybrid_rl.rewards.base import register_reward
 from hybrid_rl.rollout.base import Completion
 from hybrid_rl.trainer import Trainer

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hybrid_rl.algorithms.kl import AdaptiveKLController
-from hybrid_rl.config import load_config
+from hybrid_rl.config_load import load_config
 from hybrid_rl.data.prompts import PromptLoader
 from hybrid_rl.rewards.combine import RunningNorm
 from hybrid_rl.rewards.setup import RewardSetup

@@ -16,7 +16,7 @@ import hybrid_rl.trainer as trainer_mod
 import hybrid_rl.update as update_mod
 from hybrid_rl import distributed as D
 from hybrid_rl.algorithms import grpo_advantages, kl_estimate, kl_penalty_rewards, overlong_penalty
-from hybrid_rl.config import load_config
+from hybrid_rl.config_load import load_config
 from hybrid_rl.rewards.base import register_reward
 from hybrid_rl.rollout.base import Completion
 from hybrid_rl.sampling import GroupCollector

@@ -13,7 +13,8 @@ import torch
 
 import hybrid_rl.update as update_mod
 from hybrid_rl.batch import TrainBatch
-from hybrid_rl.config import AlgorithmConfig, load_config
+from hybrid_rl.config import AlgorithmConfig
+from hybrid_rl.config_load import load_config
 from hybrid_rl.models.logprobs import build_sequences, response_logprobs
 from hybrid_rl.trainer import Trainer
 from hybrid_rl.update import UpdateSettings, policy_update

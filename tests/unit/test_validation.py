@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from hybrid_rl.config import load_config
+from hybrid_rl.config_load import load_config
 from hybrid_rl.data.gsm8k import default_dirs
 from hybrid_rl.rollout.base import SamplingParams
 from hybrid_rl.switch.phases import Phase
