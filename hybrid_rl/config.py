@@ -380,14 +380,3 @@ class Config:
     def validate_runtime(self, world_size: int) -> None:
         """Checks that need the machine (paths, ranks); raised before any model is built."""
         validate_runtime(self, world_size)
-
-
-def __getattr__(name: str) -> Any:
-    # load_config and save_config live in config_load.py; the public path is `from hybrid_rl import load_config`.
-    # This forward only carries tests/unit/test_config_errors.py (issue 26's test split; not this change's file), which
-    # still imports load_config from here: drop it with that import.
-    if name in ("load_config", "save_config"):
-        from hybrid_rl import config_load
-
-        return getattr(config_load, name)
-    raise AttributeError(f"module 'hybrid_rl.config' has no attribute {name!r}")

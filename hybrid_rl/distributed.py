@@ -22,13 +22,14 @@ failed first or never answered (the only way node 0's log can name a rank on nod
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import socket
 import sys
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -233,29 +234,36 @@ def failure_line(err: BaseException) -> str:
     me, world = int(os.environ.get("RANK", rank())), env_world_size()
     message = (str(err).strip().splitlines() or [""])[0][:400]
     line = (f"hybrid_rl: rank {me}/{world} ({socket.gethostname()}, pid {os.getpid()}) failed"
-            f"{_where(err.__traceback__)}: {type(err).__name__}: {message}")
+            f"{_where(err)}: {type(err).__name__}: {message}")
     return line + _exchange_reports(me, world, line, lost_peer=_in_collective(err.__traceback__))
 
 
-def _where(tb) -> str:
-    """' at step S, last phase P, in A > B > C' from the library frames of a traceback."""
+@contextlib.contextmanager
+def failure_context(where: Callable[[], tuple[int, object]]) -> Iterator[None]:
+    """Tag an exception leaving the block with `where()` = (step, phase) for its one-line report (the
+    innermost tag wins: Trainer.step tags the failing step, Trainer.fit what fails between steps), so the
+    report needs no Trainer: this module reads the tag, not the trainer's attributes."""
+    try:
+        yield
+    except BaseException as err:
+        if not hasattr(err, "hybrid_rl_where"):
+            try:
+                err.hybrid_rl_where = where()
+            except Exception:  # noqa: BLE001 - the tag must not hide the error being tagged
+                pass
+        raise
+
+
+def _where(err: BaseException) -> str:
+    """' at step S, last phase P, in A > B > C': the tag of `failure_context` and the library frames of the
+    traceback."""
     pkg = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    chain: list[str] = []
-    trainer = None
-    for frame, _ in traceback.walk_tb(tb):
-        if not frame.f_code.co_filename.startswith(pkg):
-            continue
-        chain.append(getattr(frame.f_code, "co_qualname", frame.f_code.co_name))
-        me = frame.f_locals.get("self")
-        if trainer is None and isinstance(getattr(me, "step_idx", None), int) and hasattr(me, "phases"):
-            trainer = me
+    chain = [getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
+             for frame, _ in traceback.walk_tb(err.__traceback__) if frame.f_code.co_filename.startswith(pkg)]
     out = ""
-    if trainer is not None:
-        # step_idx counts finished steps; inside Trainer.step the failing step is the next one.
-        step = trainer.step_idx + (1 if any(c.endswith("Trainer.step") for c in chain) else 0)
-        # After a failed step the switch is back in TRAIN (PhaseManager.recover); it kept where it failed.
-        failed = getattr(trainer.phases, "failed_phase", None) or getattr(trainer.phases, "phase", None)
-        phase = getattr(failed, "value", None)
+    step, phase = getattr(err, "hybrid_rl_where", (None, None))
+    if step is not None:
+        phase = getattr(phase, "value", phase)
         out = f" at step {step}" + (f", last phase {phase}" if phase else "")
     if chain:
         out += (", in " if out else " in ") + " > ".join(chain[-5:])

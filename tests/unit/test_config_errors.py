@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from hybrid_rl.config import load_config
+from hybrid_rl.config_load import load_config
 from hybrid_rl.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
