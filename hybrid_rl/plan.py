@@ -12,6 +12,8 @@ Examples::
         # adds the REWARD stage's column
     python -m hybrid_rl.plan --model Qwen2.5-7B --gpus 8 --batch 5120 --context 1536 --native-prompt-tokens 512
         # the native engine: rows decoded at once from what ROLLOUT leaves free, prefill / sampling billed
+    python -m hybrid_rl.plan --from-run runs/x/metrics.jsonl --run-gpus 2 --gpus 8
+        # step time of colocated and split (each R, k = 0,1,2) from a run's measured rates (split/plan_cli.py)
 
 Prints a table of roles x phases (GB = 1e9 bytes per GPU, and totals over all
 GPUs), whether each phase fits, a suggested offload line, and a JSON object as
@@ -275,6 +277,11 @@ def _engine_kw(args) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from hybrid_rl.split import plan_cli
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if plan_cli.wants_rates(argv):  # --from-run / --placement: the placements' step times, not the memory bill
+        return plan_cli.main(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

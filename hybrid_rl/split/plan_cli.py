@@ -1,0 +1,99 @@
+"""The placement half of ``python -m hybrid_rl.plan``: step time of colocated and split at each R and k.
+
+    python -m hybrid_rl.plan --from-run runs/x/metrics.jsonl --run-gpus 2 --gpus 8
+    python -m hybrid_rl.plan --placement split --gpus 8 --rollout-s 24 --train-s 8 --switch-s 2 --sync-s 0.2
+
+Rates come from a run's metrics.jsonl (--from-run; --run-gpus: the ranks of a colocated run, whose
+metrics do not record them) or from named assumptions (--rollout-s / --train-s: seconds per step of
+each half measured on --run-gpus ranks colocated, --switch-s, --sync-s), which a flag also overrides
+on a measured run. Prints a table, the recommendation, and a JSON object as the last line.
+The memory bill per pool of a split placement is not planned here yet (the colocated planner's table
+is the learner's and the engine's bill on one rank).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from typing import Sequence
+
+from hybrid_rl.split.rates import Prediction, Rates, predict_all, rates_from_records, read_metrics, recommend
+
+RATE_FLAGS = ("--from-run", "--placement", "--rollout-s", "--train-s", "--switch-s", "--sync-s")
+
+
+def wants_rates(argv: Sequence[str]) -> bool:
+    """Whether a plan command line asks for the placement model rather than the memory bill."""
+    return any(a.split("=")[0] in RATE_FLAGS for a in argv)
+
+
+def _ks(s: str) -> tuple[int, ...]:
+    try:
+        ks = tuple(int(x) for x in s.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers >= 0 separated by commas, got {s!r}") from None
+    if not ks or min(ks) < 0:
+        raise argparse.ArgumentTypeError(f"max staleness values must be >= 0, got {s!r}")
+    return ks
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m hybrid_rl.plan",
+                                description="Predicted step time of the colocated and split placements (rate model).")
+    p.add_argument("--gpus", type=int, required=True, help="ranks to place (the world size of the planned run)")
+    p.add_argument("--placement", choices=["colocated", "split", "both"], default="both")
+    p.add_argument("--from-run", help="a run's metrics.jsonl: its measured rates")
+    p.add_argument("--run-gpus", type=int, help="ranks of that run if colocated (default --gpus)")
+    p.add_argument("--max-staleness", type=_ks, default=(0, 1, 2), help="k values for split (default 0,1,2)")
+    p.add_argument("--tp", type=int, default=1, help="rollout tensor-parallel size: R is a multiple of it")
+    for flag, what in (("--rollout-s", "generation + rule rewards"), ("--train-s", "scoring + advantages + update")):
+        p.add_argument(flag, type=float, help=f"seconds per step of {what} with --run-gpus ranks colocated")
+    p.add_argument("--switch-s", type=float, help="seconds per step of the colocated phase switch")
+    p.add_argument("--sync-s", type=float, help="seconds of one split weight sync")
+    return p
+
+
+def _rates(args, parser) -> tuple[Rates, dict]:
+    """Measured rates (if --from-run), each named assumption overriding its measured value."""
+    run_w = args.run_gpus or args.gpus
+    if args.from_run:
+        rates, meta = rates_from_records(read_metrics(args.from_run), world=run_w)
+    elif args.rollout_s is None or args.train_s is None:
+        parser.error("give --from-run <metrics.jsonl>, or --rollout-s and --train-s (seconds per step)")
+    else:
+        rates, meta = Rates(0.0, 0.0, 0.0, 0.0), {"world": run_w, "rollout_ranks": 0, "steps": 0}
+    over = {"rollout_rank_s": None if args.rollout_s is None else args.rollout_s * run_w,
+            "train_rank_s": None if args.train_s is None else args.train_s * run_w,
+            "switch_s": args.switch_s, "sync_s": args.sync_s}
+    return dataclasses.replace(rates, **{k: v for k, v in over.items() if v is not None}), meta
+
+
+def format_table(preds: Sequence[Prediction], best: Prediction) -> str:
+    head = f"{'placement':<18}{'rollout s':>10}{'train s':>10}{'switch/sync':>12}{'step s':>9}{'idle':>7}  bound"
+    lines = [head, "-" * len(head)]
+    for p in preds:
+        mark = "  <- recommended" if p is best else ""
+        lines.append(f"{p.label:<18}{p.rollout_s:>10.3f}{p.train_s:>10.3f}{p.overhead_s:>12.3f}{p.step_s:>9.3f}"
+                     f"{p.idle_fraction:>7.0%}  {p.bottleneck}{mark}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    placements = ("colocated", "split") if args.placement == "both" else (args.placement,)
+    try:
+        rates, meta = _rates(args, parser)
+        preds = predict_all(rates, args.gpus, args.max_staleness, args.tp, placements)
+        best = recommend(preds)
+    except (ValueError, OSError) as err:
+        parser.error(str(err))
+    src = f"run {args.from_run} ({meta['steps']} steps, {meta['world']} ranks, R={meta['rollout_ranks']})" \
+        if args.from_run else "named assumptions"
+    print(f"rates from {src}: rollout {rates.rollout_rank_s:.3f} rank-s, train {rates.train_rank_s:.3f} rank-s, "
+          f"switch {rates.switch_s:.3f} s, sync {rates.sync_s:.3f} s per step; {args.gpus} ranks planned")
+    print(format_table(preds, best))
+    print(f"recommended: {best.label} ({best.step_s:.3f} s per step)")
+    print(json.dumps({"rates": dataclasses.asdict(rates), "run": meta, "recommended": best.label,
+                      "predictions": [{**dataclasses.asdict(p), "label": p.label} for p in preds]}, sort_keys=True))
+    return 0

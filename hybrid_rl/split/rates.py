@@ -1,0 +1,158 @@
+"""The rate model: step time of each placement from measured rates (pure; `python -m hybrid_rl.plan --from-run`).
+
+A step has two halves: generation (+ rule rewards) and training (scoring, advantages, the update).
+  colocated on W ranks:  rollout/W + train/W + switch      (the halves take turns on every rank)
+  split, R rollout ranks, W - R learner ranks, max staleness k:
+      rollout_R = rollout/R,  train_R = train/(W - R)
+      k = 0:   rollout_R + train_R + sync                   (strict alternation: nothing overlaps)
+      k >= 1:  max(rollout_R, train_R) + sync                (the halves overlap; the slower one sets the pace)
+      the faster pool idles 1 - min/max of the overlapped part.
+`rollout` and `train` are rank-seconds per step (seconds x ranks doing the work), so a rate measured on
+one number of ranks predicts another under linear data-parallel scaling. That assumption is what CPU
+can check; on a GPU decode is memory-bandwidth bound and more rows per GPU raise its throughput, so
+fewer rollout ranks with bigger batches do better than linear (the model is pessimistic for split).
+split/schedule.py simulates the same protocol event by event; tests hold the two equal.
+
+Measured rates come from a run's metrics.jsonl (hybrid_rl/metrics.py names): time/rollout +
+time/reward is the rollout half, time/score + time/advantage + time/train the training half (in a
+colocated run also the step's unaccounted rest: logging, reductions), time/switch the colocated
+switch, and the sync is split/sync_s where a split run measured it, else the colocated switch's weight
+stages (switch/sync_weights_s for an engine with its own copy, switch/resume_weights_s for the native
+engine's gather). A split run records split/rollout_ranks and split/world_size; a colocated run's
+world size is given by the caller.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+ROLLOUT_KEYS = ("time/rollout", "time/reward")
+TRAIN_KEYS = ("time/score", "time/advantage", "time/train")
+SYNC_KEYS = ("split/sync_s", "switch/sync_weights_s", "switch/resume_weights_s")  # first present wins
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Per step: rank-seconds of each half, and seconds of the colocated switch and of a split sync."""
+
+    rollout_rank_s: float
+    train_rank_s: float
+    switch_s: float
+    sync_s: float
+
+    def __post_init__(self) -> None:
+        for name in ("rollout_rank_s", "train_rank_s", "switch_s", "sync_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One placement's predicted step. idle_fraction: 1 - min/max of the two halves (the faster pool's idle
+    share; 0 for colocated, whose ranks never wait on another pool)."""
+
+    placement: str  # "colocated" | "split"
+    rollout_ranks: int  # R (0 for colocated)
+    max_staleness: int  # k (0 for colocated: on-policy)
+    rollout_s: float
+    train_s: float
+    overhead_s: float  # colocated: the switch; split: the sync
+    step_s: float
+    idle_fraction: float
+    bottleneck: str  # "rollout" | "train"
+
+    @property
+    def label(self) -> str:
+        return "colocated" if self.placement == "colocated" else f"split R={self.rollout_ranks} k={self.max_staleness}"
+
+
+def _bottleneck(rollout_s: float, train_s: float) -> str:
+    return "rollout" if rollout_s >= train_s else "train"
+
+
+def idle_fraction(a: float, b: float) -> float:
+    """1 - min/max: the share of its time the faster of two overlapped pools waits."""
+    hi = max(a, b)
+    return 0.0 if hi <= 0 else 1.0 - min(a, b) / hi
+
+
+def predict_colocated(rates: Rates, world: int) -> Prediction:
+    """Every rank generates then trains, paying the switch: the halves add up."""
+    if world < 1:
+        raise ValueError(f"world size must be >= 1, got {world}")
+    r, t = rates.rollout_rank_s / world, rates.train_rank_s / world
+    return Prediction("colocated", 0, 0, r, t, rates.switch_s, r + t + rates.switch_s, 0.0, _bottleneck(r, t))
+
+
+def predict_split(rates: Rates, world: int, rollout_ranks: int, k: int) -> Prediction:
+    """R ranks generate, W - R train; at k = 0 they alternate, at k >= 1 they overlap (module docstring)."""
+    if not 1 <= rollout_ranks < world:
+        raise ValueError(f"split needs 1 <= rollout ranks < world size; got R={rollout_ranks}, world {world}")
+    if k < 0:
+        raise ValueError(f"max staleness must be >= 0, got {k}")
+    r, t = rates.rollout_rank_s / rollout_ranks, rates.train_rank_s / (world - rollout_ranks)
+    step = (r + t if k == 0 else max(r, t)) + rates.sync_s
+    return Prediction("split", rollout_ranks, k, r, t, rates.sync_s, step, idle_fraction(r, t), _bottleneck(r, t))
+
+
+def predict_all(rates: Rates, world: int, ks: Sequence[int] = (0, 1, 2), tp_size: int = 1,
+                placements: Sequence[str] = ("colocated", "split")) -> list[Prediction]:
+    """Colocated, and split at every R in 1..W-1 that `tp_size` divides, for each k in `ks`."""
+    out = [predict_colocated(rates, world)] if "colocated" in placements else []
+    if "split" in placements:
+        out += [predict_split(rates, world, R, k) for R in range(tp_size, world, tp_size) for k in ks]
+    return out
+
+
+def recommend(predictions: Sequence[Prediction]) -> Prediction:
+    """The fastest; among equal times the least off-policy (colocated, then smaller k), then fewer rollout ranks."""
+    if not predictions:
+        raise ValueError("nothing to recommend: no placement was predicted")
+    return min(predictions, key=lambda p: (round(p.step_s, 9), p.placement != "colocated", p.max_staleness,
+                                           p.rollout_ranks))
+
+
+def read_metrics(path: str) -> list[dict]:
+    """The training-step records of a metrics.jsonl (those with time/step; validation rows have none)."""
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    steps = [r for r in rows if "time/step" in r]
+    if not steps:
+        raise ValueError(f"{path} holds no training step (no record with time/step): is it a run's metrics.jsonl?")
+    return steps
+
+
+def _median(records: Iterable[dict], fn) -> float:
+    return statistics.median(fn(r) for r in records)
+
+
+def _sync_seconds(record: dict) -> float:
+    return next((float(record[k]) for k in SYNC_KEYS if k in record), 0.0)
+
+
+def rates_from_records(records: Sequence[dict], world: Optional[int] = None, skip: int = 1) -> tuple[Rates, dict]:
+    """Rates (medians over the steps after the first `skip`, which pay one-off costs) and what the run was:
+    {"world", "rollout_ranks", "steps"}. world: the run's ranks, needed for a colocated run (a split run
+    records split/world_size)."""
+    recs = list(records[skip:]) if len(records) > skip else list(records)
+    if not recs:
+        raise ValueError("no step records to read rates from")
+    R = int(recs[0].get("split/rollout_ranks", 0))
+    W = int(recs[0].get("split/world_size", world or 0))
+    if W < 1:
+        raise ValueError("the run's world size is unknown: a colocated run's metrics do not record it; pass it "
+                         "(--run-gpus)")
+    rollout = _median(recs, lambda r: sum(float(r.get(k, 0.0)) for k in ROLLOUT_KEYS))
+    train = _median(recs, lambda r: sum(float(r.get(k, 0.0)) for k in TRAIN_KEYS))
+    switch = _median(recs, lambda r: float(r.get("time/switch", 0.0)))
+    sync = _median(recs, _sync_seconds)
+    if R == 0:
+        # The step's rest (logging, reductions) runs once per step: bill it to the half that stays.
+        rest = _median(recs, lambda r: float(r["time/step"]) - sum(float(r.get(k, 0.0)) for k in
+                                                                   ROLLOUT_KEYS + TRAIN_KEYS + ("time/switch",)))
+        rates = Rates(rollout * W, (train + max(0.0, rest)) * W, switch, sync)
+    else:
+        rates = Rates(rollout * R, train * (W - R), switch, sync)
+    return rates, {"world": W, "rollout_ranks": R, "steps": len(recs)}

@@ -1,0 +1,125 @@
+"""Weights, learner ranks -> rollout ranks, after each optimizer step of the split placement.
+
+The learner ranks gather the full weights from their FSDP2 shards bucket by bucket, each shard cast to
+the inference dtype before the gather (switch/weights.iter_weight_buckets, the colocated sync's own
+code: the gather is a collective of the learner group's mesh, so every learner rank iterates); learner
+rank 0 flattens each bucket into one tensor and broadcasts it over the sync group (learner rank 0 +
+every rollout rank). A rollout rank applies each bucket through the engine's weight-update API
+(begin_weight_update / update_weights / end_weight_update, rollout/base.py), so every engine that
+takes colocated syncs takes these: the peak extra memory on either side is one bucket.
+
+Each bucket is three broadcasts: a header [MAGIC, version, dtype, manifest bytes, elements], the
+manifest (JSON names and shapes, so the receiver needs no copy of the learner's parameter order),
+then the flat tensor. A header with no manifest ends the sync. Both sides return bytes and seconds
+for the metrics (split/sync_bytes, split/sync_s); the version in every header lets the receiver refuse
+a sync it did not expect instead of decoding with stale weights.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from hybrid_rl.switch.weights import iter_weight_buckets
+from hybrid_rl.split.transport import PeerError
+
+MAGIC = 0x5EED_3E16
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+HEADER_LEN = 5
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    version: int
+    bytes: int  # payload bytes broadcast (0 on learner ranks other than the sender)
+    seconds: float
+    buckets: int
+
+
+def _bcast(t: torch.Tensor, src: int, group, timeout_s: float, what: str) -> None:
+    try:
+        dist.broadcast(t, src=src, group=group, async_op=True).wait(timedelta(seconds=timeout_s))
+    except Exception as err:  # noqa: BLE001 - gloo raises RuntimeError, NCCL DistBackendError
+        raise PeerError(f"split weight sync: {what} failed within {timeout_s:g} s: a peer died or hangs "
+                        f"({type(err).__name__}: {str(err).strip().splitlines()[0][:200]})") from err
+
+
+def _header(version: int, dtype: torch.dtype, manifest: bytes, numel: int) -> torch.Tensor:
+    return torch.tensor([MAGIC, version, DTYPES.index(dtype), len(manifest), numel], dtype=torch.int64)
+
+
+def send_weights(model: torch.nn.Module, version: int, *, src: int, group, dtype: torch.dtype,
+                 bucket_bytes: int, timeout_s: float) -> SyncStats:
+    """On every learner rank (the gathers are collectives of the learner group); global rank `src` broadcasts
+    each gathered bucket in `dtype` to `group` (src + the rollout ranks)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"inference dtype {dtype} cannot be synced; use one of {list(DTYPES)}")
+    sender = dist.get_rank() == src
+    t0, sent, buckets = time.perf_counter(), 0, 0
+    for bucket in iter_weight_buckets(model, bucket_bytes, dtype=dtype):
+        if not sender:
+            continue  # this rank's shards went into the gather; only rank `src` sends
+        manifest = json.dumps([[name, list(t.shape)] for name, t in bucket]).encode()
+        flat = torch.cat([t.reshape(-1) for _, t in bucket]).cpu()
+        what = f"broadcasting bucket {buckets} of version {version} from rank {src}"
+        _bcast(_header(version, dtype, manifest, flat.numel()), src, group, timeout_s, what)
+        _bcast(torch.frombuffer(bytearray(manifest), dtype=torch.uint8), src, group, timeout_s, what)
+        _bcast(flat, src, group, timeout_s, what)
+        sent += flat.numel() * flat.element_size()
+        buckets += 1
+    if sender:
+        _bcast(_header(version, dtype, b"", 0), src, group, timeout_s, f"ending the sync of version {version}")
+    return SyncStats(version, sent, time.perf_counter() - t0, buckets)
+
+
+def _receive_bucket(src: int, group, timeout_s: float, expect_version: int,
+                    device: Optional[torch.device]) -> Optional[list[tuple[str, torch.Tensor]]]:
+    """One bucket as (name, tensor) views of one flat buffer; None at the end of the sync."""
+    who = f"learner rank {src}"
+    header = torch.empty(HEADER_LEN, dtype=torch.int64)
+    _bcast(header, src, group, timeout_s, f"receiving weights of version {expect_version} from {who}")
+    magic, version, dtype_idx, manifest_len, numel = header.tolist()
+    if magic != MAGIC or version != expect_version:
+        raise PeerError(f"split weight sync: {who} sent {header.tolist()}, expected weights of version "
+                        f"{expect_version}: the ranks disagree on which version is synced")
+    if manifest_len == 0:
+        return None
+    raw = torch.empty(manifest_len, dtype=torch.uint8)
+    _bcast(raw, src, group, timeout_s, f"receiving a bucket manifest from {who}")
+    flat = torch.empty(numel, dtype=DTYPES[dtype_idx])
+    _bcast(flat, src, group, timeout_s, f"receiving a weight bucket from {who}")
+    if device is not None:
+        flat = flat.to(device)
+    out, pos = [], 0
+    for name, shape in json.loads(bytes(raw.tolist()).decode()):
+        n = 1
+        for d in shape:
+            n *= d
+        out.append((name, flat[pos:pos + n].view(shape)))
+        pos += n
+    if pos != numel:
+        raise PeerError(f"split weight sync: a bucket from {who} holds {numel} elements, its manifest {pos}")
+    return out
+
+
+def receive_weights(engine, version: int, *, src: int, group, timeout_s: float,
+                    device: Optional[torch.device] = None) -> SyncStats:
+    """On a rollout rank: apply the sync of `version` from global rank `src` through the engine's weight-update
+    API. An interrupted sync is aborted on the engine, which then expects every weight again."""
+    t0, got, buckets = time.perf_counter(), 0, 0
+    engine.begin_weight_update()
+    try:
+        while (bucket := _receive_bucket(src, group, timeout_s, version, device)) is not None:
+            engine.update_weights(bucket)
+            got += sum(t.numel() * t.element_size() for _, t in bucket)
+            buckets += 1
+        engine.end_weight_update()
+    except BaseException:
+        engine.abort_weight_update()
+        raise
+    return SyncStats(version, got, time.perf_counter() - t0, buckets)

@@ -1,0 +1,119 @@
+"""The rate model of the placements (hybrid_rl/split/rates.py), held against the event simulation of the
+split protocol (split/schedule.py), read from metrics.jsonl records, and the planner's CLI for it."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybrid_rl import plan
+from hybrid_rl.split.rates import (Rates, predict_all, predict_colocated, predict_split, rates_from_records,
+                                   read_metrics, recommend)
+from hybrid_rl.split.schedule import simulate, steady_period
+
+
+def test_colocated_adds_the_halves_and_the_switch():
+    p = predict_colocated(Rates(rollout_rank_s=0.16, train_rank_s=0.30, switch_s=0.05, sync_s=0.02), world=2)
+    assert (p.rollout_s, p.train_s, p.step_s) == pytest.approx((0.08, 0.15, 0.28))
+    assert p.idle_fraction == 0.0 and p.bottleneck == "train"
+
+
+def test_split_overlaps_only_from_k1():
+    rates = Rates(rollout_rank_s=6.0, train_rank_s=6.0, switch_s=1.0, sync_s=0.5)
+    p0, p1 = predict_split(rates, 8, 2, 0), predict_split(rates, 8, 2, 1)
+    assert (p0.rollout_s, p0.train_s) == pytest.approx((3.0, 1.0))
+    assert p0.step_s == pytest.approx(3.0 + 1.0 + 0.5)
+    assert p1.step_s == pytest.approx(3.0 + 0.5)
+    assert p1.idle_fraction == pytest.approx(1 - 1.0 / 3.0) and p1.bottleneck == "rollout"
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+@pytest.mark.parametrize("R", [1, 2, 3])
+def test_the_model_is_the_simulations_steady_state(k, R):
+    """The closed form equals the protocol simulated event by event (4 ranks, rates from a colocated run)."""
+    rates = Rates(rollout_rank_s=4.0, train_rank_s=3.0, switch_s=0.3, sync_s=0.2)
+    p = predict_split(rates, 4, R, k)
+    sim = simulate(k, 40, gen_s=p.rollout_s, train_s=p.train_s, sync_s=rates.sync_s)
+    assert steady_period(sim) == pytest.approx(p.step_s)
+
+
+def test_bad_layouts_are_refused():
+    rates = Rates(1.0, 1.0, 0.0, 0.0)
+    for R in (0, 4):
+        with pytest.raises(ValueError, match="rollout ranks < world size"):
+            predict_split(rates, 4, R, 1)
+    with pytest.raises(ValueError, match=">= 0"):
+        Rates(-1.0, 1.0, 0.0, 0.0)
+
+
+def test_recommendation_follows_the_bottleneck():
+    """Training the longer half (the tiny recipe: train 0.15 s, rollout 0.08 s per step on 2 ranks): colocated.
+    A run that pays a large switch and little sync, with balanced halves: split at the balancing R, k = 1."""
+    tiny = Rates(rollout_rank_s=0.16, train_rank_s=0.30, switch_s=0.05, sync_s=0.05)
+    assert recommend(predict_all(tiny, 2)).label == "colocated"
+    gen_heavy = Rates(rollout_rank_s=24.0, train_rank_s=8.0, switch_s=2.0, sync_s=0.2)
+    best = recommend(predict_all(gen_heavy, 8))
+    assert best.label == "split R=6 k=1", [(p.label, p.step_s) for p in predict_all(gen_heavy, 8)]
+
+
+def test_tp_size_limits_the_rollout_ranks():
+    preds = predict_all(Rates(1.0, 1.0, 0.0, 0.0), 8, ks=(1,), tp_size=2, placements=("split",))
+    assert [p.rollout_ranks for p in preds] == [2, 4, 6]
+
+
+def _colocated_records() -> list[dict]:
+    base = {"time/rollout": 0.2, "time/reward": 0.02, "time/score": 0.5, "time/advantage": 0.01, "time/train": 1.4,
+            "time/switch": 0.06, "switch/resume_weights_s": 0.05, "reward/mean": 0.1}
+    first = {**base, "step": 1, "time/rollout": 9.0, "time/step": 11.0}  # one-off costs: skipped
+    rest = [{**base, "step": s, "time/step": 2.19 + 0.01 * (s % 3), "time/train": 1.4 + 0.1 * (s % 2)}
+            for s in range(2, 9)]
+    return [first, *rest, {"step": 8, "val/pass@1": 0.5}]
+
+
+def test_rates_of_a_colocated_run(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _colocated_records()))
+    records = read_metrics(str(path))
+    assert len(records) == 8  # the validation row is not a step
+    with pytest.raises(ValueError, match="--run-gpus"):
+        rates_from_records(records)
+    rates, meta = rates_from_records(records, world=2)
+    assert meta == {"world": 2, "rollout_ranks": 0, "steps": 7}
+    assert rates.rollout_rank_s == pytest.approx(0.22 * 2)
+    # train: median of score + advantage + train (1.91, 4 of 7 steps) plus the median unaccounted rest
+    assert rates.train_rank_s == pytest.approx((1.91 + 0.0) * 2, abs=0.03)
+    assert rates.switch_s == pytest.approx(0.06) and rates.sync_s == pytest.approx(0.05)
+
+
+def test_rates_of_a_split_run_use_its_pools():
+    rec = {"time/step": 1.0, "time/rollout": 0.9, "time/reward": 0.1, "time/score": 0.2, "time/train": 0.6,
+           "split/sync_s": 0.03, "switch/resume_weights_s": 9.0, "split/rollout_ranks": 3, "split/world_size": 4}
+    rates, meta = rates_from_records([rec, rec], skip=0)
+    assert meta["rollout_ranks"] == 3 and meta["world"] == 4
+    assert (rates.rollout_rank_s, rates.train_rank_s, rates.sync_s) == pytest.approx((3.0, 0.8, 0.03))
+
+
+def test_plan_cli_from_run_prints_each_placement_and_a_recommendation(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _colocated_records()))
+    assert plan.main(["--from-run", str(path), "--run-gpus", "2", "--gpus", "2", "--max-staleness", "0,1"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(out[-1])
+    labels = [p["label"] for p in result["predictions"]]
+    assert labels == ["colocated", "split R=1 k=0", "split R=1 k=1"]
+    assert result["recommended"] == "colocated" and any("recommended: colocated" in line for line in out)
+
+
+def test_plan_cli_split_from_named_assumptions(capsys):
+    argv = ["--placement", "split", "--gpus", "8", "--rollout-s", "24", "--train-s", "8", "--switch-s", "2",
+            "--sync-s", "0.2", "--max-staleness", "1"]
+    assert plan.main(argv) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [p["rollout_ranks"] for p in result["predictions"]] == list(range(1, 8))
+    assert result["recommended"] == "split R=6 k=1"
+
+
+def test_plan_cli_needs_rates(capsys):
+    with pytest.raises(SystemExit):
+        plan.main(["--placement", "split", "--gpus", "8"])
+    assert "--from-run" in capsys.readouterr().err
