@@ -1,18 +1,24 @@
 """The tiny multi-turn task: ask for a hidden digit, then answer it. Two turns are needed for full reward.
 
-The prompt is the same for every row ("?"); each row hides a digit. Turn 1: a turn whose first
-word is `ask` earns ASK_REWARD and the environment answers with the digit as a tool message; a
-turn that does anything else ends the episode with nothing (a lucky guess earns no credit, so
-one turn can never reach the full reward). Turn 2: a first word equal to the digit earns
-ANSWER_REWARD. A random policy over the ~20-word vocabulary asks about 1 time in 20 (mean
-reward ~0.01); a policy that asks and then copies the digit it was just shown earns 1.0, which a
-2-layer model learns (the digit sits a few tokens back in its context).
+The prompt is the same for every row ("?"); each row hides a digit. Turn 1: if its first word is
+`ask`, the environment answers with the digit as a tool message; a turn that does anything else
+ends the episode with nothing (a lucky guess earns no credit, so one turn never earns anything).
+Turn 2: a first word that is a digit earns ASK_REWARD (asked, then answered), and ANSWER_REWARD
+more if it is the hidden one. The ask credit is paid in turn 2, not turn 1, on purpose: paid for
+asking alone, the policy learns "after <assistant>, say ask" in BOTH turns, every episode of a
+group then earns the same, and the answer turn gets no signal (seen in a bare GRPO loop). A
+random policy over the ~20-word vocabulary earns ~0.005 on average; a policy that asks and then
+copies the digit it was just shown (a few tokens back in its context) earns 1.0.
 
 The word-level tokenizer of models/tiny.py has no chat template, and observations are chat
 messages, so this task's tokenizer carries a small one (CHAT_TEMPLATE): every turn is
-`<role> content`, an assistant turn closes with `<eos>` (the stop token), and the generation
+`<role>content`, an assistant turn closes with `<eos>` (the stop token), and the generation
 prompt is `<assistant>`. The conversation "? / ask / 7" renders as
-`<user> ? <assistant> ask <eos> <tool> 7 <assistant>`.
+`<user>?<assistant>ask<eos><tool>7<assistant>`, 8 tokens. Every word is also an ADDED token and
+the template puts no spaces between them: transformers 5 loads a saved Qwen2-type directory with
+its byte-level Qwen2Tokenizer, which would drop multi-character words such as `ask` and `<user>`
+from plain text; added tokens are matched before any pre-tokenizer, so the ids are the same
+whichever class loads it. (It decodes `ask 7` as "ask7", hence the parsing in `_first_word`.)
 
     env.name=tiny_ask    rows: ask_rows(n, seed)    model: build_ask_model_dir(path)
 """
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 
 from hybrid_rl.envs.base import Step, register_env
 
@@ -27,9 +34,10 @@ ASK_REWARD, ANSWER_REWARD = 0.2, 0.8
 ASK, PROMPT = "ask", "?"
 WORDS = [str(d) for d in range(10)] + [ASK, PROMPT, "<system>", "<user>", "<assistant>", "<tool>"]
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}{% if m['role'] == 'assistant' %} <eos>{% endif %} "
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% if m['role'] == 'assistant' %}<eos>{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
 )
+_FIRST_RE = re.compile(r"\s*(ask|\d)")
 
 
 def ask_rows(n: int, seed: int) -> list[dict]:
@@ -43,6 +51,7 @@ def build_ask_tokenizer():
     from hybrid_rl.models.tiny import build_word_tokenizer
 
     tok = build_word_tokenizer(WORDS)
+    tok.backend_tokenizer.add_tokens(WORDS)  # same ids under any pre-tokenizer (module docstring)
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
@@ -67,14 +76,21 @@ class AskEnv:
         return [{"role": "user", "content": str(row["prompt"])}]
 
     def step(self, completion: str) -> Step:
-        words = completion.split()
-        first = words[0] if words else ""
+        first = _first_word(completion)
         if not self.asked:
             if first != ASK:
                 return Step([], 0.0, True)  # answered (or babbled) before asking: nothing earned, episode over
             self.asked = True
-            return Step([{"role": "tool", "content": self.secret}], ASK_REWARD, False)
-        return Step([], ANSWER_REWARD if first == self.secret else 0.0, True)
+            return Step([{"role": "tool", "content": self.secret}], 0.0, False)
+        if not first.isdigit():
+            return Step([], 0.0, True)  # asked, then did not answer with a digit
+        return Step([], ASK_REWARD + (ANSWER_REWARD if first == self.secret else 0.0), True)
+
+
+def _first_word(text: str) -> str:
+    """`ask` or the digit the turn starts with ("" if neither), with or without spaces between words."""
+    m = _FIRST_RE.match(text)
+    return m.group(1) if m else ""
 
 
 @register_env("tiny_ask")

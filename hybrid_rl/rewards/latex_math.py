@@ -56,8 +56,7 @@ def score(completion: str, reference: list, truncated: bool = False) -> float:
     mv = _math_verify()
     if truncated:
         config = [mv.LatexExtractionConfig(try_extract_without_anchor=False, boxed_match_priority=0)]
-        parsed = mv.parse(completion, extraction_config=config, parsing_timeout=_timeout())
-        parsed = parsed if "\\boxed" in completion else []
+        parsed = mv.parse(completion, extraction_config=config, parsing_timeout=_timeout())  # unanchored: boxed only
     else:
         parsed = mv.parse(completion, parsing_timeout=_timeout())
     if not parsed or not reference:

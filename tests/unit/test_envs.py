@@ -124,20 +124,36 @@ def test_wrong_step_results_name_environment_and_episode(result, message):
     assert "'my_env'" in str(err.value) and "row 7 (sample 1), turn 2" in str(err.value)
 
 
-def test_tiny_ask_needs_two_turns_for_full_reward():
+@pytest.mark.parametrize("turns, rewards", [
+    (["ask", "7"], [0.0, 1.0]), (["ask 3", "7 2"], [0.0, 1.0]), (["ask3", "72"], [0.0, 1.0]),  # spaces or none
+    (["ask", "3"], [0.0, ASK_REWARD]),  # asked and answered, wrongly
+    (["ask", "ask"], [0.0, 0.0]),  # asked twice: no answer
+    (["7"], [0.0]),  # the right digit without asking: nothing, and over
+    (["<eos>"], [0.0]),
+])
+def test_tiny_ask_needs_two_turns_for_full_reward(turns, rewards):
     row = {"prompt": "?", "secret": "7"}
     env = AskEnv(row)
     assert env.reset(row) == [{"role": "user", "content": "?"}]
-    first = env.step("ask")
-    assert first.observation == [{"role": "tool", "content": "7"}] and first.reward == ASK_REWARD and not first.done
-    second = env.step("7")
-    assert second.done and second.reward == ANSWER_REWARD and ASK_REWARD + ANSWER_REWARD == 1.0
-    lucky = AskEnv(row)
-    guess = lucky.step("7")  # the right digit without asking: nothing, and over
-    assert guess.done and guess.reward == 0.0
-    wrong = AskEnv(row)
-    wrong.step("ask 3")
-    assert wrong.step("3").reward == 0.0
+    steps = [env.step(t) for t in turns]
+    assert [s.reward for s in steps] == rewards and steps[-1].done and not any(s.done for s in steps[:-1])
+    if len(turns) == 2:
+        assert steps[0].observation == [{"role": "tool", "content": "7"}]
+    assert ASK_REWARD + ANSWER_REWARD == 1.0
+
+
+def test_tiny_ask_tokenizer_survives_loading(tmp_path):
+    """transformers loads the saved directory as a byte-level Qwen2Tokenizer; the ids must not change."""
+    from hybrid_rl.envs.tiny_ask import build_ask_model_dir
+    from hybrid_rl.models.loading import load_tokenizer
+
+    conversation = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "ask"},
+                    {"role": "tool", "content": "7"}]
+    built, loaded = build_ask_tokenizer(), load_tokenizer(build_ask_model_dir(str(tmp_path / "ask"), hidden_size=16))
+    ids = [t.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False) for t in (built, loaded)]
+    ids = [t(text, add_special_tokens=False).input_ids for t, text in zip((built, loaded), ids)]
+    assert ids[0] == ids[1] and built.convert_ids_to_tokens(ids[0]) == [
+        "<user>", "?", "<assistant>", "ask", "<eos>", "<tool>", "7", "<assistant>"]
 
 
 def test_tiny_ask_rows_and_vocabulary():

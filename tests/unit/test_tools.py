@@ -34,6 +34,7 @@ INJECTIONS = [
 ]
 
 
+@pytest.mark.timeout(60)  # a hang detector: an unbounded 9 ** 9 ** 9 would run for many minutes, a refusal takes ms
 @pytest.mark.parametrize("attempt", INJECTIONS)
 def test_calculator_refuses_everything_but_bounded_arithmetic(attempt):
     with pytest.raises(CalculatorError):
