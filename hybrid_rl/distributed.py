@@ -184,11 +184,16 @@ def broadcast_object_from(obj: Any, src: int, group=None) -> Any:
     return box[0]
 
 
-def broadcast_tensor_(tensor: torch.Tensor, src: int) -> None:
-    """Overwrite `tensor` on every rank with global rank `src`'s (in place; no-op when not distributed)."""
+def broadcast_tensor_(tensor: torch.Tensor, src: int, group=None, timeout_s: float | None = None) -> None:
+    """Overwrite `tensor` on every rank of `group` (default: all) with global rank `src`'s (in place; no-op when
+    not distributed). `timeout_s`: wait at most that long for this broadcast, whatever the group's own timeout
+    (the split placement's weight sync names the silent peer sooner than a long step's timeout would)."""
     if is_dist():
         _check_served(tensor)
-        dist.broadcast(tensor, src=src)
+        if timeout_s is None:
+            dist.broadcast(tensor, src=src, group=group)
+        else:
+            dist.broadcast(tensor, src=src, group=group, async_op=True).wait(timedelta(seconds=timeout_s))
 
 
 def local_world_size() -> int:

@@ -19,12 +19,12 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from hybrid_rl import distributed as D
 from hybrid_rl.switch.weights import iter_weight_buckets
 from hybrid_rl.split.transport import PeerError
 
@@ -43,7 +43,7 @@ class SyncStats:
 
 def _bcast(t: torch.Tensor, src: int, group, timeout_s: float, what: str) -> None:
     try:
-        dist.broadcast(t, src=src, group=group, async_op=True).wait(timedelta(seconds=timeout_s))
+        D.broadcast_tensor_(t, src, group=group, timeout_s=timeout_s)
     except Exception as err:  # noqa: BLE001 - gloo raises RuntimeError, NCCL DistBackendError
         raise PeerError(f"split weight sync: {what} failed within {timeout_s:g} s: a peer died or hangs "
                         f"({type(err).__name__}: {str(err).strip().splitlines()[0][:200]})") from err
