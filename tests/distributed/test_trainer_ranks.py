@@ -26,10 +26,10 @@ def _step_on_rank(rank: int, overrides: list[str], gpu_backend: bool):
         D._served = lambda: served
     tr = trainer_mod.Trainer(load_config(None, overrides))
     seen = {}
-    real_rollout, real_update = tr._rollout, trainer_mod.policy_update
+    real_rollout, real_update = tr.rollout_stage.run, trainer_mod.policy_update
 
-    def rollout(engine, timer):
-        batch, metrics = real_rollout(engine, timer)
+    def rollout(*args, **kwargs):
+        batch, metrics = real_rollout(*args, **kwargs)
         seen["rollout"] = batch
         return batch, metrics
 
@@ -37,7 +37,7 @@ def _step_on_rank(rank: int, overrides: list[str], gpu_backend: bool):
         seen["train"] = kwargs["batch"]
         return real_update(**kwargs)
 
-    tr._rollout = rollout
+    tr.rollout_stage.run = rollout
     trainer_mod.policy_update = update
     m = tr.step()
     return {"scores": seen["rollout"].scores_N, "completions": [c.token_ids for c in seen["rollout"].completions],
@@ -81,15 +81,15 @@ def _same_prompt_step(rank: int, overrides: list[str]):
     D.init("cpu", timeout_s=60)
     tr = trainer_mod.Trainer(load_config(None, overrides))
     seen = {}
-    real_rollout = tr._rollout
+    real_rollout = tr.rollout_stage.run
 
-    def rollout(engine, timer):
-        batch, metrics = real_rollout(engine, timer)
+    def rollout(*args, **kwargs):
+        batch, metrics = real_rollout(*args, **kwargs)
         seen["completions"] = [c.token_ids for c in batch.completions]
         seen["prompts"] = [r["prompt"] for r in batch.rows]
         return batch, metrics
 
-    tr._rollout = rollout
+    tr.rollout_stage.run = rollout
     m = tr.step()
     return {**seen, "optimizer_steps": tr.scheduler.last_epoch, "metrics": m}
 

@@ -377,9 +377,9 @@ def test_the_trainer_gives_a_reward_side_kl_per_token_only_to_estimators_that_ta
             for p in tr.ref.parameters():
                 p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
         scores = []
-        real_rollout = tr._rollout
-        monkeypatch.setattr(tr, "_rollout", lambda *a: (lambda out: scores.append(out[0].scores_N) or out)(
-            real_rollout(*a)))
+        real_rollout = tr.rollout_stage.run
+        monkeypatch.setattr(tr.rollout_stage, "run", lambda *a, **k: (lambda out: scores.append(out[0].scores_N) or out)(
+            real_rollout(*a, **k)))
         tr.step()
         (_, scores_N, _, _), kwargs = calls[0]
         assert (kwargs["kl_NT"] is not None) == token_kl, name

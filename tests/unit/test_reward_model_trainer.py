@@ -63,7 +63,7 @@ def test_reward_is_the_weighted_sum_of_the_rule_and_the_models_score_of_the_text
     completions = [completion("234", True), completion("230", False), completion("890", True),
                    completion("8", True, extra=(unk,))]
     with tr.phases.rollout():
-        reward_N, score_N, parts = tr._reward_parts(rows, completions)
+        reward_N, score_N, parts = tr.rollout_stage.score(rows, completions, model_phase=tr.phases.reward)
     rule_N = torch.tensor([1.0, 0.6, 1.0, 0.3])
     model_N = _reference_scores(rm_dir, ["1 2 3 =", "1 2 3 =", "7 8 9 =", "7 8 9 ="],
                                 ["2 3 4", "2 3 0", "8 9 0", "8 <unk>"])

@@ -186,7 +186,7 @@ def test_reward_numbers_from_numpy_and_torch_are_accepted():
 
 # ---------------------------------------------------------------------------- scoring a step's completions
 def test_reward_scores_each_completion_against_its_own_row(tiny_trainer_overrides, tiny_tokenizer):
-    """Catches the trainer's reward (Trainer._reward_parts -> RewardSetup.score) pairing completions with the wrong dataset row (rows[i % B] instead of
+    """Catches the trainer's reward (RolloutStage.score -> RewardSetup.score) pairing completions with the wrong dataset row (rows[i % B] instead of
     rows[i // G]) and counting the stop token as part of the answer (which makes the digits
     reward's "stopped right after the answer" bonus unreachable)."""
     tr = _trainer(tiny_trainer_overrides)  # rollout.n = 2
@@ -198,6 +198,6 @@ def test_reward_scores_each_completion_against_its_own_row(tiny_trainer_override
         return Completion(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason="stop" if stop else "length")
 
     completions = [completion("234", True), completion("230", False), completion("890", True), completion("8", True)]
-    rewards, scores, _ = tr._reward_parts(rows, completions)
+    rewards, scores, _ = tr.rollout_stage.score(rows, completions, model_phase=tr.phases.reward)
     torch.testing.assert_close(rewards, torch.tensor([1.0, 0.6, 1.0, 0.3]))
     torch.testing.assert_close(scores, rewards)

@@ -37,10 +37,10 @@ def test_every_engine_stops_on_the_eos_ids_the_model_configs_declare(tiny_model_
     with open(gen_path, "w") as f:
         json.dump(gen, f)
     trainer = Trainer(load_config(None, [*tiny_trainer_overrides, f"model.path={d}", "rollout.stop_token_ids=[9]"]))
-    assert trainer.stop_token_ids == (1, 7, 9) and 7 in trainer._sampling_params(0).stop_token_ids
+    assert trainer.stop_token_ids == (1, 7, 9) and 7 in trainer.rollout_stage.sampling_params(0, 0).stop_token_ids
     rows = [{"prompt": "1 2 3 =", "answer": "234"}]
     words = trainer.tokenizer.convert_tokens_to_ids(["2", "3", "4"])
     done = Completion(token_ids=[*words, 7], logprobs=[0.0] * 4, finish_reason="stop")
-    rewards, _, _ = trainer._reward_parts(rows, [done] * trainer.cfg.rollout.n)
+    rewards, _, _ = trainer.rollout_stage.score(rows, [done] * trainer.cfg.rollout.n)
     assert float(rewards[0]) == pytest.approx(1.0), "the body without the model's EOS scores as a finished answer"
     trainer.close()

@@ -55,14 +55,14 @@ def _capture(monkeypatch, target, name):
 def _rollouts(monkeypatch, trainer: Trainer) -> list:
     """Record every RolloutBatch the trainer's ROLLOUT stage returns."""
     seen = []
-    real = trainer._rollout
+    real = trainer.rollout_stage.run
 
-    def spy(engine, timer):
-        batch, metrics = real(engine, timer)
+    def spy(*args, **kwargs):
+        batch, metrics = real(*args, **kwargs)
         seen.append(batch)
         return batch, metrics
 
-    monkeypatch.setattr(trainer, "_rollout", spy)
+    monkeypatch.setattr(trainer.rollout_stage, "run", spy)
     return seen
 
 

@@ -1,0 +1,84 @@
+"""The ROLLOUT and REWARD stages of a step: this rank's prompts x G samples through the engine, each
+completion scored, until the collector holds the step's groups (dynamic sampling may need several
+rounds); the kept groups as one `RolloutBatch`.
+
+Pure of the Trainer: built from the config, the prompt encoder, the reward setup and the tokenizer,
+and run with the engine the ROLLOUT phase hands out, the run state's prompt loader and the step's
+index. A second loop reuses it as it is: the split placement's rollout ranks run the same stage
+(their own loader slice) and send the batch's groups to the learner ranks.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional
+
+from hybrid_rl import distributed as D
+from hybrid_rl.batch import RolloutBatch
+from hybrid_rl.config import Config
+from hybrid_rl.data.prompts import PromptLoader
+from hybrid_rl.loggers import log_rollouts
+from hybrid_rl.metrics import StageTimer
+from hybrid_rl.rewards.setup import RewardSetup
+from hybrid_rl.rollout.base import SamplingParams, response_bodies
+from hybrid_rl.sampling import GroupCollector
+
+
+class RolloutStage:
+    def __init__(self, cfg: Config, encode: Callable[[dict], list[int]], rewards: RewardSetup, tokenizer,
+                 stop_token_ids: tuple[int, ...], stop_set: set, device, out_dir: str):
+        """stop_token_ids: what every engine stops on; stop_set: a completion's last token that is cut
+        from its text (trainer._build_data); out_dir: where `trainer.log_rollouts` writes rollouts.jsonl."""
+        self.cfg, self.encode, self.rewards, self.tokenizer = cfg, encode, rewards, tokenizer
+        self.stop_token_ids, self.stop_set, self.device, self.out_dir = stop_token_ids, stop_set, device, out_dir
+
+    def run(self, engine, loader: PromptLoader, step: int, timer: StageTimer,
+            model_phase=None) -> tuple[Optional[RolloutBatch], dict]:
+        """Sampling rounds until the collector has the step's groups; the kept groups as one batch (None if
+        none) and the stage's metrics. step: finished steps (seeds the sampling); model_phase: the phase
+        switch's reward() context, for a reward model (RewardSetup.score)."""
+        algo, G = self.cfg.algorithm, self.cfg.rollout.n
+        groups = GroupCollector(G, algo.dynamic_sampling, algo.max_sampling_rounds,
+                                self.rewards.rule.success_threshold)
+        while True:
+            rows = loader.next_batch()
+            prompt_ids = [self.encode(r) for r in rows]
+            with timer("rollout"):
+                completions = engine.generate([p for p in prompt_ids for _ in range(G)],
+                                              self.sampling_params(step, groups.rounds))
+            with timer("reward"):
+                rewards_N, scores_N, parts = self.score(rows, completions, model_phase)
+            groups.add(rows, prompt_ids, completions, rewards_N, scores_N, parts)
+            if not groups.need_another_round():
+                break
+        kept, metrics = groups.finish()
+        self._log_rollouts(kept, step)
+        if not kept.rows:
+            return None, metrics
+        batch = RolloutBatch.build(kept.rows, kept.prompt_ids, kept.completions, G, kept.rewards_N, kept.scores_N,
+                                   self.tokenizer.pad_token_id, self.device)
+        return batch, metrics
+
+    def score(self, rows: list[dict], completions: list, model_phase=None):
+        """(reward, score, logged parts) per completion (G per row, in order): the rule reward on the host and/or
+        the reward model's score in the REWARD stage, weighted, + DAPO's soft overlong penalty (rewards/setup.py)."""
+        return self.rewards.score(rows, completions, self.cfg.rollout.n, self.tokenizer, self.stop_set,
+                                  model_phase=model_phase)
+
+    def sampling_params(self, step: int, round_idx: int) -> SamplingParams:
+        """The engine's sampling settings, with a new seed per step, rank and sampling round (97 and 7919 are
+        coprime: no two collide)."""
+        r = self.cfg.rollout
+        seed = r.seed + 1_000_003 * step + 7919 * D.rank() + 97 * round_idx
+        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                              top_k=r.top_k, stop_token_ids=self.stop_token_ids, seed=seed)
+
+    def _log_rollouts(self, kept, step: int) -> None:
+        """The first `trainer.log_rollouts` kept completions of the step, as text (rank 0)."""
+        n_log = self.cfg.trainer.log_rollouts
+        if not (n_log and D.is_main() and kept.rows):
+            return
+        n = min(n_log, len(kept.completions))
+        texts = self.tokenizer.batch_decode(response_bodies(kept.completions[:n], self.stop_set),
+                                            skip_special_tokens=True)
+        log_rollouts(os.path.join(self.out_dir, "rollouts.jsonl"), step + 1, kept.rows, texts, kept.completions[:n],
+                     kept.rewards_N[:n].tolist(), kept.scores_N[:n].tolist(), self.cfg.rollout.n)
