@@ -80,11 +80,6 @@ class PackedLayout:
     col_Q: torch.Tensor
     real_tokens: int
 
-    @property
-    def unused_fraction(self) -> float:
-        """Slots the packed rows run on without a real token (the padded layout's share is usually far larger)."""
-        return 1.0 - self.real_tokens / max(1, self.ids_RC.numel())
-
 
 def plan_rows(attn_NL: torch.Tensor, one_row: bool) -> tuple[list[int], int, list[list[int]]]:
     """(lengths, capacity C, bins): each sequence's real tokens and the packed rows' members.

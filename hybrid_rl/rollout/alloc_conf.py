@@ -71,11 +71,6 @@ def with_expandable(conf: str, on: bool) -> str:
     return ",".join([*_items(without_expandable(conf)), f"{_KEY}:{on}"])
 
 
-def expandable_in_env(env: Mapping[str, str]) -> bool:
-    """Whether torch, started with this environment, uses expandable segments."""
-    return expandable_segments(effective_conf(env)[1])
-
-
 def ipc_safe(settings: str) -> Optional[str]:
     """The settings to export CUDA IPC handles under: `settings` with expandable segments off,
     or None when they are off already (nothing to switch, nothing to restore)."""

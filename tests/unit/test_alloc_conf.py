@@ -13,6 +13,11 @@ from hybrid_rl.rollout import alloc_conf as A
 ON = "expandable_segments:True"
 
 
+def _expandable_in_env(env) -> bool:
+    """Whether torch, started with this environment, uses expandable segments."""
+    return A.expandable_segments(A.effective_conf(env)[1])
+
+
 @pytest.mark.parametrize("env, name, expandable", [
     ({}, None, False),
     ({"PYTORCH_CUDA_ALLOC_CONF": ON}, "PYTORCH_CUDA_ALLOC_CONF", True),
@@ -24,7 +29,7 @@ ON = "expandable_segments:True"
 ])
 def test_the_first_set_variable_wins(env, name, expandable):
     assert A.effective_conf(env)[0] == name
-    assert A.expandable_in_env(env) is expandable
+    assert _expandable_in_env(env) is expandable
 
 
 @pytest.mark.parametrize("conf, expandable", [
@@ -57,6 +62,6 @@ def test_the_engine_environment_loses_expandable_segments_under_every_name():
     # torch_memory_saver checks PYTORCH_CUDA_ALLOC_CONF's text even where PYTORCH_ALLOC_CONF wins.
     assert updates == {"PYTORCH_ALLOC_CONF": "garbage_collection_threshold:0.6", "PYTORCH_CUDA_ALLOC_CONF": ""}
     merged = {**env, **updates}
-    assert not A.expandable_in_env(merged) and "expandable_segments:True" not in merged["PYTORCH_CUDA_ALLOC_CONF"]
+    assert not _expandable_in_env(merged) and "expandable_segments:True" not in merged["PYTORCH_CUDA_ALLOC_CONF"]
     assert A.effective_conf(merged)[0] == "PYTORCH_ALLOC_CONF", "the same name still wins in the engine"
     assert A.engine_env_updates({"PYTORCH_ALLOC_CONF": "max_split_size_mb:64"}) == {}

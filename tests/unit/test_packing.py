@@ -74,7 +74,7 @@ def test_layout_of_a_hand_made_batch():
     assert lay.pred_Q.tolist() == [1, 2, 4]
     assert lay.target_Q.tolist() == [7, 8, 10]
     assert list(zip(lay.row_Q.tolist(), lay.col_Q.tolist())) == [(0, 0), (0, 1), (1, 0)]
-    assert lay.real_tokens == 8 and lay.unused_fraction == 0.0
+    assert lay.real_tokens == 8 and 1.0 - lay.real_tokens / lay.ids_RC.numel() == 0.0
 
     one = pack(ids, attn, P, one_row=True)
     assert one.ids_RC.tolist() == [[5, 6, 7, 8, 9, 10, 11, 12]]
@@ -87,7 +87,7 @@ def test_unused_slots_sit_at_the_end_of_a_row():
     lay = pack(ids, attn, P, one_row=False)  # capacity 5: row 0 = seq 0, row 1 = seq 1 (2 tokens) + 3 unused
     assert lay.ids_RC.tolist() == [[5, 6, 7, 7, 8], [9, 10, 0, 0, 0]]
     assert lay.pos_RC.tolist() == [[0, 1, 2, 3, 4], [0, 1, 0, 0, 0]]
-    assert lay.unused_fraction == pytest.approx(0.3)
+    assert 1.0 - lay.real_tokens / lay.ids_RC.numel() == pytest.approx(0.3)
 
 
 @pytest.mark.parametrize("attn_impl", ["sdpa", "eager"])
