@@ -68,17 +68,18 @@ class SyncSplit:
 
 
 def engine_for(module: torch.nn.Module, model_dir: str, max_model_len: int, sequences: int, tp_size: int = 1,
-               weights_dtype: Optional[torch.dtype] = None):
+               weights_dtype: Optional[torch.dtype] = None, engine_kwargs: Optional[dict] = None):
     """A VLLMEngine over `module` (no EOS: eos_id -1, so only stop_token_ids end a row)."""
     from hybrid_rl.rollout.vllm import VLLMEngine
 
     return VLLMEngine(module, model_dir, pad_id=0, eos_id=-1, max_model_len=max_model_len, sequences=sequences,
-                      tp_size=tp_size, weights_dtype=weights_dtype)
+                      tp_size=tp_size, weights_dtype=weights_dtype, engine_kwargs=engine_kwargs)
 
 
-def synced_engine(module: torch.nn.Module, model_dir: str, max_model_len: int, sequences: int):
+def synced_engine(module: torch.nn.Module, model_dir: str, max_model_len: int, sequences: int,
+                  engine_kwargs: Optional[dict] = None):
     """An engine holding `module`'s weights, awake (weights and KV cache), ready to generate."""
-    engine = engine_for(module, model_dir, max_model_len, sequences)
+    engine = engine_for(module, model_dir, max_model_len, sequences, engine_kwargs=engine_kwargs)
     engine.resume(["weights"])
     engine.begin_weight_update()
     engine.update_weights([(n, p.detach()) for n, p in module.named_parameters()])

@@ -1,6 +1,7 @@
 """What the vLLM engine (rollout/vllm.py) needs settled before vLLM starts: the checks that raise a
 config error before a model is built, the KV-cache budget, and a guard around what vLLM's start-up
-does to this process.
+does to this process; and, around each generate, the seeded sampling stream (rollout/vllm.py's
+docstring says why one stream per call, not a seed per request).
 
 What starting vLLM 0.32 (CPU build, in-process) does to the process, measured on this machine and
 read in its source (platforms/cpu.py, v1/worker/cpu_worker.py, utils/torch_utils.py):
@@ -27,12 +28,13 @@ read in its source (platforms/cpu.py, v1/worker/cpu_worker.py, utils/torch_utils
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import random
 import signal
-from typing import Optional
+from typing import Iterable, Optional
 
 import numpy as np
 import torch
@@ -176,3 +178,29 @@ class ProcessGuard:
         for s, handler in self.handlers.items():
             if signal.getsignal(s) != handler and handler is not None:
                 signal.signal(s, handler)
+
+
+def group_seed(seeds: Iterable[int]) -> int:
+    """One seed for a generate call from the seeds of the group's requests (one per rank, in rank order):
+    every rank of the group computes the same value, and a different seed on any rank changes it."""
+    mixed = 0
+    for s in seeds:
+        mixed = (mixed * 1_000_003 + int(s)) % (1 << 63)
+    return mixed
+
+
+@contextlib.contextmanager
+def sampling_stream(seed: int, device: torch.device):
+    """Seeds the generator vLLM's sampler draws from (torch's default CPU generator, and on CUDA the engine
+    device's), then gives it back its state: the trainer's stream continues as if generate never ran."""
+    gens = [torch.default_generator]
+    if device.type == "cuda":
+        gens.append(torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()])
+    states = [g.get_state() for g in gens]
+    try:
+        for g in gens:
+            g.manual_seed(seed)
+        yield
+    finally:
+        for g, state in zip(gens, states):
+            g.set_state(state)

@@ -156,3 +156,15 @@ def test_trl_reload_sync_makes_vllm_follow_the_trained_weights(bench_path):
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
     finally:
         engine.shutdown()
+
+
+def test_vllm_rollout_ab_times_every_variant_on_the_same_work(bench_path, capsys):
+    """benchmarks/vllm_rollout_ab.py: every variant decodes every row to T tokens (asserted inside), `old` is
+    the ratios' reference, and the adapter's flat logprob reader gives the dict reader's numbers."""
+    res = _load("vllm_rollout_ab").main(["--prompts", "2", "--samples", "2", "--new-tokens", "3", "--rounds", "1",
+                                         "--warmup", "0"])
+    v = res["variants"]
+    assert set(v) == {"adapter", "request_seeds", "dict_logprobs", "old", "no_logprobs"}
+    assert v["old"]["ratio_to_old"] == 1.0 and all(math.isfinite(x["median_s"]) and x["median_s"] > 0 for x in v.values())
+    assert res["adapter_equals_dict_logprobs"] is True
+    assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith('{"variants"')

@@ -98,7 +98,7 @@ def test_greedy_output_equals_the_native_engine_on_the_same_weights(setup):
 
 def test_sampled_logprobs_equal_the_trainers_at_the_sampling_temperature(setup):
     """processed_logprobs: log_softmax(logits / T) of the sampled token (raw_logprobs would be at T = 1);
-    each sample has its own seed, so a prompt's samples differ."""
+    each sample draws its own noise from the call's seeded stream, so a prompt's samples differ."""
     from hybrid_rl.rollout.base import SamplingParams
 
     policy, engine, pm, tok, _ = setup
@@ -113,6 +113,40 @@ def test_sampled_logprobs_equal_the_trainers_at_the_sampling_temperature(setup):
     assert len({tuple(c.token_ids) for c in got[0::3]}) > 1, "the samples of one prompt must not share a seed"
     again = _rollout(pm, prompts, SamplingParams(max_new_tokens=6, temperature=0.7, seed=3))
     assert [c.token_ids for c in again] == [c.token_ids for c in got], "a seed reproduces its samples"
+
+
+def test_a_seed_fixes_the_samples_and_the_trainers_random_stream_is_untouched(setup):
+    """One seeded stream per call (rollout/vllm.py, "Sampling stream"): the same seed, weights and prompts give
+    the same tokens whatever torch's global stream holds; another seed gives others; and generate hands the
+    trainer's stream back where it was."""
+    from hybrid_rl.rollout.base import SamplingParams
+
+    policy, engine, pm, tok, _ = setup
+    prompts = PROMPTS * 4
+
+    def sample(seed, trainer_seed):
+        with pm.rollout() as e:
+            torch.manual_seed(trainer_seed)
+            out = [c.token_ids for c in e.generate(prompts, SamplingParams(max_new_tokens=6, temperature=1.0, seed=seed))]
+            after = torch.rand(4)
+        with pm.train():
+            pass
+        torch.manual_seed(trainer_seed)
+        assert torch.equal(after, torch.rand(4)), "generate must give torch's default stream back as it found it"
+        return out
+
+    first = sample(21, trainer_seed=0)
+    assert sample(21, trainer_seed=1) == first, "a seed reproduces its samples whatever the trainer's stream holds"
+    assert sample(22, trainer_seed=0) != first, "another seed draws other samples"
+
+
+def test_group_seed_is_one_value_per_group_that_every_seed_moves():
+    from hybrid_rl.rollout.vllm_setup import group_seed
+
+    assert group_seed([5]) == 5 and group_seed([]) == 0
+    seeds = {group_seed(s) for s in ([3, 7], [7, 3], [3, 8], [4, 7], [3, 7, 0])}
+    assert len(seeds) == 5, "each rank's seed and its place in the group change the call's seed"
+    assert 0 <= group_seed([-1, 2**70]) < 2**63
 
 
 def test_with_top_k_the_engine_returns_the_filtered_distributions_logprobs(setup):
@@ -228,6 +262,28 @@ def test_completion_mapping_like_the_other_engines():
     out.finish_reason = "abort"
     with pytest.raises(RuntimeError, match="abort"):
         to_completion(out, 0)
+
+
+def test_flat_logprobs_map_like_the_dict_form():
+    """generate asks for vLLM's FlatLogprobs; with only the sampled token per position they are read as flat lists,
+    otherwise (top logprobs too) per position, as the dict form."""
+    from types import SimpleNamespace as NS
+
+    from vllm.logprobs import FlatLogprobs, Logprob
+
+    from hybrid_rl.rollout.vllm import to_completion
+
+    flat = FlatLogprobs()
+    for t, x in ((5, -0.5), (6, -1.0), (1, -2.0)):
+        flat.append({t: Logprob(x, rank=1)})
+    c = to_completion(NS(token_ids=[5, 6, 1], finish_reason="stop", logprobs=flat), 0)
+    assert c.logprobs == [-0.5, -1.0, -2.0] and c.token_ids == [5, 6, 1]
+    wide = FlatLogprobs()
+    for t, x in ((5, -0.5), (6, -1.0), (1, -2.0)):
+        wide.append({t: Logprob(x, rank=2), 9: Logprob(-0.1, rank=1)})  # the sampled token and a top-1 entry
+    assert to_completion(NS(token_ids=[5, 6, 1], finish_reason="stop", logprobs=wide), 0).logprobs == [-0.5, -1.0, -2.0]
+    with pytest.raises(RuntimeError, match="every token"):
+        to_completion(NS(token_ids=[5, 6, 1], finish_reason="stop", logprobs=flat[:2]), 0)
 
 
 def test_config_errors_name_what_to_change(tiny_model_dir, wide_model_dir, tmp_path, monkeypatch):
