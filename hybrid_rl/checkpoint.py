@@ -204,16 +204,16 @@ def set_rng_state(state: dict) -> None:
 
 # -- save ---------------------------------------------------------------------
 def save(root: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank_state: dict,
-         meta: dict, write_hf) -> str:
+         meta: dict, write_hf, trainable_only: bool = False) -> str:
     """Write checkpoint `step` under `root` on every rank; returns its path once complete.
 
     rank_state: this rank's state (torch-saveable, weights_only-loadable). meta: JSON-safe
     (rank 0's is written). write_hf(dir): rank 0 writes the model config and tokenizer there.
+    trainable_only: the weights that train and nothing else (LoRA: the adapters; the frozen base is model.path's).
     On any failure every rank raises `CheckpointError` and nothing under `root` changes
     except the removal of the temporary directory.
     """
     from torch.distributed.checkpoint import save as dcp_save
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     final = step_dir(root, step)
     tmp = os.path.join(root, f".tmp-step_{step:08d}")
@@ -227,11 +227,11 @@ def save(root: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Op
         except OSError as err:
             failure = err
     _agree(failure, tmp, final, "preparing")
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = _state_dicts(model, optimizer, trainable_only)
     try:
         with _quiet_single_process():
             dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmp, "state"),
-                     no_dist=not D.is_dist())
+                     no_dist=not D.is_dist(), process_group=D.scope_group())  # split: the learner ranks
         torch.save(rank_state, os.path.join(tmp, f"rank_{D.rank():05d}.pt"))
     except Exception as err:  # DCP raises on every rank when one rank's write fails
         failure = err
@@ -313,18 +313,41 @@ def _quiet_single_process() -> Iterator[None]:
 
 
 # -- load ---------------------------------------------------------------------
-def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Load weights and optimizer state (in place, this rank's shards) and return this rank's state."""
+def _options(trainable_only: bool):
+    """The state-dict options of a checkpoint: with `trainable_only` the frozen parameters are left out (and not
+    asked for on load: what DCP cannot find for the parameters that remain still raises)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+
+
+def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool) -> tuple[dict, dict]:
+    """(model, optimizer) state dicts of a checkpoint. torch's ignore_frozen_params keeps a tied weight's second
+    name (a tied LM head: the frozen embedding again), so the model's is filtered by requires_grad here too."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(trainable_only))
+    if trainable_only:
+        trains = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+        model_sd = {k: v for k, v in model_sd.items() if k in trains}
+    return model_sd, optim_sd
+
+
+def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool = False) -> dict:
+    """Load weights and optimizer state (in place, this rank's shards) and return this rank's state.
+    trainable_only: as `save` wrote it (LoRA: the adapters; the base stays as model.path loaded it)."""
     from torch.distributed.checkpoint import load as dcp_load
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     rank_file = os.path.join(path, f"rank_{D.rank():05d}.pt")
     if not os.path.isfile(rank_file):
         raise CheckpointError(f"checkpoint {path!r} has no {os.path.basename(rank_file)}: it was written by fewer ranks "
                               "or is damaged")
-    model_sd, optim_sd = get_state_dict(model, optimizer)  # creates the optimizer state to load into
+    options = _options(trainable_only)
+    model_sd, optim_sd = _state_dicts(model, optimizer, trainable_only)  # creates the optimizer state to load into
     state = {"model": model_sd, "optim": optim_sd}
     with _quiet_single_process():
-        dcp_load(state, checkpoint_id=os.path.join(path, "state"), no_dist=not D.is_dist())
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        dcp_load(state, checkpoint_id=os.path.join(path, "state"), no_dist=not D.is_dist(),
+                 process_group=D.scope_group())
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     return torch.load(rank_file, weights_only=True)

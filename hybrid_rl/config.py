@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 from hybrid_rl.config_checks import check, check_choices, check_preset_applied, clip_bound, one_of, validate_runtime
+from hybrid_rl.config_env import EnvConfig
+from hybrid_rl.config_lora import LoraSettings
 
 
 @dataclass
@@ -23,6 +25,8 @@ class ModelConfig:
     # dropout forced off (models/fsdp.py prepare_policy): the update's log-probs must be the old policy's.
     gradient_checkpointing: bool = False
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    # LoRA (issue 29): a frozen base + fp32 adapters; the reference is the base (adapters off), the sync adapter-only
+    lora: LoraSettings = field(default_factory=LoraSettings)
 
     def __post_init__(self) -> None:
         check_choices(self, "model")
@@ -96,9 +100,13 @@ class RolloutConfig:
     # sglang: how long the other ranks of an engine's group wait on its owner, whose calls (a whole
     # rollout's generate) can outlast trainer.dist_timeout_s; an owner that dies is noticed at once.
     engine_timeout_s: int = 3600
+    max_turns: int = 4  # with env.*: model turns per episode at most (each a generate call of <= max_new_tokens)
+    max_episode_tokens: int = 1024  # with env.*: prompt + every turn + every observation, at most
 
     def __post_init__(self) -> None:
         check_choices(self, "rollout")
+        check(self.max_turns >= 1, "rollout.max_turns", f"must be >= 1, got {self.max_turns}")
+        check(self.max_episode_tokens >= 2, "rollout.max_episode_tokens", f"must be >= 2, got {self.max_episode_tokens}")
         check(self.n >= 1, "rollout.n", f"must be >= 1, got {self.n}")  # >= 2 for group baselines: Config checks it
         check(self.temperature > 0, "rollout.temperature", f"must be > 0, got {self.temperature}")
         check(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
@@ -277,8 +285,8 @@ class RewardConfig:
         check(bool(self.name) or bool(self.fn), "reward.name", "is empty (and reward.fn is not set)")
         check(not self.fn or (":" in self.fn and all(self.fn.partition(":")[::2])), "reward.fn",
               f"{self.fn!r} is not of the form package.module:function")
-        unknown = sorted(set(self.weights) - {"rule", "model"})
-        check(not unknown, "reward.weights", f"unknown part(s) {unknown}; the parts are 'rule' and 'model'")
+        unknown = sorted(set(self.weights) - {"rule", "model", "env"})
+        check(not unknown, "reward.weights", f"unknown part(s) {unknown}; the parts are 'rule', 'model' and 'env'")
         for part, w in self.weights.items():
             check(isinstance(w, (int, float)) and w == w and abs(w) != float("inf"), f"reward.weights.{part}",
                   f"must be a finite number, got {w!r}")
@@ -331,9 +339,16 @@ class TrainerConfig:
     checkpoint_dir: str = ""  # "" = <out_dir>/checkpoints
     resume: str = "auto"  # auto: the newest complete checkpoint, if any | none: start fresh | a step_* directory
     resume_ignore: list[str] = field(default_factory=list)  # config keys allowed to differ from the checkpoint's
+    # split (hybrid_rl/split/__init__.py): the last rollout_ranks ranks generate, samples <= max_staleness versions old
+    placement: Literal["colocated", "split"] = "colocated"
+    rollout_ranks: int = 1
+    max_staleness: int = 0
+    stale_samples: Literal["drop", "correct"] = "drop"
 
     def __post_init__(self) -> None:
         check_choices(self, "trainer")
+        check(self.rollout_ranks >= 1 and self.max_staleness >= 0, "trainer.rollout_ranks / trainer.max_staleness",
+              f"must be >= 1 / >= 0 (0 = on-policy), got {self.rollout_ranks} / {self.max_staleness}")
         check(self.total_steps > 0, "trainer.total_steps", "must be > 0")
         check(self.micro_batch_size > 0, "trainer.micro_batch_size", "must be > 0")
         check(self.max_tokens_per_micro_batch >= 0, "trainer.max_tokens_per_micro_batch",
@@ -364,9 +379,12 @@ class Config:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)  # multi-turn episodes (issue 28); unset = single turn
 
     def __post_init__(self) -> None:
         """Checks across sections."""
+        check(self.env.enabled or "env" not in self.reward.weights, "reward.weights",
+              "has an 'env' weight but no environment is set; set env.name or env.fn")
         a, n = self.algorithm, self.rollout.n
         # An estimator without a group baseline (REINFORCE++ whitens over the whole batch) runs with one sample.
         from hybrid_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS

@@ -91,10 +91,24 @@ def validate_runtime(cfg: "Config", world_size: int) -> None:
     _check_model_dir(cfg.model.path, "model.path", "model")
     if cfg.reward.model_path:
         _check_model_dir(cfg.reward.model_path, "reward.model_path", "reward model")
+    from hybrid_rl.models.lora import check_engine, check_model_dir
+
+    # model.lora.*: the engine serves adapters, model.path is no adapter directory, every target matches a
+    # Linear no narrower than the rank (the model built on the meta device from config.json: no weights read)
+    check_engine(cfg.model.lora, cfg.rollout.engine)
+    check_model_dir(cfg.model.lora, cfg.model.path)
     if cfg.rollout.engine in ("sglang", "vllm"):
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         check(local % cfg.rollout.tp_size == 0, "rollout.tp_size",
               f"{cfg.rollout.tp_size} does not divide the {local} ranks of this node")
+    if cfg.trainer.placement == "split":  # refusals naming the key (split/placement.py); the learners train
+        from hybrid_rl.split.placement import check_placement
+
+        t, a = cfg.trainer, cfg.algorithm
+        check_placement(world_size, t.rollout_ranks, t.max_staleness, t.stale_samples, tp_size=cfg.rollout.tp_size,
+                        batch_size=cfg.data.batch_size, group_size=cfg.rollout.n, mini_batch_size=a.mini_batch_size,
+                        rollout_correction=a.rollout_correction, engine=cfg.rollout.engine)
+        world_size -= t.rollout_ranks
     b = cfg.data.batch_size
     check(b % world_size == 0, "data.batch_size",
           f"{b} prompts do not divide over {world_size} ranks; use a multiple of {world_size}")

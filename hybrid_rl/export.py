@@ -1,12 +1,18 @@
 """Write a normal Hugging Face directory from a sharded checkpoint, on a CPU, in one process.
 
-    python -m hybrid_rl.export <checkpoint> <hf_dir> [--dtype auto|float32|bfloat16|float16]
+    python -m hybrid_rl.export <checkpoint> <hf_dir> [--dtype auto|float32|bfloat16|float16] [--merge]
 
 <checkpoint> is a step_* directory (or a checkpoints root: its newest complete one).
 The model is built on the meta device from the checkpoint's own config.json, given
 host memory, and filled from the DCP shards by parameter name; no process group, no
 GPU, no gather. `Trainer.save_pretrained` (the recipes' final save) calls the same
 `export_checkpoint`.
+
+A LoRA checkpoint (model.lora.rank > 0) holds the adapters only: the export reads the frozen base from
+the run's model.path (recorded in meta.json), injects the adapters (models/lora.py) and writes a peft
+adapter directory (adapter_config.json + adapter_model.safetensors + tokenizer; what
+`PeftModel.from_pretrained` and vLLM's LoRARequest read), or with --merge the base with the adapters
+merged in (peft's merge), a plain Hugging Face model directory.
 """
 from __future__ import annotations
 
@@ -37,20 +43,29 @@ def _target_dtype(config, dtype: str) -> torch.dtype:
     return DTYPES.get(declared_dtype(config.to_dict()) or "float32", torch.float32)
 
 
-def export_checkpoint(checkpoint: str, out: str, dtype: str = "auto") -> str:
+def export_checkpoint(checkpoint: str, out: str, dtype: str = "auto", merge: bool = False) -> str:
     """The policy of `checkpoint` as a HF directory at `out` (written atomically); returns `out`.
 
-    dtype: "auto" = the dtype the model's config.json declares (float32 if none)."""
+    dtype: "auto" = the dtype the model's config.json declares (float32 if none).
+    merge: a LoRA checkpoint as the merged model instead of a peft adapter directory (module docstring)."""
     from torch.distributed.checkpoint import load as dcp_load
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: use auto or one of {sorted(DTYPES)}")
     path = _resolve(checkpoint)
-    ckpt.read_meta(path)
+    meta = ckpt.read_meta(path)
     hf = os.path.join(path, "hf")
     config = AutoConfig.from_pretrained(hf)
     target = _target_dtype(config, dtype)  # before from_config(dtype=float32) overwrites config.dtype
+    lora = meta.get("config", {}).get("model", {}).get("lora", {})
+    if lora.get("rank", 0) > 0:
+        from hybrid_rl.export_lora import export_lora
+
+        return export_lora(path, out, meta["config"]["model"], target, merge, AutoTokenizer.from_pretrained(hf))
+    if merge:
+        raise ValueError(f"--merge: checkpoint {path!r} is not a LoRA run (model.lora.rank 0): its export is the "
+                         "whole model already; drop --merge")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.to_empty(device="cpu")
@@ -83,10 +98,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("checkpoint", help="a step_* checkpoint directory, or a checkpoints root (its newest)")
     parser.add_argument("out", help="the Hugging Face directory to write")
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    parser.add_argument("--merge", action="store_true",
+                        help="a LoRA checkpoint: write the base with the adapters merged (default: a peft adapter dir)")
     args = parser.parse_args(argv)
     try:
-        out = export_checkpoint(args.checkpoint, args.out, args.dtype)
-    except ckpt.CheckpointError as err:
+        out = export_checkpoint(args.checkpoint, args.out, args.dtype, args.merge)
+    except (ckpt.CheckpointError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"wrote {out}")

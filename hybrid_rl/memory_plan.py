@@ -22,6 +22,11 @@ rollout tensor-parallel size; R = G/tp rollout data-parallel ranks):
   kv_cache        2*L*K*d*b per token      * ceil(batch/R)*context tokens,
                                            * ceil(K/tp)/K (heads split over tp)
 
+LoRA (``lora_params`` A > 0, models/lora.py): the base is frozen in the inference dtype and the
+adapters train in fp32, so policy_weights = b*N + 4A, grads = 4A, optimizer = 8A (Adam for the
+adapters only): learner b*N + 16A; ref = 0 (the policy with its adapters off); engine_weights
++ b*A (the engine's adapter copy).
+
 "total" = per GPU x G (memory used on all GPUs together).  The "bill" is the
 whole-model view: learner 16N, reference b*N, inference copy b*N (one copy);
 for a 70e9-param bf16 policy that is 1120 GB, 140 GB and 140 GB.
@@ -192,6 +197,7 @@ class MemoryPlan:
     notes: list[str] = field(default_factory=list)
     # Native engine only: rows (decode batch), rows_wanted (a rank's share), prefill_rows and each part's bytes.
     native_rollout: dict[str, int] = field(default_factory=dict)
+    lora_params: int = 0  # adapter parameters of a LoRA run (0: the whole policy trains)
 
     @property
     def fits_all(self) -> bool:
@@ -212,12 +218,13 @@ def plan_memory(arch: ModelArch, n_gpus: int, dtype: str, batch: int, context: i
                 train_micro_batch: int = 0, native_prompt_tokens: int = 0, native_top_p: bool = True,
                 native_graphs: bool = True, native_samples_per_prompt: int = 1,
                 gradient_checkpointing: bool = True, engine: str = "native", kv_cache_budget: int | None = None,
-                mem_fraction: float | None = None) -> MemoryPlan:
+                mem_fraction: float | None = None, lora_params: int = 0) -> MemoryPlan:
     """Per-role bytes per GPU, per-phase residency and fit flags (module docstring). native_*: the
     native engine's rollout: prompt tokens, sampler, decode path, samples sharing a prefill (`memory_rollout`).
     gradient_checkpointing: model.gradient_checkpointing (the activation estimate without it is several times larger).
     engine: rollout.engine; "vllm" bills the KV cache vLLM allocates, from kv_cache_budget (rollout.kv_cache_bytes,
-    per GPU) or mem_fraction (rollout.mem_fraction, its gpu_memory_utilization), else from batch and context."""
+    per GPU) or mem_fraction (rollout.mem_fraction, its gpu_memory_utilization), else from batch and context.
+    lora_params: the adapter parameters of a LoRA run (model_arch.lora_param_count; 0 = the whole policy trains)."""
     _check_plan_args(n_gpus=n_gpus, batch=batch, context=context, gpu_mem_gib=gpu_mem_gib, tp_size=tp_size,
                      train_micro_batch=train_micro_batch, engine=engine, kv_cache_budget=kv_cache_budget,
                      mem_fraction=mem_fraction, native_prompt_tokens=native_prompt_tokens)
@@ -227,7 +234,7 @@ def plan_memory(arch: ModelArch, n_gpus: int, dtype: str, batch: int, context: i
     n_rm = count_parameters(reward_arch) if reward_arch is not None else 0
     cap = int(gpu_mem_gib * GIB)
     per_gpu, notes = _role_bytes_per_gpu(arch, dtype, n, n_rm, batch, context, n_gpus, tp_size, cap,
-                                         engine, kv_cache_budget, mem_fraction)
+                                         engine, kv_cache_budget, mem_fraction, lora_params)
     phases = phase_residency(per_gpu, off)
     if reward_arch is None:
         phases["reward"] = {}  # rule rewards: the run never enters the REWARD stage
@@ -249,9 +256,10 @@ def plan_memory(arch: ModelArch, n_gpus: int, dtype: str, batch: int, context: i
         total={r: v * n_gpus for r, v in per_gpu.items()}, phases=phases, phase_totals=totals,
         fits={p: totals[p] <= cap for p in PHASES},
         shortfall={p: max(0, totals[p] - cap) for p in PHASES},
-        bill={"learner": 16 * n, "ref": b * n, "engine_copy": b * n, "reward_model": b * n_rm,
+        bill={"learner": b * n + 16 * lora_params if lora_params else 16 * n, "ref": 0 if lora_params else b * n,
+              "engine_copy": b * (n + lora_params), "reward_model": b * n_rm,
               "engine_replicas": n_gpus // tp_size},
-        activations_estimate=act, notes=notes, native_rollout=native)
+        activations_estimate=act, notes=notes, native_rollout=native, lora_params=lora_params)
 
 
 def _check_plan_args(*, n_gpus: int, batch: int, context: int, gpu_mem_gib: float, tp_size: int,
@@ -276,7 +284,7 @@ def _check_plan_args(*, n_gpus: int, batch: int, context: int, gpu_mem_gib: floa
 
 def _role_bytes_per_gpu(arch: ModelArch, dtype: str, n: int, n_rm: int, batch: int, context: int, n_gpus: int,
                         tp_size: int, cap: int, engine: str, kv_cache_budget: int | None,
-                        mem_fraction: float | None) -> tuple[dict[str, int], list[str]]:
+                        mem_fraction: float | None, lora_params: int = 0) -> tuple[dict[str, int], list[str]]:
     """Bytes per GPU of each role in ROLES order (the module docstring's table), for a policy of n and
     a reward model of n_rm parameters; and vLLM's note on how its KV cache was sized, if any.
 
@@ -292,8 +300,10 @@ def _role_bytes_per_gpu(arch: ModelArch, dtype: str, n: int, n_rm: int, batch: i
         "ref": b * n,
         "reward_model": b * n_rm,
     }
+    if lora_params:  # the module docstring's LoRA line
+        whole.update(policy_weights=b * n + 4 * lora_params, grads=4 * lora_params, optimizer=8 * lora_params, ref=0)
     per_gpu = {r: math.ceil(v / n_gpus) for r, v in whole.items()}
-    per_gpu["engine_weights"] = math.ceil(b * n / tp_size)
+    per_gpu["engine_weights"] = math.ceil(b * (n + lora_params) / tp_size)
     per_gpu["kv_cache"] = kv_cache_bytes(arch, dtype, batch, context, n_gpus, tp_size)
     notes = []
     if engine == "vllm" and arch.has_kv_dims:

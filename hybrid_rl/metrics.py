@@ -164,3 +164,17 @@ def split_summary(history: Sequence[dict]) -> str:
     whole = sum(totals.values()) or 1.0
     parts = " | ".join(f"{name} {100 * t / whole:.0f}%" for name, t in totals.items())
     return f"time split over {len(history)} steps: {parts} -> {max(totals, key=totals.get)}-bound"
+
+
+def step_time_metrics(timer: StageTimer, switch) -> dict[str, float]:
+    """Seconds per stage and per switch stage (`switch`: the phase switch's SwitchStats of the step), the slowest
+    rank's: that is what the step waits for; and the bytes the weight sync sent this rank (the same on every rank:
+    0 for the native engine, which decodes with the policy itself; the adapters only with LoRA)."""
+    seconds = {k: 0.0 for k in ("time/rollout", "time/reward", "time/score", "time/advantage", "time/train")}
+    seconds.update(timer.seconds)
+    seconds.update({f"switch/{stage}_s": sec for stage, sec in switch.seconds.items()})
+    seconds["time/switch"] = sum(switch.seconds.values())
+    names = sorted(seconds)
+    slowest = D.all_reduce_max(torch.tensor([seconds[k] for k in names], dtype=torch.float64))
+    return {"switch/sync_bytes": switch.bytes.get("sync_weights", 0),
+            **{k: slowest[i].item() for i, k in enumerate(names)}}

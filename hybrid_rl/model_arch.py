@@ -171,3 +171,19 @@ def count_parameters(arch: ModelArch) -> int:
     embed = v * h
     head = arch.num_labels * h if arch.num_labels else (0 if arch.tie_word_embeddings else embed)
     return embed + arch.num_hidden_layers * layer + h + head
+
+
+# The linear layers of a decoder layer, by the names Llama/Qwen use (peft's target_modules entries).
+LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_param_count(arch: ModelArch, rank: int, target_modules: Any = "all-linear") -> int:
+    """Adapter parameters of LoRA at `rank` on `target_modules` ("all-linear": every linear layer but the LM head,
+    or projection names): rank x (in + out) per adapted layer, as peft builds them (A: rank x in, B: out x rank).
+    Names other than the seven projections add nothing here (models/lora.py refuses those that match no layer)."""
+    h, inter = arch.hidden_size, arch.intermediate_size
+    q, kv = arch.num_attention_heads * arch.head_dim, arch.kv_heads * arch.head_dim
+    widths = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+              "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    names = LORA_PROJECTIONS if target_modules == "all-linear" else [t for t in target_modules if t in widths]
+    return arch.num_hidden_layers * sum(rank * sum(widths[t]) for t in names)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from hybrid_rl.memory_plan import MemoryPlan, ModelArch, builtin_arch, plan_memory, suggest_offload
+from hybrid_rl.model_arch import lora_param_count
 
 __all__ = ["PROMPT_SAMPLE", "PromptTokens", "config_arch", "plan_from_config", "prompt_tokens_for_plan"]
 
@@ -47,7 +48,8 @@ def plan_from_config(cfg, n_gpus: int, gpu_mem_gib: float, *, prompt_tokens: int
     count as offloaded), as the trainer does; else the configured flags, and the suggestion names the smallest
     change that makes every phase fit (memory_plan.suggest_offload).
     """
-    has_ref, has_rm = cfg.algorithm.needs_ref_model, bool(cfg.reward.model_path)
+    lora = cfg.model.lora  # LoRA: adapter-only learner state, and the reference is the base (no copy of its own)
+    has_ref, has_rm = cfg.algorithm.needs_ref_model and not lora.enabled, bool(cfg.reward.model_path)
     arch = config_arch(cfg.model.path, "model.path")
     reward_arch = config_arch(cfg.reward.model_path, "reward.model_path") if has_rm else None
     if mixed_precision is None:
@@ -55,7 +57,8 @@ def plan_from_config(cfg, n_gpus: int, gpu_mem_gib: float, *, prompt_tokens: int
     ro, off = cfg.rollout, cfg.offload
     kw: dict[str, Any] = dict(tp_size=ro.tp_size, gpu_mem_gib=gpu_mem_gib, reward_arch=reward_arch,
                               train_micro_batch=cfg.trainer.micro_batch_size,
-                              gradient_checkpointing=cfg.model.gradient_checkpointing, engine=ro.engine)
+                              gradient_checkpointing=cfg.model.gradient_checkpointing, engine=ro.engine,
+                              lora_params=lora_param_count(arch, lora.rank, lora.target_modules) if lora.enabled else 0)
     if ro.engine == "native":  # it decodes what fits: its prefill, sampler and graph pools are billed too
         kw.update(native_prompt_tokens=prompt_tokens, native_top_p=ro.top_p < 1.0, native_samples_per_prompt=ro.n)
     if ro.engine == "vllm":  # the KV cache vLLM allocates at start, as rollout/vllm_setup.py sizes it

@@ -133,7 +133,8 @@ class Checkpointer:
         step = self.state.step
         with self.phases.checkpointable():
             path = ckpt.save(t.checkpoint_root, step, self.policy, self.optimizer, self.rank_state(), meta,
-                             lambda d: write_hf_metadata(self.policy, self.tokenizer, d, source_dtype))
+                             lambda d: write_hf_metadata(self.policy, self.tokenizer, d, source_dtype),
+                             trainable_only=self.cfg.model.lora.enabled)  # LoRA: adapters, not the frozen base
         ckpt.prune(t.checkpoint_root, t.keep_last)
         D.barrier()
         self.saved_step, self.path = step, path
@@ -143,7 +144,7 @@ class Checkpointer:
 
     def restore(self, path: str) -> None:
         with self.phases.checkpointable():
-            saved = ckpt.load(path, self.policy, self.optimizer)
+            saved = ckpt.load(path, self.policy, self.optimizer, trainable_only=self.cfg.model.lora.enabled)
         try:
             self.state.load_state_dict(saved)
         except ValueError as err:
@@ -169,7 +170,7 @@ class Checkpointer:
         if self.phases.inside is not None:
             raise RuntimeError(f"cannot save inside the {self.phases.inside.value} phase; save between steps")
         source = self.path if self.saved_step == self.state.step else self.save()
-        if D.is_main():
-            export_checkpoint(source, path)
+        if D.is_main():  # LoRA: the merged model (a HF directory; the CLI writes the adapter directory)
+            export_checkpoint(source, path, merge=self.cfg.model.lora.enabled)
         D.barrier()
         return path

@@ -1,6 +1,6 @@
 """The GRPO loop, one `Trainer.step()` at a time, in the stages of DESIGN.md's loop:
 
-    ROLLOUT    this rank's prompts (tokenized once) x G samples through the engine;
+    ROLLOUT    this rank's prompts (tokenized once) x G samples through the engine (rollout_stage.py);
     REWARD     rule rewards on the host and/or the reward model in its own stage
                (phases.reward(), nested in ROLLOUT), weighted, + DAPO soft overlong penalty
                (RewardSetup.score, rewards/setup.py); with dynamic sampling, rounds repeat
@@ -43,17 +43,19 @@ from hybrid_rl.data.prepare import prepare_rows
 from hybrid_rl.data.prompts import PromptLoader, load_datasets
 from hybrid_rl.host_malloc import keep_freed_blocks
 from hybrid_rl.lr_schedule import lr_factor, optimizer_steps
-from hybrid_rl.loggers import build_loggers, check_loggers, console_write, interactive, log_rollouts
+from hybrid_rl.loggers import build_loggers, check_loggers, console_write, interactive
 from hybrid_rl.switch.advice import decide_offload, sglang_kv_room_warning
 from hybrid_rl.switch.phases import PhaseManager
-from hybrid_rl.metrics import StageTimer, bottleneck, plot_curve, split_summary
+from hybrid_rl.metrics import StageTimer, bottleneck, plot_curve, split_summary, step_time_metrics
 from hybrid_rl.models.fsdp import load_sharded, prepare_policy
 from hybrid_rl.models.loading import load_tokenizer, model_eos_ids
+from hybrid_rl.models.lora import adapters_disabled, policy_loading, trainable_parameters
 from hybrid_rl.rewards.base import RewardFn
 from hybrid_rl.rewards.setup import RewardSetup
-from hybrid_rl.rollout.base import Completion, SamplingParams, engine_class, response_bodies
+from hybrid_rl.rollout.base import engine_class
+from hybrid_rl.rollout_stage import RolloutStage
 from hybrid_rl.run_state import Checkpointer, RunState, find_resume
-from hybrid_rl.sampling import GroupCollector
+from hybrid_rl.split import roles as split_roles
 from hybrid_rl.stop import StopSignal, TrainingInterrupted
 from hybrid_rl.update import UpdateSettings, policy_update, score_logprobs, scores_old_policy
 from hybrid_rl.validation import Validator, check_val_set
@@ -70,6 +72,8 @@ class Trainer:
         # The reward's parts (rule, model); the reward model's directory, tokenizer and score are checked here.
         self.rewards = RewardSetup.resolve(self.cfg, reward_fn)
         train_rows, val_rows = self._build_data()  # tokenizer, stop tokens, prompts; the reward probed
+        if self.is_rollout:  # split placement: an engine over its own copy of the policy, no optimizer
+            return self._build_rollout_rank(train_rows)
         self._build_models(train_rows)  # offload plan, policy, reference, reward model
         self._build_optimizer()
         self._build_engine_and_phases(train_rows, val_rows)
@@ -86,9 +90,11 @@ class Trainer:
         if self.device.type == "cpu" and cfg.trainer.keep_host_memory:
             keep_freed_blocks()
         cfg.validate_runtime(D.world_size())
+        self.split = split_roles.setup(cfg, self.device)  # None when colocated; scopes D's collectives to the pool
+        self.is_rollout = bool(self.split and self.split.is_rollout)
         with open(os.path.join(cfg.model.path, "config.json")) as f:
             self._model_config = json.load(f)
-        self.resume_from, resume_meta = find_resume(cfg, self._model_config)
+        self.resume_from, resume_meta = (None, None) if self.is_rollout else find_resume(cfg, self._model_config)
         if cfg.rollout.engine == "sglang":
             from hybrid_rl.rollout.sglang import check_available
 
@@ -128,7 +134,7 @@ class Trainer:
                                  f"validation set; set data.val_path or data.val_split (data.task={cfg.data.task} "
                                  "has none of its own)")
             check_val_set(val_rows, cfg.data.val_batch_size or cfg.data.batch_size, data.val_source)
-        self.rewards.probe(rows[:2], self.tokenizer)
+        self.rewards.probe(rows, self.tokenizer, cfg.model.path)  # and the environment, if any (issue 28)
         a = cfg.algorithm
         self.state = RunState(loader=PromptLoader(rows, cfg.data.batch_size, D.rank(), D.world_size(), cfg.data.seed),
                               kl_ctl=(AdaptiveKLController(a.kl_coef, a.target_kl, a.kl_horizon)
@@ -145,15 +151,19 @@ class Trainer:
         self.offload = decide_offload(cfg, self.device, D.world_size(), self._mixed, prompt_tokens=longest_prompt)
         as_policy = functools.partial(prepare_policy, gradient_checkpointing=cfg.model.gradient_checkpointing)
         as_ref = lambda m: m.requires_grad_(False).eval()  # noqa: E731
+        # LoRA: a frozen base (inference dtype) + fp32 adapters; its reference is the base, adapters off (_score)
+        load, as_policy, dtype = policy_loading(cfg.model, as_policy, self._mixed)
+        own_ref = cfg.algorithm.needs_ref_model and not cfg.model.lora.enabled
         models = load_sharded(cfg.model.path, self.device, self._mixed, cfg.model.attn_implementation,
-                              [as_policy, as_ref] if cfg.algorithm.needs_ref_model else [as_policy])
+                              [as_policy, as_ref] if own_ref else [as_policy], load=load, dtype=dtype,
+                              mesh=self.split.mesh if self.split else None)
         self.policy, self.ref = models[0], (models[1] if len(models) > 1 else None)
         self.rewards.build_model(rows[:2], self.device, self._mixed)
 
     def _build_optimizer(self) -> None:
         """AdamW, its lr schedule over the run's optimizer steps, and the update's settings."""
         cfg, o = self.cfg, self.cfg.optim
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+        self.optimizer = torch.optim.AdamW(trainable_parameters(self.policy), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                            weight_decay=o.weight_decay)
         total = optimizer_steps(cfg.trainer.total_steps, cfg.data.batch_size * cfg.rollout.n,
                                 cfg.algorithm.mini_batch_size, cfg.algorithm.ppo_epochs)
@@ -167,7 +177,7 @@ class Trainer:
         cfg = self.cfg
         if cfg.rollout.engine == "sglang" and self.device.type == "cuda":
             # Before the engine exists: what it will size its KV cache from is free now.
-            optimizer_bytes = 8 * sum(p.numel() for p in self.policy.parameters()) // D.world_size()
+            optimizer_bytes = 8 * sum(p.numel() for p in trainable_parameters(self.policy)) // D.world_size()
             room = sglang_kv_room_warning(optimizer_bytes, torch.cuda.mem_get_info(self.device)[0],
                                           cfg.rollout.mem_fraction, self.offload.optimizer)
             if room:
@@ -176,18 +186,23 @@ class Trainer:
         self.phases = PhaseManager(self.policy, self.optimizer, self.engine, self.device, ref=self.ref,
                                    offload_optimizer=self.offload.optimizer, offload_ref=self.offload.ref,
                                    offload_params=self.offload.params, bucket_bytes=cfg.rollout.bucket_mb << 20,
+                                   lora=cfg.model.lora.enabled,
                                    reward_model=self.rewards.module, offload_reward_model=self.offload.reward_model)
 
     def _build_collaborators(self, val_rows: list[dict], resume_meta: Optional[dict]) -> None:
-        """The checkpointer and the validator (built from the parts they use), the output directory and the
-        loggers (rank 0)."""
+        """The rollout stage, the checkpointer and the validator (built from the parts they use), the output
+        directory and the loggers (rank 0)."""
         cfg = self.cfg
         self._closed = False
         self.out_dir = cfg.trainer.out_dir
+        self.rollout_stage = RolloutStage(cfg, self.encode, self.rewards, self.tokenizer, self.stop_token_ids,
+                                          self.stop_set, self.device, self.out_dir)
         self.checkpointer = Checkpointer(cfg, self._model_config, self.policy, self.optimizer, self.scheduler,
                                          self.state, self.phases, self.tokenizer)
         self.validator = Validator(cfg, val_rows, self.encode, self.rewards, self.tokenizer, self.phases,
                                    self.stop_token_ids, self.stop_set, self.out_dir)
+        self.learner_side = split_roles.learner_side(cfg, self.split, self.state.loader, self.state.loader.rows,
+                                                     self.tokenizer.pad_token_id, self.device, self._mixed)
         if D.is_main():
             os.makedirs(self.out_dir, exist_ok=True)
             save_config(cfg, os.path.join(self.out_dir, "config.yaml"))
@@ -213,16 +228,28 @@ class Trainer:
         """The rollout engine: native decodes with the policy module itself; sglang and vllm keep their own copy
         (vllm sizes its context from the longest prompt, training or validation)."""
         r, tok = self.cfg.rollout, self.tokenizer
-        engine_cls = engine_class(r.engine)
-        if r.engine == "sglang":
+        kind = "native" if self.split and not self.is_rollout else r.engine  # split learners: validation only
+        engine_cls = engine_class(kind)
+        if kind == "sglang":
             return engine_cls(self.policy, self.cfg.model.path, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id,
                               tp_size=r.tp_size, weights_dtype=weights_dtype, mem_fraction=r.mem_fraction,
                               seed=r.seed, timeout_s=r.engine_timeout_s)
-        if r.engine == "vllm":
+        if kind == "vllm":
             from hybrid_rl.rollout.vllm import build_for_trainer
             longest = max(len(self.encode(row)) for row in [*train_rows, *val_rows])
             return build_for_trainer(self.cfg, self.policy, tok, longest, bool(val_rows), weights_dtype)
         return engine_cls(self.policy, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, weights_dtype=weights_dtype)
+
+    def _build_rollout_rank(self, rows: list[dict]) -> None:
+        """A split rollout rank: its own copy of the policy under the configured engine, the rollout stage on
+        this rank's loader slice; no optimizer, phase switch, checkpointer or loggers (split/rollout_loop.py)."""
+        self.policy = split_roles.load_rollout_model(self.cfg, self.device)
+        self.engine = self._build_engine(None, rows, [])
+        self.rollout_stage = RolloutStage(self.cfg, self.encode, self.rewards, self.tokenizer, self.stop_token_ids,
+                                          self.stop_set, self.device, self.cfg.trainer.out_dir)
+        self.rollout_side = split_roles.rollout_side(self.cfg, self.split, self.rollout_stage, self.engine,
+                                                     self.state.loader, rows)
+        self._closed, self.loggers = False, []
 
     # -- one step -------------------------------------------------------------
     def step(self) -> dict:
@@ -243,8 +270,12 @@ class Trainer:
         with timer("step"):
             # Generation and rewards share one ROLLOUT phase: dynamic sampling may need
             # several rounds, and the engine's memory should be switched in once per step.
-            with self.phases.rollout() as engine:
-                batch, metrics = self._rollout(engine, timer)
+            if self.split:  # batch `step` from the rollout ranks, this learner's share (split/learner.py)
+                batch, metrics = self.learner_side.batch(self.state.step, timer)
+            else:
+                with self.phases.rollout() as engine:
+                    batch, metrics = self.rollout_stage.run(engine, self.state.loader, self.state.step, timer,
+                                                            model_phase=self.phases.reward)
             if batch is not None:
                 with self.phases.score() as ref, timer("score"):
                     old_logp_NT, ref_logp_NT = self._score(batch, ref)
@@ -264,56 +295,17 @@ class Trainer:
                 # Every rank agreed that no group is informative: nothing to train on this step.
                 with self.phases.train():
                     pass
-        metrics.update(self._time_metrics(timer))
+            if self.split:  # the batches made before version step + 1 is needed, then its weights
+                metrics.update(self.learner_side.after_update(self.policy, self.state.step + 1, batch))
+        metrics.update(step_time_metrics(timer, self.phases.pop_stats()))
+        if self.split:
+            metrics.update(self.learner_side.rates(metrics))
         metrics.update(self.phases.ledger.rollout_metrics(self.phases.rollouts))
         self.state.ledger_rollout = self.phases.rollouts
         self.state.step += 1
         metrics["step"] = self.state.step
         metrics["bottleneck"] = bottleneck(metrics)
         return metrics
-
-    # -- ROLLOUT and REWARD ---------------------------------------------------
-    def _rollout(self, engine, timer: StageTimer) -> tuple[Optional[RolloutBatch], dict]:
-        """Sampling rounds until the collector has the step's groups; the kept groups as one batch (None if none)."""
-        cfg, algo, G = self.cfg, self.cfg.algorithm, self.cfg.rollout.n
-        groups = GroupCollector(G, algo.dynamic_sampling, algo.max_sampling_rounds,
-                                self.rewards.rule.success_threshold)
-        while True:
-            rows = self.state.loader.next_batch()
-            prompt_ids = [self.encode(r) for r in rows]
-            with timer("rollout"):
-                completions = engine.generate([p for p in prompt_ids for _ in range(G)],
-                                              self._sampling_params(groups.rounds))
-            with timer("reward"):
-                rewards_N, scores_N, parts = self._reward_parts(rows, completions)
-            groups.add(rows, prompt_ids, completions, rewards_N, scores_N, parts)
-            if not groups.need_another_round():
-                break
-        kept, metrics = groups.finish()
-        if cfg.trainer.log_rollouts and D.is_main() and kept.rows:
-            n = min(cfg.trainer.log_rollouts, len(kept.completions))
-            texts = self.tokenizer.batch_decode(response_bodies(kept.completions[:n], self.stop_set),
-                                                skip_special_tokens=True)
-            log_rollouts(os.path.join(self.out_dir, "rollouts.jsonl"), self.state.step + 1, kept.rows, texts,
-                         kept.completions[:n], kept.rewards_N[:n].tolist(), kept.scores_N[:n].tolist(), G)
-        if not kept.rows:
-            return None, metrics
-        batch = RolloutBatch.build(kept.rows, kept.prompt_ids, kept.completions, G, kept.rewards_N, kept.scores_N,
-                                   self.tokenizer.pad_token_id, self.device)
-        return batch, metrics
-
-    def _sampling_params(self, round_idx: int) -> SamplingParams:
-        r = self.cfg.rollout
-        # A new seed per step, rank and sampling round (97 and 7919 are coprime: no two collide).
-        seed = r.seed + 1_000_003 * self.state.step + 7919 * D.rank() + 97 * round_idx
-        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                              top_k=r.top_k, stop_token_ids=self.stop_token_ids, seed=seed)
-
-    def _reward_parts(self, rows: list[dict], completions: list[Completion]) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """(reward, score, logged parts) per completion: the rule reward on the host and/or the reward model's
-        score in the REWARD stage (inside ROLLOUT), weighted, + DAPO's soft overlong penalty (rewards/setup.py)."""
-        return self.rewards.score(rows, completions, self.cfg.rollout.n, self.tokenizer, self.stop_set,
-                                  model_phase=self.phases.reward)
 
     # -- SCORE ----------------------------------------------------------------
     def _score(self, batch: RolloutBatch, ref: Optional[torch.nn.Module]):
@@ -324,21 +316,15 @@ class Trainer:
             return score_logprobs(model, batch.ids_NL, batch.attn_NL, batch.P, self.cfg.rollout.temperature,
                                   tc.micro_batch_size, tc.max_tokens_per_micro_batch, tc.packing, batch.group_size)
 
-        old = score(self.policy) if scores_old_policy(self.cfg.algorithm, len(batch) * D.world_size()) else None
+        # split with k > 0: the batch's generating weights are not the policy's, the recompute is pi_old
+        stale = bool(self.split) and self.cfg.trainer.max_staleness > 0
+        old = score(self.policy) if stale or scores_old_policy(self.cfg.algorithm, len(batch) * D.world_size()) else None
+        if ref is None and self.cfg.model.lora.enabled and self.cfg.algorithm.needs_ref_model:
+            with adapters_disabled(self.policy):  # the reference: the base, to the bit
+                return old, score(self.policy)
         return old, score(ref) if ref is not None else None
 
     # -- metrics --------------------------------------------------------------
-    def _time_metrics(self, timer: StageTimer) -> dict[str, float]:
-        """Seconds per stage and per switch stage, the slowest rank's: that is what the step waits for."""
-        switch = self.phases.pop_stats()
-        seconds = {k: 0.0 for k in ("time/rollout", "time/reward", "time/score", "time/advantage", "time/train")}
-        seconds.update(timer.seconds)
-        seconds.update({f"switch/{stage}_s": sec for stage, sec in switch.seconds.items()})
-        seconds["time/switch"] = sum(switch.seconds.values())
-        names = sorted(seconds)
-        slowest = D.all_reduce_max(torch.tensor([seconds[k] for k in names], dtype=torch.float64))
-        return {k: slowest[i].item() for i, k in enumerate(names)}
-
     def close(self) -> None:
         """Close the loggers and stop the rollout engine's processes, if it has any (SGLang). The trainer
         refuses to step after (its engine and loggers are gone); closing twice is harmless."""
@@ -365,6 +351,10 @@ class Trainer:
 
         t, state = self.cfg.trainer, self.state
         total = steps if steps is not None else t.total_steps - state.step
+        if self.is_rollout:  # learner rank 0 says which batches to make (split/rollout_loop.py)
+            return split_roles.rollout_fit(self.rollout_side, state.history)
+        if self.split:
+            self.learner_side.start(state.step, max(total, 0), state.loader.state_dict(), self.policy)
         if total <= 0 and D.is_main():
             print(f"nothing to do: the run is at step {state.step} of trainer.total_steps={t.total_steps}"
                   + (f" (resumed from {self.resume_from}); raise total_steps, or start over in "

@@ -11,20 +11,13 @@ engine, checkpoints) works unchanged. Each adapted `nn.Linear` becomes a peft `l
 by peft's `cast_adapter_dtype`: the fp32 masters). Parameter names gain `.base_layer.` and
 `.lora_{A,B}.default.`; the names a peft adapter directory and vLLM use are `adapter_named_tensors`'.
 
-How it plugs in (the wiring left for after the config / trainer / planner reshaping lands):
-* config: `ModelConfig.lora: LoraSettings = field(default_factory=LoraSettings)`; `Config` checks call
-  `check_model_dir(cfg.model.lora, cfg.model.path)` before any model is built (it builds the model on
-  the meta device from config.json only), and `check_engine(cfg.model.lora, cfg.rollout.engine)`.
-* trainer `_build_models`: with `lora.enabled`, `load_sharded(..., load=lambda: apply_lora(
-  load_causal_lm(path, dtype, attn), lora), prepare=[lambda m: (prepare_policy(m, gc), apply_lora(m,
-  lora))])`, i.e. dropout off BEFORE the injection (prepare_policy would zero peft's lora_dropout
-  too), rank 0's adapter init broadcast to every rank; no reference model is built: reference scoring
-  runs `with adapters_disabled(policy): ...`. `_build_optimizer`: `trainable_parameters(policy)` only.
-* sync (switch/weights.py / rollout/vllm.py): the first sync after the engine starts sends
-  `base_named_parameters(policy)` (HF names, `.base_layer.` removed, adapters left out); every sync
-  sends `adapter_named_tensors(policy, engine_dtype)` through `rollout/vllm_lora.py`'s
-  `AdapterPush`; the metrics' sync bytes are `adapter_bytes(policy, dtype)`.
-* planner: `adapter_numel(target_shapes(...), rank)` for the adapters' weights, grads and Adam state.
+Where it plugs in: the settings are config_lora.py's (schema), checked in config_checks.validate_runtime
+(`check_engine`, `check_model_dir`: before any weight is read); the trainer builds the policy with
+`policy_loading` (dropout off BEFORE the injection, rank 0's adapter init broadcast to every rank), gives AdamW
+`trainable_parameters` only and scores the reference `with adapters_disabled(policy)` (no second copy);
+switch/phases.py syncs an engine with its own copy adapter-only (`base_named_parameters` once, then
+`adapter_named_tensors` each step); checkpoint.py saves the trainable parameters only; export_lora.py writes
+the adapter directory or the merged model; the planner counts the adapters with model_arch.lora_param_count.
 """
 from __future__ import annotations
 
@@ -32,51 +25,23 @@ import contextlib
 import json
 import os
 import re
-from dataclasses import dataclass
-from typing import Iterator, Optional, Union
+from typing import Callable, Iterator, Optional
 
 import torch
 
-ALL_LINEAR = "all-linear"
+from hybrid_rl.config_lora import LORA_ALL_LINEAR as ALL_LINEAR
+from hybrid_rl.config_lora import LoraSettings
+
 ADAPTER = "default"  # peft's adapter name; one adapter per policy
 _LORA_PARAM = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weight$")
 
 
-@dataclass
-class LoraSettings:
-    """`model.lora.*`. rank 0 = LoRA off (the whole policy trains)."""
+def peft_config(settings: LoraSettings):
+    """peft's LoraConfig for `settings` (bias off: only lora_A / lora_B train)."""
+    from peft import LoraConfig
 
-    rank: int = 0
-    alpha: float = 32.0  # peft's lora_alpha: the update is scaled by alpha / rank
-    # Applied in the update only (train mode); scoring runs in eval mode, so a non-zero value biases the
-    # PPO ratio the way model dropout would (models/fsdp.py prepare_policy). verl's default is 0.
-    dropout: float = 0.0
-    target_modules: Union[str, list[str]] = ALL_LINEAR  # "all-linear" (every Linear but the LM head) or names
-
-    def __post_init__(self) -> None:
-        _check(isinstance(self.rank, int) and self.rank >= 0, "rank", f"must be an integer >= 0 (0 = off), got {self.rank!r}")
-        _check(self.alpha > 0, "alpha", f"must be > 0, got {self.alpha!r}")
-        _check(0.0 <= self.dropout < 1.0, "dropout", f"must be in [0, 1), got {self.dropout!r}")
-        tm = self.target_modules
-        if isinstance(tm, str):
-            _check(tm == ALL_LINEAR, "target_modules", f"a string must be {ALL_LINEAR!r}; got {tm!r} (give a list of "
-                   "module names, e.g. [q_proj, v_proj])")
-        else:
-            tm = list(tm)
-            _check(len(tm) > 0 and all(isinstance(t, str) and t for t in tm), "target_modules",
-                   f"must be {ALL_LINEAR!r} or a non-empty list of module names, got {tm!r}")
-            _check(len(set(tm)) == len(tm), "target_modules", f"lists a name twice: {tm!r}")
-            self.target_modules = tm
-
-    @property
-    def enabled(self) -> bool:
-        return self.rank > 0
-
-    def peft_config(self):
-        from peft import LoraConfig
-
-        return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
-                          target_modules=self.target_modules, bias="none")
+    return LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+                      target_modules=settings.target_modules, bias="none")
 
 
 def _check(cond: bool, key: str, msg: str) -> None:
@@ -174,11 +139,34 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Modul
     from peft.tuners.tuners_utils import cast_adapter_dtype
 
     target_shapes(settings, model)
-    inject_adapter_in_model(settings.peft_config(), model, adapter_name=ADAPTER)
+    inject_adapter_in_model(peft_config(settings), model, adapter_name=ADAPTER)
     cast_adapter_dtype(model, adapter_name=ADAPTER, autocast_adapter_dtype=True)  # fp32 masters over a bf16 base
     for name, p in model.named_parameters():
         assert p.requires_grad == bool(_LORA_PARAM.match(name)), f"{name}: peft left the trainable set wrong"
     return model
+
+
+def policy_loading(model_cfg, as_policy: Callable[[torch.nn.Module], object], mixed_precision: bool
+                   ) -> tuple[Optional[Callable[[], torch.nn.Module]], Callable[[torch.nn.Module], object], torch.dtype]:
+    """(load, prepare, dtype) for `models.fsdp.load_sharded` to build the policy of `model_cfg` (config.model).
+
+    Without LoRA: the default load, `as_policy`, fp32 (the masters). With it: the base in the inference dtype
+    (bf16 under mixed precision: it never trains, so it needs no fp32 master) and `as_policy` (dropout off,
+    checkpointing) run BEFORE the injection, so peft's own lora_dropout keeps `lora.dropout`. Rank 0's load
+    injects too: its adapter init is what every rank receives (apply_lora is idempotent on the loaded model)."""
+    settings = model_cfg.lora
+    if not settings.enabled:
+        return None, as_policy, torch.float32
+    from hybrid_rl.models.loading import load_causal_lm
+
+    dtype = torch.bfloat16 if mixed_precision else torch.float32
+
+    def prepare(model: torch.nn.Module) -> torch.nn.Module:
+        if not lora_layers(model):  # once: again on the loaded model, it would zero peft's lora_dropout
+            as_policy(model)
+        return apply_lora(model, settings)
+
+    return (lambda: prepare(load_causal_lm(model_cfg.path, dtype, model_cfg.attn_implementation))), prepare, dtype
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:

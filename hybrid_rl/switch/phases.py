@@ -96,8 +96,10 @@ class PhaseManager:
         always_copy: bool = False,
         reward_model: Optional[torch.nn.Module] = None,
         offload_reward_model: bool = False,
+        lora: bool = False,
     ):
         self.policy, self.optimizer, self.engine, self.ref = policy, optimizer, engine, ref
+        self.lora = lora  # the policy carries peft adapters over a frozen base (models/lora.py)
         self.reward_model = reward_model
         self.device = device
         self.bucket_bytes = bucket_bytes
@@ -200,13 +202,7 @@ class PhaseManager:
             moved[0] = self._engine_bytes().get("engine_weights", 0) if self.zero_copy else 0
         if not self.zero_copy:
             with self._stage("sync_weights") as moved:
-                self.engine.begin_weight_update()
-                # Shards cast to the engine's dtype before the gather: half the bytes of fp32 masters.
-                for bucket in iter_weight_buckets(self.policy, self.bucket_bytes, dtype=engine_dtype(self.engine)):
-                    self.engine.update_weights(bucket)
-                    moved[0] += sum(t.numel() * t.element_size() for _, t in bucket)
-                    del bucket  # peak extra memory: one bucket
-                self.engine.end_weight_update()
+                moved[0] = self._sync_weights()
             if self.param_offload is not None:
                 self._move("offload_params", self.param_offload.offload)
         with self._stage("resume_kv"):
@@ -223,6 +219,27 @@ class PhaseManager:
             if self.param_offload is not None:
                 self._move("onload_params", self.param_offload.onload)
             self.inside = None
+
+    def _sync_weights(self) -> int:
+        """Send the policy to an engine with its own copy; returns the bytes sent. Shards are cast to the engine's
+        dtype before the gather (half the bytes of fp32 masters). With LoRA the frozen base goes only while the
+        engine holds none (`base_synced` False: its first sync, or a wake that discarded it), and the adapters
+        every time (`update_adapter`), so a step's sync is the adapters' bytes."""
+        from hybrid_rl.models import lora as L
+
+        dtype, sent = engine_dtype(self.engine), 0
+        if not (self.lora and getattr(self.engine, "base_synced", False)):
+            named = L.base_named_parameters(self.policy) if self.lora else None
+            self.engine.begin_weight_update()
+            for bucket in iter_weight_buckets(self.policy, self.bucket_bytes, dtype=dtype, named=named):
+                self.engine.update_weights(bucket)
+                sent += sum(t.numel() * t.element_size() for _, t in bucket)
+                del bucket  # peak extra memory: one bucket
+            self.engine.end_weight_update()
+        if self.lora:
+            sent += self.engine.update_adapter(named_tensors=L.adapter_named_tensors(self.policy, dtype),
+                                               config=L.adapter_config(self.policy))
+        return sent
 
     @contextlib.contextmanager
     def reward(self) -> Iterator[torch.nn.Module]:

@@ -10,7 +10,7 @@ bytes of every sync. The cast is elementwise, so the result is the same to the b
 """
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 
@@ -30,17 +30,20 @@ def engine_dtype(engine) -> Optional[torch.dtype]:
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
-def iter_weight_buckets(model: torch.nn.Module, bucket_bytes: int = 256 << 20, dtype: torch.dtype | None = None) -> Iterator[Bucket]:
+def iter_weight_buckets(model: torch.nn.Module, bucket_bytes: int = 256 << 20, dtype: torch.dtype | None = None,
+                        named: Optional[Iterable[tuple[str, torch.Tensor]]] = None) -> Iterator[Bucket]:
     """Yield lists of (name, full tensor) whose total size stays under `bucket_bytes`
     (a single tensor larger than the bound forms a bucket of its own).
 
     dtype: what the tensors arrive in (None: each parameter's own); sharded parameters are
-    cast on each rank's shard, so the all-gather moves numel x dtype's size bytes."""
+    cast on each rank's shard, so the all-gather moves numel x dtype's size bytes.
+    named: the (name, parameter) pairs to send (default: `model.named_parameters()`; with LoRA the
+    frozen base under its own names, `models.lora.base_named_parameters`)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
     bucket: Bucket = []
     size = 0
-    for name, param in model.named_parameters():
+    for name, param in (model.named_parameters() if named is None else named):
         t = param.detach()
         if dtype is not None and t.dtype != dtype:
             t = t.to(dtype)  # a DTensor casts its local shard and keeps its placements
