@@ -66,6 +66,7 @@ import torch
 from hybrid_rl import distributed as D
 from hybrid_rl.rollout import vllm_setup as S
 from hybrid_rl.rollout.base import Completion, SamplingParams, check_tags
+from hybrid_rl.rollout.vllm_lora import LoraEngineMixin, engine_kwargs as lora_engine_kwargs
 
 SLEEP_LEVEL = 2
 
@@ -100,7 +101,7 @@ def _quiet(name: str):
         log.setLevel(level)
 
 
-class VLLMEngine:
+class VLLMEngine(LoraEngineMixin):
     """RolloutEngine over an in-process `vllm.LLM` (module docstring)."""
 
     def __init__(self, model: torch.nn.Module, model_path: str, pad_id: int, eos_id: int, max_model_len: int,
@@ -120,7 +121,7 @@ class VLLMEngine:
         self.vocab_size = model.config.vocab_size
         self.max_model_len = max_model_len
         self.dtype = weights_dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        self.expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        self.expected = self.base_shapes(model)  # HF names (with LoRA the frozen base's: vllm_lora.py)
         self._full_bytes = sum(torch.Size(s).numel() for s in self.expected.values()) * self.dtype.itemsize
         groups = [D.new_group(list(range(g, g + tp_size)), timeout_s) for g in range(0, W, tp_size)] if W > 1 else []
         self.group = groups[r // tp_size] if groups else None
@@ -138,6 +139,7 @@ class VLLMEngine:
         self.sync_stats = {"bytes": 0, "buckets": 0}
         self.llm = self._start(model_path, max_model_len, group_sequences, mem_fraction, enable_prefix_caching,
                                seed, engine_kwargs or {})
+        self.sleep_level = self.start_adapter(engine_kwargs or {}, SLEEP_LEVEL)  # LoRA: 1, the base survives
         cache = self.llm.llm_engine.vllm_config.cache_config
         if use_fraction:  # vLLM sized it: read back what it took
             per_block = S.kv_bytes_needed(model_path, self.dtype, 1, cache.block_size, tp_size, cache.block_size)
@@ -201,7 +203,7 @@ class VLLMEngine:
             return
         if "weights" in tags:
             self._sent = set()
-            if SLEEP_LEVEL == 2:
+            if self.sleep_level == 2:
                 self.synced = False  # discarded: only a complete sync makes them valid again
         with _quiet("vllm.v1.worker.cpu_worker"):
             if self._kv_paused:  # the KV-only release below: a level-0 pause (+ the KV memory dropped on CUDA)
@@ -222,7 +224,7 @@ class VLLMEngine:
             if "weights" in tags or "weights" in self.released:
                 if "kv_cache" in self.released:  # only the KV cache was off (REWARD stage): wake it to sleep whole
                     self.resume(["kv_cache"])
-                self.llm.sleep(level=SLEEP_LEVEL)
+                self.llm.sleep(level=self.sleep_level)
                 self.released = {"weights", "kv_cache"}
                 return
             self.llm.sleep(level=0)  # the KV cache alone (REWARD stage): pause, then drop its memory on CUDA
@@ -293,7 +295,6 @@ class VLLMEngine:
             finalize_layerwise_reload(model, worker.model_config)
             _repack_tied_head(model)
 
-
     # -- generation -----------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
@@ -327,7 +328,7 @@ class VLLMEngine:
         outs = []
         if prompts:
             with S.sampling_stream(S.group_seed(p.seed for _, p in requests), self.device):
-                outs = self.llm.generate(prompts, sampling, use_tqdm=False)
+                outs = self.llm.generate(prompts, sampling, use_tqdm=False, lora_request=self.lora_request)
         if len(outs) != len(prompts):
             raise RuntimeError(f"vLLM returned {len(outs)} results for {len(prompts)} prompts")
         completions = [to_completion(o.outputs[0], i, stops[i]) for i, o in enumerate(outs)]
@@ -379,7 +380,8 @@ def build_for_trainer(cfg, policy: torch.nn.Module, tok, longest: int, has_val: 
     return VLLMEngine(policy, cfg.model.path, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id,
                       max_model_len=longest + r.max_new_tokens, sequences=max(train, val), tp_size=r.tp_size,
                       weights_dtype=weights_dtype, kv_cache_bytes=r.kv_cache_bytes, mem_fraction=r.mem_fraction,
-                      enable_prefix_caching=r.enable_prefix_caching, seed=r.seed, timeout_s=r.engine_timeout_s)
+                      enable_prefix_caching=r.enable_prefix_caching, seed=r.seed, timeout_s=r.engine_timeout_s,
+                      engine_kwargs=lora_engine_kwargs(cfg.model.lora.rank) if cfg.model.lora.enabled else None)
 
 
 def _repack_tied_head(model: torch.nn.Module) -> None:

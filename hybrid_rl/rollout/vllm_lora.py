@@ -24,7 +24,7 @@ and counting its bytes in `sync_stats`.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 
@@ -122,3 +122,45 @@ class AdapterPush:
         if bad:
             raise ValueError(f"{len(bad)} tensors are not LoRA weights of a module vLLM adapts (e.g. {bad[:3]}); "
                              f"it adapts {sorted(expected)}; send models.lora.adapter_named_tensors only")
+
+
+class LoraEngineMixin:
+    """LoRA for `rollout.vllm.VLLMEngine` (the hooks of this module's docstring), kept here so that engine stays one
+    idea: the base's names, the adapter push started with the engine, sleep level 1 while an adapter is served
+    (the base survives the release between rollouts), and what the phase switch calls (switch/phases.py
+    `_sync_weights`): `base_synced`, then `update_adapter` every rollout."""
+
+    adapter: Optional[AdapterPush] = None
+
+    @staticmethod
+    def base_shapes(model: torch.nn.Module) -> dict[str, tuple]:
+        """HF name -> shape of what a full sync sends: the frozen base's names with LoRA (models.lora)."""
+        from hybrid_rl.models.lora import base_named_parameters
+
+        return {n: tuple(p.shape) for n, p in base_named_parameters(model)}
+
+    def start_adapter(self, engine_kwargs: dict, sleep_level: int) -> int:
+        """The adapter push when the engine was started with `engine_kwargs(rank)`; returns the sleep level to use."""
+        self.adapter = AdapterPush(self.llm) if engine_kwargs.get("enable_lora") else None
+        return sleep_level if self.adapter is None else 1
+
+    @property
+    def base_synced(self) -> bool:
+        """The engine holds a complete base (level 1 keeps it across sleeps; level 2 clears `synced` at wake)."""
+        return self.synced
+
+    @property
+    def lora_request(self):
+        """What each generate call passes: the pushed adapter's request, or None (no adapter yet: the base)."""
+        return self.adapter.request if self.adapter is not None and self.adapter.version else None
+
+    def update_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], config: dict) -> int:
+        """Push the policy's adapter (peft names, full tensors); returns its bytes, counted in `sync_stats`."""
+        if self.adapter is None:
+            raise RuntimeError("this vLLM engine was started without LoRA (engine_kwargs(rank)); model.lora.rank "
+                               "must be set when the engine is built")
+        if "weights" in self.released:
+            raise RuntimeError("update_adapter() while the engine's weights are released; resume(['weights']) first")
+        sent = self.adapter.push(named_tensors, config)
+        self.sync_stats["bytes"] += sent
+        return sent

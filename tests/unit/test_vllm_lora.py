@@ -3,12 +3,11 @@
 One engine (rollout/vllm.py's VLLMEngine, started with LoRA on) receives the base once through its ordinary
 sync; then each step pushes only the adapter, in memory. Its greedy output must equal the native engine's on
 the same adapted policy, step after step, across the engine's release and resume, and equal vLLM's own
-directory route for the same adapter. VLLMEngine.generate does not pass a LoRARequest yet (the hook is listed
-in vllm_lora.py's docstring): the test hands the request to its `llm.generate`."""
+directory route for the same adapter. The engine's own push (VLLMEngine.adapter) is what generate serves; the
+directory-route test swaps the request under `llm.generate`. The Trainer's sync is test_lora_vllm_trainer.py."""
 from __future__ import annotations
 
 import copy
-import functools
 import importlib.util
 
 import pytest
@@ -39,7 +38,7 @@ def setup(wide_model_dir):
     from hybrid_rl.models.loading import load_causal_lm, load_tokenizer
     from hybrid_rl.models.lora import LoraSettings, apply_lora, base_named_parameters
     from hybrid_rl.rollout.vllm import VLLMEngine
-    from hybrid_rl.rollout.vllm_lora import AdapterPush, engine_kwargs
+    from hybrid_rl.rollout.vllm_lora import engine_kwargs
 
     tok = load_tokenizer(wide_model_dir)
     policy = apply_lora(perturbed(load_causal_lm(wide_model_dir), seed=1), LoraSettings(rank=RANK, alpha=16.0)).eval()
@@ -50,7 +49,7 @@ def setup(wide_model_dir):
     engine.update_weights(list(base_named_parameters(policy)))
     engine.end_weight_update()
     engine.resume(["kv_cache"])
-    push = AdapterPush(engine.llm)
+    push = engine.adapter
     plain_generate = engine.llm.generate
     yield policy, engine, push, tok, plain_generate
     engine.llm.generate = plain_generate
@@ -70,7 +69,7 @@ def _native(policy, tok):
 
 
 def _vllm(engine, plain_generate, request):
-    engine.llm.generate = functools.partial(plain_generate, lora_request=request) if request else plain_generate
+    engine.llm.generate = lambda *a, **k: plain_generate(*a, **{**k, "lora_request": request})
     return engine.generate(PROMPTS, _greedy())
 
 
@@ -108,7 +107,7 @@ def test_vllm_follows_the_adapter_pushed_each_step(setup):
         outputs.append([c.token_ids for c in got])
         engine.release(["kv_cache", "weights"])  # the switch's release between rollouts ...
         engine.resume(["weights"])
-        engine.synced = True  # ... and no base re-sent (the LoRA hook in rollout/vllm.py: sleep level 1)
+        assert engine.sleep_level == 1 and engine.base_synced, "with LoRA the base survives the release"
         engine.resume(["kv_cache"])
         _same(_vllm(engine, plain, push.request), got)
     assert engine.sync_stats["bytes"] == base_bytes, "the base is synced once"
