@@ -160,7 +160,8 @@ def test_trl_reload_sync_makes_vllm_follow_the_trained_weights(bench_path):
 
 def test_vllm_rollout_ab_times_every_variant_on_the_same_work(bench_path, capsys):
     """benchmarks/vllm_rollout_ab.py: every variant decodes every row to T tokens (asserted inside), `old` is
-    the ratios' reference, and the adapter's flat logprob reader gives the dict reader's numbers."""
+    the ratios' reference, and the adapter's flat logprob reader gives the dict reader's numbers.
+    Catches: a variant that decodes less than the others, a flat logprob reader that differs from vLLM's dicts."""
     res = _load("vllm_rollout_ab").main(["--prompts", "2", "--samples", "2", "--new-tokens", "3", "--rounds", "1",
                                          "--warmup", "0"])
     v = res["variants"]

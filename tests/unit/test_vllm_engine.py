@@ -117,8 +117,10 @@ def test_sampled_logprobs_equal_the_trainers_at_the_sampling_temperature(setup):
 
 def test_a_seed_fixes_the_samples_and_the_trainers_random_stream_is_untouched(setup):
     """One seeded stream per call (rollout/vllm.py, "Sampling stream"): the same seed, weights and prompts give
-    the same tokens whatever torch's global stream holds; another seed gives others; and generate hands the
-    trainer's stream back where it was."""
+    the same tokens whatever torch's global stream holds and whatever calls the engine served in between (its
+    persistent batch gives a call's requests rows 0..N-1 in order, as a fresh engine does: what a resumed run
+    needs); another seed gives others; and generate hands the trainer's stream back where it was.
+    Catches: a stream left unseeded, or the trainer's stream not restored, or a call seed that ignores the seed."""
     from hybrid_rl.rollout.base import SamplingParams
 
     policy, engine, pm, tok, _ = setup
@@ -136,11 +138,14 @@ def test_a_seed_fixes_the_samples_and_the_trainers_random_stream_is_untouched(se
         return out
 
     first = sample(21, trainer_seed=0)
+    # a smaller, shorter call in between leaves vLLM's persistent batch in another state
+    _rollout(pm, prompts[:5], SamplingParams(max_new_tokens=3, temperature=1.0, seed=5))
     assert sample(21, trainer_seed=1) == first, "a seed reproduces its samples whatever the trainer's stream holds"
     assert sample(22, trainer_seed=0) != first, "another seed draws other samples"
 
 
 def test_group_seed_is_one_value_per_group_that_every_seed_moves():
+    """Catches: a group seed that drops a rank's seed or its place (two ranks' samples would then repeat)."""
     from hybrid_rl.rollout.vllm_setup import group_seed
 
     assert group_seed([5]) == 5 and group_seed([]) == 0
@@ -266,7 +271,7 @@ def test_completion_mapping_like_the_other_engines():
 
 def test_flat_logprobs_map_like_the_dict_form():
     """generate asks for vLLM's FlatLogprobs; with only the sampled token per position they are read as flat lists,
-    otherwise (top logprobs too) per position, as the dict form."""
+    otherwise (top logprobs too) per position, as the dict form. Catches: a flat reader off by a position."""
     from types import SimpleNamespace as NS
 
     from vllm.logprobs import FlatLogprobs, Logprob
