@@ -7,9 +7,10 @@ not the trainer's), the weights are synced every step and the ledger sees the en
 One run, at rollout.tp_size=2: one engine sharded over both ranks, so every step exercises what tp 1 does
 not: the group's prompts gathered and each rank's slice taken back, and each rank's half of every tensor
 reloaded in place after the optimizer step (the vocabulary shard of rank 1 is all padding for this
-15-token model). tp 1 and 2 draw the same samples (a seed per sample), and a 40-step run at each gave the
-same reward curve; tp 2 took ~1.6x as long on 2 busy cores (2m47s vs 2m04s, load ~7), tp 1 being covered
-by tests/distributed/test_vllm_ranks.py and tests/unit/test_vllm_engine.py.
+15-token model). A 40-step run at each gave the same reward curve when tp 1 and 2 drew the same samples (a
+vLLM seed per sample; with one seeded stream per generate call since, their samples differ); tp 2 took ~1.6x
+as long on 2 busy cores (2m47s vs 2m04s, load ~7), tp 1 being covered by tests/distributed/test_vllm_ranks.py
+and tests/unit/test_vllm_engine.py.
 
 The settings are the recipe's defaults (recipes/grpo_tiny.yaml, 40 steps; the seed table of every engine is in
 benchmarks/results/grpo_tiny_seeds_cpu_2026-11-25.md); at tp 2, seed 0 reached 0.997 over the last 4 of 40 steps.
