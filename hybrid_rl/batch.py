@@ -8,7 +8,8 @@ the completions, and everything later stages need as tensors on the compute
 device, each padded once on the host and moved in one copy:
 
     ids_NL, attn_NL      [pad .. pad prompt | response pad .. pad]
-    resp_mask_NT         1.0 on response tokens (the stop token included)
+    resp_mask_NT         1.0 on response tokens (the stop token included); for a multi-turn episode
+                         1.0 on the tokens the engine sampled only, 0.0 on observation tokens (holes)
     engine_logp_NT       the engine's sampled-token log-probs, 0 on padding
     truncated_N          finish_reason == "length"
     rewards_N, scores_N  task reward; the score the advantage sees (+ overlong shaping)
@@ -19,6 +20,7 @@ advantages and the log-probs SCORE computed, all the update (update.py) reads.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -49,8 +51,12 @@ class RolloutBatch:
 
     @classmethod
     def build(cls, rows: list[dict], prompt_ids: list[list[int]], completions: list[Completion], group_size: int,
-              rewards_N: torch.Tensor, scores_N: torch.Tensor, pad_id: int, device: torch.device) -> "RolloutBatch":
-        """Pad on the host in one pass, then one copy per tensor to `device`."""
+              rewards_N: torch.Tensor, scores_N: torch.Tensor, pad_id: int, device: torch.device,
+              loss_masks: Optional[list[list[int]]] = None) -> "RolloutBatch":
+        """Pad on the host in one pass, then one copy per tensor to `device`.
+
+        loss_masks: per completion, 1 for each token the loss may train (sampled by the engine) and 0 for one it
+        must not (an episode's observation tokens, rollout/episodes.py); None: every response token."""
         G, B = group_size, len(prompt_ids)
         if len(completions) != B * G or len(rows) != B:
             raise ValueError(f"{len(completions)} completions for {len(rows)} rows / {B} prompts x {G} samples")
@@ -61,19 +67,25 @@ class RolloutBatch:
         for i, c in enumerate(completions):
             if len(c.logprobs) != len(c.token_ids):
                 raise ValueError(f"completion {i}: {len(c.token_ids)} tokens but {len(c.logprobs)} logprobs")
+            if loss_masks is not None and (len(loss_masks[i]) != len(c.token_ids) or set(loss_masks[i]) - {0, 1}):
+                raise ValueError(f"completion {i}: a loss mask of 0/1 per token is needed ({len(c.token_ids)} tokens, "
+                                 f"mask of {len(loss_masks[i])})")
+        if loss_masks is not None and len(loss_masks) != len(completions):
+            raise ValueError(f"{len(loss_masks)} loss masks for {len(completions)} completions")
         P = max(len(p) for p in prompt_ids)
         T = max(1, max(len(c.token_ids) for c in completions))
-        ids, attn, logp, truncated = [], [], [], []
+        ids, attn, logp, truncated, mask = [], [], [], [], []
         for i, c in enumerate(completions):
             p, n = prompt_ids[i // G], len(c.token_ids)
             ids.append([pad_id] * (P - len(p)) + p + c.token_ids + [pad_id] * (T - n))
             attn.append([0] * (P - len(p)) + [1] * (len(p) + n) + [0] * (T - n))
+            mask.append((loss_masks[i] if loss_masks is not None else [1] * n) + [0] * (T - n))
             logp.append(c.logprobs + [0.0] * (T - n))
             truncated.append(c.finish_reason == "length")
         attn_NL = torch.tensor(attn, dtype=torch.long, device=device)
         return cls(rows=rows, prompt_ids=prompt_ids, completions=completions, group_size=G,
                    ids_NL=torch.tensor(ids, dtype=torch.long, device=device), attn_NL=attn_NL,
-                   resp_mask_NT=attn_NL[:, P:].float(), P=P,
+                   resp_mask_NT=torch.tensor(mask, dtype=torch.float32, device=device), P=P,
                    engine_logp_NT=torch.tensor(logp, dtype=torch.float32, device=device),
                    truncated_N=torch.tensor(truncated, dtype=torch.bool, device=device),
                    rewards_N=rewards_N.to(device), scores_N=scores_N.to(device))

@@ -4,8 +4,10 @@ rounds); the kept groups as one `RolloutBatch`.
 
 Pure of the Trainer: built from the config, the prompt encoder, the reward setup and the tokenizer,
 and run with the engine the ROLLOUT phase hands out, the run state's prompt loader and the step's
-index. A second loop reuses it as it is: the split placement's rollout ranks run the same stage
-(their own loader slice) and send the batch's groups to the learner ranks.
+index. With an environment (`env.*`, envs/setup.py) each row's G samples are G multi-turn episodes
+(rollout/episodes.py), run through the same engine instead of one generate call; an episode then
+reaches the batch as one completion whose loss mask is 0 on observation tokens. A second loop reuses
+it as it is: the split placement's rollout ranks run the same stage (their own loader slice) and send the batch's groups to the learner ranks.
 """
 from __future__ import annotations
 
@@ -17,9 +19,10 @@ from hybrid_rl.batch import RolloutBatch
 from hybrid_rl.config import Config
 from hybrid_rl.data.prompts import PromptLoader
 from hybrid_rl.loggers import log_rollouts
-from hybrid_rl.metrics import StageTimer
+from hybrid_rl.metrics import MeanAccumulator, StageTimer
 from hybrid_rl.rewards.setup import RewardSetup
-from hybrid_rl.rollout.base import SamplingParams, response_bodies
+from hybrid_rl.rollout.base import Completion, SamplingParams, response_bodies
+from hybrid_rl.rollout.episodes import EpisodeCompletion, episode_metrics
 from hybrid_rl.sampling import GroupCollector
 
 
@@ -30,6 +33,7 @@ class RolloutStage:
         from its text (trainer._build_data); out_dir: where `trainer.log_rollouts` writes rollouts.jsonl."""
         self.cfg, self.encode, self.rewards, self.tokenizer = cfg, encode, rewards, tokenizer
         self.stop_token_ids, self.stop_set, self.device, self.out_dir = stop_token_ids, stop_set, device, out_dir
+        self.env = rewards.env  # envs/setup.py's EnvSetup, or None: single-turn completions
 
     def run(self, engine, loader: PromptLoader, step: int, timer: StageTimer,
             model_phase=None) -> tuple[Optional[RolloutBatch], dict]:
@@ -39,24 +43,41 @@ class RolloutStage:
         algo, G = self.cfg.algorithm, self.cfg.rollout.n
         groups = GroupCollector(G, algo.dynamic_sampling, algo.max_sampling_rounds,
                                 self.rewards.rule.success_threshold)
+        episodes = MeanAccumulator()
         while True:
             rows = loader.next_batch()
-            prompt_ids = [self.encode(r) for r in rows]
             with timer("rollout"):
-                completions = engine.generate([p for p in prompt_ids for _ in range(G)],
-                                              self.sampling_params(step, groups.rounds))
+                prompt_ids, completions = self.generate(engine, rows, self.sampling_params(step, groups.rounds),
+                                                        episodes)
             with timer("reward"):
                 rewards_N, scores_N, parts = self.score(rows, completions, model_phase)
             groups.add(rows, prompt_ids, completions, rewards_N, scores_N, parts)
             if not groups.need_another_round():
                 break
         kept, metrics = groups.finish()
+        if self.env is not None:
+            metrics.update(episodes.reduce())
         self._log_rollouts(kept, step)
         if not kept.rows:
             return None, metrics
+        masks = [c.loss_mask for c in kept.completions] if self.env is not None else None
         batch = RolloutBatch.build(kept.rows, kept.prompt_ids, kept.completions, G, kept.rewards_N, kept.scores_N,
-                                   self.tokenizer.pad_token_id, self.device)
+                                   self.tokenizer.pad_token_id, self.device, loss_masks=masks)
         return batch, metrics
+
+    def generate(self, engine, rows: list[dict], params: SamplingParams,
+                 episodes: Optional[MeanAccumulator] = None) -> tuple[list[list[int]], list[Completion]]:
+        """(B prompt ids, N = B*G completions, row-major): one generate call of the encoded prompts, or with an
+        environment the rows' episodes (their metrics summed into `episodes`)."""
+        G = self.cfg.rollout.n
+        if self.env is None:
+            prompt_ids = [self.encode(r) for r in rows]
+            return prompt_ids, engine.generate([p for p in prompt_ids for _ in range(G)], params)
+        eps = self.env.runner(engine, self.tokenizer).run(rows, G, params)
+        if episodes is not None:
+            for name, mean in episode_metrics(eps).items():
+                episodes.add(name, mean * len(eps), len(eps))
+        return group_prompts([e.as_completion() for e in eps], [e.prompt_ids for e in eps], G)
 
     def score(self, rows: list[dict], completions: list, model_phase=None):
         """(reward, score, logged parts) per completion (G per row, in order): the rule reward on the host and/or
@@ -82,3 +103,24 @@ class RolloutStage:
                                             skip_special_tokens=True)
         log_rollouts(os.path.join(self.out_dir, "rollouts.jsonl"), step + 1, kept.rows, texts, kept.completions[:n],
                      kept.rewards_N[:n].tolist(), kept.scores_N[:n].tolist(), self.cfg.rollout.n)
+
+
+def group_prompts(completions: list[EpisodeCompletion], prompts: list[list[int]], G: int
+                  ) -> tuple[list[list[int]], list[EpisodeCompletion]]:
+    """One prompt per group, as the batch lays them out: the longest prefix the G episodes' opening prompts
+    share. An environment whose reset differs between episodes of a row (a shuffled tool list) keeps the
+    rest of each prompt, moved into its completion under loss mask 0 and log-prob 0.0 (never trained)."""
+    out_prompts, out = [], []
+    for b in range(len(prompts) // G):
+        group = prompts[b * G:(b + 1) * G]
+        n = min(len(p) for p in group)
+        n = next((i for i in range(n) if len({p[i] for p in group}) > 1), n)
+        if n == 0:
+            raise ValueError(f"the {G} episodes of row {b} open with different first tokens; an environment's "
+                             "reset(row) must open every episode of a row with the same chat template prefix")
+        out_prompts.append(group[0][:n])
+        for p, c in zip(group, completions[b * G:(b + 1) * G]):
+            extra = p[n:]
+            out.append(EpisodeCompletion(extra + c.token_ids, [0.0] * len(extra) + c.logprobs, c.finish_reason,
+                                         loss_mask=[0] * len(extra) + c.loss_mask, episode=c.episode))
+    return out_prompts, out

@@ -10,6 +10,13 @@ group then earns the same, and the answer turn gets no signal (seen in a bare GR
 random policy over the ~20-word vocabulary earns ~0.005 on average; a policy that asks and then
 copies the digit it was just shown (a few tokens back in its context) earns 1.0.
 
+Hidden digits are drawn from SECRET_DIGITS (4) values, not 10: GRPO sees the copy only through the
+group's samples that happen to name the hidden digit, 1 in 10 of a random answer, and at 10 the tiny
+model settled on one fixed digit (last-10% reward ~0.27 = asking plus chance). At 4, one in four is
+right by chance and the copy is learned: with turns of one word (rollout.max_new_tokens=1), 64 rows x
+8 episodes a step and lr 3e-3, the reward passes 0.9 after ~45 steps and stays ~1.0
+(tests/recipes/test_tiny_ask.py).
+
 The word-level tokenizer of models/tiny.py has no chat template, and observations are chat
 messages, so this task's tokenizer carries a small one (CHAT_TEMPLATE): every turn is
 `<role>content`, an assistant turn closes with `<eos>` (the stop token), and the generation
@@ -31,6 +38,7 @@ import re
 from hybrid_rl.envs.base import Step, register_env
 
 ASK_REWARD, ANSWER_REWARD = 0.2, 0.8
+SECRET_DIGITS = 4  # hidden digits are 0..3 (module docstring)
 ASK, PROMPT = "ask", "?"
 WORDS = [str(d) for d in range(10)] + [ASK, PROMPT, "<system>", "<user>", "<assistant>", "<tool>"]
 CHAT_TEMPLATE = (
@@ -40,10 +48,12 @@ CHAT_TEMPLATE = (
 _FIRST_RE = re.compile(r"\s*(ask|\d)")
 
 
-def ask_rows(n: int, seed: int) -> list[dict]:
-    """`n` rows, each hiding a seeded random digit; the prompt is the same for all."""
+def ask_rows(n: int, seed: int, digits: int = SECRET_DIGITS) -> list[dict]:
+    """`n` rows, each hiding a seeded random digit below `digits`; the prompt is the same for all."""
+    if not 1 <= digits <= 10:
+        raise ValueError(f"digits must be in 1..10, got {digits}")
     rng = random.Random(seed)
-    return [{"prompt": PROMPT, "secret": str(rng.randrange(10))} for _ in range(n)]
+    return [{"prompt": PROMPT, "secret": str(rng.randrange(digits))} for _ in range(n)]
 
 
 def build_ask_tokenizer():

@@ -21,14 +21,15 @@ import torch
 
 from hybrid_rl import distributed as D
 
-PARTS = ("rule", "model")
+PARTS = ("rule", "model", "env")  # env: an episode's summed step rewards (envs/, rollout/episodes.py)
 
 
-def resolve_weights(weights: Mapping[str, float], has_model: bool) -> dict[str, float]:
-    """The parts a run computes, with their weights (config.py has checked the keys)."""
+def resolve_weights(weights: Mapping[str, float], has_model: bool, has_env: bool = False) -> dict[str, float]:
+    """The parts a run computes, with their weights (config.py has checked the keys). Without weights: the
+    environment's reward alone when there is one, else the reward model's, else the rule reward."""
     if weights:
         return {k: float(weights[k]) for k in PARTS if k in weights}
-    return {"model": 1.0} if has_model else {"rule": 1.0}
+    return {"env": 1.0} if has_env else {"model": 1.0} if has_model else {"rule": 1.0}
 
 
 class RunningNorm:
@@ -79,7 +80,7 @@ def combine(parts: Mapping[str, torch.Tensor], weights: Mapping[str, float],
             norm: Optional[RunningNorm] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(reward_N, logged parts): sum over parts of weight x part, the model part normalised first if `norm`.
 
-    parts: {"rule": rule_N, "model": score_N} (the parts in `weights`, all of shape (N,)).
+    parts: {"rule": rule_N, "model": score_N, "env": return_N} (the parts in `weights`, all of shape (N,)).
     Logged parts: rule and model as given, plus model_norm when normalised.
     """
     if set(parts) != set(weights):

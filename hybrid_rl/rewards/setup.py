@@ -12,6 +12,10 @@ decoded text without its stop token, metadata = the dataset row + `finish_reason
 through it. `score` adds the reward model's part, the weighting and DAPO's soft overlong
 penalty.
 
+With an environment (`env.*`, envs/setup.py, held here as `env`), the G samples of a row are episodes
+and the `env` part is each episode's summed step rewards; a rule reward, if weighted too, reads the
+episode's turns as the environment saw them, one per line (never the observations).
+
 Legend: N completions, row-major: `group_size` per dataset row.
 """
 from __future__ import annotations
@@ -24,9 +28,11 @@ import torch
 
 from hybrid_rl.algorithms.dapo import overlong_penalty
 from hybrid_rl.config import Config
+from hybrid_rl.envs.setup import EnvSetup, model_context
 from hybrid_rl.rewards.base import RewardFn, compute_rewards, resolve_reward
 from hybrid_rl.rewards.combine import RunningNorm, combine, resolve_weights
 from hybrid_rl.rollout.base import Completion, response_bodies
+from hybrid_rl.rollout.episodes import EpisodeCompletion
 from hybrid_rl.rewards.model import RewardModelScorer, inspect_reward_model, load_reward_model
 
 # Built-in rewards and the built-in task each one scores (a mismatch is almost always a config slip).
@@ -46,12 +52,14 @@ class RewardSetup:
     overlong: tuple[int, int, float] = (1, 0, 0.0)
     module: Optional[torch.nn.Module] = None  # the sharded reward model, once `build_model` loaded it
     scorer: Optional[RewardModelScorer] = None
+    env: Optional[EnvSetup] = None  # the episodes' environment (env.*), or None: single-turn completions
 
     @classmethod
     def resolve(cls, cfg: Config, reward_fn: Optional[RewardFn] = None) -> "RewardSetup":
         r = cfg.reward
         name, rule = resolve_reward(r.name, r.fn, r.kwargs, r.success_threshold, reward_fn)
-        weights = resolve_weights(r.weights, bool(r.model_path))
+        env = EnvSetup.resolve(cfg)
+        weights = resolve_weights(r.weights, bool(r.model_path), env is not None)
         if reward_fn is not None and "rule" not in weights:
             raise ValueError(f"config key 'reward.weights': a reward_fn was passed to Trainer, but the reward's parts "
                              f"are {weights} (no 'rule'); add reward.weights.rule to use it")
@@ -67,7 +75,7 @@ class RewardSetup:
         return cls(name=name, rule=rule, weights=weights, rm_spec=rm_spec, rm_tokenizer=rm_tokenizer,
                    norm=RunningNorm() if r.normalize_model else None,
                    max_tokens_per_micro_batch=r.max_tokens_per_micro_batch,
-                   overlong=(max_new, buffer, a.overlong_penalty_factor))
+                   overlong=(max_new, buffer, a.overlong_penalty_factor), env=env)
 
     def rule_rewards(self, rows: Sequence[dict], completions: Sequence[Completion], group_size: int, tokenizer,
                      stop_ids: set[int]) -> tuple[list[str], list[float]]:
@@ -78,6 +86,7 @@ class RewardSetup:
         bodies = response_bodies(completions, stop_ids)
         # (transformers decodes an empty batch as [""])
         texts = tokenizer.batch_decode(bodies, skip_special_tokens=True) if completions else []
+        texts = [c.text if isinstance(c, EpisodeCompletion) else t for c, t in zip(completions, texts)]
         prompts = [rows[i // group_size]["prompt"] for i in range(len(completions))]
         meta = [{**rows[i // group_size], "finish_reason": c.finish_reason, "response_tokens": len(b)}
                 for i, (c, b) in enumerate(zip(completions, bodies))]
@@ -94,6 +103,8 @@ class RewardSetup:
         parts = {}
         if "rule" in self.weights:
             parts["rule"] = torch.tensor(self.rule_rewards(rows, completions, group_size, tokenizer, stop_ids)[1])
+        if "env" in self.weights:
+            parts["env"] = torch.tensor([_episode_reward(c) for c in completions], dtype=torch.float32)
         if self.module is not None:
             # Text, never the policy's ids: the reward model has its own tokenizer (rewards/model.py). The
             # policy's special tokens stay in it (the stop token is already cut), as verl keeps them: a decode
@@ -103,18 +114,22 @@ class RewardSetup:
             with model_phase() as rm:
                 parts["model"] = self.scorer(rm, prompts, rm_texts)
         rewards_N, logged = combine(parts, self.weights, self.norm)
-        logged = logged if self.module is not None else {}
+        logged = logged if self.module is not None or len(parts) > 1 else {}
         max_new, buffer, factor = self.overlong
         if factor == 0:
             return rewards_N, rewards_N, logged
         lengths_N = torch.tensor([len(c.token_ids) for c in completions])
         return rewards_N, rewards_N + overlong_penalty(lengths_N, max_new, buffer, factor), logged
 
-    def probe(self, rows: list[dict], tokenizer) -> None:
-        """Call the rule reward once on placeholder completions (empty, cut at the length limit), so a broken
-        function fails before training."""
+    def probe(self, rows: list[dict], tokenizer, model_path: str = "") -> None:
+        """Call the rule reward once on placeholder completions (empty, cut at the length limit) of the first two
+        rows, so a broken function fails before training; the environment's start-up checks (EnvSetup.probe:
+        its factory on the first row, every probed opening prompt within rollout.max_episode_tokens)."""
+        if self.env is not None:
+            self.env.probe(rows, tokenizer, model_context(model_path) if model_path else None)
         if "rule" not in self.weights:
             return  # a run on the reward model alone never calls it (its rows may lack what it reads)
+        rows = rows[:2]
         self.rule_rewards(rows, [Completion([], [], "length") for _ in rows], 1, tokenizer, set())
 
     def build_model(self, probe_rows: list[dict], device: torch.device, mixed: bool) -> None:
@@ -127,3 +142,9 @@ class RewardSetup:
         scorer = RewardModelScorer(self.rm_spec, self.rm_tokenizer, device, self.max_tokens_per_micro_batch)
         scorer(module, [r["prompt"] for r in probe_rows], ["" for _ in probe_rows])
         self.module, self.scorer = module, scorer
+
+
+def _episode_reward(c: Completion) -> float:
+    if not isinstance(c, EpisodeCompletion) or c.episode is None:
+        raise ValueError("reward.weights has an 'env' part, but a completion is no episode; set env.name or env.fn")
+    return c.episode.reward

@@ -75,12 +75,27 @@ class Episode:
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.response_ids
 
-    def as_completion(self) -> Completion:
-        """The episode in the single-turn batch's terms (RolloutBatch.build); pair it with `loss_mask`."""
-        return Completion(list(self.response_ids), list(self.logprobs), self.finish_reason)
+    def as_completion(self) -> "EpisodeCompletion":
+        """The episode in the single-turn batch's terms (RolloutBatch.build), carrying its `loss_mask`."""
+        return EpisodeCompletion(list(self.response_ids), list(self.logprobs), self.finish_reason,
+                                 loss_mask=list(self.loss_mask), episode=self)
 
     def where(self) -> str:
         return f"episode of row {self.row_index} (sample {self.sample}), turn {self.turns}"
+
+
+@dataclass
+class EpisodeCompletion(Completion):
+    """An episode as a Completion (token_ids: every turn and observation after the prompt) that carries its
+    loss mask (1 = sampled by the engine) through the group collector to RolloutBatch.build."""
+
+    loss_mask: list[int] = field(default_factory=list)
+    episode: Optional[Episode] = None
+
+    @property
+    def text(self) -> str:
+        """What a rule reward reads: the turns as the environment saw them, one per line (never the observations)."""
+        return "\n".join(self.episode.turn_texts) if self.episode is not None else ""
 
 
 class EpisodeRunner:

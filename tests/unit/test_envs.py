@@ -13,7 +13,7 @@ import pytest
 
 from hybrid_rl.envs import EnvError, Environment, Step, as_step, get_env, load_env_factory, make_env, register_env
 from hybrid_rl.envs.base import resolve_env
-from hybrid_rl.envs.tiny_ask import ANSWER_REWARD, ASK_REWARD, AskEnv, ask_rows, build_ask_tokenizer
+from hybrid_rl.envs.tiny_ask import ANSWER_REWARD, ASK_REWARD, SECRET_DIGITS, AskEnv, ask_rows, build_ask_tokenizer
 
 
 class _Env:
@@ -158,7 +158,8 @@ def test_tiny_ask_tokenizer_survives_loading(tmp_path):
 
 def test_tiny_ask_rows_and_vocabulary():
     rows = ask_rows(50, seed=0)
-    assert rows == ask_rows(50, seed=0) and len({r["secret"] for r in rows}) == 10
+    assert rows == ask_rows(50, seed=0) and len({r["secret"] for r in rows}) == SECRET_DIGITS == 4
+    assert len({r["secret"] for r in ask_rows(100, seed=0, digits=10)}) == 10
     tok = build_ask_tokenizer()
     assert len(tok) <= 24 and tok.chat_template  # small enough for the tiny model to learn over
     assert "<unk>" not in tok.convert_ids_to_tokens(tok("<user> ? <assistant> ask <eos> <tool> 7").input_ids)
