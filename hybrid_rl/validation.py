@@ -16,6 +16,8 @@ are reduced over ranks. Metrics (`val/` prefix):
   mean@k, pass@k  with val_n=k: mean correctness of k samples; any of the k correct
   reward_mean@k   mean reward of the k samples
   prompts, time_s, switch_s
+With an environment (env.*) every completion is an episode (rollout/episodes.py) and its reward the
+episode's return (+ the rule reward where weighted); `response_length` then counts observation tokens too.
 Rank 0 appends its first `trainer.val_sample_rows` prompts with their completions and
 rewards to out_dir/val_samples.jsonl, one JSON object per prompt, tagged with the step.
 
@@ -66,9 +68,20 @@ class Validator:
             return self._run(step)
 
     def _score(self, rows: list[dict], completions: list[Completion], k: int) -> tuple[list[str], torch.Tensor]:
-        """(texts, rewards_N) of N = len(rows) * k completions, row-major: the rule reward, as training sees it."""
-        texts, rewards = self.rewards.rule_rewards(rows, completions, k, self.tokenizer, self.stop_ids)
+        """(texts, rewards_N) of N = len(rows) * k completions, row-major: the rule reward, as training sees it;
+        with an environment, the episode's return (its `env` part) plus the rule reward where it is weighted."""
+        w = self.rewards.weights
+        texts, rewards = self.rewards.rule_rewards(rows, completions, k, self.tokenizer, self.stop_ids) \
+            if "rule" in w or self.rewards.env is None else ([c.text for c in completions], [0.0] * len(completions))
+        if self.rewards.env is not None:
+            rewards = [w.get("rule", 0.0) * r + w.get("env", 0.0) * c.episode.reward for r, c in zip(rewards, completions)]
         return texts, torch.tensor(rewards, dtype=torch.float64)
+
+    def _generate(self, engine, rows: list[dict], ids: list[list[int]], params: SamplingParams, k: int) -> list:
+        """k completions per row: one generate call, or with an environment k episodes per row."""
+        if self.rewards.env is None:
+            return engine.generate([p for p in ids for _ in range(k)], params)
+        return [e.as_completion() for e in self.rewards.env.runner(engine, self.tokenizer).run(rows, k, params)]
 
     def _run(self, step: int) -> dict[str, float]:
         cfg, rows = self.cfg, self.rows
@@ -82,8 +95,8 @@ class Validator:
             for start in range(0, len(rows), batch):
                 mine = rows[start:start + batch][D.rank()::D.world_size()]
                 ids = [self.encode(row) for row in mine]
-                greedy = engine.generate(ids, SamplingParams(max_new_tokens=r.max_new_tokens, stop_token_ids=stop,
-                                                             greedy=True, seed=r.seed))
+                greedy = self._generate(engine, mine, ids, SamplingParams(
+                    max_new_tokens=r.max_new_tokens, stop_token_ids=stop, greedy=True, seed=r.seed), 1)
                 texts, rewards_B = self._score(mine, greedy, 1)
                 n = len(mine)
                 acc.add("val/pass@1", (rewards_B >= threshold).sum(), n)
@@ -93,9 +106,9 @@ class Validator:
                 s_texts, s_rewards = [], torch.zeros(0, dtype=torch.float64)
                 if k:
                     seed = r.seed + 1_000_003 * step + 7919 * D.rank() + start
-                    sampled = engine.generate([p for p in ids for _ in range(k)], SamplingParams(
+                    sampled = self._generate(engine, mine, ids, SamplingParams(
                         max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                        stop_token_ids=stop, seed=seed))
+                        stop_token_ids=stop, seed=seed), k)
                     s_texts, s_rewards = self._score(mine, sampled, k)
                     right_Bk = (s_rewards >= threshold).view(n, k)
                     acc.add(f"val/mean@{k}", right_Bk.sum(), n * k)
