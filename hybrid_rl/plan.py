@@ -171,7 +171,7 @@ def _header_lines(plan: MemoryPlan) -> list[str]:
         f"GPUs {plan.n_gpus}, rollout tp {plan.tp_size} x dp {dp}; batch {plan.batch} seqs x context "
         f"{plan.context} tokens; GPU memory {plan.gpu_mem_bytes / 2**30:g} GiB = {_gb(plan.gpu_mem_bytes)} GB",
         "offload: " + (", ".join(f for f in OFFLOAD_FLAGS if plan.offload[f]) or "none"),
-        f"bill (whole model): learner 16N = {_gb(b['learner'])} GB, reference = {_gb(b['ref'])} GB, "
+        f"bill (whole model): learner {_learner(plan)} = {_gb(b['learner'])} GB, reference = {_gb(b['ref'])} GB, "
         f"inference copy = {_gb(b['engine_copy'])} GB (x{b['engine_replicas']} replicas on the GPUs = "
         f"{_gb(plan.total['engine_weights'])} GB)"
         + (f", reward model = {_gb(b['reward_model'])} GB" if plan.reward_params else ""),
@@ -274,6 +274,13 @@ def _engine_kw(args) -> dict:
     kv = None if args.kv_cache_gb is None else int(args.kv_cache_gb * GB)
     return dict(engine=engine, kv_cache_budget=kv, mem_fraction=args.mem_fraction) if engine == "vllm" else \
         dict(engine=engine)
+
+
+def _learner(plan) -> str:
+    """How the learner is billed: 16N, or with LoRA the frozen base and 16 bytes per adapter parameter."""
+    if not plan.lora_params:
+        return "16N"
+    return f"{DTYPE_BYTES[plan.dtype]}N + 16A (LoRA: frozen base, A = {plan.lora_params:,} adapter params)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

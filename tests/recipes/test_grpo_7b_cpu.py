@@ -133,6 +133,25 @@ def test_dry_run_prints_the_native_rollout_margin_for_8_x_80gb(capsys):
     assert re.search(r"^rollout_working +\d", out, re.M) and re.search(r"^rollout_headroom +4\.29", out, re.M)
 
 
+def test_dry_run_with_lora_fits_the_7b_policy_on_one_80gb_gpu(capsys):
+    """Issue 29: rank-64 all-linear LoRA bills the frozen bf16 base (2N), 16 bytes per adapter parameter and no
+    reference copy, so Qwen2.5-7B fits one 80 GiB GPU with the optimizer resident; the whole-model bill does not.
+    Catches: the learner billed 16N (or a reference copy kept) under LoRA, or the label saying 16N when it is not."""
+    # Per layer rank x (in + out): q and o 3584+3584, k and v 3584+512, gate, up and down 3584+18944; 28 layers.
+    a = 28 * 64 * (2 * (3584 + 3584) + 2 * (3584 + 512) + 3 * (3584 + 18944))
+    result = grpo_7b.main(["--dry-run", "--gpus", "1", "model.lora.rank=64"])
+    out = capsys.readouterr().out
+    assert result["fits"] is True
+    learner_gb = (2 * 7_615_616_512 + 16 * a) / 1e9
+    assert f"learner 2N + 16A (LoRA: frozen base, A = {a:,} adapter params) = {learner_gb:.2f} GB" in out, out[-2500:]
+    assert "reference = 0.00 GB" in out
+    offloaded = next(ln for ln in out.splitlines() if ln.startswith("offload: "))
+    assert "optimizer" not in offloaded, offloaded
+    with pytest.raises(SystemExit, match="nothing fits"):
+        grpo_7b.main(["--dry-run", "--gpus", "1"])
+    assert "learner 16N = 121.85 GB" in capsys.readouterr().out
+
+
 def test_dry_run_refuses_with_the_change_that_makes_it_fit(capsys):
     # 70 GiB with SGLang at TP 2: its KV cache for the whole batch leaves the rollout phase short unless
     # the optimizer state goes to host memory.
