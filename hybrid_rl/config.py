@@ -92,13 +92,11 @@ class RolloutConfig:
     seed: int = 0
     tp_size: int = 1  # sglang, vllm: ranks per inference engine (tensor parallel); divides the ranks of a node
     mem_fraction: Optional[float] = None  # sglang: mem_fraction_static; vllm on CUDA: gpu_memory_utilization; null = default
-    # vllm: KV-cache bytes per rank (vLLM's kv_cache_memory_bytes); null = one batch's need, from the planner's formula.
-    # On CPU vLLM would otherwise reserve half the host memory at start.
-    kv_cache_bytes: Optional[int] = None
+    kv_cache_bytes: Optional[int] = None  # vllm: KV bytes per rank; null = one batch's need (planner's formula; README)
     enable_prefix_caching: bool = False  # vllm: reuse the KV of shared prompt prefixes (off: a sync would stale it)
+    enforce_eager: Optional[bool] = None  # vllm: null = eager on CPU, graphs on CUDA; false compiles on CPU (README)
     bucket_mb: int = 512  # weight sync: size of one flat bucket (peak extra memory of a sync)
-    # sglang: how long the other ranks of an engine's group wait on its owner, whose calls (a whole
-    # rollout's generate) can outlast trainer.dist_timeout_s; an owner that dies is noticed at once.
+    # sglang: how long the other ranks of an engine's group wait on its owner (a whole rollout's generate)
     engine_timeout_s: int = 3600
     max_turns: int = 4  # with env.*: model turns per episode at most (each a generate call of <= max_new_tokens)
     max_episode_tokens: int = 1024  # with env.*: prompt + every turn + every observation, at most

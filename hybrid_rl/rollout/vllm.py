@@ -381,7 +381,8 @@ def build_for_trainer(cfg, policy: torch.nn.Module, tok, longest: int, has_val: 
                       max_model_len=longest + r.max_new_tokens, sequences=max(train, val), tp_size=r.tp_size,
                       weights_dtype=weights_dtype, kv_cache_bytes=r.kv_cache_bytes, mem_fraction=r.mem_fraction,
                       enable_prefix_caching=r.enable_prefix_caching, seed=r.seed, timeout_s=r.engine_timeout_s,
-                      engine_kwargs=lora_engine_kwargs(cfg.model.lora.rank) if cfg.model.lora.enabled else None)
+                      engine_kwargs={**(lora_engine_kwargs(cfg.model.lora.rank) if cfg.model.lora.enabled else {}),
+                                     **({} if r.enforce_eager is None else {"enforce_eager": r.enforce_eager})})
 
 
 def _repack_tied_head(model: torch.nn.Module) -> None:

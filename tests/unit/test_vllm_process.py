@@ -66,3 +66,20 @@ def test_engine_start_on_cuda_passes_a_utilization_the_free_memory_admits(monkey
     eng._start("/nonexistent", 1024, 64, None, False, 0, {})
     assert seen["kv_cache_memory_bytes"] == 8 * GIB and seen["dtype"] == "bfloat16"
     assert seen["gpu_memory_utilization"] * 80 * GIB <= 71 * GIB
+
+
+@pytest.mark.parametrize("value, expected", [(None, {}), (False, {"enforce_eager": False}),
+                                             (True, {"enforce_eager": True})])
+def test_enforce_eager_reaches_the_engine_only_when_set(monkeypatch, value, expected):
+    """Catches: rollout.enforce_eager dropped on its way to vllm.LLM (the benchmark's --vllm-compile would then
+    compare an eager engine with TRL's compiled one), or a null overriding vLLM's per-device default."""
+    from types import SimpleNamespace
+
+    import hybrid_rl.rollout.vllm as V
+    from hybrid_rl.config_load import load_config
+
+    seen = {}
+    monkeypatch.setattr(V, "VLLMEngine", lambda *a, **kw: seen.update(kw))
+    cfg = load_config(None, [] if value is None else [f"rollout.enforce_eager={str(value).lower()}"])
+    V.build_for_trainer(cfg, torch.nn.Linear(1, 1), SimpleNamespace(pad_token_id=0, eos_token_id=1), 4, False, None)
+    assert seen["engine_kwargs"] == expected
