@@ -39,16 +39,39 @@ def is_dist() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+# The split placement (hybrid_rl/split/) scopes each rank's library collectives to its own pool: the
+# learner ranks reduce metrics, normalisers and whitening statistics among themselves, the rollout ranks
+# theirs, exactly as a colocated world of that size would. (group, global ranks); None = the whole world.
+_SCOPE: tuple[Any, tuple[int, ...]] | None = None
+
+
+def use_group(group, ranks: list[int] | None) -> None:
+    """From now on rank(), world_size() and the collectives below act within `group` (global `ranks`, sorted);
+    None restores the whole world. `src`/`dst` arguments stay global ranks."""
+    global _SCOPE
+    _SCOPE = None if ranks is None else (group, tuple(ranks))
+
+
+def _group():
+    return _SCOPE[0] if _SCOPE is not None else None
+
+
 def rank() -> int:
-    return dist.get_rank() if is_dist() else 0
+    """This rank's index in its scope (the whole world unless `use_group` narrowed it)."""
+    if not is_dist():
+        return 0
+    return _SCOPE[1].index(dist.get_rank()) if _SCOPE is not None else dist.get_rank()
 
 
 def world_size() -> int:
-    return dist.get_world_size() if is_dist() else 1
+    if not is_dist():
+        return 1
+    return len(_SCOPE[1]) if _SCOPE is not None else dist.get_world_size()
 
 
 def is_main() -> bool:
-    return rank() == 0
+    """Global rank 0 (it writes metrics, configs and checkpoints in either placement)."""
+    return (dist.get_rank() if is_dist() else 0) == 0
 
 
 def env_world_size() -> int:
@@ -89,7 +112,9 @@ def _check_served(x: torch.Tensor) -> None:
 
 
 def init(device: str = "auto", timeout_s: int = 300) -> torch.device:
-    """Join the launcher's process group if there is one; idempotent. Returns this rank's device."""
+    """Join the launcher's process group if there is one; idempotent. Returns this rank's device. The
+    collectives act on the whole world again (a split Trainer built earlier in this process narrowed them)."""
+    use_group(None, None)
     dev = pick_device(device)
     if env_world_size() > 1 and not is_dist():
         if dev.type == "cuda":
@@ -122,21 +147,21 @@ def shutdown() -> None:
 
 def barrier() -> None:
     if is_dist():
-        dist.barrier()
+        dist.barrier(group=_group())
 
 
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     """Sum over ranks, in place and returned; identity on one rank."""
     if is_dist():
         _check_served(x)
-        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=_group())
     return x
 
 
 def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
     if is_dist():
         _check_served(x)
-        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=_group())
     return x
 
 
@@ -144,24 +169,32 @@ def all_gather_object(obj: Any) -> list[Any]:
     if not is_dist():
         return [obj]
     out: list[Any] = [None] * world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=_group())
     return out
 
 
-def new_group(ranks: list[int], timeout_s: int = 300):
-    """A gloo group over `ranks` (host objects and control traffic); every rank must call this
-    for every group, in the same order. None when not distributed."""
+def new_group(ranks: list[int], timeout_s: int = 300, backend: str = "gloo"):
+    """A group over `ranks` (gloo: host objects and control traffic; `backend_for(device)` for one that also
+    reduces device tensors); every rank must call this for every group, in the same order. None when not
+    distributed."""
     if not is_dist():
         return None
-    return dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout_s))
+    return dist.new_group(ranks, backend=backend, timeout=timedelta(seconds=timeout_s))
+
+
+def scope_group():
+    """The group `use_group` narrowed this rank's collectives to (None: the whole world), for the library calls
+    that take a process group of their own (a distributed checkpoint's save and load)."""
+    return _group()
 
 
 def gather_object_to(obj: Any, dst: int, group=None) -> list[Any] | None:
     """Objects of every rank of `group`, in group-rank order, on global rank `dst` (None elsewhere)."""
     if not is_dist():
         return [obj]
+    group = group if group is not None else _group()
     size = dist.get_world_size(group)
-    out: list[Any] | None = [None] * size if rank() == dst else None
+    out: list[Any] | None = [None] * size if dist.get_rank() == dst else None
     dist.gather_object(obj, out, dst=dst, group=group)
     return out
 
@@ -171,7 +204,8 @@ def scatter_object_from(objs: list[Any] | None, src: int, group=None) -> Any:
     if not is_dist():
         return objs[0]
     out: list[Any] = [None]
-    dist.scatter_object_list(out, objs if rank() == src else None, src=src, group=group)
+    group = group if group is not None else _group()
+    dist.scatter_object_list(out, objs if dist.get_rank() == src else None, src=src, group=group)
     return out[0]
 
 
@@ -179,8 +213,8 @@ def broadcast_object_from(obj: Any, src: int, group=None) -> Any:
     """`obj` of global rank `src` on every rank of `group`."""
     if not is_dist():
         return obj
-    box = [obj if rank() == src else None]
-    dist.broadcast_object_list(box, src=src, group=group)
+    box = [obj if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src, group=group if group is not None else _group())
     return box[0]
 
 
@@ -190,6 +224,7 @@ def broadcast_tensor_(tensor: torch.Tensor, src: int, group=None, timeout_s: flo
     (the split placement's weight sync names the silent peer sooner than a long step's timeout would)."""
     if is_dist():
         _check_served(tensor)
+        group = group if group is not None else _group()
         if timeout_s is None:
             dist.broadcast(tensor, src=src, group=group)
         else:

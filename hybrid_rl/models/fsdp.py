@@ -24,8 +24,9 @@ from hybrid_rl import distributed as D
 from hybrid_rl.models.loading import decoder_layers, load_causal_lm
 
 
-def shard_model(model: torch.nn.Module, device: torch.device, mixed_precision: bool) -> torch.nn.Module:
-    """Move `model` to `device` and shard it over all ranks (no-op sharding on one rank).
+def shard_model(model: torch.nn.Module, device: torch.device, mixed_precision: bool, mesh=None) -> torch.nn.Module:
+    """Move `model` to `device` and shard it over all ranks, or over `mesh` (a DeviceMesh: the split
+    placement's learner ranks) when given (no-op sharding on one rank).
 
     mixed_precision: bf16 compute/communication for parameters, fp32 gradient
     reduction; the sharded parameters (the optimizer's master copy) stay fp32.
@@ -35,16 +36,16 @@ def shard_model(model: torch.nn.Module, device: torch.device, mixed_precision: b
         if mixed_precision:
             raise ValueError("bf16 mixed precision needs FSDP2; launch with torchrun or use model.dtype=float32")
         return model
-    return _fully_shard(model, mixed_precision)
+    return _fully_shard(model, mixed_precision, mesh)
 
 
-def _fully_shard(model: torch.nn.Module, mixed_precision: bool) -> torch.nn.Module:
+def _fully_shard(model: torch.nn.Module, mixed_precision: bool, mesh=None) -> torch.nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else MixedPrecisionPolicy()
     for layer in decoder_layers(model):
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(layer, mp_policy=mp, mesh=mesh)
+    fully_shard(model, mp_policy=mp, mesh=mesh)
     return model
 
 
@@ -89,7 +90,7 @@ def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
 def load_sharded(path: str, device: torch.device, mixed_precision: bool, attn_implementation: str,
                  prepare: list[Callable[[torch.nn.Module], object]], *,
                  load: Optional[Callable[[], torch.nn.Module]] = None, model_class=None,
-                 dtype: torch.dtype = torch.float32) -> list[torch.nn.Module]:
+                 dtype: torch.dtype = torch.float32, mesh=None) -> list[torch.nn.Module]:
     """One sharded model per entry of `prepare` (e.g. the policy and its reference), each holding the
     weights of the Hugging Face directory `path` after `prepare[i]` ran on it (before sharding).
 
@@ -98,14 +99,17 @@ def load_sharded(path: str, device: torch.device, mixed_precision: bool, attn_im
     On one rank: loaded once, copied for the others. On several: rank 0 alone reads the weights; every
     rank builds the same modules on the meta device, shards them, allocates its shards on `device` and
     receives them from rank 0 (`set_model_state_dict(broadcast_from_rank0=True)`), buffers included,
-    so each rank holds 1/world of every model and rank 0 one whole copy while loading."""
+    so each rank holds 1/world of every model and rank 0 one whole copy while loading.
+    mesh: shard over this DeviceMesh only (the split placement's learner ranks); every rank of it reads the
+    weights itself (the broadcast from rank 0 is a collective of the whole world, which the rollout ranks
+    do not join), at the cost of one whole copy per learner rank while loading."""
     load = load or (lambda: load_causal_lm(path, dtype, attn_implementation))
-    if not D.is_dist():
+    if not D.is_dist() or mesh is not None:
         first = load()
         models = [first] + [copy.deepcopy(first) for _ in prepare[1:]]
         for model, fn in zip(models, prepare):
             fn(model)
-        return [shard_model(m, device, mixed_precision) for m in models]
+        return [shard_model(m, device, mixed_precision, mesh) for m in models]
     from transformers import AutoConfig, AutoModelForCausalLM
 
     full = _load_on_rank0(load, path)

@@ -18,6 +18,7 @@ A peer that died fails the wait at once ("Connection closed by peer"); one that 
 """
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 from typing import Sequence
 
@@ -142,3 +143,31 @@ def recv_groups(src: int, timeout_s: float, group=None, peer: str = "") -> tuple
     payload = torch.empty(length, dtype=torch.int64)
     _wait(dist.irecv(payload, src=src, group=group), timeout_s, f"receiving groups from {who}")
     return unpack_groups(payload, n_groups), (HEADER_LEN + length) * 8
+
+
+JSON_MAGIC = 0x5EED_0150
+
+
+def send_json(obj, dst: int, timeout_s: float, group=None, peer: str = "") -> None:
+    """Send a JSON-safe object (a batch's metrics, loader position and timings) to global rank `dst`: a header
+    [JSON_MAGIC, FORMAT, byte length, 0], then the UTF-8 bytes as int64s."""
+    raw = json.dumps(obj).encode()
+    payload = torch.tensor(list(raw), dtype=torch.int64)
+    header = torch.tensor([JSON_MAGIC, FORMAT, payload.numel(), 0], dtype=torch.int64)
+    who = peer or f"rank {dst}"
+    _wait(dist.isend(header, dst=dst, group=group), timeout_s, f"sending a batch's metrics to {who}")
+    _wait(dist.isend(payload, dst=dst, group=group), timeout_s, f"sending a batch's metrics to {who}")
+
+
+def recv_json(src: int, timeout_s: float, group=None, peer: str = ""):
+    """Receive one `send_json` from global rank `src`."""
+    who = peer or f"rank {src}"
+    header = torch.empty(HEADER_LEN, dtype=torch.int64)
+    _wait(dist.irecv(header, src=src, group=group), timeout_s, f"receiving a batch's metrics from {who}")
+    magic, fmt, length, _ = header.tolist()
+    if magic != JSON_MAGIC or fmt != FORMAT:
+        raise PeerError(f"split transport: {who} sent a header {header.tolist()} that is not a metrics message: "
+                        "the ranks disagree on the protocol")
+    payload = torch.empty(length, dtype=torch.int64)
+    _wait(dist.irecv(payload, src=src, group=group), timeout_s, f"receiving a batch's metrics from {who}")
+    return json.loads(bytes(payload.tolist()).decode())

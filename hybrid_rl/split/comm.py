@@ -1,0 +1,64 @@
+"""The process groups of a split run, made once per process before any model is built.
+
+Every rank creates every group, in the same order (torch requires it): the learner mesh (a DeviceMesh over
+the learner ranks: the policy's FSDP2 shards), the learner pool's group (metrics, normalisers, whitening),
+the rollout pool's group (dynamic-sampling decisions and reward statistics), and the sync group (learner
+rank 0 + the rollout ranks: weights and the run's start message). Then `distributed.use_group` scopes this
+rank's library collectives to its own pool, so the colocated code runs on each pool as it would on a world
+of that pool's size (a rollout rank's prompt slice and sampling seeds are those of rank r - (W - R) of R).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from hybrid_rl import distributed as D
+from hybrid_rl.split.placement import Layout
+
+
+@dataclass
+class SplitComm:
+    layout: Layout
+    is_rollout: bool
+    mesh: Any  # the learner ranks' DeviceMesh (None on rollout ranks)
+    sync_group: Any
+    timeout_s: float
+
+    @property
+    def role(self) -> str:
+        return self.layout.role(torch.distributed.get_rank())
+
+    @property
+    def n_learners(self) -> int:
+        return len(self.layout.learners)
+
+
+def setup_split(rollout_ranks: int, device: torch.device, timeout_s: float) -> SplitComm:
+    """The groups (module docstring) and this rank's scope; call on every rank, right after distributed.init."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not D.is_dist():
+        raise ValueError("config key 'trainer.placement': split needs several processes; launch with torchrun "
+                         "(--nproc-per-node >= trainer.rollout_ranks + 1) or use trainer.placement=colocated")
+    me = torch.distributed.get_rank()
+    layout = Layout(torch.distributed.get_world_size(), rollout_ranks)
+    mesh = DeviceMesh(device.type, torch.tensor(layout.learners))  # every rank builds it; learners are in it
+    backend = D.backend_for(device)
+    learner_group = D.new_group(layout.learners, int(timeout_s), backend=backend)
+    rollout_group = D.new_group(layout.rollouts, int(timeout_s), backend=backend)
+    sync_group = D.new_group([0, *layout.rollouts], int(timeout_s))
+    rollout = layout.is_rollout(me)
+    if rollout:
+        D.use_group(rollout_group, layout.rollouts)
+    else:
+        D.use_group(learner_group, layout.learners)
+    return SplitComm(layout, rollout, None if rollout else mesh, sync_group, timeout_s)
+
+
+def start_message(comm: SplitComm, first_batch: int, last_batch: int, loader_state: Optional[dict]) -> dict:
+    """Learner rank 0 tells the rollout ranks which batches this fit() generates and where their loaders
+    stand (a resumed run's position); every rank of the sync group returns the same dict."""
+    msg = {"first": first_batch, "last": last_batch, "loader": loader_state}
+    return D.broadcast_object_from(msg, 0, group=comm.sync_group)

@@ -1,0 +1,176 @@
+"""The learner ranks' side of a split step: the batch to train, and what follows the update.
+
+Step s (1-based) trains batch s - 1 and makes version s (staleness.py). `batch` hands the Trainer the
+RolloutBatch of batch s - 1 (learner rank 0 receives it, takes it from the queue under the StalenessRule,
+and scatters equal shares over the learner ranks); the Trainer then runs its own SCORE -> ADVANTAGE ->
+TRAIN code on it, the colocated code, unchanged. `after_update` receives the batches the rollout ranks
+make before they need version s (up to s + k - 1: generated while this step trained, which is the overlap)
+and then sends version s, if a batch of this fit() will be made with it.
+
+Wait times: `split/learner_wait_s` is the learner's time blocked on the rollout ranks (a batch not there
+yet); `split/rollout_wait_s` the rollout ranks' time blocked on weights before the batch trained now.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence
+
+import torch
+
+from hybrid_rl import distributed as D
+from hybrid_rl.batch import RolloutBatch
+from hybrid_rl.metrics import StageTimer
+from hybrid_rl.split.comm import SplitComm, start_message
+from hybrid_rl.split.groups import to_rollout_batch
+from hybrid_rl.split.rates import idle_fraction
+from hybrid_rl.split.staleness import LearnerQueue, StalenessRule, Taken, staleness_metrics
+from hybrid_rl.split.transport import recv_groups, recv_json
+from hybrid_rl.split.weight_sync import send_weights
+
+ROLLOUT_TIMES = ("time/rollout", "time/reward")
+
+
+class LearnerSide:
+    def __init__(self, comm: SplitComm, rule: StalenessRule, prompts_per_step: int, rows: Sequence[dict],
+                 pad_id: int, device: torch.device, sync_dtype: torch.dtype, bucket_bytes: int, loader):
+        """prompts_per_step: data.batch_size (the queue holds k + 1 steps of groups); rows: the dataset the
+        rollout ranks draw from (a group carries its row's index); loader: the run state's PromptLoader, kept at
+        the rollout ranks' position after the batch last trained (what a checkpoint saves)."""
+        self.comm, self.rule, self.rows, self.pad_id, self.device = comm, rule, rows, pad_id, device
+        self.loader = loader
+        self.sync_dtype, self.bucket_bytes = sync_dtype, bucket_bytes
+        self.queue = LearnerQueue(prompts_per_step * (rule.max_staleness + 1))
+        self.meta: dict[int, dict] = {}  # batch index -> what the rollout ranks reported with it
+        self.sizes: dict[int, int] = {}  # batch index -> groups it holds
+        self.next_batch = 0  # the next batch to receive
+        self._trained_tokens = 0.0
+        self.last_batch = -1
+
+    def start(self, first_batch: int, n_batches: int, loader_state: dict, policy: torch.nn.Module) -> None:
+        """The start of a fit(): tell the rollout ranks the batches to make and their loader position; a run that
+        does not start at batch 0 (resumed, or a second fit) first sends its weights, version `first_batch`."""
+        self.next_batch, self.last_batch = first_batch, first_batch + n_batches - 1
+        self.queue.clear()  # nothing is in flight between two fit() calls (the last batch was trained)
+        if D.rank() == 0:
+            start_message(self.comm, first_batch, self.last_batch, loader_state)
+        if first_batch > 0:
+            self._send(policy, first_batch)
+
+    def batch(self, finished_steps: int, timer: StageTimer) -> tuple[Optional[RolloutBatch], dict]:
+        """This learner rank's share of batch `finished_steps` as a RolloutBatch (None when it holds no group),
+        and the step's rollout-side metrics (the rollout ranks' stage seconds go into `timer`, so the step's
+        time metrics carry them); collective over the learner ranks."""
+        b = finished_steps
+        shares, info = None, None
+        if D.rank() == 0:
+            wait = self._receive_through(b)
+            taken = self.queue.take(self.sizes.pop(b), b, self.rule)
+            kept = taken.kept[:len(taken.kept) - len(taken.kept) % self.comm.n_learners]  # equal shares
+            per = len(kept) // self.comm.n_learners
+            shares = [kept[i * per:(i + 1) * per] for i in range(self.comm.n_learners)]
+            info = self._metrics(b, taken, wait)
+            shares = [(s, info) for s in shares]
+        groups, info = D.scatter_object_from(shares, 0)
+        info = dict(info)
+        self.loader.load_state_dict(info.pop("split/loader"))
+        for k in ROLLOUT_TIMES:
+            timer.seconds[k] = info.pop(k)
+        batch = to_rollout_batch(groups, self.rows, self.pad_id, self.device) if groups else None
+        return batch, info
+
+    def after_update(self, policy: torch.nn.Module, version: int, batch: Optional[RolloutBatch]) -> dict[str, float]:
+        """After the optimizer step that made `version` (on `batch`): receive ahead, then send the weights (every
+        learner rank calls it: the gathers are collectives of the learner mesh)."""
+        tokens = torch.tensor([float(batch.resp_mask_NT.sum()) if batch is not None else 0.0], dtype=torch.float64)
+        self._trained_tokens = D.all_reduce_sum(tokens).item()
+        wait = self._receive_through(min(version + self.rule.max_staleness - 1, self.last_batch)) if D.rank() == 0 else 0.0
+        out = {"split/learner_wait_s": wait, "split/sync_s": 0.0, "split/sync_bytes": 0.0}
+        if version + self.rule.max_staleness <= self.last_batch:  # a batch of this fit() is made with it
+            stats = self._send(policy, version)
+            out.update({"split/sync_s": stats.seconds, "split/sync_bytes": float(stats.bytes)})
+        return out
+
+    def _send(self, policy: torch.nn.Module, version: int):
+        return send_weights(policy, version, src=0, group=self.comm.sync_group, dtype=self.sync_dtype,
+                            bucket_bytes=self.bucket_bytes, timeout_s=self.comm.timeout_s)
+
+    def _receive_through(self, last: int) -> float:
+        """On learner rank 0: receive every batch up to `last` not received yet, each from every rollout rank in
+        rank order (deterministic); returns the seconds spent waiting."""
+        t0 = time.perf_counter()
+        while self.next_batch <= last:
+            b, reports, n = self.next_batch, [], 0
+            for src in self.comm.layout.rollouts:
+                peer = self.comm.layout.role(src)
+                groups, _ = recv_groups(src, self.comm.timeout_s, peer=peer)
+                reports.append(recv_json(src, self.comm.timeout_s, peer=peer))
+                if reports[-1]["batch"] != b:
+                    raise RuntimeError(f"{peer} sent batch {reports[-1]['batch']}, expected batch {b}: the ranks "
+                                       "disagree on the schedule")
+                self.queue.put(groups)
+                n += len(groups)
+            self.meta[b], self.sizes[b] = _merge(reports), n
+            self.next_batch += 1
+        return time.perf_counter() - t0
+
+    def _metrics(self, b: int, taken: Taken, wait: float) -> dict:
+        """The rollout side's metrics of batch b (reward, sampling, its stage seconds), the staleness of what is
+        trained, and the tokens generated per second of generation."""
+        meta = self.meta.pop(b)
+        out = dict(meta["metrics"])
+        out.update(staleness_metrics(taken, len(self.queue)))
+        out.update({k: meta[k] for k in ROLLOUT_TIMES})
+        out.update({"split/rollout_wait_s": meta["wait_s"], "split/batch_wait_s": wait,
+                    "split/generated_tokens": float(meta["tokens"]),
+                    "split/tokens_generated_per_s": meta["tokens"] / max(meta["time/rollout"], 1e-9),
+                    "split/weights_version": float(meta["version"]), "split/loader": meta["loader"]})
+        return out
+
+    def rates(self, metrics: dict) -> dict:
+        """Per-step rates and the bottleneck line, once the step's times are known."""
+        lay = self.comm.layout
+        return finish_metrics(metrics, self._trained_tokens, lay.world_size, lay.rollout_ranks)
+
+
+def _merge(reports: list[dict]) -> dict:
+    """One report per batch: the first rollout rank's metrics and loader (reduced over the rollout pool, the
+    same on each), the slowest rank's seconds, the sum of the tokens."""
+    out = dict(reports[0])
+    for k in (*ROLLOUT_TIMES, "wait_s"):
+        out[k] = max(r[k] for r in reports)
+    out["tokens"] = sum(r["tokens"] for r in reports)
+    return out
+
+
+
+def finish_metrics(metrics: dict, trained_tokens: float, world: int, rollout_ranks: int) -> dict:
+    """Tokens trained per second and the bottleneck line: which pool limits the loop and how much of its time
+    the other idles (rates.idle_fraction)."""
+    gen_s = metrics.get("time/rollout", 0.0) + metrics.get("time/reward", 0.0)
+    train_s = sum(metrics.get(k, 0.0) for k in ("time/score", "time/advantage", "time/train"))
+    slower = "rollout" if gen_s >= train_s else "learner"
+    other = "learners" if slower == "rollout" else "rollout ranks"
+    return {"split/tokens_trained_per_s": trained_tokens / max(train_s, 1e-9),
+            "split/rollout_ranks": float(rollout_ranks), "split/world_size": float(world),
+            "split/bottleneck": f"{slower}-bound: {other} idle {100 * idle_fraction(gen_s, train_s):.0f}%"}
+
+
+class NoEngine:
+    """The split learners' engine: nothing to hold, load or free (their ROLLOUT phase only receives the batch),
+    so the phase switch's bookkeeping runs unchanged and moves nothing. Generating here is a wiring bug."""
+
+    def __init__(self, policy: torch.nn.Module):
+        self.model = policy  # the switch then treats it as zero-copy: no weight sync
+
+    def resume(self, tags) -> None:
+        """Nothing is ever released."""
+
+    def release(self, tags) -> None:
+        """Nothing is resident."""
+
+    def memory_bytes(self) -> dict[str, int]:
+        return {}
+
+    def generate(self, prompt_ids, params):
+        raise RuntimeError("a split learner rank does not generate (trainer.placement=split): validation and "
+                           "rollouts run on the rollout ranks; set trainer.val_every=0 or use placement=colocated")
