@@ -228,13 +228,14 @@ class Trainer:
         """The rollout engine: native decodes with the policy module itself; sglang and vllm keep their own copy
         (vllm sizes its context from the longest prompt, training or validation)."""
         r, tok = self.cfg.rollout, self.tokenizer
-        kind = "native" if self.split and not self.is_rollout else r.engine  # split learners: validation only
-        engine_cls = engine_class(kind)
-        if kind == "sglang":
+        if self.split and not self.is_rollout:
+            return split_roles.learner_engine(self.policy)  # split learners hold no engine
+        engine_cls = engine_class(r.engine)
+        if r.engine == "sglang":
             return engine_cls(self.policy, self.cfg.model.path, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id,
                               tp_size=r.tp_size, weights_dtype=weights_dtype, mem_fraction=r.mem_fraction,
                               seed=r.seed, timeout_s=r.engine_timeout_s)
-        if kind == "vllm":
+        if r.engine == "vllm":
             from hybrid_rl.rollout.vllm import build_for_trainer
             longest = max(len(self.encode(row)) for row in [*train_rows, *val_rows])
             return build_for_trainer(self.cfg, self.policy, tok, longest, bool(val_rows), weights_dtype)
@@ -270,10 +271,10 @@ class Trainer:
         with timer("step"):
             # Generation and rewards share one ROLLOUT phase: dynamic sampling may need
             # several rounds, and the engine's memory should be switched in once per step.
-            if self.split:  # batch `step` from the rollout ranks, this learner's share (split/learner.py)
-                batch, metrics = self.learner_side.batch(self.state.step, timer)
-            else:
-                with self.phases.rollout() as engine:
+            with self.phases.rollout() as engine:
+                if self.split:  # batch `step` from the rollout ranks, this learner's share (split/learner.py)
+                    batch, metrics = self.learner_side.batch(self.state.step, timer)
+                else:
                     batch, metrics = self.rollout_stage.run(engine, self.state.loader, self.state.step, timer,
                                                             model_phase=self.phases.reward)
             if batch is not None:
