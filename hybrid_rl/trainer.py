@@ -250,7 +250,7 @@ class Trainer:
                                           self.stop_set, self.device, self.cfg.trainer.out_dir)
         self.rollout_side = split_roles.rollout_side(self.cfg, self.split, self.rollout_stage, self.engine,
                                                      self.state.loader, rows)
-        self._closed, self.loggers = False, []
+        self._closed, self.loggers, self.checkpointer = False, [], split_roles.RolloutCheckpoints()
 
     # -- one step -------------------------------------------------------------
     def step(self) -> dict:

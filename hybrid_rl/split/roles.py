@@ -64,3 +64,15 @@ def rollout_fit(side: RolloutSide, history: list) -> list:
 
 def learner_engine(policy: torch.nn.Module) -> NoEngine:
     return NoEngine(policy)
+
+
+class RolloutCheckpoints:
+    """A rollout rank's checkpointer: the learners write checkpoints and exports (policy, optimizer, the rollout
+    loader's position as of the last trained batch); samples in flight are dropped, not saved
+    (split/__init__.py), so a rollout rank has nothing of its own to write."""
+
+    def save(self) -> str:
+        return ""
+
+    def export(self, path: str) -> str:
+        return path

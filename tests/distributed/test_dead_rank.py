@@ -99,3 +99,22 @@ def test_frozen_node_is_timed_out_by_the_other(tmp_path, tiny_model_dir):
     assert line, f"no failure line from rank 0:\n{out[-3000:]}"
     assert "Timed out" in line[0] and "rank 1 reported no failure" in line[0], line[0]
     print(f"frozen node 1: node 0 returned {rc0} {took:.1f} s after the freeze (timeout {SHORT_TIMEOUT_S} s)")
+
+
+def test_killed_rollout_rank_ends_a_split_job(tmp_path, tiny_model_dir):
+    """trainer.placement=split: SIGKILL the rollout rank (rank 1) while the learner waits for its batch; the job
+    ends at once, non-zero, and torchrun's summary names rank 1.
+    Catches: a learner receive with no timeout or one that swallows the lost peer (the job would hang)."""
+    overrides = _overrides(tmp_path, tiny_model_dir, "hang", LONG_TIMEOUT_S) + ["trainer.placement=split"]
+    with Job(tmp_path) as job:
+        job.single_node(2, overrides)
+        job.wait_for_file(str(tmp_path / "fault"), START_S)
+        os.kill(int((tmp_path / "fault").read_text()), signal.SIGKILL)
+        [rc] = job.wait(NOTICED_S)
+        out = job.output(0)
+    assert rc is not None, f"torchrun still running {NOTICED_S} s after the rollout rank was killed:\n{out[-3000:]}"
+    assert rc != 0, out[-3000:]
+    cause = _root_cause(out)
+    assert re.search(r"rank\s*: 1 ", cause) and "SIGKILL" in cause, cause
+    # torchrun tears the learner down at once; a learner that outlives it names the peer itself
+    # (PeerError, tests/distributed/test_split_ranks.py: dead and silent rollout ranks)
