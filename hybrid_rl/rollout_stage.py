@@ -56,7 +56,7 @@ class RolloutStage:
                 break
         kept, metrics = groups.finish()
         if self.env is not None:
-            metrics.update(episodes.reduce())
+            metrics.update(reduce_episode_metrics(episodes))
         self._log_rollouts(kept, step)
         if not kept.rows:
             return None, metrics
@@ -103,6 +103,20 @@ class RolloutStage:
                                             skip_special_tokens=True)
         log_rollouts(os.path.join(self.out_dir, "rollouts.jsonl"), step + 1, kept.rows, texts, kept.completions[:n],
                      kept.rewards_N[:n].tolist(), kept.scores_N[:n].tolist(), self.cfg.rollout.n)
+
+
+def reduce_episode_metrics(acc: MeanAccumulator) -> dict[str, float]:
+    """The episode/* means over every rank, robust to environments whose metrics() report different keys on
+    different ranks or sampling rounds (a tool error only one rank saw): the union of the names is gathered
+    first, and a name counted over fewer than all of this rank's episodes gets 0 for the rest (an absent count
+    is 0), so every rank reduces the same names and each mean is per episode. One small object gather a step."""
+    names = sorted({n for ranks in D.all_gather_object(sorted(acc.sums)) for n in ranks})
+    episodes = sum(acc.counts.get("episode/turns", [0]))  # every episode adds to every built-in name
+    for name in names:
+        missing = episodes - sum(acc.counts.get(name, []))
+        if missing > 0:
+            acc.add(name, 0.0, missing)
+    return acc.reduce()
 
 
 def group_prompts(completions: list[EpisodeCompletion], prompts: list[list[int]], G: int

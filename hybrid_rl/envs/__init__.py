@@ -9,6 +9,10 @@
     @register_env("echo")                         # env.name=echo; or env.fn=my_pkg.my_mod:make_echo
     def make_echo(row):  return Echo()            # called once per episode, with the dataset row
 
+An environment may also have `metrics() -> dict[str, float]`, read once its episode ends and reported as
+the step's `episode/<name>` mean over every episode on every rank; the names may differ between episodes
+and ranks (the union is gathered first, and an episode without a name counts 0 for it).
+
 Built-ins: `tiny_ask` (envs/tiny_ask.py: ask for a hidden digit, then answer it; learnable by the
 tiny CPU model) and `gsm8k_calculator` (envs/gsm8k_calc.py, on envs/tools.py's tool-calling
 environment and envs/calculator.py's AST-walking calculator). The `math` reward for LaTeX
