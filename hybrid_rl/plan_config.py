@@ -38,11 +38,24 @@ def config_arch(path: str, key: str) -> ModelArch:
                          "Hugging Face directory (its config.json is enough to plan)") from None
 
 
+def plan_context(cfg, prompt_tokens: int) -> tuple[int, int]:
+    """(context, the longest prompt of one engine call) billed per sequence. Single turns: the prompt plus
+    rollout.max_new_tokens. With an environment (env.*): rollout.max_episode_tokens, the vLLM engine's
+    max_model_len and the longest episode the trainer scores; a later turn's call carries the episode so far,
+    billed as the longest prompt that still leaves rollout.max_new_tokens in that context."""
+    ro = cfg.rollout
+    if not cfg.env.enabled:
+        return prompt_tokens + ro.max_new_tokens, prompt_tokens
+    context = max(ro.max_episode_tokens, prompt_tokens + 1)
+    return context, max(prompt_tokens, context - ro.max_new_tokens)
+
+
 def plan_from_config(cfg, n_gpus: int, gpu_mem_gib: float, *, prompt_tokens: int,
                      mixed_precision: Optional[bool] = None) -> tuple[MemoryPlan, dict[str, Any]]:
     """(plan, suggestion) for `cfg` on `n_gpus` GPUs of `gpu_mem_gib` GiB each.
 
-    prompt_tokens: the longest prompt in tokens (context = prompt_tokens + rollout.max_new_tokens; the native
+    prompt_tokens: the longest prompt in tokens (context: plan_context, prompt_tokens + rollout.max_new_tokens
+    or with an environment rollout.max_episode_tokens; the native
     engine's prefill is billed for it). mixed_precision: bf16 weights with fp32 masters (None: as on CUDA,
     model.dtype auto or bfloat16). With offload.auto the plan uses the suggested flags (roles the run lacks
     count as offloaded), as the trainer does; else the configured flags, and the suggestion names the smallest
@@ -60,11 +73,12 @@ def plan_from_config(cfg, n_gpus: int, gpu_mem_gib: float, *, prompt_tokens: int
                               gradient_checkpointing=cfg.model.gradient_checkpointing, engine=ro.engine,
                               lora_params=lora_param_count(arch, lora.rank, lora.target_modules) if lora.enabled else 0)
     if ro.engine == "native":  # it decodes what fits: its prefill, sampler and graph pools are billed too
-        kw.update(native_prompt_tokens=prompt_tokens, native_top_p=ro.top_p < 1.0, native_samples_per_prompt=ro.n)
+        kw.update(native_prompt_tokens=plan_context(cfg, prompt_tokens)[1], native_top_p=ro.top_p < 1.0,
+                  native_samples_per_prompt=ro.n)
     if ro.engine == "vllm":  # the KV cache vLLM allocates at start, as rollout/vllm_setup.py sizes it
         kw.update(kv_cache_budget=ro.kv_cache_bytes, mem_fraction=ro.mem_fraction)
     dtype = "bf16" if mixed_precision else "fp32"
-    sequences, context = cfg.data.batch_size * ro.n, prompt_tokens + ro.max_new_tokens
+    sequences, context = cfg.data.batch_size * ro.n, plan_context(cfg, prompt_tokens)[0]
     # Roles this run does not have are treated as already "offloaded" (they hold nothing).
     absent = {"ref": not has_ref, "reward_model": not has_rm}
     if off.auto:

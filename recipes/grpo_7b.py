@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=8 recipes/grpo_7b.py model.path=/models/Qwen2.5-7B-Instruct [key.sub=value ...]
     python recipes/grpo_7b.py --dry-run [--gpus 8] [--gpu-mem-gib 80] [key.sub=value ...]
+    python recipes/grpo_7b.py --dry-run env.name=gsm8k_calculator   (multi-turn, with a calculator tool)
 
 --dry-run prints the resolved config and the memory plan, loads no weights, and exits
 non-zero when a phase would not fit. It plans as the trainer's offload.auto does
@@ -43,6 +44,21 @@ def choose_engine(overrides: list[str]) -> tuple[list[str], str]:
         "rollout engine: native (sglang is not importable here; pip install 'hybrid_rl[gpu]' on a GPU machine)")
 
 
+# GSM8K with a calculator tool (env.name=gsm8k_calculator, hybrid_rl/envs/gsm8k_calc.py): the model may call
+# `calculator` in Qwen2.5's <tool_call> format (schemas in the system prompt; its template renders tool
+# results) before its '####' answer, scored by the same gsm8k verifier as a plain run. An episode gets 4 turns
+# and 2048 tokens: the 512-token prompt, 1024 for the answering turn, the rest for short calls and results.
+ENV_DEFAULTS = ["rollout.max_turns=4", "rollout.max_episode_tokens=2048"]
+
+
+def env_overrides(overrides: list[str]) -> list[str]:
+    """With an environment (env.name= or env.fn=), the episode bounds above; the command line's own win."""
+    if not any(o.split("=")[0] in ("env.name", "env.fn") and o.split("=", 1)[1] for o in overrides if "=" in o):
+        return []
+    given = {o.split("=")[0] for o in overrides}
+    return [d for d in ENV_DEFAULTS if d.split("=")[0] not in given]
+
+
 def memory_plan(cfg, n_gpus: int, gpu_mem_gib: float, prompts: PromptTokens | None = None):
     """The planner's bill for this config, as the trainer's offload.auto plans it (hybrid_rl/plan_config.py):
     (plan, suggestion). No weights are read; prompts: the prompt length to bill (default: measured if local)."""
@@ -75,7 +91,7 @@ def main(argv: list[str]) -> dict:
     parser.add_argument("--gpu-mem-gib", type=float, default=None, help="GPU memory to plan for (default: measured, 80)")
     args, overrides = parser.parse_known_args(argv)
     engine_overrides, engine_note = choose_engine(overrides)
-    cfg = load_config(os.path.join(HERE, "grpo_7b.yaml"), engine_overrides + overrides)
+    cfg = load_config(os.path.join(HERE, "grpo_7b.yaml"), engine_overrides + env_overrides(overrides) + overrides)
 
     # 2. Memory plan: refuse to start when a phase does not fit.
     if args.dry_run:

@@ -271,3 +271,19 @@ def test_engine_is_sglang_when_importable_else_native(monkeypatch):
     assert overrides == ["rollout.engine=native", "rollout.tp_size=1"] and "native" in note
     assert grpo_7b.choose_engine(["rollout.engine=sglang"])[0] == []  # the command line decides
     assert grpo_7b.choose_engine(["rollout.engine=native"])[0] == ["rollout.tp_size=1"]  # native has no TP
+
+
+def test_dry_run_with_the_calculator_environment_bills_whole_episodes(capsys):
+    """env.name=gsm8k_calculator: the recipe adds its episode bounds (the command line's win) and the plan bills
+    rollout.max_episode_tokens as the context, what vLLM's max_model_len is and the longest episode trained.
+    Catches: the planner billing prompt + max_new_tokens (1536) for episodes, the bounds not added, or added
+    over the user's own."""
+    result = grpo_7b.main(["--dry-run", "env.name=gsm8k_calculator", "rollout.engine=sglang", "rollout.tp_size=2"])
+    out = capsys.readouterr().out
+    assert result["fits"] is True
+    assert "name: gsm8k_calculator" in out and "max_turns: 4" in out and "max_episode_tokens: 2048" in out
+    assert "batch 5120 seqs x context 2048 tokens" in out
+    grpo_7b.main(["--dry-run", "env.name=gsm8k_calculator", "rollout.max_episode_tokens=3072", "rollout.engine=native"])
+    out = capsys.readouterr().out
+    assert "max_episode_tokens: 3072" in out and "batch 5120 seqs x context 3072 tokens" in out
+    assert grpo_7b.env_overrides(["rollout.n=4"]) == [] and grpo_7b.env_overrides(["env.name="]) == []
