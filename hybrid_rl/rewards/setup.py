@@ -118,7 +118,11 @@ class RewardSetup:
         max_new, buffer, factor = self.overlong
         if factor == 0:
             return rewards_N, rewards_N, logged
-        lengths_N = torch.tensor([len(c.token_ids) for c in completions])
+        if self.env is None:
+            lengths_N = torch.tensor([len(c.token_ids) for c in completions])
+        else:
+            lengths_N = torch.tensor([overlong_length(c, max_new, self.env.settings.max_episode_tokens)
+                                      for c in completions])
         return rewards_N, rewards_N + overlong_penalty(lengths_N, max_new, buffer, factor), logged
 
     def probe(self, rows: list[dict], tokenizer, model_path: str = "") -> None:
@@ -142,6 +146,20 @@ class RewardSetup:
         scorer = RewardModelScorer(self.rm_spec, self.rm_tokenizer, device, self.max_tokens_per_micro_batch)
         scorer(module, [r["prompt"] for r in probe_rows], ["" for _ in probe_rows])
         self.module, self.scorer = module, scorer
+
+
+def overlong_length(c: Completion, max_new_tokens: int, max_episode_tokens: int) -> int:
+    """An episode's length as DAPO's soft overlong penalty reads it. An episode is cut at
+    rollout.max_episode_tokens (prompt, turns and observations: the tool results its calls asked for count), so
+    the penalty ramps on the room left before that cut, exactly as a single completion's ramps on the room left
+    before max_new_tokens: the length passed is max_new_tokens - room, so the buffer's last tokens before the
+    cut cost up to the full factor. Neither max_new_tokens per turn (a turn cut there goes on to the next) nor
+    the generated tokens alone (observations would fill the budget unseen) says how close the episode came to
+    being cut; the max_turns cut has no length and is left to the overlong filter (finish_reason "length")."""
+    ep = c.episode if isinstance(c, EpisodeCompletion) else None
+    if ep is None:
+        raise ValueError("an environment is set, but a completion is no episode (rewards/setup.py overlong_length)")
+    return max_new_tokens - (max_episode_tokens - len(ep.token_ids))
 
 
 def _episode_reward(c: Completion) -> float:

@@ -19,7 +19,8 @@ How an episode ends (`end`) and what the overlong rules read (`finish_reason`, a
     timeout              a step ran past env.timeout_s (counted; nothing hangs)   "length"
 
 "length" marks the episode truncated (RolloutBatch.truncated_N), so DAPO's overlong filter drops
-it from the loss and the soft penalty reads its response length, as for a single cut completion.
+it from the loss; the soft penalty ramps on the room left before the max_episode_tokens cut
+(rewards/setup.py overlong_length), as a single completion's does before max_new_tokens.
 """
 from __future__ import annotations
 

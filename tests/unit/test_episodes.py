@@ -259,3 +259,34 @@ def test_native_engine_on_the_tiny_ask_model(tmp_path):
         torch.testing.assert_close(own[mask], torch.tensor(ep.logprobs)[mask], atol=1e-4, rtol=0)
     assert all(e.turns == 3 and e.observation_tokens > 0 for e in episodes)
     assert len({tuple(e.response_ids) for e in episodes}) > 1  # sampled, not one fixed answer
+
+
+def test_soft_overlong_penalty_ramps_on_the_room_left_before_the_episode_cut():
+    """DAPO's soft penalty for an episode reads its distance to the rollout.max_episode_tokens cut (prompt,
+    turns and observations together), with the same buffer and factor as for a single completion. Catches: the
+    penalty reading the response's length (turns + observations) against max_new_tokens, which charges every
+    multi-turn episode the full factor, or the generated tokens alone, which misses observations filling the
+    budget."""
+    from hybrid_rl.config_load import load_config
+    from hybrid_rl.rewards.setup import RewardSetup
+    from hybrid_rl.rollout.episodes import Episode
+
+    cfg = load_config(None, ["env.name=tiny_ask", "rollout.max_new_tokens=8", "rollout.max_episode_tokens=40",
+                             "algorithm.overlong_penalty_factor=1.0", "algorithm.overlong_buffer_len=4"])
+    setup = RewardSetup.resolve(cfg)
+
+    def episode(prompt: int, turns: list[int], obs: list[int]) -> Completion:
+        ep = Episode(0, 0, [1] * prompt, reward=1.0)
+        for t, o in zip(turns, obs):
+            ep.response_ids += [2] * t + [3] * o
+            ep.loss_mask += [1] * t + [0] * o
+        ep.logprobs = [0.0] * len(ep.response_ids)
+        ep.finish_reason = "stop"
+        return ep.as_completion()
+
+    # room before the cut at 40: 18, 4 (the buffer's edge), 2 (half-way), 0 (at the cut); generated 12, 12, 14, 16
+    eps = [episode(10, [6, 6], [0, 0]), episode(10, [6, 6], [7, 7]), episode(10, [7, 7], [7, 7]),
+           episode(10, [8, 8], [9, 5])]
+    rewards_N, scores_N, _ = setup.score([{}], eps, 4, None, set())
+    assert rewards_N.tolist() == [1.0] * 4
+    assert (scores_N - rewards_N).tolist() == pytest.approx([0.0, 0.0, -0.5, -1.0])
