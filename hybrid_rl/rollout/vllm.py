@@ -371,18 +371,16 @@ def check_config(cfg, device: torch.device) -> None:
 
 def build_for_trainer(cfg, policy: torch.nn.Module, tok, longest: int, has_val: bool,
                       weights_dtype: Optional[torch.dtype]) -> VLLMEngine:
-    """The trainer's engine: max_model_len from `longest`, the longest kept prompt in tokens (training and
-    validation), plus rollout.max_new_tokens, or with an environment rollout.max_episode_tokens (every turn's
-    call carries the episode so far; vLLM caps a sample at max_model_len, the runner keeps live episodes below
-    it); the KV budget from the largest generate call one rank makes, sequences x that length."""
+    """The engine: max_model_len = `longest` (kept prompt) + rollout.max_new_tokens, or with an environment
+    rollout.max_episode_tokens (vLLM caps a sample there); KV for the largest call a rank makes x that length."""
     r = cfg.rollout
     W = D.world_size()
     train = cfg.data.batch_size * r.n // W
     val = -(-(cfg.data.val_batch_size or cfg.data.batch_size) // W) * max(r.n, 1) if has_val else 0
     return VLLMEngine(policy, cfg.model.path, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id,
                       max_model_len=r.max_episode_tokens if cfg.env.enabled else longest + r.max_new_tokens,
-                      sequences=max(train, val), tp_size=r.tp_size,
-                      weights_dtype=weights_dtype, kv_cache_bytes=r.kv_cache_bytes, mem_fraction=r.mem_fraction,
+                      sequences=max(train, val), tp_size=r.tp_size, weights_dtype=weights_dtype,
+                      kv_cache_bytes=r.kv_cache_bytes, mem_fraction=r.mem_fraction,
                       enable_prefix_caching=r.enable_prefix_caching, seed=r.seed, timeout_s=r.engine_timeout_s,
                       engine_kwargs={**(lora_engine_kwargs(cfg.model.lora.rank) if cfg.model.lora.enabled else {}),
                                      **({} if r.enforce_eager is None else {"enforce_eager": r.enforce_eager})})
