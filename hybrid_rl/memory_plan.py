@@ -27,6 +27,17 @@ adapters train in fp32, so policy_weights = b*N + 4A, grads = 4A, optimizer = 8A
 adapters only): learner b*N + 16A; ref = 0 (the policy with its adapters off); engine_weights
 + b*A (the engine's adapter copy).
 
+Margin: no plan may use the last `margin_bytes(cap)` of a GPU, MARGIN_FIXED_GIB plus
+MARGIN_FRACTION of it, and a phase "fits" only at or below cap - margin ("usable"). Why
+those numbers: memory the caching allocator never sees. The CUDA context with torch's
+kernels and the cuBLAS/cuDNN handles takes about 0.5-1 GiB before the first tensor (781 MB
+for an empty process in pytorch/pytorch#34323; PyTorch's "Understanding CUDA Memory Usage"
+names NCCL as allocating outside the allocator); NCCL holds NCCL_BUFFSIZE (4 MiB by
+default) per channel, peer and protocol, a few hundred MiB per communicator, and a run has
+several (FSDP's, the engine's TP group); hence 2 GiB fixed. Fragmentation grows with the
+device (the allocator's cached but unusable blocks), hence 5% of it, the share the native
+engine already leaves unplanned at run time (memory_rollout.HEADROOM). 80 GiB: 6 GiB.
+
 "total" = per GPU x G (memory used on all GPUs together).  The "bill" is the
 whole-model view: learner 16N, reference b*N, inference copy b*N (one copy);
 for a 70e9-param bf16 policy that is 1120 GB, 140 GB and 140 GB.
@@ -44,7 +55,13 @@ the phase that uses them):
   ref             flag   flag     flag    yes     ref
   reward_model    flag   flag     yes     flag    reward_model
 
-("flag": resident unless that offload flag is set.)  "reward" is the REWARD stage
+("flag": resident unless that offload flag is set.)  SGLang (``engine="sglang"`` with
+``mem_fraction``) sizes its KV pool once, at start-up: mem_fraction_static of the memory free then
+less its weights (SGLang's model_runner: rest = available - total * (1 - mem_fraction_static)),
+so kv_cache is that pool, whole, not the batch's need; free at start = the GPU less the margin
+and the roles resident in ROLLOUT but the optimizer state (AdamW makes it at the first step, after
+the engine started: switch/advice.sglang_kv_room_warning). Without mem_fraction SGLang picks its own
+fraction and the row bills one batch (a note says so).  "reward" is the REWARD stage
 nested in ROLLOUT (switch/phases.py): the engine keeps its weights, its KV cache is
 released, the reward model is onloaded; only a run with a reward model enters it (without
 one, ``phases["reward"]`` is empty: it holds nothing because it never happens).  Optionally the train phase
@@ -64,7 +81,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
-from hybrid_rl.memory_rollout import bill_native_rollout, bill_vllm_kv
+from hybrid_rl.memory_rollout import bill_native_rollout, bill_sglang_kv, bill_vllm_kv
 # The architecture half of the planner; callers name these through memory_plan as well.
 from hybrid_rl.model_arch import (BUILTIN_ARCHS, ModelArch, builtin_arch, count_parameters,  # noqa: F401
                                   load_arch)
@@ -77,6 +94,13 @@ OFFLOAD_FLAGS = ("optimizer", "ref", "reward_model", "params")  # also the sugge
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 GB = 10**9
 GIB = 2**30
+MARGIN_FIXED_GIB = 2.0  # CUDA context + NCCL buffers per GPU (module docstring: why)
+MARGIN_FRACTION = 0.05  # fragmentation; == memory_rollout.HEADROOM (a test keeps them equal)
+
+
+def margin_bytes(cap: int) -> int:
+    """Bytes of a GPU of `cap` bytes that no plan uses (module docstring: why these numbers)."""
+    return int(MARGIN_FIXED_GIB * GIB + MARGIN_FRACTION * cap)
 
 # role -> (phases that use it, offload flag that parks it on CPU otherwise; None = freed)
 RESIDENCY: dict[str, tuple[frozenset, str | None]] = {
@@ -198,13 +222,21 @@ class MemoryPlan:
     # Native engine only: rows (decode batch), rows_wanted (a rank's share), prefill_rows and each part's bytes.
     native_rollout: dict[str, int] = field(default_factory=dict)
     lora_params: int = 0  # adapter parameters of a LoRA run (0: the whole policy trains)
+    margin_bytes: int = 0  # of gpu_mem_bytes no phase may use (margin_bytes())
+    engine: str = "native"
+    mem_fraction: float | None = None  # sglang / vllm: rollout.mem_fraction as planned
+
+    @property
+    def usable_bytes(self) -> int:
+        """What a phase may use per GPU: the capacity less the margin."""
+        return self.gpu_mem_bytes - self.margin_bytes
 
     @property
     def fits_all(self) -> bool:
         return all(self.fits.values())
 
     def worst_phase(self) -> str:
-        return max(PHASES, key=lambda p: self.phase_totals[p] - self.gpu_mem_bytes)
+        return max(PHASES, key=lambda p: self.phase_totals[p] - self.usable_bytes)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -223,7 +255,8 @@ def plan_memory(arch: ModelArch, n_gpus: int, dtype: str, batch: int, context: i
     native engine's rollout: prompt tokens, sampler, decode path, samples sharing a prefill (`memory_rollout`).
     gradient_checkpointing: model.gradient_checkpointing (the activation estimate without it is several times larger).
     engine: rollout.engine; "vllm" bills the KV cache vLLM allocates, from kv_cache_budget (rollout.kv_cache_bytes,
-    per GPU) or mem_fraction (rollout.mem_fraction, its gpu_memory_utilization), else from batch and context.
+    per GPU) or mem_fraction (rollout.mem_fraction, its gpu_memory_utilization), else from batch and context;
+    "sglang" with mem_fraction bills the pool SGLang sizes at start-up (module docstring).
     lora_params: the adapter parameters of a LoRA run (model_arch.lora_param_count; 0 = the whole policy trains)."""
     _check_plan_args(n_gpus=n_gpus, batch=batch, context=context, gpu_mem_gib=gpu_mem_gib, tp_size=tp_size,
                      train_micro_batch=train_micro_batch, engine=engine, kv_cache_budget=kv_cache_budget,
@@ -233,19 +266,22 @@ def plan_memory(arch: ModelArch, n_gpus: int, dtype: str, batch: int, context: i
     n = count_parameters(arch)
     n_rm = count_parameters(reward_arch) if reward_arch is not None else 0
     cap = int(gpu_mem_gib * GIB)
+    margin = margin_bytes(cap)
     per_gpu, notes = _role_bytes_per_gpu(arch, dtype, n, n_rm, batch, context, n_gpus, tp_size, cap,
                                          engine, kv_cache_budget, mem_fraction, lora_params)
     phases = phase_residency(per_gpu, off)
     if reward_arch is None:
         phases["reward"] = {}  # rule rewards: the run never enters the REWARD stage
+    if engine == "sglang" and arch.has_kv_dims:
+        notes += bill_sglang_kv(per_gpu["kv_cache"], cap - margin, mem_fraction, per_gpu, phases["rollout"])
     act = activation_estimate(arch, dtype, train_micro_batch, context, checkpointing=gradient_checkpointing)
     if act:
         phases["train"]["activations_estimate"] = act
     native = {}
     if native_prompt_tokens:
         native = bill_native_rollout(arch, dtype, math.ceil(batch * tp_size / n_gpus), native_prompt_tokens,
-                                      context - native_prompt_tokens, phases["rollout"], cap, native_top_p, native_graphs,
-                                      native_samples_per_prompt)
+                                      context - native_prompt_tokens, phases["rollout"], cap - margin, native_top_p,
+                                      native_graphs, native_samples_per_prompt)
         per_gpu["kv_cache"] = native["kv_cache"]
     totals = {p: sum(phases[p].values()) for p in PHASES}
     notes += _arch_notes(arch, context, tp_size)
@@ -254,12 +290,13 @@ def plan_memory(arch: ModelArch, n_gpus: int, dtype: str, batch: int, context: i
         batch=batch, context=context, gpu_mem_bytes=cap, offload=off, per_gpu=per_gpu,
         gradient_checkpointing=gradient_checkpointing,
         total={r: v * n_gpus for r, v in per_gpu.items()}, phases=phases, phase_totals=totals,
-        fits={p: totals[p] <= cap for p in PHASES},
-        shortfall={p: max(0, totals[p] - cap) for p in PHASES},
+        fits={p: totals[p] <= cap - margin for p in PHASES},
+        shortfall={p: max(0, totals[p] - (cap - margin)) for p in PHASES},
         bill={"learner": b * n + 16 * lora_params if lora_params else 16 * n, "ref": 0 if lora_params else b * n,
               "engine_copy": b * (n + lora_params), "reward_model": b * n_rm,
               "engine_replicas": n_gpus // tp_size},
-        activations_estimate=act, notes=notes, native_rollout=native, lora_params=lora_params)
+        activations_estimate=act, notes=notes, native_rollout=native, lora_params=lora_params, margin_bytes=margin,
+        engine=engine, mem_fraction=mem_fraction)
 
 
 def _check_plan_args(*, n_gpus: int, batch: int, context: int, gpu_mem_gib: float, tp_size: int,
@@ -276,8 +313,10 @@ def _check_plan_args(*, n_gpus: int, batch: int, context: int, gpu_mem_gib: floa
         raise ValueError(f"train_micro_batch must be >= 0, got {train_micro_batch}")
     if engine not in ("native", "sglang", "vllm"):
         raise ValueError(f"engine must be native, sglang or vllm, got {engine!r}")
-    if engine != "vllm" and (kv_cache_budget is not None or mem_fraction is not None):
-        raise ValueError("kv_cache_budget and mem_fraction size vLLM's KV cache; pass engine='vllm' with them")
+    if engine != "vllm" and kv_cache_budget is not None:
+        raise ValueError("kv_cache_budget sizes vLLM's KV cache; pass engine='vllm' with it")
+    if engine == "native" and mem_fraction is not None:
+        raise ValueError("mem_fraction sizes SGLang's or vLLM's KV cache; the native engine decodes what fits")
     if native_prompt_tokens and engine != "native":
         raise ValueError(f"native_prompt_tokens bills the native engine's rollout, not engine={engine!r}")
 

@@ -144,29 +144,48 @@ def native_budget(m: RolloutShape, dtype: str | int, free: int, rows_wanted: int
 
 
 def bill_native_rollout(arch, dtype: str, rows_wanted: int, prompt_tokens: int, new_tokens: int,
-                        rollout: dict[str, int], cap: int, top_p: bool, graphs: bool,
+                        rollout: dict[str, int], usable: int, top_p: bool, graphs: bool,
                         samples_per_prompt: int = 1) -> dict[str, int]:
-    """Size the native engine's decode batch by what the rollout phase leaves free, and bill it
-    into `rollout` (kv_cache, rollout_working). Nothing fits: one row is billed, so the phase
-    shows its shortfall."""
+    """Size the native engine's decode batch by what the rollout phase leaves of `usable` (the GPU
+    less the planner's margin, memory_plan.margin_bytes: it covers the HEADROOM the engine keeps at
+    run time), and bill it into `rollout` (kv_cache, rollout_working). Nothing fits: one row is
+    billed, so the phase shows its shortfall."""
     if new_tokens < 1:
         raise ValueError(f"native_prompt_tokens={prompt_tokens} leaves no new tokens in context "
                          f"{prompt_tokens + new_tokens}")
     if not (arch.has_kv_dims and arch.hidden_size and arch.intermediate_size and arch.vocab_size):
         raise ValueError("the native engine's rollout bill needs the full architecture (--model), not --params")
     shape = RolloutShape.of(arch)
-    free = cap - int(HEADROOM * cap) - sum(v for k, v in rollout.items() if k not in ("kv_cache", "rollout_headroom"))
+    free = usable - sum(v for k, v in rollout.items() if k != "kv_cache")
     budget = native_budget(shape, dtype, max(0, free), rows_wanted, prompt_tokens, new_tokens, top_p, graphs,
                            samples_per_prompt=samples_per_prompt)
     if budget.rows == 0:
         budget = budget_for(shape, dtype, 1, 1, prompt_tokens, new_tokens, top_p, graphs, free=max(0, free))
     rollout["kv_cache"] = budget.kv_cache
     rollout["rollout_working"] = budget.working
-    rollout["rollout_headroom"] = int(HEADROOM * cap)  # billed, so that a phase that eats it does not fit
     out = {k: getattr(budget, k) for k in ("rows", "prefill_rows", "kv_cache", "prefill", "sampling", "decode_step",
                                            "graph_pools", "bookkeeping", "free", "working")}
-    return {**out, "rows_wanted": rows_wanted, "fits_one_row": int(free >= budget.peak),
-            "headroom": int(HEADROOM * cap)}
+    return {**out, "rows_wanted": rows_wanted, "fits_one_row": int(free >= budget.peak)}
+
+
+def bill_sglang_kv(batch_need: int, usable: int, mem_fraction: float | None, per_gpu: dict[str, int],
+                   rollout: dict[str, int]) -> list[str]:
+    """SGLang's KV pool per GPU, billed into per_gpu and `rollout` (memory_plan's docstring: how SGLang sizes
+    it at start-up); batch_need: one batch's KV bytes per GPU, billed as is when mem_fraction is None. The notes."""
+    gb = 1e9
+    if mem_fraction is None:
+        return [f"sglang picks its own KV pool (rollout.mem_fraction=null); the kv_cache row bills one batch "
+                f"({batch_need / gb:.2f} GB per GPU): set rollout.mem_fraction to plan the pool it allocates"]
+    at_start = sum(v for k, v in rollout.items() if k not in ("engine_weights", "kv_cache", "optimizer"))
+    pool = max(0, int(mem_fraction * (usable - at_start)) - per_gpu["engine_weights"])
+    per_gpu["kv_cache"] = rollout["kv_cache"] = pool
+    if pool == 0:
+        return [f"rollout.mem_fraction={mem_fraction} leaves SGLang no KV pool beside its weights: it will not "
+                "start; raise rollout.mem_fraction or offload more"]
+    if pool < batch_need:
+        return [f"SGLang's KV pool ({pool / gb:.2f} GB per GPU, rollout.mem_fraction={mem_fraction}) holds less "
+                f"than one batch ({batch_need / gb:.2f} GB): it decodes the batch in rounds"]
+    return []
 
 
 # -- An engine that sizes its own KV cache once, at start-up (vLLM) ----------------------------------

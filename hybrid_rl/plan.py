@@ -3,7 +3,7 @@
 Examples::
 
     python -m hybrid_rl.plan --model Qwen2.5-7B --gpus 8 --batch 256 --context 4096 \\
-        --gpu-mem-gb 80 --offload optimizer,ref
+        --gpu-mem-gib 80 --offload optimizer,ref
     python -m hybrid_rl.plan --model path/to/config.json --gpus 8 --batch 64 --context 8192
     python -m hybrid_rl.plan --params 70e9 --gpus 8 --batch 64 --context 4096 \\
         [--layers 80 --kv-heads 8 --head-dim 128]
@@ -17,7 +17,14 @@ Examples::
 
 Prints a table of roles x phases (GB = 1e9 bytes per GPU, and totals over all
 GPUs), whether each phase fits, a suggested offload line, and a JSON object as
-the last line.  Accounting rules: see ``hybrid_rl.memory_plan``.
+the last line.  Accounting rules, and the per-GPU margin no phase may use: see
+``hybrid_rl.memory_plan``. When a phase does not fit, the ranked changes that would make it
+fit, each with its plan line (``hybrid_rl.plan_fixes``).
+
+GPU memory is --gpu-mem-gib, in GiB (2**30 bytes), the unit GPUs are sold in and
+recipes/grpo_7b.py's flag too. The old --gpu-mem-gb read GiB under a GB name; it is refused
+with the new name rather than kept as an alias, so that no command line goes on saying GB
+for GiB.
 """
 from __future__ import annotations
 
@@ -29,6 +36,8 @@ from typing import Sequence
 
 from hybrid_rl.memory_plan import (BUILTIN_ARCHS, DTYPE_BYTES, GB, OFFLOAD_FLAGS, PHASES, RESIDENCY, ROLES,
                                MemoryPlan, ModelArch, load_arch, plan_memory, suggest_offload)
+from hybrid_rl.model_arch import lora_param_count
+from hybrid_rl.plan_fixes import Setting, fix_lines, search_fixes
 
 
 def _pos_int(s: str) -> int:
@@ -90,7 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
     p.add_argument("--batch", type=_pos_int, required=True, help="sequences resident in the KV cache at once (all GPUs)")
     p.add_argument("--context", type=_pos_int, required=True, help="prompt + response tokens per sequence")
-    p.add_argument("--gpu-mem-gb", type=_pos_float, default=80.0, help="GPU memory in GiB (default 80)")
+    p.add_argument("--gpu-mem-gib", type=_pos_float, default=80.0, help="GPU memory in GiB (default 80)")
+    p.add_argument("--gpu-mem-gb", dest="old_gpu_mem_gb", help=argparse.SUPPRESS)
+    p.add_argument("--lora-rank", type=_nonneg_int, default=0,
+                   help="LoRA rank on every linear layer (model.lora.rank; 0: the whole policy trains)")
     p.add_argument("--tp", type=_pos_int, default=1, help="rollout tensor-parallel size (default 1)")
     p.add_argument("--offload", type=_offload, default={},
                    help=f"comma list of {','.join(OFFLOAD_FLAGS)} (or 'all' / 'none')")
@@ -105,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vllm: the KV cache per GPU in GB (rollout.kv_cache_bytes / 1e9); default: from --mem-fraction, "
                         "else one batch of --context tokens")
     p.add_argument("--mem-fraction", type=_pos_float, default=None,
-                   help="vllm: gpu_memory_utilization (rollout.mem_fraction) when --kv-cache-gb is not given")
+                   help="rollout.mem_fraction: sglang's mem_fraction_static (its KV pool is sized from it), or vllm's "
+                        "gpu_memory_utilization when --kv-cache-gb is not given")
     p.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false",
                    help="estimate activations without gradient checkpointing (model.gradient_checkpointing=false)")
     p.add_argument("--native-prompt-tokens", type=_nonneg_int, default=0,
@@ -150,14 +163,22 @@ def shown_phases(plan: MemoryPlan) -> tuple[str, ...]:
     return PHASES if plan.reward_params else tuple(p for p in PHASES if p != "reward")
 
 
-def format_plan(plan: MemoryPlan, suggestion: dict) -> str:
+def format_plan(plan: MemoryPlan, suggestion: dict, fixes: list | None = None) -> str:
     """The printed report: the run's header, the roles x phases table, each phase's fit, the native
-    engine's decode batch, the notes and the suggested offload (`suggest_offload`'s result)."""
+    engine's decode batch, the notes, the suggested offload (`suggest_offload`'s result) and, when a
+    phase does not fit, the ranked `fixes` (plan_fixes.search_fixes) if given."""
     phases = shown_phases(plan)
     lines = _header_lines(plan) + [""] + _table_lines(plan, phases) + [""] + _fit_lines(plan, phases)
     lines += native_rollout_lines(plan) + _note_lines(plan)
     lines.append(_suggestion_line(plan, suggestion))
+    if fixes is not None and not plan.fits_all:
+        lines += fix_lines(fixes, short_by(plan))
     return "\n".join(lines)
+
+
+def short_by(plan: MemoryPlan) -> str:
+    """'train short by 48.08 GB, rollout ...': the phases that do not fit, per GPU."""
+    return ", ".join(f"{p} short by {_gb(plan.shortfall[p])} GB" for p in PHASES if not plan.fits[p]) + " per GPU"
 
 
 def _header_lines(plan: MemoryPlan) -> list[str]:
@@ -170,7 +191,7 @@ def _header_lines(plan: MemoryPlan) -> list[str]:
         + (f"; reward model N = {plan.reward_params:,}" if plan.reward_params else ""),
         f"GPUs {plan.n_gpus}, rollout tp {plan.tp_size} x dp {dp}; batch {plan.batch} seqs x context "
         f"{plan.context} tokens; GPU memory {plan.gpu_mem_bytes / 2**30:g} GiB = {_gb(plan.gpu_mem_bytes)} GB",
-        "offload: " + (", ".join(f for f in OFFLOAD_FLAGS if plan.offload[f]) or "none"),
+        "offload: " + (", ".join(f for f in _flags(plan, plan.offload)) or "none"),
         f"bill (whole model): learner {_learner(plan)} = {_gb(b['learner'])} GB, reference = {_gb(b['ref'])} GB, "
         f"inference copy = {_gb(b['engine_copy'])} GB (x{b['engine_replicas']} replicas on the GPUs = "
         f"{_gb(plan.total['engine_weights'])} GB)"
@@ -188,13 +209,14 @@ def _table_lines(plan: MemoryPlan, phases: tuple[str, ...]) -> list[str]:
     head = f"{'role':<{w}}{'per GPU':>10}{'total':>11} |" + "".join(f"{p:>10}" for p in phases)
     lines = [head + "   (GB)", "-" * len(head)]
     rows = list(ROLES) + (["activations_estimate"] if plan.activations_estimate else [])
-    rows += ["rollout_working", "rollout_headroom"] if plan.native_rollout else []
+    rows += ["rollout_working"] if plan.native_rollout else []
     for role in rows:
         pg, tot = _role_bytes(plan, role)
         cells = [_phase_cell(plan, role, p) for p in phases]
         lines.append(f"{role:<{w}}{_gb(pg):>10}{_gb(tot):>11} |" + "".join(f"{c:>10}" for c in cells))
     lines.append("-" * len(head))
     lines.append(f"{'phase total per GPU':<{w + 21}} |" + "".join(f"{_gb(plan.phase_totals[p]):>10}" for p in phases))
+    lines.append(f"{'usable (less margin)':<{w + 21}} |" + f"{_gb(plan.usable_bytes):>10}" * len(phases))
     return lines
 
 
@@ -202,8 +224,8 @@ def _role_bytes(plan: MemoryPlan, role: str) -> tuple[int, int]:
     """(bytes per GPU, bytes over all GPUs) of a table row."""
     if role == "activations_estimate":
         return plan.activations_estimate, plan.activations_estimate * plan.n_gpus
-    if role in ("rollout_working", "rollout_headroom"):
-        pg = plan.native_rollout["working" if role == "rollout_working" else "headroom"]
+    if role == "rollout_working":
+        pg = plan.native_rollout["working"]
         return pg, pg * plan.n_gpus
     return plan.per_gpu[role], plan.total[role]
 
@@ -219,13 +241,16 @@ def _phase_cell(plan: MemoryPlan, role: str, phase: str) -> str:
 
 
 def _fit_lines(plan: MemoryPlan, phases: tuple[str, ...]) -> list[str]:
-    """Per phase: bytes used per GPU against the capacity, and the free or missing GB."""
-    lines = []
+    """Per phase: bytes used per GPU against the usable memory (the capacity less the margin), and the
+    spare or missing GB."""
+    lines = [f"margin: {_gb(plan.margin_bytes)} GB of the {_gb(plan.gpu_mem_bytes)} GB per GPU kept for the CUDA "
+             f"context, NCCL buffers and fragmentation (hybrid_rl/memory_plan.py); a phase fits within "
+             f"{_gb(plan.usable_bytes)} GB"]
     for p in phases:
         used = plan.phase_totals[p]
-        verdict = (f"fits ({_gb(plan.gpu_mem_bytes - used)} GB free)" if plan.fits[p]
+        verdict = (f"fits ({_gb(plan.usable_bytes - used)} GB spare)" if plan.fits[p]
                    else f"does NOT fit (short by {_gb(plan.shortfall[p])} GB)")
-        lines.append(f"{p:<8} {_gb(used):>8} / {_gb(plan.gpu_mem_bytes)} GB per GPU: {verdict}")
+        lines.append(f"{p:<8} {_gb(used):>8} / {_gb(plan.usable_bytes)} GB usable per GPU: {verdict}")
     return lines
 
 
@@ -239,13 +264,19 @@ def _note_lines(plan: MemoryPlan) -> list[str]:
 
 
 def _suggestion_line(plan: MemoryPlan, suggestion: dict) -> str:
-    """The offload flags that make every phase fit (and which of them --offload lacks), or why none do."""
+    """The offload flags to add so that every phase fits: never one already set (nor one for a role the run
+    lacks), or why offload alone cannot make it fit."""
     if not suggestion["fits"]:
-        return f"suggested offload: {suggestion['message']}"
-    flags = [f for f in OFFLOAD_FLAGS if suggestion["offload"][f]]
-    given = [f for f in OFFLOAD_FLAGS if plan.offload[f]]
-    extra = f" (adds {', '.join(suggestion['added'])} to --offload)" if given and suggestion["added"] else ""
-    return f"suggested offload: {','.join(flags) or 'none needed'}{extra}"
+        return "suggested offload: none is enough on its own (below: the changes that fit)"
+    if not suggestion["added"]:
+        given = _flags(plan, plan.offload)
+        return "suggested offload: nothing to add" + (f" (already offloaded: {', '.join(given)})" if given else "")
+    return f"suggested offload: add {','.join(suggestion['added'])}"
+
+
+def _flags(plan: MemoryPlan, offload: dict) -> list[str]:
+    """The set offload flags of roles the run has (no reward_model flag without a reward model)."""
+    return [f for f in OFFLOAD_FLAGS if offload.get(f) and (f != "reward_model" or plan.reward_params)]
 
 
 def native_rollout_lines(plan: MemoryPlan) -> list[str]:
@@ -253,27 +284,29 @@ def native_rollout_lines(plan: MemoryPlan) -> list[str]:
     n = plan.native_rollout
     if not n:
         return []
-    margin = plan.gpu_mem_bytes - plan.phase_totals["rollout"]
+    margin = plan.usable_bytes - plan.phase_totals["rollout"]
     if not n["fits_one_row"]:
-        return [f"native rollout: not even one sequence fits ({_gb(n['free'])} GB free after the headroom); "
+        return [f"native rollout: not even one sequence fits ({_gb(n['free'])} GB free within the margin); "
                 "offload more, or shorten the prompts / max_new_tokens"]
     batches = -(-n["rows_wanted"] // n["rows"])
     return [f"native rollout: {n['rows']} of {n['rows_wanted']} rows per GPU per decode batch ({batches} "
             f"batch{'es' if batches > 1 else ''}), prefill in chunks of {n['prefill_rows']} prompts; working set "
             f"{_gb(n['working'])} GB = max(prefill {_gb(n['prefill'])}, sampling {_gb(n['sampling'])} + decode step "
             f"{_gb(n['decode_step'])} + graph pools {_gb(n['graph_pools'])} + bookkeeping {_gb(n['bookkeeping'])})",
-            f"native rollout margin: {_gb(margin)} GB per GPU free at the peak, beyond the {_gb(n['headroom'])} GB "
-            "rollout_headroom kept for fragmentation, the CUDA context and NCCL"]
+            f"native rollout spare: {_gb(margin)} GB per GPU at the peak, beyond the {_gb(plan.margin_bytes)} GB "
+            "margin"]
 
 
 def _engine_kw(args) -> dict:
     """The planner's engine arguments: --native-prompt-tokens implies the native engine."""
     engine = "native" if args.native_prompt_tokens else args.engine
-    if engine != "vllm" and (args.kv_cache_gb is not None or args.mem_fraction is not None):
-        raise ValueError("--kv-cache-gb and --mem-fraction size vLLM's KV cache: add --engine vllm")
+    if engine != "vllm" and args.kv_cache_gb is not None:
+        raise ValueError("--kv-cache-gb sizes vLLM's KV cache: add --engine vllm")
+    if engine == "native" and args.mem_fraction is not None:
+        raise ValueError("--mem-fraction sizes SGLang's or vLLM's KV cache; the native engine decodes what fits")
     kv = None if args.kv_cache_gb is None else int(args.kv_cache_gb * GB)
     return dict(engine=engine, kv_cache_budget=kv, mem_fraction=args.mem_fraction) if engine == "vllm" else \
-        dict(engine=engine)
+        dict(engine=engine, mem_fraction=args.mem_fraction) if engine == "sglang" else dict(engine=engine)
 
 
 def _learner(plan) -> str:
@@ -281,6 +314,27 @@ def _learner(plan) -> str:
     if not plan.lora_params:
         return "16N"
     return f"{DTYPE_BYTES[plan.dtype]}N + 16A (LoRA: frozen base, A = {plan.lora_params:,} adapter params)"
+
+
+_CLI_NAMES = {"batch": lambda s: f"--batch {s.prompts}", "tp": lambda s: f"--tp {s.tp_size}",
+              "gpus": lambda s: f"--gpus {s.n_gpus}", "lora": lambda s: f"--lora-rank {s.lora_rank}"}
+
+
+def _cli_fixes(args, arch: ModelArch, kw: dict) -> list:
+    """The ranked changes to the command line that make every phase fit (plan_fixes)."""
+    def plan_fn(s: Setting) -> MemoryPlan:
+        lora = lora_param_count(arch, s.lora_rank) if s.lora_rank else 0
+        return plan_memory(arch, s.n_gpus, args.dtype, s.prompts, args.context, s.offload,
+                           **{**kw, "tp_size": s.tp_size, "lora_params": lora})
+
+    def namer(knob: str, old: Setting, new: Setting) -> str:
+        if knob == "offload":
+            return "--offload " + ",".join(f for f in OFFLOAD_FLAGS if new.offload.get(f))
+        return _CLI_NAMES[knob](new)
+
+    start = Setting(args.gpus, args.batch, 1, args.tp, args.lora_rank, dict(args.offload))
+    return search_fixes(plan_fn, start, namer, tp_ok=kw["engine"] != "native", n_ok=False,
+                        max_tp=arch.kv_heads or 8)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -291,18 +345,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return plan_cli.main(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.old_gpu_mem_gb is not None:
+        parser.error(f"--gpu-mem-gb is now --gpu-mem-gib (it always meant GiB): --gpu-mem-gib {args.old_gpu_mem_gb}")
     try:
         arch, rm = _arch_from_args(args, parser)
-        kw = dict(tp_size=args.tp, reward_arch=rm, gpu_mem_gib=args.gpu_mem_gb,
+        lora = lora_param_count(arch, args.lora_rank) if args.lora_rank else 0
+        kw = dict(tp_size=args.tp, reward_arch=rm, gpu_mem_gib=args.gpu_mem_gib, lora_params=lora,
                   train_micro_batch=args.train_micro_batch, native_prompt_tokens=args.native_prompt_tokens,
                   gradient_checkpointing=args.gradient_checkpointing, **_engine_kw(args),
                   native_top_p=args.native_sampler == "top_p", native_samples_per_prompt=args.samples_per_prompt)
         plan = plan_memory(arch, args.gpus, args.dtype, args.batch, args.context, args.offload, **kw)
         suggestion = suggest_offload(arch, args.gpus, args.dtype, args.batch, args.context, args.offload, **kw)
+        fixes = _cli_fixes(args, arch, kw) if not plan.fits_all else []
     except ValueError as e:
         parser.error(str(e))
-    print(format_plan(plan, suggestion))
-    print(json.dumps({**plan.to_dict(), "suggestion": suggestion}, sort_keys=True))
+    print(format_plan(plan, suggestion, fixes))
+    print(json.dumps({**plan.to_dict(), "suggestion": suggestion,
+                      "fixes": [{"knob": f.knob, "change": f.change} for f in fixes]}, sort_keys=True))
     return 0
 
 

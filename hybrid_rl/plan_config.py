@@ -11,14 +11,16 @@ Torch-free: the dry run imports it without building a model.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from hybrid_rl.memory_plan import MemoryPlan, ModelArch, builtin_arch, plan_memory, suggest_offload
+from hybrid_rl.memory_plan import OFFLOAD_FLAGS, MemoryPlan, ModelArch, builtin_arch, plan_memory, suggest_offload
 from hybrid_rl.model_arch import lora_param_count
+from hybrid_rl.plan_fixes import Fix, Setting, search_fixes
 
-__all__ = ["PROMPT_SAMPLE", "PromptTokens", "config_arch", "plan_from_config", "prompt_tokens_for_plan"]
+__all__ = ["PROMPT_SAMPLE", "PromptTokens", "config_arch", "config_fixes", "plan_from_config", "prompt_tokens_for_plan"]
 
 # The trainer plans with the longest of its first PROMPT_SAMPLE training prompts (after the long ones are
 # dropped); the dry run measures the same rows.
@@ -61,13 +63,25 @@ def plan_from_config(cfg, n_gpus: int, gpu_mem_gib: float, *, prompt_tokens: int
     count as offloaded), as the trainer does; else the configured flags, and the suggestion names the smallest
     change that makes every phase fit (memory_plan.suggest_offload).
     """
+    arch, dtype, sequences, context, flags, kw = _plan_args(cfg, n_gpus, gpu_mem_gib, prompt_tokens, mixed_precision)
+    if cfg.offload.auto:  # flags: the roles the run lacks, as "offloaded" (they hold nothing)
+        suggestion = suggest_offload(arch, n_gpus, dtype, sequences, context, flags, **kw)
+        flags = suggestion["offload"]
+    else:
+        flags = {**flags, **{f: flags[f] or getattr(cfg.offload, f) for f in OFFLOAD_FLAGS}}
+        suggestion = suggest_offload(arch, n_gpus, dtype, sequences, context, flags, **kw)
+    return plan_memory(arch, n_gpus, dtype, sequences, context, flags, **kw), suggestion
+
+
+def _plan_args(cfg, n_gpus: int, gpu_mem_gib: float, prompt_tokens: int, mixed_precision: Optional[bool]):
+    """(arch, dtype, sequences, context, absent-role flags, plan_memory keywords) for `cfg`."""
     lora = cfg.model.lora  # LoRA: adapter-only learner state, and the reference is the base (no copy of its own)
     has_ref, has_rm = cfg.algorithm.needs_ref_model and not lora.enabled, bool(cfg.reward.model_path)
     arch = config_arch(cfg.model.path, "model.path")
     reward_arch = config_arch(cfg.reward.model_path, "reward.model_path") if has_rm else None
     if mixed_precision is None:
         mixed_precision = cfg.model.dtype in ("auto", "bfloat16")
-    ro, off = cfg.rollout, cfg.offload
+    ro = cfg.rollout
     kw: dict[str, Any] = dict(tp_size=ro.tp_size, gpu_mem_gib=gpu_mem_gib, reward_arch=reward_arch,
                               train_micro_batch=cfg.trainer.micro_batch_size,
                               gradient_checkpointing=cfg.model.gradient_checkpointing, engine=ro.engine,
@@ -77,18 +91,51 @@ def plan_from_config(cfg, n_gpus: int, gpu_mem_gib: float, *, prompt_tokens: int
                   native_samples_per_prompt=ro.n)
     if ro.engine == "vllm":  # the KV cache vLLM allocates at start, as rollout/vllm_setup.py sizes it
         kw.update(kv_cache_budget=ro.kv_cache_bytes, mem_fraction=ro.mem_fraction)
+    if ro.engine == "sglang":  # the KV pool SGLang sizes at start from mem_fraction_static (memory_plan)
+        kw.update(mem_fraction=ro.mem_fraction)
     dtype = "bf16" if mixed_precision else "fp32"
-    sequences, context = cfg.data.batch_size * ro.n, plan_context(cfg, prompt_tokens)[0]
-    # Roles this run does not have are treated as already "offloaded" (they hold nothing).
-    absent = {"ref": not has_ref, "reward_model": not has_rm}
-    if off.auto:
-        suggestion = suggest_offload(arch, n_gpus, dtype, sequences, context, absent, **kw)
-        flags = suggestion["offload"]
-    else:
-        flags = {"optimizer": off.optimizer, "ref": off.ref or absent["ref"], "params": off.params,
-                 "reward_model": off.reward_model or absent["reward_model"]}
-        suggestion = suggest_offload(arch, n_gpus, dtype, sequences, context, flags, **kw)
-    return plan_memory(arch, n_gpus, dtype, sequences, context, flags, **kw), suggestion
+    absent = {"optimizer": False, "params": False, "ref": not has_ref, "reward_model": not has_rm}
+    return arch, dtype, cfg.data.batch_size * ro.n, plan_context(cfg, prompt_tokens)[0], absent, kw
+
+
+def config_fixes(cfg, n_gpus: int, gpu_mem_gib: float, *, prompt_tokens: int,
+                 mixed_precision: Optional[bool] = None) -> list[Fix]:
+    """The ranked config changes that make a plan that does not fit fit (plan_fixes.search_fixes), named as
+    command-line overrides; [] when it fits."""
+    def with_setting(s: Setting):
+        r = dataclasses.replace
+        return r(cfg, data=r(cfg.data, batch_size=s.prompts), rollout=r(cfg.rollout, n=s.n, tp_size=s.tp_size),
+                 model=r(cfg.model, lora=r(cfg.model.lora, rank=s.lora_rank)), offload=r(cfg.offload, auto=False))
+
+    def plan_fn(s: Setting) -> MemoryPlan:
+        arch, dtype, seqs, context, absent, kw = _plan_args(with_setting(s), s.n_gpus, gpu_mem_gib, prompt_tokens,
+                                                            mixed_precision)
+        flags = {f: s.offload.get(f, False) or absent[f] for f in OFFLOAD_FLAGS}
+        return plan_memory(arch, s.n_gpus, dtype, seqs, context, flags, **kw)
+
+    plan, suggestion = plan_from_config(cfg, n_gpus, gpu_mem_gib, prompt_tokens=prompt_tokens,
+                                        mixed_precision=mixed_precision)
+    start = Setting(n_gpus, cfg.data.batch_size, cfg.rollout.n, cfg.rollout.tp_size, cfg.model.lora.rank,
+                    dict(plan.offload))
+    arch = config_arch(cfg.model.path, "model.path")
+    return search_fixes(plan_fn, start, lambda knob, old, new: _override(cfg, knob, old, new),
+                        tp_ok=cfg.rollout.engine != "native", max_tp=arch.kv_heads or 8)
+
+
+def _override(cfg, knob: str, old: Setting, new: Setting) -> str:
+    """A fix as the overrides to type (offload: only the flags it adds)."""
+    if knob == "offload":
+        return " ".join(f"offload.{f}=true" for f in OFFLOAD_FLAGS if new.offload.get(f) and not old.offload.get(f))
+    if knob == "batch":
+        seqs, mb = new.prompts * new.n, cfg.algorithm.mini_batch_size
+        return f"data.batch_size={new.prompts}" + (" algorithm.mini_batch_size=0" if mb and seqs % mb else "")
+    if knob == "n":
+        seqs, mb = new.prompts * new.n, cfg.algorithm.mini_batch_size
+        return f"rollout.n={new.n}" + (" algorithm.mini_batch_size=0" if mb and (seqs % mb or mb % new.n) else "")
+    if knob == "gpus":
+        return f"--gpus {new.n_gpus} (torchrun --nproc_per_node={min(new.n_gpus, 8)}" + (
+            f" --nnodes={new.n_gpus // 8})" if new.n_gpus > 8 else ")")
+    return f"rollout.tp_size={new.tp_size}" if knob == "tp" else f"model.lora.rank={new.lora_rank}"
 
 
 @dataclass(frozen=True)

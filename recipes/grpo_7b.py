@@ -5,7 +5,10 @@
     python recipes/grpo_7b.py --dry-run env.name=gsm8k_calculator   (multi-turn, with a calculator tool)
 
 --dry-run prints the resolved config and the memory plan, loads no weights, and exits
-non-zero when a phase would not fit. It plans as the trainer's offload.auto does
+non-zero when a phase would not fit, after the ranked changes that would make it fit
+(hybrid_rl/plan_fixes.py: offload, a smaller data.batch_size or rollout.n, rollout.tp_size,
+more GPUs, LoRA), each with its plan line. A phase fits only within the GPU less a margin for
+the CUDA context, NCCL and fragmentation (hybrid_rl/memory_plan.py). It plans as the trainer's offload.auto does
 (hybrid_rl/plan_config.py): the reward model's config.json, and the prompt lengths measured
 on the dataset when the tokenizer and data are local (else data.max_prompt_tokens); it
 prints which. A real start plans the same way for the GPUs it
@@ -28,7 +31,7 @@ from omegaconf import OmegaConf
 from hybrid_rl import Trainer, distributed, load_config
 from hybrid_rl.memory_plan import GIB, PHASES
 from hybrid_rl.plan import format_plan
-from hybrid_rl.plan_config import PromptTokens, plan_from_config, prompt_tokens_for_plan
+from hybrid_rl.plan_config import PromptTokens, config_fixes, plan_from_config, prompt_tokens_for_plan
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -61,9 +64,12 @@ def env_overrides(overrides: list[str]) -> list[str]:
 
 def memory_plan(cfg, n_gpus: int, gpu_mem_gib: float, prompts: PromptTokens | None = None):
     """The planner's bill for this config, as the trainer's offload.auto plans it (hybrid_rl/plan_config.py):
-    (plan, suggestion). No weights are read; prompts: the prompt length to bill (default: measured if local)."""
+    (plan, suggestion, fixes: the ranked changes that fit, [] when it fits). No weights are read; prompts:
+    the prompt length to bill (default: measured if local)."""
     prompts = prompts or prompt_tokens_for_plan(cfg)
-    return plan_from_config(cfg, n_gpus, gpu_mem_gib, prompt_tokens=prompts.tokens)
+    plan, suggestion = plan_from_config(cfg, n_gpus, gpu_mem_gib, prompt_tokens=prompts.tokens)
+    fixes = [] if plan.fits_all else config_fixes(cfg, n_gpus, gpu_mem_gib, prompt_tokens=prompts.tokens)
+    return plan, suggestion, fixes
 
 
 def plan_inputs(cfg, prompts: PromptTokens) -> str:
@@ -72,24 +78,32 @@ def plan_inputs(cfg, prompts: PromptTokens) -> str:
     return f"planned for prompts of {prompts.tokens} tokens: {prompts.source}\nreward model billed: {rm}"
 
 
-def verdict(plan, suggestion) -> str:
-    """'' when every phase fits, else the refusal: what does not fit and the change to make."""
+def verdict(plan, fixes) -> str:
+    """'' when every phase fits, else the refusal: what does not fit and the first ranked change to make."""
     if plan.fits_all:
         return ""
     short = ", ".join(f"{p} (short by {plan.shortfall[p] / 1e9:.2f} GB per GPU)" for p in PHASES if not plan.fits[p])
-    change = (" ".join(f"offload.{f}=true" for f in suggestion["added"]) if suggestion["fits"]
-              else suggestion["message"])
+    change = fixes[0].change if fixes else "none of the changes above fits alone: combine them"
     return f"refusing to start: {short} does not fit; suggested change: {change}"
+
+
+def parse_args(argv: list[str]):
+    """(the recipe's flags, the key=value overrides)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="print the config and memory plan; load nothing")
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs to plan for (default: the ranks, 8 on --dry-run)")
+    parser.add_argument("--gpu-mem-gib", type=float, default=None,
+                        help="GPU memory in GiB to plan for (default: measured, 80 on --dry-run); as python -m hybrid_rl.plan")
+    args, overrides = parser.parse_known_args(argv)
+    if any(a.split("=")[0] == "--gpu-mem-gb" for a in overrides):
+        parser.error("--gpu-mem-gb is --gpu-mem-gib here and in python -m hybrid_rl.plan (the value is GiB)")
+    return args, overrides
 
 
 @distributed.report_failures
 def main(argv: list[str]) -> dict:
     # 1. Config: the YAML next to this file, the engine this machine can run, then the command line.
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dry-run", action="store_true", help="print the config and memory plan; load nothing")
-    parser.add_argument("--gpus", type=int, default=None, help="GPUs to plan for (default: the ranks, 8 on --dry-run)")
-    parser.add_argument("--gpu-mem-gib", type=float, default=None, help="GPU memory to plan for (default: measured, 80)")
-    args, overrides = parser.parse_known_args(argv)
+    args, overrides = parse_args(argv)
     engine_overrides, engine_note = choose_engine(overrides)
     cfg = load_config(os.path.join(HERE, "grpo_7b.yaml"), engine_overrides + env_overrides(overrides) + overrides)
 
@@ -98,10 +112,10 @@ def main(argv: list[str]) -> dict:
         print(engine_note)
         print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         prompts = prompt_tokens_for_plan(cfg)
-        plan, suggestion = memory_plan(cfg, args.gpus or 8, args.gpu_mem_gib or 80.0, prompts)
+        plan, suggestion, fixes = memory_plan(cfg, args.gpus or 8, args.gpu_mem_gib or 80.0, prompts)
         print(plan_inputs(cfg, prompts))
-        print(format_plan(plan, suggestion))
-        refusal = verdict(plan, suggestion)
+        print(format_plan(plan, suggestion, fixes))
+        refusal = verdict(plan, fixes)
         if refusal:
             sys.exit(refusal)
         return {"dry_run": True, "fits": True, "phase_totals": plan.phase_totals}
@@ -115,11 +129,11 @@ def main(argv: list[str]) -> dict:
         print(engine_note)
     if gpu_mem is not None:  # on CPU the device is host memory: nothing to plan for unless asked
         prompts = prompt_tokens_for_plan(cfg)
-        plan, suggestion = memory_plan(cfg, args.gpus or distributed.world_size(), gpu_mem, prompts)
-        refusal = verdict(plan, suggestion)
+        plan, suggestion, fixes = memory_plan(cfg, args.gpus or distributed.world_size(), gpu_mem, prompts)
+        refusal = verdict(plan, fixes)
         if distributed.is_main():
             print(plan_inputs(cfg, prompts))
-            print(format_plan(plan, suggestion))
+            print(format_plan(plan, suggestion, fixes))
         if refusal:
             distributed.shutdown()
             sys.exit(refusal)
