@@ -229,7 +229,7 @@ def save(root: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Op
     _agree(failure, tmp, final, "preparing")
     model_sd, optim_sd = _state_dicts(model, optimizer, trainable_only)
     try:
-        with _quiet_single_process():
+        with quiet_single_process():
             dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmp, "state"),
                      no_dist=not D.is_dist(), process_group=D.scope_group())  # split: the learner ranks
         torch.save(rank_state, os.path.join(tmp, f"rank_{D.rank():05d}.pt"))
@@ -305,7 +305,7 @@ def remove_stale_temporaries(root: str) -> None:
 
 
 @contextlib.contextmanager
-def _quiet_single_process() -> Iterator[None]:
+def quiet_single_process() -> Iterator[None]:
     """DCP warns that it assumes one process when no group exists: on one rank that is the intent."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -346,7 +346,7 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, tr
     options = _options(trainable_only)
     model_sd, optim_sd = _state_dicts(model, optimizer, trainable_only)  # creates the optimizer state to load into
     state = {"model": model_sd, "optim": optim_sd}
-    with _quiet_single_process():
+    with quiet_single_process():
         dcp_load(state, checkpoint_id=os.path.join(path, "state"), no_dist=not D.is_dist(),
                  process_group=D.scope_group())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)

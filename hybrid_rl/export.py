@@ -80,7 +80,8 @@ def export_checkpoint(checkpoint: str, out: str, dtype: str = "auto", merge: boo
     if missing:
         raise ckpt.CheckpointError(f"checkpoint {path!r} has no weights for {missing[:5]} "
                                    f"({len(missing)} missing); it was not written for this model")
-    dcp_load({"model": wanted}, checkpoint_id=os.path.join(path, "state"), no_dist=True)
+    with ckpt.quiet_single_process():  # no_dist: one process is the intent, DCP's warning says it again
+        dcp_load({"model": wanted}, checkpoint_id=os.path.join(path, "state"), no_dist=True)
     model.tie_weights()
     full = {k: v.to(target) for k, v in model.state_dict().items()}
     return write_hf_dir(model, full, AutoTokenizer.from_pretrained(hf), out)

@@ -31,7 +31,8 @@ def export_lora(path: str, out: str, model_cfg: dict, dtype: torch.dtype, merge:
     if missing:
         raise ckpt.CheckpointError(f"checkpoint {path!r} has no adapter weights for {missing[:3]} ({len(missing)} "
                                    "missing); it was not written with these model.lora settings")
-    dcp_load({"model": wanted}, checkpoint_id=os.path.join(path, "state"), no_dist=True)  # in place
+    with ckpt.quiet_single_process():  # no_dist: one process is the intent, DCP's warning says it again
+        dcp_load({"model": wanted}, checkpoint_id=os.path.join(path, "state"), no_dist=True)  # in place
     model.peft_config[L.ADAPTER].base_model_name_or_path = os.path.abspath(base)
     if merge:
         return _write_merged(model, dtype, tokenizer, out)

@@ -17,7 +17,7 @@ import sys
 from dataclasses import asdict
 from typing import Optional, Protocol
 
-from hybrid_rl.metrics import append_jsonl, format_line, format_val_line
+from hybrid_rl.metrics import append_jsonl, console_legend, format_line, format_val_line
 
 
 class Logger(Protocol):
@@ -64,13 +64,17 @@ class JsonlLogger:
 
 
 class ConsoleLogger:
-    """One line every `every` steps (and a `val` line whenever validation ran), via `write`."""
+    """One line every `every` steps (and a `val` line whenever validation ran), via `write`; `legend`, if
+    given, once before the first step line (what the columns mean)."""
 
-    def __init__(self, every: int, write=print):
-        self.every, self.write = every, write
+    def __init__(self, every: int, write=print, legend: str = ""):
+        self.every, self.write, self.legend = every, write, legend
 
     def log(self, metrics: dict, step: int) -> None:
         if self.every and step % self.every == 0 and "reward/mean" in metrics:
+            if self.legend:
+                self.write(self.legend)
+                self.legend = ""
             self.write(format_line(metrics))
         if any(k.startswith("val/") for k in metrics):
             self.write(format_val_line(metrics))
@@ -137,7 +141,7 @@ def build_loggers(cfg, write=print, resume_step: Optional[int] = None) -> list[L
     t = cfg.trainer
     loggers: list[Logger] = [JsonlLogger(os.path.join(t.out_dir, "metrics.jsonl"), resume_step)]
     if "console" in t.loggers:
-        loggers.append(ConsoleLogger(t.log_every, write))
+        loggers.append(ConsoleLogger(t.log_every, write, console_legend(cfg.reward.success_threshold)))
     if "tensorboard" in t.loggers:
         loggers.append(TensorBoardLogger(os.path.join(t.out_dir, "tensorboard"), resume_step))
     if "wandb" in t.loggers:

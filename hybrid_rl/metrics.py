@@ -105,11 +105,25 @@ def append_jsonl(path: str, record: dict) -> None:
 
 def format_line(m: dict) -> str:
     """One console line of a step's main metrics (time/step shows as `time=`)."""
-    keys = [("step", "{:d}"), ("reward/mean", "{:.3f}"), ("reward/accuracy", "{:.2f}"), ("response/length", "{:.1f}"),
+    keys = [("step", "{:d}"), ("reward/mean", "{:.3f}"), ("reward/accuracy", "{:.2f}"), ("response/truncated", "{:.2f}"),
+            ("response/length", "{:.1f}"),
             ("actor/kl_ref", "{:.4f}"), ("actor/entropy", "{:.3f}"), ("actor/clip_frac", "{:.3f}"),
             ("actor/grad_norm", "{:.3f}"), ("time/step", "{:.2f}s"), ("bottleneck", "{}")]
     label = {"time/step": "time"}
     return "  ".join(f"{label.get(k, k.replace('/mean', '').split('/')[-1])}={fmt.format(m[k])}" for k, fmt in keys if k in m)
+
+
+def console_legend(success_threshold: float | None) -> str:
+    """What the console columns mean (printed once, before the first step line; docs/metrics.md has them all).
+    accuracy counts a sample only at the reward's "correct" threshold, so it can sit at 0 while partial credit
+    (reward) climbs: the digits demo pays 1.0 only for three right digits AND stopping after them."""
+    thr = "reward.success_threshold" + (f" = {success_threshold:g}" if success_threshold is not None
+                                         else ", the reward's own: 1.0 unless it registered another")
+    return ("columns: reward = mean reward of the step's samples; accuracy = share of samples whose (rule) reward "
+            f"reaches {thr} (full marks only: partial credit moves reward, not accuracy); truncated = share cut off "
+            "at rollout.max_new_tokens (they never stopped); length = mean response tokens; kl_ref, entropy, "
+            "clip_frac, grad_norm: the update's; time = seconds per step; bottleneck = the phase that took most "
+            "of it (docs/metrics.md)")
 
 
 def format_val_line(m: dict) -> str:
@@ -156,6 +170,40 @@ def bottleneck(m: dict) -> str:
     """The phase that took most of the step: 'rollout-bound', 'training-bound', ..."""
     split = time_split(m)
     return max(split, key=split.get) + "-bound"
+
+
+def run_history(out_dir: str, history: Sequence[dict]) -> list[dict]:
+    """The whole run's step records: `out_dir`/metrics.jsonl (a resume keeps the lines up to its step and
+    appends, loggers.restart_jsonl), the last record of each training step in step order; `history` (this
+    process's steps) when the file is missing or unreadable. So a resumed run's curve and summaries start at
+    step 1, not at the resume."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    by_step: dict[int, dict] = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    break  # a line cut short by a crash
+                if isinstance(record, dict) and "reward/mean" in record and "step" in record:
+                    by_step[int(record["step"])] = record
+    except OSError:
+        return list(history)
+    return [by_step[k] for k in sorted(by_step)] or list(history)
+
+
+def reward_summary(records: Sequence[dict], this_time: int) -> tuple[dict, str]:
+    """({steps, reward_first10, reward_last10}, the printed line) over `records` (run_history's), saying how
+    many steps this process ran (`this_time`); a run with no steps says so instead of averaging nothing."""
+    if not records:
+        return {"steps": 0, "reward_first10": None, "reward_last10": None}, "reward: no training steps recorded yet"
+    k = max(1, len(records) // 10)
+    first = sum(h["reward/mean"] for h in records[:k]) / k
+    last = sum(h["reward/mean"] for h in records[-k:]) / k
+    where = "" if this_time == len(records) else f" ({this_time} of them in this process; the rest from metrics.jsonl)"
+    return ({"steps": len(records), "reward_first10": first, "reward_last10": last},
+            f"reward: first 10% {first:.3f} -> last 10% {last:.3f} over {len(records)} steps{where}")
 
 
 def split_summary(history: Sequence[dict]) -> str:

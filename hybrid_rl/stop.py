@@ -3,6 +3,7 @@ SIGINT (Ctrl-C) sets a flag; `Trainer.fit` reads it between steps, writes a chec
 raises `TrainingInterrupted`."""
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
@@ -18,10 +19,24 @@ class TrainingInterrupted(SystemExit):
         name = signal.Signals(signum).name
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
         self.message = (f"interrupted by {name} after step {step}; checkpoint {checkpoint} written. "
-                        "Run the same command again to resume (trainer.resume=auto)")
+                        "Run the same command again to resume (trainer.resume=auto)") + under_torchrun_note()
         if D.is_main():
             print(self.message, flush=True)
         super().__init__(128 + signum)
+
+
+def under_torchrun_note() -> str:
+    """What torchrun prints after a clean stop, said before it does ('' outside torchrun). torchrun's agent
+    handles the signal itself: it raises SignalException, stops the workers with the same signal (SIGKILL
+    after TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default) and re-raises it whatever they exit with, so
+    its traceback always comes last (torch/distributed/elastic/agent/server/api.py); no exit of ours
+    can make it quiet or print after it."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return ""
+    return (". torchrun got the signal too and will print 'SignalException: Process ... got signal' with a "
+            "traceback after this: that is torchrun reporting the signal, not a failure; this checkpoint is "
+            "complete (if a step and checkpoint take over 30 s, raise TORCH_ELASTIC_SHUTDOWN_TIMEOUT or "
+            "torchrun kills the workers first)")
 
 
 class StopSignal:

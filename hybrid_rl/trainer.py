@@ -46,7 +46,7 @@ from hybrid_rl.lr_schedule import lr_factor, optimizer_steps
 from hybrid_rl.loggers import build_loggers, check_loggers, console_write, interactive
 from hybrid_rl.switch.advice import decide_offload, sglang_kv_room_warning
 from hybrid_rl.switch.phases import PhaseManager
-from hybrid_rl.metrics import StageTimer, bottleneck, plot_curve, split_summary, step_time_metrics
+from hybrid_rl.metrics import StageTimer, bottleneck, plot_curve, run_history, split_summary, step_time_metrics
 from hybrid_rl.models.fsdp import load_sharded, prepare_policy
 from hybrid_rl.models.loading import load_tokenizer, model_eos_ids
 from hybrid_rl.models.lora import adapters_disabled, policy_loading, trainable_parameters
@@ -384,8 +384,9 @@ class Trainer:
         finally:
             stop.restore()
             bar.close()
-            if D.is_main() and state.history:
-                plot_curve(state.history, os.path.join(self.out_dir, "reward_curve.png"))
+            if D.is_main() and state.history:  # the curve and split of the whole run, a resumed one too
+                whole = run_history(self.out_dir, state.history)
+                plot_curve(whole, os.path.join(self.out_dir, "reward_curve.png"))
                 self.phases.ledger.write_report(state.ledger_rollout, self.out_dir, self.offload.message)
-                print(split_summary(state.history))
+                print(split_summary(whole))
         return state.history

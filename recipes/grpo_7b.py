@@ -30,6 +30,7 @@ from omegaconf import OmegaConf
 
 from hybrid_rl import Trainer, distributed, load_config
 from hybrid_rl.memory_plan import GIB, PHASES
+from hybrid_rl.metrics import reward_summary, run_history
 from hybrid_rl.plan import format_plan
 from hybrid_rl.plan_config import PromptTokens, config_fixes, plan_from_config, prompt_tokens_for_plan
 
@@ -145,14 +146,12 @@ def main(argv: list[str]) -> dict:
     trainer.close()
 
     # 4. Summary: training reward over the first and last 10% of steps, validation first and last.
-    k = max(1, len(history) // 10)
-    vals = [h["val/pass@1"] for h in history if "val/pass@1" in h]
-    summary = {"steps": len(history), "reward_first10": sum(h["reward/mean"] for h in history[:k]) / k,
-               "reward_last10": sum(h["reward/mean"] for h in history[-k:]) / k,
-               "val_pass@1_last": vals[-1] if vals else None, "out_dir": cfg.trainer.out_dir}
+    whole = run_history(cfg.trainer.out_dir, history)  # the whole run, a resumed one too
+    vals = [h["val/pass@1"] for h in whole if "val/pass@1" in h]
+    summary, line = reward_summary(whole, len(history))
+    summary.update({"val_pass@1_last": vals[-1] if vals else None, "out_dir": cfg.trainer.out_dir})
     if distributed.is_main():
-        print(f"reward: first 10% {summary['reward_first10']:.3f} -> last 10% {summary['reward_last10']:.3f} "
-              f"over {len(history)} steps; val pass@1 (greedy) last: {summary['val_pass@1_last']}")
+        print(f"{line}; val pass@1 (greedy) last: {summary['val_pass@1_last']}")
     distributed.shutdown()
     return summary
 

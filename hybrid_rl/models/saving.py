@@ -85,12 +85,26 @@ def _fix_config(cfg_path: str, architecture: str, dtype: str | None = None) -> N
         json.dump(cfg, f, indent=2)
 
 
+def save_weights_quietly(model: torch.nn.Module, path: str, **kwargs) -> None:
+    """model.save_pretrained(path, safe_serialization=True) without transformers 5's "Writing model shards"
+    progress bar, which a log file shows as one cluttered line per save (the library says what it saved)."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(path, safe_serialization=True, **kwargs)
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
 def write_hf_dir(model: torch.nn.Module, state: dict[str, torch.Tensor], tokenizer, path: str) -> str:
     """Write `state` (full weights on the host) as the weights of `model`'s HF directory at `path`, atomically."""
     # save_pretrained declares the module's dtype (fp32 while training); declare the weights' own.
     written = next((v.dtype for v in state.values() if v.is_floating_point()), None)
     with atomic_dir(path) as tmp:
-        model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        save_weights_quietly(model, tmp, state_dict=state)
         tokenizer.save_pretrained(tmp)
         _fix_config(os.path.join(tmp, "config.json"), _hf_class_name(model),
                     str(written).replace("torch.", "") if written is not None else None)

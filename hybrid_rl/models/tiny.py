@@ -58,7 +58,7 @@ def save_random_qwen2(path: str, tokenizer, hidden_size: int, num_layers: int, n
     """A seeded random-init Qwen2 over `tokenizer`'s vocabulary and special tokens, saved with it (atomically)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from hybrid_rl.models.saving import atomic_dir
+    from hybrid_rl.models.saving import atomic_dir, save_weights_quietly
 
     cfg = Qwen2Config(
         vocab_size=len(tokenizer),
@@ -77,6 +77,6 @@ def save_random_qwen2(path: str, tokenizer, hidden_size: int, num_layers: int, n
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with atomic_dir(path) as tmp:  # a crash never leaves a half-written model dir
-        model.save_pretrained(tmp, safe_serialization=True)
+        save_weights_quietly(model, tmp)
         tokenizer.save_pretrained(tmp)
     return path

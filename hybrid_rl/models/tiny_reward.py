@@ -77,10 +77,10 @@ def _build(kind: str, tokenizer, hidden_size: int, num_layers: int, num_labels: 
 
 
 def _save(model, tokenizer, path: str) -> str:
-    from hybrid_rl.models.saving import atomic_dir
+    from hybrid_rl.models.saving import atomic_dir, save_weights_quietly
 
     with atomic_dir(path) as tmp:  # a crash never leaves a half-written model dir
-        model.save_pretrained(tmp, safe_serialization=True)
+        save_weights_quietly(model, tmp)
         tokenizer.save_pretrained(tmp)
     return path
 
