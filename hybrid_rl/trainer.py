@@ -375,10 +375,12 @@ class Trainer:
                     self._log(m)
                     bar.set_postfix(reward=f"{m['reward/mean']:.3f}")
                     bar.update()
-                    signum = stop.agreed()
+                    signum = stop.agreed() or (self.learner_side.signal if self.split else 0)
                     if signum or (t.save_every and (state.step % t.save_every == 0 or i == total - 1)):
                         path = self.save_checkpoint()
                     if signum:
+                        if self.split:  # the rollout ranks end now, not at their timeout
+                            self.learner_side.stop(state.step)
                         self.close()
                         raise TrainingInterrupted(signum, state.step, path)
         finally:

@@ -1,6 +1,6 @@
 """Split placement (`trainer.placement=split`, issue 27): rollout ranks feed learner ranks, bounded staleness.
 
-What is here (self-contained, tested on CPU; no Trainer change yet):
+What is here (the Trainer dispatches by role through roles.py):
   staleness.py   versions, VersionedGroup, admission (`may_start`), StalenessRule (drop | correct),
                  LearnerQueue (bounded), staleness_metrics
   schedule.py    the protocol as an event simulation (`syncs_before` is the rollout loop's rule)
@@ -22,8 +22,7 @@ Who runs what (W ranks, R = trainer.rollout_ranks, k = trainer.max_staleness; La
   ranks W-R..W-1  rollout ranks: an engine (native with its own copy, vLLM, SGLang), no optimizer. Loop over
                   batches b = 0, 1, ...: receive_weights for each version in syncs_before(b, v, k); draw this
                   rank's prompts from its own PromptLoader(rank=r-(W-R), world_size=R); generate; rule rewards
-                  and dynamic-sampling filters here (a reward model stays on the learners: it would need a
-                  second resident model per rollout rank, and scoring batches there costs no weight sync);
+                  and dynamic-sampling filters here (a reward model is refused: see below);
                   tag each group with the version (per token when partial rollouts swap mid-sequence);
                   send_groups to learner rank 0.
   The PhaseManager is not used on either side: nothing switches. Process groups every rank creates, in order:
@@ -45,14 +44,18 @@ split/rollout_ranks, split/world_size; time/rollout and time/reward measured on 
 time/score, time/advantage, time/train on the learners (the max over ranks keeps each pool's own), and the
 bottleneck line from rates.idle_fraction.
 
-Wiring left (small, in files others own):
-  config:  trainer.placement ("colocated" | "split"), trainer.rollout_ranks, trainer.max_staleness,
-           trainer.stale_samples ("drop" | "correct") in TrainerConfig; validate_runtime calls
-           check_placement(world_size, ...) when placement == "split" and uses the learner count, not W,
-           for its data.batch_size / mini_batch_size divisibility.
-  models/fsdp.shard_model: a `mesh` argument (the learner mesh) passed to fully_shard.
-  trainer.py: build by role (Layout.is_rollout); Trainer.step on a learner = recv + queue.take + the colocated
-           _score / advantage stage / policy_update + send_weights; a `rollout_loop` on rollout ranks; split
-           runs score old log-probs always (scores_old_policy must not skip them when k > 0: the learner's
-           recompute is pi_old); checkpoint meta gains the version.
+Signals: a SIGTERM / SIGINT on any rank stops the run after the learners' current step and checkpoint;
+learner rank 0 then receives what the rollout ranks can still make and sends STOP where they wait for weights
+(weight_sync.send_stop), so they end at once, not at their timeout (rollout_loop.py).
+
+Refused in split mode, before a model is built (roles.setup), and why:
+  reward model  it would score on the rollout ranks (the groups are complete there, and the dynamic-sampling
+                filter needs the rewards before a group is sent), which puts a second resident model on
+                every rollout rank beside the engine, and its scoring on the side that is the bottleneck
+                where split pays (long generations); on the learners it would need the filters moved after
+                the queue. Neither is built yet: use rule rewards, or placement=colocated with a reward model.
+  validation    the learners hold no engine, and the rollout ranks generate the next batches with the
+                weights the schedule fixes (a validation pass there would need its own version in the
+                protocol). Evaluate a checkpoint in a colocated run (trainer.val_before_train) instead.
+  LoRA          the weight sync sends the whole model; an adapter-only sync is not written.
 """

@@ -9,6 +9,11 @@ and then sends version s, if a batch of this fit() will be made with it.
 
 Wait times: `split/learner_wait_s` is the learner's time blocked on the rollout ranks (a batch not there
 yet); `split/rollout_wait_s` the rollout ranks' time blocked on weights before the batch trained now.
+
+Stopping early (a signal on any rank; rollout_loop.py): `signal` is the one a rollout rank reported with the
+batch trained now (the same on every learner rank: it travels with the scattered metrics); after the
+checkpoint `stop` receives the batches the rollout ranks can still make with the weights they hold, so
+none is left blocked in a send, and sends STOP where they wait for the next weights.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ from hybrid_rl.split.groups import to_rollout_batch
 from hybrid_rl.split.rates import idle_fraction
 from hybrid_rl.split.staleness import LearnerQueue, StalenessRule, Taken, staleness_metrics
 from hybrid_rl.split.transport import recv_groups, recv_json
-from hybrid_rl.split.weight_sync import send_weights
+from hybrid_rl.split.weight_sync import send_stop, send_weights
 
 ROLLOUT_TIMES = ("time/rollout", "time/reward")
 
@@ -45,6 +50,7 @@ class LearnerSide:
         self.next_batch = 0  # the next batch to receive
         self._trained_tokens = 0.0
         self.last_batch = -1
+        self.signal = 0  # a signal a rollout rank reported (the fit loop stops on it as on its own)
 
     def start(self, first_batch: int, n_batches: int, loader_state: dict, policy: torch.nn.Module) -> None:
         """The start of a fit(): tell the rollout ranks the batches to make and their loader position; a run that
@@ -73,6 +79,7 @@ class LearnerSide:
         groups, info = D.scatter_object_from(shares, 0)
         info = dict(info)
         self.loader.load_state_dict(info.pop("split/loader"))
+        self.signal = max(self.signal, int(info.pop("split/signal")))
         for k in ROLLOUT_TIMES:
             timer.seconds[k] = info.pop(k)
         batch = to_rollout_batch(groups, self.rows, self.pad_id, self.device) if groups else None
@@ -89,6 +96,18 @@ class LearnerSide:
             stats = self._send(policy, version)
             out.update({"split/sync_s": stats.seconds, "split/sync_bytes": float(stats.bytes)})
         return out
+
+    def stop(self, step: int) -> None:
+        """fit() stops after `step` (a signal): on learner rank 0, receive what the rollout ranks make with the
+        weights they hold (batches through step + k, version `step` was sent if one of them is in this fit),
+        then send STOP if they would wait for version step + 1."""
+        if D.rank() != 0:
+            return
+        k = self.rule.max_staleness
+        self._receive_through(min(step + k, self.last_batch))
+        if step + k + 1 <= self.last_batch:
+            send_stop(src=0, group=self.comm.sync_group, timeout_s=self.comm.timeout_s)
+        self.queue.clear()
 
     def _send(self, policy: torch.nn.Module, version: int):
         return send_weights(policy, version, src=0, group=self.comm.sync_group, dtype=self.sync_dtype,
@@ -123,7 +142,8 @@ class LearnerSide:
         out.update({"split/rollout_wait_s": meta["wait_s"], "split/batch_wait_s": wait,
                     "split/generated_tokens": float(meta["tokens"]),
                     "split/tokens_generated_per_s": meta["tokens"] / max(meta["time/rollout"], 1e-9),
-                    "split/weights_version": float(meta["version"]), "split/loader": meta["loader"]})
+                    "split/weights_version": float(meta["version"]), "split/loader": meta["loader"],
+                    "split/signal": meta["signal"]})
         return out
 
     def rates(self, metrics: dict) -> dict:
@@ -139,8 +159,8 @@ def _merge(reports: list[dict]) -> dict:
     for k in (*ROLLOUT_TIMES, "wait_s"):
         out[k] = max(r[k] for r in reports)
     out["tokens"] = sum(r["tokens"] for r in reports)
+    out["signal"] = max(r.get("signal", 0) for r in reports)
     return out
-
 
 
 def finish_metrics(metrics: dict, trained_tokens: float, world: int, rollout_ranks: int) -> dict:

@@ -42,7 +42,7 @@ def learner_side(cfg, comm: Optional[SplitComm], loader, rows: list[dict], pad_i
 
 
 def rollout_side(cfg, comm: SplitComm, stage, engine, loader, rows: list[dict]) -> RolloutSide:
-    return RolloutSide(comm, stage, engine, loader, rows, cfg.trainer.max_staleness)
+    return RolloutSide(comm, stage, engine, loader, rows, cfg.trainer.max_staleness, cfg.trainer.seed)
 
 
 def load_rollout_model(cfg, device: torch.device) -> torch.nn.Module:

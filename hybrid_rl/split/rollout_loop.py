@@ -4,39 +4,58 @@ Per batch b of this fit(): receive the versions `syncs_before(b, v, k)` (schedul
 max(0, b - k), whatever arrives sooner), run rollout_stage.RolloutStage on this rank's own PromptLoader
 slice (the stage's sampling seeds from b, as a colocated step seeds from its finished steps), tag every
 group with the version that made it, and send the groups and a JSON report (the stage's metrics, seconds,
-tokens, the loader's position after the batch) to learner rank 0. Nothing switches phases here: the engine
-and its weights stay resident.
+tokens, the loader's position after the batch, a signal this rank received) to learner rank 0. Nothing
+switches phases here: the engine and its weights stay resident.
+
+Signals: SIGTERM / SIGINT on a rollout rank do not stop it (the learners decide, so that their checkpoint
+is written while the batch they wait for still arrives): the signal travels in the next report, the learners
+stop after their step, and learner rank 0 sends STOP where the next weights would come (weight_sync.py),
+which ends this loop at once. A second signal stops at once. Python's, NumPy's and torch's global generators
+are reseeded per batch from (trainer.seed, batch, rank): a reward that draws from them gives the same values
+for batch b in a resumed run as in an uninterrupted one, with nothing of the rollout rank's to checkpoint.
 """
 from __future__ import annotations
 
 import time
 
+from hybrid_rl import distributed as D
+from hybrid_rl.checkpoint import seed_all
 from hybrid_rl.metrics import StageTimer
 from hybrid_rl.split.comm import SplitComm, start_message
 from hybrid_rl.split.schedule import syncs_before
 from hybrid_rl.split.staleness import VersionedGroup
 from hybrid_rl.split.transport import send_groups, send_json
-from hybrid_rl.split.weight_sync import receive_weights
+from hybrid_rl.split.weight_sync import SyncStopped, receive_weights
+from hybrid_rl.stop import StopSignal
 
 
 class RolloutSide:
-    def __init__(self, comm: SplitComm, stage, engine, loader, rows: list[dict], max_staleness: int):
+    def __init__(self, comm: SplitComm, stage, engine, loader, rows: list[dict], max_staleness: int, seed: int = 0):
         """stage: the RolloutStage; loader: this rank's PromptLoader (rank r - (W - R) of R); rows: the dataset
-        (a group travels with its row's index)."""
+        (a group travels with its row's index); seed: trainer.seed (the per-batch reseed)."""
         self.comm, self.stage, self.engine, self.loader, self.k = comm, stage, engine, loader, max_staleness
+        self.seed, self.signal = seed, None
         self.row_index = {id(r): i for i, r in enumerate(rows)}
         self.version = 0  # the weights the engine holds
 
     def run(self) -> int:
-        """One fit()'s batches, as learner rank 0's start message says; returns how many were sent."""
+        """One fit()'s batches, as learner rank 0's start message says; returns how many were sent (fewer when
+        the learners stopped early)."""
         start = start_message(self.comm, 0, 0, None)
         if start["loader"] is not None:
             self.loader.load_state_dict(start["loader"])
-        if start["first"] > 0:  # the learner sends its weights first (a resumed run, or a second fit)
-            self._receive(start["first"])
-        for b in range(start["first"], start["last"] + 1):
-            self.batch(b)
-        return start["last"] + 1 - start["first"]
+        self.signal, sent = StopSignal(), 0
+        try:
+            if start["first"] > 0:  # the learner sends its weights first (a resumed run, or a second fit)
+                self._receive(start["first"])
+            for b in range(start["first"], start["last"] + 1):
+                self.batch(b)
+                sent += 1
+        except SyncStopped:
+            pass  # the learners stopped (a signal) after their checkpoint: nothing more is wanted
+        finally:
+            self.signal.restore()
+        return sent
 
     def _receive(self, version: int) -> float:
         stats = receive_weights(self.engine, version, src=0, group=self.comm.sync_group,
@@ -49,6 +68,7 @@ class RolloutSide:
         for v in syncs_before(b, self.version, self.k):
             synced += self._receive(v)
         wait = time.perf_counter() - t0 - synced
+        seed_all(self.seed + 1_000_003 * (b + 1) + 7919 * D.rank())
         timer = StageTimer()
         batch, metrics = self.stage.run(self.engine, self.loader, b, timer)
         groups = self.versioned(batch)
@@ -57,7 +77,8 @@ class RolloutSide:
         report = {"batch": b, "version": self.version, "metrics": metrics, "wait_s": wait, "sync_s": synced,
                   "tokens": sum(len(c.token_ids) for g in groups for c in g.completions),
                   "time/rollout": timer.seconds.get("time/rollout", 0.0),
-                  "time/reward": timer.seconds.get("time/reward", 0.0), "loader": self.loader.state_dict()}
+                  "time/reward": timer.seconds.get("time/reward", 0.0), "loader": self.loader.state_dict(),
+                  "signal": self.signal.signum if self.signal else 0}
         send_json(report, dst, self.comm.timeout_s, peer=peer)
 
     def versioned(self, batch) -> list[VersionedGroup]:

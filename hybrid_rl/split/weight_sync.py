@@ -12,7 +12,9 @@ Each bucket is three broadcasts: a header [MAGIC, version, dtype, manifest bytes
 manifest (JSON names and shapes, so the receiver needs no copy of the learner's parameter order),
 then the flat tensor. A header with no manifest ends the sync. Both sides return bytes and seconds
 for the metrics (split/sync_bytes, split/sync_s); the version in every header lets the receiver refuse
-a sync it did not expect instead of decoding with stale weights.
+a sync it did not expect instead of decoding with stale weights. A header with version STOP instead of
+the expected one (`send_stop`) tells the rollout ranks that the learners stopped early (a signal): the
+receiver raises SyncStopped and its loop ends at once instead of waiting out the timeout.
 """
 from __future__ import annotations
 
@@ -31,6 +33,11 @@ from hybrid_rl.split.transport import PeerError
 MAGIC = 0x5EED_3E16
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 HEADER_LEN = 5
+STOP = -1  # the version of a header that ends the rollout ranks' loop
+
+
+class SyncStopped(Exception):
+    """The learners sent STOP where weights were expected: this fit() makes no more batches."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,11 @@ def send_weights(model: torch.nn.Module, version: int, *, src: int, group, dtype
     return SyncStats(version, sent, time.perf_counter() - t0, buckets)
 
 
+def send_stop(*, src: int, group, timeout_s: float) -> None:
+    """On global rank `src` (learner rank 0): tell the rollout ranks, waiting for the next weights, to stop."""
+    _bcast(_header(STOP, DTYPES[0], b"", 0), src, group, timeout_s, "telling the rollout ranks to stop")
+
+
 def _receive_bucket(src: int, group, timeout_s: float, expect_version: int,
                     device: Optional[torch.device]) -> Optional[list[tuple[str, torch.Tensor]]]:
     """One bucket as (name, tensor) views of one flat buffer; None at the end of the sync."""
@@ -84,6 +96,8 @@ def _receive_bucket(src: int, group, timeout_s: float, expect_version: int,
     header = torch.empty(HEADER_LEN, dtype=torch.int64)
     _bcast(header, src, group, timeout_s, f"receiving weights of version {expect_version} from {who}")
     magic, version, dtype_idx, manifest_len, numel = header.tolist()
+    if magic == MAGIC and version == STOP:
+        raise SyncStopped(f"{who} stopped the run before version {expect_version}")
     if magic != MAGIC or version != expect_version:
         raise PeerError(f"split weight sync: {who} sent {header.tolist()}, expected weights of version "
                         f"{expect_version}: the ranks disagree on which version is synced")
