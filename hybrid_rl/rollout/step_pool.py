@@ -26,10 +26,12 @@ TIMED_OUT = StepTimeout()
 
 
 class StepPool:
-    def __init__(self, max_workers: int = 16):
+    def __init__(self, max_workers: int = 16, idle_s: float = 10.0):
+        """idle_s: a worker with nothing to do for that long exits (the next run() starts new ones), so a
+        finished run, or a Trainer a notebook dropped, leaves no threads behind."""
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
-        self.max_workers = max_workers
+        self.max_workers, self.idle_s = max_workers, idle_s
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._workers = 0
         self._lock = threading.Lock()
@@ -41,7 +43,15 @@ class StepPool:
 
     def _work(self) -> None:
         while True:
-            fut, started, fn, args = self._tasks.get()
+            try:
+                task = self._tasks.get(timeout=self.idle_s)
+            except queue.Empty:
+                with self._lock:  # no step waits (run() queues its steps before it counts workers): leave
+                    if self._tasks.empty():
+                        self._workers -= 1
+                        return
+                continue
+            fut, started, fn, args = task
             if not fut.set_running_or_notify_cancel():
                 continue
             started[0] = time.monotonic()
@@ -52,14 +62,16 @@ class StepPool:
 
     def run(self, fn: Callable, calls: Sequence[tuple], timeout_s: float) -> list[Any]:
         """fn(*args) for each args in `calls`; each slot holds the result, the exception raised, or TIMED_OUT."""
-        while self._workers < min(self.max_workers, len(calls)):
-            self._spawn()
         futs, starts = [], []
         for args in calls:
             fut, started = Future(), [None]
             self._tasks.put((fut, started, fn, args))
             futs.append(fut)
             starts.append(started)
+        with self._lock:
+            missing = min(self.max_workers, len(calls)) - self._workers
+        for _ in range(missing):
+            self._spawn()
         out: list[Any] = [None] * len(calls)
         pending = set(range(len(calls)))
         while pending:
