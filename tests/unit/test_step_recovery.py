@@ -163,6 +163,8 @@ def test_ctrl_c_during_an_sglang_call_waits_for_it(tiny_model_dir, fake_sglang):
     tok = load_tokenizer(tiny_model_dir)
     policy = load_causal_lm(tiny_model_dir)
     engine = SGLangEngine(policy, tiny_model_dir, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, tp_size=1)
+    # Python's own Ctrl-C handler, whatever started pytest (a shell's background job inherits SIGINT ignored).
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         pm = PhaseManager(policy, torch.optim.AdamW(policy.parameters(), lr=1e-3), engine, torch.device("cpu"))
         real = engine.engine.resume_memory_occupation
@@ -184,4 +186,5 @@ def test_ctrl_c_during_an_sglang_call_waits_for_it(tiny_model_dir, fake_sglang):
         with pm.train():
             pass
     finally:
+        signal.signal(signal.SIGINT, outer)
         engine.shutdown()
