@@ -1,0 +1,157 @@
+"""Colocated against split placement (max_staleness 0, 1, 2) on the same 2 CPU processes, with the planner's
+prediction beside each measurement (issue 27).
+
+    python benchmarks/placement.py [--steps 14] [--settings tiny,long]
+
+Settings:
+  tiny  the tiny recipe (recipes/grpo_tiny.yaml: 128 prompts x 8 samples, 4 new tokens): training is the
+        longer half.
+  long  long, uneven completions: the digits task with 64 new tokens and few prompts (8 x 8), where a
+        random-init policy rarely says EOS early, so most samples run to the cap and a few stop early:
+        generation (one token per decode step for the whole batch) is the longer half.
+Each configuration is one 2-rank launch (tests/distributed/launch.py) of `Trainer.fit(steps)`: colocated (both
+ranks generate and train) and split (rank 0 learns, rank 1 generates). Per configuration: the median seconds
+per step after the first 2 (warm-up), tokens generated per second, each pool's idle fraction (split: the
+learner's wait for batches and the rollout rank's wait for weights, over the step; colocated has one pool,
+which never waits on another), the mean staleness of trained samples, and the mean reward of the steps
+finished by a fixed wall time (the shortest run's total time in that setting: every run reaches it).
+The prediction: hybrid_rl/split/rates.py's model fed with the colocated run's measured rates, as
+`python -m hybrid_rl.plan --from-run <colocated metrics.jsonl> --run-gpus 2 --gpus 2` does.
+The load average is printed before and after: on a shared machine the numbers are indicative only.
+The last line is a JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+SETTINGS = {
+    "tiny": ["data.batch_size=128", "rollout.n=8", "rollout.max_new_tokens=4"],
+    "long": ["data.batch_size=8", "rollout.n=8", "rollout.max_new_tokens=64", "trainer.micro_batch_size=64",
+             "algorithm.mini_batch_size=64"],
+}
+CONFIGS = {"colocated": [], **{f"split k={k}": ["trainer.placement=split", f"trainer.max_staleness={k}"]
+                               for k in (0, 1, 2)}}
+PREDICTED = {"colocated": "colocated", **{f"split k={k}": f"split R=1 k={k}" for k in (0, 1, 2)}}
+
+
+def _fit(rank: int, overrides: list[str], steps: int) -> list[dict]:
+    from hybrid_rl import distributed as D
+    from hybrid_rl.config_load import load_config
+    from hybrid_rl.trainer import Trainer
+
+    D.init("cpu", timeout_s=300)
+    tr = Trainer(load_config(os.path.join(ROOT, "recipes", "grpo_tiny.yaml"), overrides))
+    history = tr.fit(steps)
+    tr.close()
+    return [{k: v for k, v in m.items() if isinstance(v, (int, float))} for m in history]
+
+
+def _reward_at(history: list[dict], wall_s: float, window: int = 3) -> float:
+    """Mean reward of the last `window` steps finished by `wall_s` seconds of steps."""
+    done, t = [], 0.0
+    for m in history:
+        t += m["time/step"]
+        if t > wall_s:
+            break
+        done.append(m["reward/mean"])
+    return sum(done[-window:]) / max(1, len(done[-window:]))
+
+
+def _summary(history: list[dict], n_seqs: int, warmup: int = 2) -> dict:
+    h = history[warmup:] or history
+
+    def med(fn) -> float:
+        return statistics.median(fn(m) for m in h)
+
+    step = med(lambda m: m["time/step"])
+    learner_wait = med(lambda m: m.get("split/learner_wait_s", 0.0) + m.get("split/batch_wait_s", 0.0))
+    return {"step_s": step, "rollout_s": med(lambda m: m.get("time/rollout", 0.0) + m.get("time/reward", 0.0)),
+            "train_s": med(lambda m: sum(m.get(k, 0.0) for k in ("time/score", "time/advantage", "time/train"))),
+            "tokens_per_s": med(lambda m: m["response/length"] * n_seqs / m["time/step"]),
+            "learner_idle": learner_wait / step, "rollout_idle": med(lambda m: m.get("split/rollout_wait_s", 0.0)) / step,
+            "staleness": med(lambda m: m.get("split/staleness_mean", 0.0)),
+            "response_length": med(lambda m: m["response/length"]), "total_s": sum(m["time/step"] for m in history)}
+
+
+def _predict(colocated: list[dict]) -> dict:
+    """The planner's step time per configuration from the colocated run's rates (2 ranks, R=1 for split)."""
+    from hybrid_rl.split.rates import predict_all, rates_from_records, recommend
+
+    rates, _ = rates_from_records(colocated, world=2, skip=2)
+    preds = predict_all(rates, 2, (0, 1, 2))
+    return {"by_label": {p.label: p.step_s for p in preds}, "recommended": recommend(preds).label,
+            "rates": vars(rates)}
+
+
+def run_setting(name: str, model: str, tmp: str, steps: int) -> dict:
+    from tests.distributed.launch import run_ranks
+
+    extra = SETTINGS[name]
+    n_seqs = int(extra[0].split("=")[1]) * int(extra[1].split("=")[1])
+    base = [f"model.path={model}", *extra, "trainer.progress_bar=false", "trainer.device=cpu", "trainer.log_every=0",
+            f"trainer.total_steps={steps}", "trainer.resume=none"]
+    histories = {}
+    for cfg_name, more in CONFIGS.items():
+        out = os.path.join(tmp, name, cfg_name.replace(" ", "_").replace("=", ""))
+        histories[cfg_name] = run_ranks(_fit, world=2, args=([*base, f"trainer.out_dir={out}", *more], steps),
+                                        timeout=1200)[0]
+    wall = min(sum(m["time/step"] for m in h) for h in histories.values())
+    plan = _predict(histories["colocated"])
+    rows = {}
+    for cfg_name, h in histories.items():
+        row = _summary(h, n_seqs)
+        row["reward_at_wall"] = _reward_at(h, wall)
+        row["predicted_step_s"] = plan["by_label"][PREDICTED[cfg_name]]
+        row["prediction_error"] = row["predicted_step_s"] / row["step_s"] - 1.0
+        rows[cfg_name] = row
+    return {"rows": rows, "wall_s": wall, "recommended": plan["recommended"], "rates": plan["rates"]}
+
+
+def _uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def print_table(name: str, res: dict) -> None:
+    print(f"\n[{name}] {' '.join(SETTINGS[name])}; reward at a fixed wall time of {res['wall_s']:.1f} s; "
+          f"planner recommends: {res['recommended']}")
+    head = (f"{'placement':<12}{'step s':>8}{'pred s':>8}{'err':>7}{'rollout s':>10}{'train s':>9}{'tok/s':>8}"
+            f"{'learn idle':>11}{'roll idle':>10}{'lag':>5}{'reward@T':>9}")
+    print(head + "\n" + "-" * len(head))
+    for cfg_name, r in res["rows"].items():
+        print(f"{cfg_name:<12}{r['step_s']:>8.3f}{r['predicted_step_s']:>8.3f}{r['prediction_error']:>+7.0%}"
+              f"{r['rollout_s']:>10.3f}{r['train_s']:>9.3f}{r['tokens_per_s']:>8.0f}{r['learner_idle']:>11.0%}"
+              f"{r['rollout_idle']:>10.0%}{r['staleness']:>5.1f}{r['reward_at_wall']:>9.3f}")
+
+
+def main() -> None:
+    from hybrid_rl.models.tiny import build_tiny_model_dir
+    from hybrid_rl.rewards.toy import DIGIT_WORDS
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=14)
+    ap.add_argument("--settings", default="tiny,long")
+    args = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="placement_bench_")
+    # The recipe's model (hidden 128, 2 layers, seed 0).
+    model = build_tiny_model_dir(os.path.join(tmp, "model"), DIGIT_WORDS, hidden_size=128, num_layers=2, seed=0)
+    before = _uptime()
+    results = {name: run_setting(name, model, tmp, args.steps) for name in args.settings.split(",")}
+    after = _uptime()
+    print(f"CPU, 2 processes (1 learner + 1 rollout rank for split), native engine, {args.steps} steps per run "
+          f"(medians after 2 warm-up steps)\nuptime before: {before}\nuptime after:  {after}")
+    for name, res in results.items():
+        print_table(name, res)
+    print(json.dumps({"benchmark": "placement", "uptime": [before, after], "args": vars(args), "results": results}))
+
+
+if __name__ == "__main__":
+    main()
