@@ -35,6 +35,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 
 from hybrid_rl import distributed as D
+from hybrid_rl.models.lora import base_named_parameters
 from hybrid_rl.rollout import alloc_conf
 from hybrid_rl.rollout.base import Completion, SamplingParams, check_tags
 from hybrid_rl.rollout.sglang_calls import EngineThread, attempt, scoped_env, uninterrupted, unwrap
@@ -91,8 +92,9 @@ class SGLangEngine:
         self.is_owner = r == self.owner
         groups = [D.new_group(list(range(g, g + tp_size)), timeout_s) for g in range(0, W, tp_size)]
         self.group = groups[r // tp_size]
-        # What a sync must deliver: every parameter, full shape, in the inference dtype.
-        self.expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        # What a sync must deliver: every parameter, full shape, in the inference dtype; with LoRA the base's
+        # HF names (the sync merges the adapters in: models/lora.py merged_named_tensors).
+        self.expected = {n: tuple(p.shape) for n, p in base_named_parameters(model)}
         self.dtype = weights_dtype or next(iter(model.parameters())).dtype
         self.device = next(iter(model.parameters())).device
         self._full_bytes = sum(torch.Size(s).numel() for s in self.expected.values()) * self.dtype.itemsize

@@ -228,15 +228,17 @@ class PhaseManager:
         from hybrid_rl.models import lora as L
 
         dtype, sent = engine_dtype(self.engine), 0
-        if not (self.lora and getattr(self.engine, "base_synced", False)):
-            named = L.base_named_parameters(self.policy) if self.lora else None
+        adapters = self.lora and hasattr(self.engine, "update_adapter")  # else (SGLang): merged weights every step
+        if not (adapters and getattr(self.engine, "base_synced", False)):
+            named = None if not self.lora else (L.base_named_parameters(self.policy) if adapters
+                                                else L.merged_named_tensors(self.policy, dtype))
             self.engine.begin_weight_update()
             for bucket in iter_weight_buckets(self.policy, self.bucket_bytes, dtype=dtype, named=named):
                 self.engine.update_weights(bucket)
                 sent += sum(t.numel() * t.element_size() for _, t in bucket)
                 del bucket  # peak extra memory: one bucket
             self.engine.end_weight_update()
-        if self.lora:
+        if adapters:
             sent += self.engine.update_adapter(named_tensors=L.adapter_named_tensors(self.policy, dtype),
                                                config=L.adapter_config(self.policy))
         return sent
