@@ -14,11 +14,12 @@ returns, and episodes never share it.
 """
 from __future__ import annotations
 
-import importlib
 import math
 import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, runtime_checkable
+
+from hybrid_rl.user_import import import_object
 
 
 @dataclass
@@ -88,19 +89,8 @@ def get_env(name: str) -> EnvSpec:
 
 
 def load_env_factory(path: str) -> EnvFactory:
-    """Import `package.module:factory` (the form of `env.fn`); errors name the key and what failed."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"config key 'env.fn': {path!r} is not of the form package.module:factory")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as err:  # ImportError, or whatever the module raised while importing
-        raise ValueError(f"config key 'env.fn': cannot import module {module_name!r} "
-                         f"({type(err).__name__}: {err}); is it on PYTHONPATH?") from err
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"config key 'env.fn': module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
+    """Import `package.module:factory` (the form of `env.fn`; user_import.py: beside the command too)."""
+    obj = import_object(path, "env.fn", "factory")
     if not callable(obj):
         raise ValueError(f"config key 'env.fn': {path!r} is a {type(obj).__name__}, not a callable factory")
     return obj

@@ -35,15 +35,13 @@ placeholder completions, and a reward that raises or is NaN names the sample.
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.machinery
 import inspect
 import math
 import numbers
-import os
-import sys
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Optional, Sequence
+
+from hybrid_rl.user_import import import_object
 
 RewardFn = Callable[[Sequence[str], Sequence[str], Sequence[dict]], Sequence[float]]
 RowCheck = Callable[[Sequence[dict], str], None]  # (rows, source name) -> None, raises on a bad row
@@ -94,50 +92,9 @@ def get_reward(name: str) -> RewardSpec:
     return _REGISTRY[name]
 
 
-def _user_dirs() -> list[str]:
-    """Where a user's reward module lives beside their command: the working directory and the running
-    script's directory (`python recipes/x.py` puts only recipes/ on sys.path, not the directory it ran from)."""
-    dirs = [os.getcwd()]
-    script = sys.argv[0] if sys.argv and sys.argv[0] else ""
-    if script.endswith(".py") and os.path.isfile(script):
-        dirs.append(os.path.dirname(os.path.abspath(script)))
-    return list(dict.fromkeys(dirs))
-
-
-def _import_user_module(name: str):
-    """importlib.import_module, and when the top-level package is on no sys.path entry, again with the first of
-    `_user_dirs` that has it appended to sys.path (appended: it never shadows an installed module)."""
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as err:
-        top = name.split(".")[0]
-        if err.name != top:
-            raise
-        for d in _user_dirs():
-            if d not in sys.path and importlib.machinery.PathFinder.find_spec(top, [d]) is not None:
-                sys.path.append(d)
-                return importlib.import_module(name)
-        raise
-
-
 def load_reward_fn(path: str) -> RewardFn:
-    """Import `package.module:function` (the form of `reward.fn`); errors name the key and what failed."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"config key 'reward.fn': {path!r} is not of the form package.module:function")
-    try:
-        module = _import_user_module(module_name)
-    except Exception as err:  # an ImportError, or whatever the module raised while importing
-        where = ", ".join(_user_dirs())
-        raise ValueError(f"config key 'reward.fn': cannot import module {module_name!r} "
-                         f"({type(err).__name__}: {err}); looked on sys.path and in {where}: put the module in "
-                         f"one of those, or add its directory to PYTHONPATH (PYTHONPATH=/its/dir python ...)") from err
-    fn = module
-    for part in attr.split("."):
-        if not hasattr(fn, part):
-            raise ValueError(f"config key 'reward.fn': module {module_name!r} has no attribute {attr!r}")
-        fn = getattr(fn, part)
-    return fn
+    """Import `package.module:function` (the form of `reward.fn`; user_import.py: beside the command too)."""
+    return import_object(path, "reward.fn", "function")
 
 
 def resolve_reward(name: str, fn_path: str = "", kwargs: Optional[Mapping[str, Any]] = None,
