@@ -124,50 +124,48 @@ def send_groups(groups: Sequence[VersionedGroup], dst: int, timeout_s: float, gr
                 peer: str = "") -> int:
     """Send `groups` to global rank `dst`; returns the bytes sent (header + payload)."""
     payload = pack_groups(groups)
-    header = torch.tensor([MAGIC, FORMAT, payload.numel(), len(groups)], dtype=torch.int64)
-    who = peer or f"rank {dst}"
-    _wait(dist.isend(header, dst=dst, group=group), timeout_s, f"sending {len(groups)} groups to {who}")
-    _wait(dist.isend(payload, dst=dst, group=group), timeout_s, f"sending {len(groups)} groups to {who}")
-    return (header.numel() + payload.numel()) * 8
+    _send(MAGIC, payload, len(groups), dst, timeout_s, group, f"{len(groups)} groups to {peer or f'rank {dst}'}")
+    return (HEADER_LEN + payload.numel()) * 8
 
 
 def recv_groups(src: int, timeout_s: float, group=None, peer: str = "") -> tuple[list[VersionedGroup], int]:
     """Receive one `send_groups` from global rank `src`: (groups, bytes received)."""
-    who = peer or f"rank {src}"
-    header = torch.empty(HEADER_LEN, dtype=torch.int64)
-    _wait(dist.irecv(header, src=src, group=group), timeout_s, f"receiving groups from {who}")
-    magic, fmt, length, n_groups = header.tolist()
-    if magic != MAGIC or fmt != FORMAT:
-        raise PeerError(f"split transport: {who} sent a header {header.tolist()} that is not a group message "
-                        f"(format {FORMAT}): the ranks disagree on the protocol")
-    payload = torch.empty(length, dtype=torch.int64)
-    _wait(dist.irecv(payload, src=src, group=group), timeout_s, f"receiving groups from {who}")
-    return unpack_groups(payload, n_groups), (HEADER_LEN + length) * 8
+    payload, n_groups = _recv(MAGIC, "a group message", src, timeout_s, group, f"groups from {peer or f'rank {src}'}")
+    return unpack_groups(payload, n_groups), (HEADER_LEN + payload.numel()) * 8
 
 
 JSON_MAGIC = 0x5EED_0150
 
 
 def send_json(obj, dst: int, timeout_s: float, group=None, peer: str = "") -> None:
-    """Send a JSON-safe object (a batch's metrics, loader position and timings) to global rank `dst`: a header
-    [JSON_MAGIC, FORMAT, byte length, 0], then the UTF-8 bytes as int64s."""
-    raw = json.dumps(obj).encode()
-    payload = torch.tensor(list(raw), dtype=torch.int64)
-    header = torch.tensor([JSON_MAGIC, FORMAT, payload.numel(), 0], dtype=torch.int64)
-    who = peer or f"rank {dst}"
-    _wait(dist.isend(header, dst=dst, group=group), timeout_s, f"sending a batch's metrics to {who}")
-    _wait(dist.isend(payload, dst=dst, group=group), timeout_s, f"sending a batch's metrics to {who}")
+    """Send a JSON-safe object (a batch's metrics, loader position and timings) to global rank `dst`: the UTF-8
+    bytes as int64s after a JSON_MAGIC header."""
+    payload = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).to(torch.int64)
+    _send(JSON_MAGIC, payload, 0, dst, timeout_s, group, f"a batch's metrics to {peer or f'rank {dst}'}")
 
 
 def recv_json(src: int, timeout_s: float, group=None, peer: str = ""):
     """Receive one `send_json` from global rank `src`."""
-    who = peer or f"rank {src}"
+    payload, _ = _recv(JSON_MAGIC, "a metrics message", src, timeout_s, group,
+                       f"a batch's metrics from {peer or f'rank {src}'}")
+    return json.loads(payload.to(torch.uint8).numpy().tobytes().decode())
+
+
+def _send(magic: int, payload: torch.Tensor, count: int, dst: int, timeout_s: float, group, what: str) -> None:
+    """A header [magic, FORMAT, payload length, count], then the int64 payload."""
+    header = torch.tensor([magic, FORMAT, payload.numel(), count], dtype=torch.int64)
+    _wait(dist.isend(header, dst=dst, group=group), timeout_s, f"sending {what}")
+    _wait(dist.isend(payload, dst=dst, group=group), timeout_s, f"sending {what}")
+
+
+def _recv(magic: int, kind: str, src: int, timeout_s: float, group, what: str) -> tuple[torch.Tensor, int]:
+    """(payload, count) of one `_send` from `src`; a header of another kind is a protocol disagreement."""
     header = torch.empty(HEADER_LEN, dtype=torch.int64)
-    _wait(dist.irecv(header, src=src, group=group), timeout_s, f"receiving a batch's metrics from {who}")
-    magic, fmt, length, _ = header.tolist()
-    if magic != JSON_MAGIC or fmt != FORMAT:
-        raise PeerError(f"split transport: {who} sent a header {header.tolist()} that is not a metrics message: "
-                        "the ranks disagree on the protocol")
+    _wait(dist.irecv(header, src=src, group=group), timeout_s, f"receiving {what}")
+    got_magic, fmt, length, count = header.tolist()
+    if got_magic != magic or fmt != FORMAT:
+        raise PeerError(f"split transport: the header {header.tolist()} received ({what}) is not {kind} "
+                        f"(format {FORMAT}): the ranks disagree on the protocol")
     payload = torch.empty(length, dtype=torch.int64)
-    _wait(dist.irecv(payload, src=src, group=group), timeout_s, f"receiving a batch's metrics from {who}")
-    return json.loads(bytes(payload.tolist()).decode())
+    _wait(dist.irecv(payload, src=src, group=group), timeout_s, f"receiving {what}")
+    return payload, count
