@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from tests.engine_helpers import vllm_model_dir
+
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not importable")]
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -19,11 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 
 @pytest.fixture(scope="module")
 def wide_model_dir(tmp_path_factory) -> str:
-    from hybrid_rl.models.tiny import build_tiny_model_dir
-    from hybrid_rl.rewards.toy import DIGIT_WORDS
-
-    return build_tiny_model_dir(str(tmp_path_factory.mktemp("vllm_model") / "model"), DIGIT_WORDS, hidden_size=128,
-                                num_layers=2)
+    return vllm_model_dir(tmp_path_factory, "vllm_model")
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])

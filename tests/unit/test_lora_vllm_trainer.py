@@ -10,6 +10,7 @@ import os
 import pytest
 
 from tests.checkpoint_helpers import ROOT, overrides
+from tests.engine_helpers import vllm_model_dir
 from tests.lora_helpers import expected_adapter_numel
 
 pytestmark = [pytest.mark.usefixtures("torch_one_thread"),
@@ -19,12 +20,7 @@ RANK = 8
 
 @pytest.fixture(scope="module")
 def wide_model_dir(tmp_path_factory) -> str:
-    from hybrid_rl.models.tiny import build_tiny_model_dir
-    from hybrid_rl.rewards.toy import DIGIT_WORDS
-
-    # hidden 128: vLLM's CPU attention needs head_dim 32 (test_vllm_engine.py)
-    return build_tiny_model_dir(str(tmp_path_factory.mktemp("lora_vllm") / "model"), DIGIT_WORDS, hidden_size=128,
-                                num_layers=2)
+    return vllm_model_dir(tmp_path_factory, "lora_vllm")
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from tests.engine_helpers import PROMPTS, perturbed as _perturbed, rollout as _rollout
+from tests.engine_helpers import PROMPTS, perturbed as _perturbed, rollout as _rollout, vllm_model_dir
 
 pytestmark = [pytest.mark.usefixtures("torch_one_thread"),
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not importable")]
@@ -23,11 +23,7 @@ pytestmark = [pytest.mark.usefixtures("torch_one_thread"),
 
 @pytest.fixture(scope="module")
 def wide_model_dir(tmp_path_factory) -> str:
-    from hybrid_rl.models.tiny import build_tiny_model_dir
-    from hybrid_rl.rewards.toy import DIGIT_WORDS
-
-    return build_tiny_model_dir(str(tmp_path_factory.mktemp("vllm_model") / "model"), DIGIT_WORDS, hidden_size=128,
-                                num_layers=2)
+    return vllm_model_dir(tmp_path_factory, "vllm_model")
 
 
 @pytest.fixture(scope="module")

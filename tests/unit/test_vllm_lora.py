@@ -13,7 +13,7 @@ import importlib.util
 import pytest
 import torch
 
-from tests.engine_helpers import PROMPTS, perturbed
+from tests.engine_helpers import PROMPTS, perturbed, vllm_model_dir
 from tests.lora_helpers import expected_adapter_numel, perturb_adapters
 
 pytestmark = [pytest.mark.usefixtures("torch_one_thread"),
@@ -24,12 +24,7 @@ RANK = 8
 
 @pytest.fixture(scope="module")
 def wide_model_dir(tmp_path_factory) -> str:
-    from hybrid_rl.models.tiny import build_tiny_model_dir
-    from hybrid_rl.rewards.toy import DIGIT_WORDS
-
-    # hidden 128: vLLM's CPU attention needs head_dim 32 (test_vllm_engine.py)
-    return build_tiny_model_dir(str(tmp_path_factory.mktemp("vllm_lora") / "model"), DIGIT_WORDS, hidden_size=128,
-                                num_layers=2)
+    return vllm_model_dir(tmp_path_factory, "vllm_lora")
 
 
 @pytest.fixture(scope="module")
