@@ -87,6 +87,7 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1  # -1: off
     max_new_tokens: int = 16
+    min_new_tokens: int = 0  # no stop before this many tokens (vLLM min_tokens, SGLang min_new_tokens); not in validation
     # Extra stops: the tokenizer's EOS and every eos_token_id of the model's configs always stop.
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int = 0
@@ -110,6 +111,8 @@ class RolloutConfig:
         check(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
         check(self.top_k == -1 or self.top_k > 0, "rollout.top_k", f"must be -1 (off) or > 0, got {self.top_k}")
         check(self.max_new_tokens > 0, "rollout.max_new_tokens", f"must be > 0, got {self.max_new_tokens}")
+        check(0 <= self.min_new_tokens <= self.max_new_tokens, "rollout.min_new_tokens",
+              f"must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}")
         one_of(self.tp_size, "rollout.tp_size", [1, 2, 4, 8])
         check(self.engine in ("sglang", "vllm") or self.tp_size == 1, "rollout.tp_size",
               f"tensor-parallel inference needs rollout.engine=sglang or vllm (got {self.engine!r})")
@@ -177,8 +180,7 @@ class AlgorithmConfig:
 
         check_choices(self, "algorithm")
         check_preset_applied(self)
-        # "auto" stays in the config (the schema's own default instance must not bake in one loss's
-        # bounds); clip_bounds() resolves it.
+        # "auto" stays (the schema's default instance must not bake in one loss's bounds); clip_bounds() resolves it.
         self.clip_ratio_low = clip_bound(self.clip_ratio_low, "algorithm.clip_ratio_low")
         self.clip_ratio_high = clip_bound(self.clip_ratio_high, "algorithm.clip_ratio_high")
         check(self.clip_ratio_c is None or self.clip_ratio_c > 1, "algorithm.clip_ratio_c", "must be > 1 (or null)")

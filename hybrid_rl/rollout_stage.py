@@ -91,7 +91,8 @@ class RolloutStage:
         r = self.cfg.rollout
         seed = r.seed + 1_000_003 * step + 7919 * D.rank() + 97 * round_idx
         return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                              top_k=r.top_k, stop_token_ids=self.stop_token_ids, seed=seed)
+                              top_k=r.top_k, stop_token_ids=self.stop_token_ids, seed=seed,
+                              min_new_tokens=r.min_new_tokens)
 
     def _log_rollouts(self, kept, step: int) -> None:
         """The first `trainer.log_rollouts` kept completions of the step, as text (rank 0)."""

@@ -27,10 +27,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # EOS is always a stop token
     greedy: bool = False
     seed: int = 0
+    min_new_tokens: int = 0  # no stop token (EOS or stop_token_ids) before this many tokens (vLLM's min_tokens)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                             f"got {self.min_new_tokens}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}; use greedy=True for argmax decoding")
         if not 0 < self.top_p <= 1:

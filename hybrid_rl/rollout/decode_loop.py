@@ -83,6 +83,8 @@ def decode(batch: Prefilled, step, sp: SamplingParams, u_NT: torch.Tensor | None
     rows_M = torch.arange(N, device=dev)  # original row of each live row
     done_M = torch.zeros(N, dtype=torch.bool, device=dev)
     for t in range(T):
+        if t < sp.min_new_tokens:  # stops banned: the draw and its logprob see them at -inf, as vLLM's min_tokens
+            logits_MV = logits_MV.index_fill(-1, stop_K, float("-inf"))
         tok_M, lp_M = sample_tokens(logits_MV, sp, None if u_NT is None else u_NT[rows_M, t].unsqueeze(1))
         tok_M = torch.where(done_M, pad_id, tok_M)
         toks_NT[rows_M, t] = tok_M

@@ -321,7 +321,7 @@ class VLLMEngine(LoraEngineMixin):
             # no per-request seed: the call's stream is seeded below (module docstring, "Sampling stream").
             vsp = VSP(max_tokens=p.max_new_tokens, temperature=0.0 if p.greedy else p.temperature, top_p=p.top_p,
                       top_k=p.top_k if p.top_k > 0 else 0, stop_token_ids=stop, logprobs=0, flat_logprobs=True,
-                      detokenize=False)
+                      detokenize=False, min_tokens=p.min_new_tokens)
             prompts += [TokensPrompt(prompt_token_ids=one) for one in ids]
             sampling += [vsp] * len(ids)
             stops += [stop] * len(ids)

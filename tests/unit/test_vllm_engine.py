@@ -92,6 +92,24 @@ def test_greedy_output_equals_the_native_engine_on_the_same_weights(setup):
     assert engine.sync_stats["bytes"] == sum(p.numel() * 4 for p in policy.parameters()) and engine.sync_stats["buckets"] > 1
 
 
+def test_min_new_tokens_bans_eos_and_the_extra_stops_like_the_native_engine(setup):
+    """rollout.min_new_tokens goes to vLLM as min_tokens: the first greedy token of a prompt, made a stop
+    id, ends that row at once without it and is skipped for the first 3 tokens with it, exactly as the
+    native engine's loop does (tests/unit/test_min_new_tokens.py); logprobs are the masked distribution's."""
+    from hybrid_rl.rollout.base import SamplingParams
+
+    policy, engine, pm, tok, _ = setup
+    stop = _rollout(pm, PROMPTS, _greedy())[0].token_ids[0]
+    plain = SamplingParams(max_new_tokens=8, greedy=True, stop_token_ids=(stop,))
+    assert len(_rollout(pm, PROMPTS, plain)[0].token_ids) == 1
+    sp = SamplingParams(max_new_tokens=8, greedy=True, stop_token_ids=(stop,), min_new_tokens=3)
+    got, want = _rollout(pm, PROMPTS, sp), _native(policy, tok, PROMPTS, sp)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert len(got[0].token_ids) > 3 and stop not in got[0].token_ids[:3]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+
+
 def test_sampled_logprobs_equal_the_trainers_at_the_sampling_temperature(setup):
     """processed_logprobs: log_softmax(logits / T) of the sampled token (raw_logprobs would be at T = 1);
     each sample draws its own noise from the call's seeded stream, so a prompt's samples differ."""
