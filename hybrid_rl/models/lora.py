@@ -16,8 +16,8 @@ Where it plugs in: the settings are config_lora.py's (schema), checked in config
 `policy_loading` (dropout off BEFORE the injection, rank 0's adapter init broadcast to every rank), gives AdamW
 `trainable_parameters` only and scores the reference `with adapters_disabled(policy)` (no second copy);
 switch/phases.py syncs an engine with its own copy adapter-only (`base_named_parameters` once, then
-`adapter_named_tensors` each step) when it has an adapter API (`update_adapter`: vLLM), else (SGLang) sends
-`merged_named_tensors`, the full merged weights, every step; checkpoint.py saves the trainable parameters only;
+`adapter_named_tensors` each step, through `update_adapter`: rollout/vllm_lora.py, rollout/sglang_lora.py);
+checkpoint.py saves the trainable parameters only;
 export_lora.py writes the adapter directory or the merged model; the planner counts the adapters with
 model_arch.lora_param_count.
 """
@@ -109,8 +109,7 @@ def check_model_dir(settings: LoraSettings, path: str) -> Optional[dict[str, tup
 
 def check_engine(settings: LoraSettings, engine: str) -> None:
     """The rollout engines that serve adapters: native (the live module), vLLM (its LoRA API, rank in vLLM's
-    allowed max_lora_rank values) and SGLang (merged full weights every step: `merged_named_tensors`; its
-    adapter API is not wired, see docs/lora.md)."""
+    allowed max_lora_rank values) and SGLang (its LoRA API, target modules among the ones it adapts)."""
     if not settings.enabled:
         return
     if engine == "vllm":
@@ -118,7 +117,12 @@ def check_engine(settings: LoraSettings, engine: str) -> None:
 
         max_lora_rank(settings.rank)  # raises for a rank vLLM cannot serve
         return
-    if engine not in ("native", "sglang"):
+    if engine == "sglang":
+        from hybrid_rl.rollout.sglang_lora import check_targets
+
+        check_targets(settings.target_modules)  # raises for a module SGLang cannot adapt
+        return
+    if engine != "native":
         raise ValueError(f"config key 'model.lora.rank': rollout.engine={engine!r} has no adapter sync in this "
                          "library yet; use rollout.engine=native, vllm or sglang, or model.lora.rank=0")
 
@@ -233,32 +237,6 @@ def base_named_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.n
         if _LORA_PARAM.match(name):
             continue
         yield name.replace(".base_layer.", "."), p
-
-
-def merged_named_tensors(model: torch.nn.Module, dtype: Optional[torch.dtype] = None
-                         ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) of the model with its adapters merged: each adapted Linear's weight is
-    base + scaling x (B @ A), computed in fp32 and cast to `dtype` (None: the base's dtype); every other base
-    parameter as it is. No lora_ tensor and no '.base_layer.' name: what an engine without an adapter sync
-    (SGLang here) loads as ordinary weights, every step. A collective under FSDP2 (base, A, B gathered in turn,
-    the same order on every rank); one merged tensor is held at a time. Adapters switched off merge as zero."""
-    from hybrid_rl.switch.weights import full_tensor
-
-    adapted = set(lora_layers(model))
-    layers = {name: m for name, m in model.named_modules() if m in adapted}
-    for name, p in base_named_parameters(model):
-        module, _, leaf = name.rpartition(".")
-        layer = layers.get(module)
-        t = full_tensor(p.detach())
-        if layer is not None and leaf == "weight":
-            if layer.merged or getattr(layer, "fan_in_fan_out", False) or layer.use_dora.get(ADAPTER, False):
-                raise RuntimeError(f"{module}: merged in place, fan_in_fan_out or DoRA; only plain LoRA over "
-                                   "nn.Linear can be merged for the sync")
-            a = full_tensor(layer.lora_A[ADAPTER].weight.detach()).float()
-            b = full_tensor(layer.lora_B[ADAPTER].weight.detach()).float()
-            if not layer.disable_adapters:
-                t = t.float() + layer.scaling[ADAPTER] * (b @ a)
-        yield name, t.to(dtype or p.dtype)  # no copy when it is already in that dtype
 
 
 def adapter_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:

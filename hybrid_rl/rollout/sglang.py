@@ -39,6 +39,7 @@ from hybrid_rl.models.lora import base_named_parameters
 from hybrid_rl.rollout import alloc_conf
 from hybrid_rl.rollout.base import Completion, SamplingParams, check_tags
 from hybrid_rl.rollout.sglang_calls import EngineThread, attempt, scoped_env, uninterrupted, unwrap
+from hybrid_rl.rollout.sglang_lora import SGLangLoraMixin
 from hybrid_rl.rollout.weight_transport import collect_ipc, export_bucket
 
 SGLANG_TAGS = ("weights", "kv_cache")  # cuda_graph stays resident: released and resumed only in pairs
@@ -76,8 +77,8 @@ def to_completion(out: dict, index: int, stop_ids: Iterable[int] = ()) -> Comple
     return Completion(token_ids=ids, logprobs=[float(x) for x in logprobs], finish_reason=kind)
 
 
-class SGLangEngine:
-    """RolloutEngine over SGLang, shared by a group of `tp_size` ranks (see module docstring)."""
+class SGLangEngine(SGLangLoraMixin):
+    """RolloutEngine over SGLang, shared by a group of `tp_size` ranks (see module docstring); LoRA: sglang_lora.py."""
 
     def __init__(self, model: torch.nn.Module, model_path: str, pad_id: int, eos_id: int, tp_size: int = 1,
                  weights_dtype: Optional[torch.dtype] = None, mem_fraction: Optional[float] = None, seed: int = 0,
@@ -92,9 +93,9 @@ class SGLangEngine:
         self.is_owner = r == self.owner
         groups = [D.new_group(list(range(g, g + tp_size)), timeout_s) for g in range(0, W, tp_size)]
         self.group = groups[r // tp_size]
-        # What a sync must deliver: every parameter, full shape, in the inference dtype; with LoRA the base's
-        # HF names (the sync merges the adapters in: models/lora.py merged_named_tensors).
+        # What a full sync must deliver: every parameter, full shape, inference dtype; with LoRA the frozen base's.
         self.expected = {n: tuple(p.shape) for n, p in base_named_parameters(model)}
+        self.start_lora(model)  # a peft-injected policy: the engine serves its adapter (sglang_lora.py)
         self.dtype = weights_dtype or next(iter(model.parameters())).dtype
         self.device = next(iter(model.parameters())).device
         self._full_bytes = sum(torch.Size(s).numel() for s in self.expected.values()) * self.dtype.itemsize
@@ -130,7 +131,7 @@ class SGLangEngine:
         if cuda:
             # An unevenly loaded colocated trainer trips SGLang's TP balance check.
             os.environ["SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"] = "0"
-        args.update(extra)
+        args.update({**extra, **self.lora_engine_args()})
         # What the schedulers inherit, for as long as the Engine starts them (this process keeps its own):
         # * torchrun's workers carry TORCHELASTIC_USE_AGENT_STORE=True, which makes torch join any
         #   rendezvous as a client of the launcher's store. The schedulers meet at their own tcp://
@@ -254,7 +255,7 @@ class SGLangEngine:
             raise RuntimeError(f"weight sync incomplete: {len(missing)} parameters not sent (e.g. {missing[:3]}); "
                                "after a weights release SGLang holds garbage until every parameter is re-sent")
         self._owner_call("end_weight_update", check=True, optional=True)
-        self.session = False
+        self.session, self.base_complete = False, True
         self._export_allocator(False)
         # One flush after the last bucket: a stale prefix cache degrades rewards (RLinf#96).
         self._owner_call("flush_cache")
@@ -267,7 +268,7 @@ class SGLangEngine:
         resume(["weights"]) starts a sync that must send every parameter again."""
         if not self.session:
             return
-        self.session = False  # whatever SGLang answers: it may have closed the session already
+        self.session = self.base_complete = False  # whatever SGLang answers (it may have closed the session)
         self._export_allocator(False)
         self._owner_call("end_weight_update", optional=True)  # unchecked: "no session open" is fine here
 
@@ -321,7 +322,8 @@ class SGLangEngine:
             for i, p in enumerate(prompts):
                 ids.append(list(p))
                 sampling.append(self._sampling_dict(params, i))
-        outs = self._calls.run(self.engine.generate, input_ids=ids, sampling_params=sampling, return_logprob=True)
+        outs = self._calls.run(self.engine.generate, input_ids=ids, sampling_params=sampling, return_logprob=True,
+                               lora_path=self.lora_paths(len(ids)))
         if isinstance(outs, dict):
             outs = [outs]
         if len(outs) != len(ids):

@@ -228,10 +228,12 @@ class PhaseManager:
         from hybrid_rl.models import lora as L
 
         dtype, sent = engine_dtype(self.engine), 0
-        adapters = self.lora and hasattr(self.engine, "update_adapter")  # else (SGLang): merged weights every step
-        if not (adapters and getattr(self.engine, "base_synced", False)):
-            named = None if not self.lora else (L.base_named_parameters(self.policy) if adapters
-                                                else L.merged_named_tensors(self.policy, dtype))
+        adapters = self.lora  # an engine with its own copy serves the adapter: vLLM and SGLang (update_adapter)
+        if adapters and not hasattr(self.engine, "update_adapter"):
+            raise PhaseError(f"{type(self.engine).__name__} has no adapter sync (update_adapter); model.lora.rank > 0 "
+                             "needs rollout.engine native, vllm or sglang")
+        if not (adapters and self.engine.base_synced):
+            named = L.base_named_parameters(self.policy) if adapters else None
             self.engine.begin_weight_update()
             for bucket in iter_weight_buckets(self.policy, self.bucket_bytes, dtype=dtype, named=named):
                 self.engine.update_weights(bucket)

@@ -117,3 +117,28 @@ def start_unrelated_producer(strategy: str, model_dir: str):
     proc = subprocess.Popen([sys.executable, "-c", _UNRELATED_PRODUCER, strategy, model_dir], env=env, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     return proc, [proc.stdout.readline().strip() for _ in range(2)]
+
+
+def lora_tensors(weights: dict, rank: int, targets: tuple, seed: int = 0) -> dict:
+    """A peft-named adapter over the Linears of `weights` whose leaf name is in `targets`:
+    A (rank, in) and B (out, rank), both non-zero so the adapter moves the output."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, w in sorted(weights.items()):
+        module = name[: -len(".weight")]
+        if w.dim() != 2 or module.rsplit(".", 1)[-1] not in targets:
+            continue
+        out[f"base_model.model.{module}.lora_A.weight"] = 0.3 * torch.randn(rank, w.shape[1], generator=g)
+        out[f"base_model.model.{module}.lora_B.weight"] = 0.3 * torch.randn(w.shape[0], rank, generator=g)
+    return out
+
+
+def merged_weights(weights: dict, lora: dict, scaling: float) -> dict:
+    """`weights` with every adapted Linear replaced by W + scaling * B @ A (the reference for an adapter)."""
+    out = dict(weights)
+    for name, a in lora.items():
+        if ".lora_A." in name:
+            module = name[len("base_model.model."): -len(".lora_A.weight")]
+            b = lora[name.replace(".lora_A.", ".lora_B.")]
+            out[module + ".weight"] = weights[module + ".weight"] + scaling * (b @ a)
+    return out

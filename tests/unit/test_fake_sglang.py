@@ -559,3 +559,124 @@ def test_wrong_shape_kills_the_engine(make_engine, h):
         engine.update_weights_from_tensor([payload], load_format="flattened_bucket")
     with pytest.raises(EngineCrashed):
         engine.end_weight_update()
+
+
+# -- LoRA (note section 9) --------------------------------------------------------------------
+LORA_ARGS = dict(enable_lora=True, max_lora_rank=8, lora_target_modules=["q_proj", "v_proj"],
+                 enable_weights_cpu_backup=True)
+LORA_CFG = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}  # scaling 2
+GREEDY = {"temperature": 0, "max_new_tokens": 8}
+
+
+def check_adapted(engine, model, lora_path, prompts=PROMPTS) -> list:
+    """Greedy output and logprobs of `engine` under `lora_path` equal the HF `model`'s; returns the tokens."""
+    from fake_sglang_helpers import hf_greedy, hf_logprobs
+
+    out = engine.generate(input_ids=prompts, sampling_params=GREEDY, lora_path=lora_path, return_logprob=True)
+    models = model if isinstance(model, list) else [model] * len(prompts)
+    for prompt, res, m in zip(prompts, out, models):
+        assert res["output_ids"] == hf_greedy(m, prompt, 8, EOS)
+        lp = torch.tensor([x[0] for x in res["meta_info"]["output_token_logprobs"]])
+        torch.testing.assert_close(lp, hf_logprobs(m, prompt, res["output_ids"], 1.0), atol=1e-5, rtol=0)
+    return [res["output_ids"] for res in out]
+
+
+def test_lora_server_argument_errors(tiny_model_dir):
+    import sglang
+
+    with pytest.raises(AssertionError, match="both --max-lora-rank and --lora-target-modules"):
+        sglang.Engine(model_path=tiny_model_dir, enable_lora=True, max_lora_rank=8)
+    with pytest.raises(AssertionError, match="only module"):
+        sglang.Engine(model_path=tiny_model_dir, enable_lora=True, max_lora_rank=8, lora_target_modules=["all", "q_proj"])
+    with pytest.raises(AssertionError, match="max_loras_per_batch"):
+        sglang.Engine(model_path=tiny_model_dir, max_loras_per_batch=0)
+
+
+@pytest.fixture(scope="module")
+def lora_engine(make_engine, tiny_model_dir, h):
+    engine = make_engine(tp_size=1, **LORA_ARGS)
+    weights = h.trainer_weights(tiny_model_dir, seed=3)
+    h.full_sync(engine, weights, tp=1)
+    return engine, weights
+
+
+@pytest.mark.slow
+def test_lora_adapter_applies_to_its_requests_only(lora_engine, tiny_model_dir, h):
+    engine, weights = lora_engine
+    lora = h.lora_tensors(weights, rank=4, targets=("q_proj", "v_proj"))
+    res = engine.load_lora_adapter_from_tensors("a1", {n: t.clone() for n, t in lora.items()}, LORA_CFG)
+    assert res.success and res.loaded_adapters == {"a1": "__tensor__"}, res
+    base, adapted = h.hf_model(tiny_model_dir, weights), h.hf_model(tiny_model_dir, h.merged_weights(weights, lora, 2.0))
+    mixed = check_adapted(engine, [adapted, base, adapted], ["a1", None, "a1"])
+    plain = check_adapted(engine, base, None)
+    assert mixed[0] != plain[0] and mixed[2] != plain[2], "the adapter must change the greedy tokens"
+    # The trainer's route: one flattened payload per TP rank, a new name each time, then the old one unloaded.
+    assert engine.load_lora_adapter_from_tensors("a2", [h.bucket_payload(lora, sorted(lora))], LORA_CFG,
+                                                 load_format="flattened_bucket").success
+    assert engine.unload_lora_adapter("a1").success
+    check_adapted(engine, adapted, "a2")
+    with pytest.raises(ValueError, match="__tensor__"):  # its implicit reload reads the placeholder path
+        engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path="a1")
+    with pytest.raises(ValueError, match="never been loaded"):
+        engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, lora_path=["a2", "zz", None])
+    assert engine.unload_lora_adapter("a2").success
+
+
+@pytest.mark.slow
+def test_lora_loads_refused_as_0_5_21_refuses_them(lora_engine, make_engine, h):
+    engine, weights = lora_engine
+    lora = h.lora_tensors(weights, rank=4, targets=("q_proj", "v_proj"))
+    fresh = lambda: {n: t.clone() for n, t in lora.items()}  # noqa: E731 - serializing moves a tensor into shm
+    assert engine.load_lora_adapter_from_tensors("r1", fresh(), LORA_CFG).success
+    cases = [("r1", LORA_CFG, "already loaded"), ("r2", {**LORA_CFG, "r": 16}, "incompatible"),
+             ("r3", {**LORA_CFG, "target_modules": ["q_proj", "o_proj"]}, "incompatible"),
+             ("r4", {"r": 4, "target_modules": ["q_proj"]}, "lora_alpha"),
+             ("r5", {**LORA_CFG, "use_dora": True}, "DoRA")]
+    for name, cfg, msg in cases:
+        res = engine.load_lora_adapter_from_tensors(name, fresh(), cfg)
+        assert not res.success and msg in res.error_message, (name, res)
+    assert not engine.unload_lora_adapter("r9").success
+    assert engine.unload_lora_adapter("r1").success
+    assert engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)["output_ids"]  # still alive
+    plain = make_engine(tp_size=1)  # LoRA off (engine1 is dead by now: its crash test ran)
+    off = plain.load_lora_adapter_from_tensors("x", fresh(), LORA_CFG)
+    assert not off.success and "not enabled" in off.error_message
+    with pytest.raises(ValueError, match="LoRA is not enabled"):
+        plain.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path="x")
+    plain.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backup", [True, False])
+def test_adapters_survive_release_the_base_only_with_cpu_backup(make_engine, tiny_model_dir, h, backup):
+    from sglang.fake_errors import WeightsNotLoadedError
+
+    engine = make_engine(tp_size=1, **{**LORA_ARGS, "enable_weights_cpu_backup": backup})
+    weights = h.trainer_weights(tiny_model_dir, seed=4)
+    h.full_sync(engine, weights, tp=1)
+    lora = h.lora_tensors(weights, rank=4, targets=("q_proj", "v_proj"), seed=1)
+    assert engine.load_lora_adapter_from_tensors("p", lora, LORA_CFG).success
+    engine.release_memory_occupation(["kv_cache", "weights"])
+    engine.resume_memory_occupation(["weights"])
+    engine.resume_memory_occupation(["kv_cache"])
+    adapted = h.hf_model(tiny_model_dir, h.merged_weights(weights, lora, 2.0))
+    if not backup:
+        with pytest.raises(WeightsNotLoadedError):  # the base is gone ...
+            engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path="p")
+        h.full_sync(engine, weights, tp=1)  # ... and only the base comes back: the adapter never left
+    check_adapted(engine, adapted, "p")
+    engine.shutdown()
+
+
+@pytest.mark.slow
+def test_wrong_adapter_shape_loads_and_kills_the_engine_at_first_use(make_engine, tiny_model_dir, h):
+    from sglang.fake_errors import EngineCrashed
+
+    engine = make_engine(tp_size=1, **LORA_ARGS)
+    lora = h.lora_tensors(h.trainer_weights(tiny_model_dir), rank=4, targets=("q_proj",))
+    name = next(n for n in sorted(lora) if ".lora_A." in n)
+    lora[name] = lora[name][:, :-1]  # one input column short
+    assert engine.load_lora_adapter_from_tensors("bad", lora, LORA_CFG).success  # shapes are not checked here
+    with pytest.raises(EngineCrashed, match="shape"):
+        engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path="bad")
+    engine.shutdown()

@@ -1,10 +1,10 @@
-"""LoRA with the SGLang adapter (rollout/sglang.py) against the CPU stand-in: no adapter-only sync, the
-phase switch sends the policy with its adapters MERGED (models/lora.py merged_named_tensors) as ordinary
-full weights, every step. The stand-in's greedy output must equal the native engine's on the same adapted
-module, step after step, and every sync must carry exactly the base's weights under their HF names.
+"""LoRA with the SGLang adapter (rollout/sglang.py + sglang_lora.py) against the CPU stand-in: the base goes in
+once, each step's sync is the adapter only (SGLang's load_lora_adapter_from_tensors under a new name, the old
+one unloaded) and every generate names it in lora_path. The stand-in's greedy output must equal the native
+engine's on the same adapted module, step after step, and the bytes of each sync are computed from the shapes.
 
-Catches: the unmerged base sent (the engine serves the base only), adapters sent once and then left stale,
-lora_/base_layer names reaching the engine (SGLang would skip them silently).
+Catches: the adapter not sent (a sync skipped), the base sent every step, generate without the adapter's
+lora_path or with a stale one, a partial adapter, an engine started without LoRA.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.engine_helpers import PROMPTS, perturbed, rollout
-from tests.lora_helpers import perturb_adapters
+from tests.lora_helpers import expected_adapter_numel, perturb_adapters
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread", "fake_sglang")
 
@@ -57,50 +57,70 @@ def _same(got, want):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
 
 
-def test_sglang_follows_the_adapters_step_by_step_with_merged_weights(setup):
+def _adapter_bytes(policy, dtype) -> int:
+    return expected_adapter_numel(policy.config, RANK) * dtype.itemsize  # rank x (in + out), every projection
+
+
+def test_engine_starts_with_lora_from_the_policy(setup, tiny_model_dir):
+    """The engine gets the rank, the adapted modules and the base's host copy (the base survives releases)."""
+    _, engine, _, _ = setup
+    args = engine.engine.server_args
+    assert (args.enable_lora, args.max_lora_rank, args.enable_weights_cpu_backup) == (True, RANK, True)
+    assert sorted(args.lora_target_modules) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
+                                                "v_proj"]
+
+
+def test_sglang_follows_the_adapters_step_by_step_adapter_bytes_only(setup):
     from hybrid_rl.models.lora import adapters_disabled, base_named_parameters
 
     policy, engine, pm, tok = setup
     with adapters_disabled(policy):
         base_tokens = [c.token_ids for c in _native(policy, tok)]
-    full = sum(p.numel() * engine.dtype.itemsize for _, p in base_named_parameters(policy))
-    outputs = []
-    for seed in (11, 12):  # a trainer step's effect on the adapters, twice
+    base = sum(p.numel() for _, p in base_named_parameters(policy)) * engine.dtype.itemsize
+    adapter = _adapter_bytes(policy, engine.dtype)
+    pm.pop_stats()
+    outputs, synced = [], []
+    for seed in (11, 12, 13):  # a trainer step's effect on the adapters, three times
         perturb_adapters(policy, seed)
         got = rollout(pm, PROMPTS, _greedy())
         _same(got, _native(policy, tok))
-        assert engine.sync_stats["bytes"] == full, "each sync (stats of the last one): the merged model, full, once"
+        synced.append(pm.pop_stats().bytes["sync_weights"])
         outputs.append([c.token_ids for c in got])
-    assert outputs[0] != outputs[1] and base_tokens not in outputs, "the adapters must change the greedy tokens"
+    assert synced == [base + adapter, adapter, adapter], "the base once, then the adapter only"
+    assert engine.adapter_name == "policy-v3"
+    loaded = engine.engine._debug_state()["ranks"][0]["lora"]["loaded"]
+    assert loaded == {"policy-v3": "__tensor__"}, "each push replaces the previous adapter"
+    assert len({tuple(map(tuple, o)) for o in outputs}) == 3 and base_tokens not in outputs, \
+        "the adapters must change the greedy tokens"
 
 
-def test_merged_tensors_are_the_adapted_linears(setup):
-    """Names are the base model's; an adapted weight is base + scaling * B @ A, the rest the base as it is."""
-    from hybrid_rl.models.lora import base_named_parameters, lora_layers, merged_named_tensors
+def test_partial_or_misnamed_adapter_is_refused_before_sglang(setup):
+    from hybrid_rl.models.lora import adapter_config, adapter_named_tensors
 
-    policy, _, _, _ = setup
-    merged = dict(merged_named_tensors(policy, torch.float32))
-    assert set(merged) == {n for n, _ in base_named_parameters(policy)}
-    assert not any("lora_" in n or "base_layer" in n for n in merged)
-    names = {m: n for n, m in policy.named_modules()}
-    for layer in lora_layers(policy):
-        w = merged[names[layer] + ".weight"]
-        x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(0))
-        bias = layer.base_layer.bias if layer.base_layer.bias is not None else 0
-        with torch.no_grad():
-            torch.testing.assert_close(x @ w.T + bias, layer(x), atol=1e-5, rtol=1e-5)
-        assert not torch.equal(w, layer.base_layer.weight), "non-zero adapters must change the weight"
+    policy, engine, pm, _ = setup
+    named = list(adapter_named_tensors(policy))
+    with pm.rollout():
+        with pytest.raises(ValueError, match="missing"):
+            engine.update_adapter(named[1:], adapter_config(policy))
+        with pytest.raises(ValueError, match="unknown"):
+            engine.update_adapter(named + [("base_model.model.lm_head.lora_A.weight", named[0][1])],
+                                  adapter_config(policy))
+    with pm.train():
+        pass
 
 
-def test_sglang_with_lora_passes_the_engine_check():
+def test_sglang_lora_config_checks():
     from hybrid_rl.models.lora import LoraSettings, check_engine
 
     check_engine(LoraSettings(rank=8, alpha=16.0), "sglang")
+    check_engine(LoraSettings(rank=8, alpha=16.0, target_modules=["q_proj", "v_proj"]), "sglang")
+    with pytest.raises(ValueError, match="model.lora.target_modules.*fc1"):
+        check_engine(LoraSettings(rank=8, alpha=16.0, target_modules=["q_proj", "fc1"]), "sglang")
 
 
-def test_trainer_steps_with_lora_on_sglang_sync_the_merged_policy(tiny_model_dir, tmp_path):
-    """Through the Trainer: each step's sync is the full model in the engine's dtype (no adapter-only bytes),
-    and after training the engine serves the adapted policy (greedy equals the native engine on it)."""
+def test_trainer_steps_with_lora_on_sglang_sync_the_adapter_only(tiny_model_dir, tmp_path):
+    """Through the Trainer: step 1 syncs base + adapter, step 2 the adapter alone (bytes from the shapes, engine
+    dtype), and after training the engine serves the adapted policy (greedy equals the native engine on it)."""
     import os
 
     from hybrid_rl import Trainer, load_config
@@ -115,9 +135,10 @@ def test_trainer_steps_with_lora_on_sglang_sync_the_merged_policy(tiny_model_dir
     try:
         history = trainer.fit()
         policy, engine = trainer.policy, trainer.engine
+        base = sum(p.numel() for _, p in base_named_parameters(policy)) * engine.dtype.itemsize
+        adapter = _adapter_bytes(policy, engine.dtype)
+        assert [m["switch/sync_bytes"] for m in history] == [base + adapter, adapter]
         perturb_adapters(policy, 13)  # trained adapters may still be near zero; make them matter for greedy
-        full = sum(p.numel() * engine.dtype.itemsize for _, p in base_named_parameters(policy))
-        assert [m["switch/sync_bytes"] for m in history] == [full, full]
         tok = load_tokenizer(tiny_model_dir)
         _same(rollout(trainer.phases, PROMPTS, _greedy()), _native(policy.eval(), tok))
     finally:

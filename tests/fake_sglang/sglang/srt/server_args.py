@@ -29,6 +29,9 @@ _DEFAULTS: Dict[str, Any] = {
     "cuda_graph_max_bs": None, "cuda_graph_bs": None, "cuda_graph_backend_decode": None,
     "cuda_graph_backend_prefill": None, "enable_torch_compile": False, "disable_overlap_schedule": False,
     "triton_attention_num_kv_splits": 8, "schedule_policy": "fcfs",
+    # LoRA (arg_groups/fields/lora.py)
+    "enable_lora": None, "max_lora_rank": None, "lora_target_modules": None, "lora_paths": None,
+    "max_loaded_loras": None, "max_loras_per_batch": 8, "lora_backend": "csgmv", "lora_strict_loading": False,
     # determinism and RL
     "enable_deterministic_inference": False, "rl_on_policy_target": None,
     # serving and process control

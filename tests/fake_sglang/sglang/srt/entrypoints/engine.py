@@ -25,6 +25,8 @@ Known differences from SGLang 0.5.21 (each one documented where it lives):
   prompt token), the first padded with None, as SGLang pads it.
 * shutdown() stops only the schedulers; the real one kills every child process of the
   caller (kill_process_tree(os.getpid(), include_parent=False)): DataLoader workers too.
+* LoRA (engine_lora.py, lora/lora_manager.py): adapters from tensors only, applied unmerged per
+  request; no lora_paths, max_loaded_loras eviction, pinning or load_lora_adapter from disk.
 * Not provided: async_* methods, streaming, multimodal inputs, top_logprobs_num,
   update_weights_from_distributed/disk/ipc, HTTP.
 """
@@ -32,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import functools
 import json
 import multiprocessing as mp
 import os
@@ -46,6 +47,9 @@ import torch
 
 from sglang.fake_errors import RankMismatchError
 from sglang.srt.constants import GPU_MEMORY_ALL_TYPES
+from sglang.srt.entrypoints.engine_lora import LoraEngineMixin
+from sglang.srt.entrypoints.sync_api import _sync_api
+from sglang.srt.lora.lora_manager import check_lora_server_args
 from sglang.srt.managers.io_struct import FlushCacheReqOutput
 from sglang.srt.managers.scheduler_client import SchedulerClient
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -74,27 +78,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _sync_api(method):
-    """Every synchronous method of the real Engine ends in `self.loop.run_until_complete(...)` on
-    the loop the Engine took when it was built (note 1.1); the stand-in runs its body the same way,
-    so a call inside a running loop fails as SGLang's does: "This event loop is already running"
-    when the Engine holds the running loop, "Cannot run the event loop while another loop is
-    running" when it holds another one."""
-    @functools.wraps(method)
-    def call(self, *args, **kwargs):
-        async def body():
-            return method(self, *args, **kwargs)
-
-        coro = body()
-        try:
-            return self.loop.run_until_complete(coro)
-        finally:
-            coro.close()  # never started when the loop refused to run: no "never awaited" warning
-
-    return call
-
-
-class Engine:
+class Engine(LoraEngineMixin):
     def __init__(self, **kwargs: Any):
         if os.environ.get("SGLANG_RUST_SERVER") == "1":
             raise ValueError("SGLANG_RUST_SERVER=1 cannot be used with sglang.Engine")
@@ -108,6 +92,7 @@ class Engine:
         self.server_args = server_args
         a = server_args.as_dict()
         self._validate(a)
+        self._lora_init(a)
         config = _read_json(os.path.join(a["model_path"], "config.json"))
         gen_config = _read_json(os.path.join(a["model_path"], "generation_config.json"))
         self._vocab_size = int(config["vocab_size"])
@@ -158,6 +143,7 @@ class Engine:
             # What torch_memory_saver does without a GPU.
             raise RuntimeError("torch_memory_saver: enable_memory_saver=True needs CUDA, and no CUDA device is "
                                "available (the CPU stand-in cannot pause or resume memory)")
+        check_lora_server_args(a)
         if not os.path.isfile(os.path.join(a["model_path"], "config.json")):
             raise FileNotFoundError(f"{a['model_path']!r} is not a Hugging Face model directory (no config.json)")
 
@@ -174,7 +160,7 @@ class Engine:
         self._client.check_alive()
         unsupported = {"image_data": image_data, "audio_data": audio_data, "video_data": video_data,
                        "top_logprobs_num": top_logprobs_num, "token_ids_logprob": token_ids_logprob,
-                       "lora_path": lora_path, "custom_logit_processor": custom_logit_processor,
+                       "custom_logit_processor": custom_logit_processor,
                        "return_hidden_states": return_hidden_states, "stream": stream,
                        "bootstrap_host": bootstrap_host, "bootstrap_port": bootstrap_port,
                        "bootstrap_room": bootstrap_room, "data_parallel_rank": data_parallel_rank, "rid": rid}
@@ -182,6 +168,7 @@ class Engine:
             if value not in (None, False, 0):
                 raise NotImplementedError(f"the sglang stand-in does not implement generate({key}=...)")
         prompts, single = self._prompts(prompt, input_ids)
+        lora_ids = self._lora_ids(lora_path, len(prompts))  # names resolved before anything runs
         params = self._sampling_params(sampling_params, len(prompts), single)
         n = params[0].n
         want_lp = return_logprob if isinstance(return_logprob, list) else [return_logprob] * len(prompts)
@@ -197,6 +184,7 @@ class Engine:
             for j in range(n):
                 reqs.append({"rid": uuid.uuid4().hex, "input_ids": ids, "sampling_params": sp,
                              "return_logprob": bool(want_lp[i]), "prefill_prefix": n > 1 and j == 0,
+                             "lora_id": lora_ids[i],
                              "logprob_start_len": -1 if logprob_start_len is None else logprob_start_len})
         start = time.perf_counter()
         per_rank = self._client.call("generate", reqs)

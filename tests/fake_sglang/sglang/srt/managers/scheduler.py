@@ -8,6 +8,7 @@ as an ordinary error.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import traceback
@@ -21,6 +22,7 @@ from sglang.srt.constants import (
     GPU_MEMORY_TYPE_KV_CACHE,
     GPU_MEMORY_TYPE_WEIGHTS,
 )
+from sglang.srt.lora.lora_manager import LoRAManager
 from sglang.srt.managers.tp_worker import TpModelWorker
 from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor
 from sglang.srt.utils.common import MultiprocessingSerializer
@@ -35,6 +37,8 @@ class Scheduler:
     def __init__(self, tp_rank: int, args: Dict[str, Any]):
         self.tp_rank, self.tp_size = tp_rank, args["tp_size"]
         self.worker = TpModelWorker(tp_rank, args)
+        # Built after the model, outside the memory saver's "weights" region (note 9): release keeps it.
+        self.lora = LoRAManager(args, self.worker.model) if args["enable_lora"] else None
         self.cpu_backup = args["enable_weights_cpu_backup"]
         # Without this variable the "cuda_graph" tag frees nothing (note 1.2).
         self.cuda_graph_freed = os.environ.get("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "0") == "1"
@@ -67,22 +71,40 @@ class Scheduler:
                 f"TP rank {self.tp_rank}: {len(bad)} of {len(self.worker.params)} parameters hold garbage (NaN), "
                 f"e.g. {bad[:4]}. After release_memory_occupation(['weights']) every parameter must be sent "
                 "again before generating; the real engine would silently decode garbage")
-        digest = _digest(self.worker.params) if self.tp_size > 1 else None  # compared across ranks only
+        digest = self._weights_digest() if self.tp_size > 1 else None  # compared across ranks only
         if self.tp_rank > 0:
             # Only rank 0 decodes (its output is what the Engine returns, as in SGLang); the other
             # ranks show that they hold the same weights, which is all a second decode could show.
             return {"weights_digest": digest}
-        results = self.worker.generate(reqs)
+        results = self._generate_by_adapter(reqs)
         for req, res in zip(reqs, results):  # the prefix cache sees the requests in order
+            # The real cache key includes the adapter's lora_id (schedule_batch.py): a leading key token here.
+            key = [("lora_id", req.get("lora_id"))]
             if req["prefill_prefix"]:  # n > 1: SGLang prefills the shared prompt once first
-                self.prefix_cache.add(req["input_ids"], self.weight_epoch)
-            res["cached_tokens"] = self._match_prefix(req["input_ids"])
-            self.prefix_cache.add(req["input_ids"] + res["output_ids"], self.weight_epoch)
+                self.prefix_cache.add(key + req["input_ids"], self.weight_epoch)
+            res["cached_tokens"] = self._match_prefix(key + req["input_ids"])
+            self.prefix_cache.add(key + req["input_ids"] + res["output_ids"], self.weight_epoch)
         return {"weights_digest": digest, "results": results}
 
-    def _match_prefix(self, ids: List[int]) -> int:
-        # At least one prompt token is always computed, so a hit covers at most len - 1.
-        best, epoch = self.prefix_cache.longest(ids[:-1])
+    def _generate_by_adapter(self, reqs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        """One decode per adapter (None: the base), each with only its requests; results in request order."""
+        groups: Dict[Optional[str], List[int]] = {}
+        for i, req in enumerate(reqs):
+            groups.setdefault(req.get("lora_id"), []).append(i)
+        results: List[Any] = [None] * len(reqs)
+        for lora_id, rows in groups.items():
+            with self.lora.applied(lora_id) if self.lora is not None else contextlib.nullcontext():
+                for i, res in zip(rows, self.worker.generate([reqs[i] for i in rows])):
+                    results[i] = res
+        return results
+
+    def _weights_digest(self) -> str:
+        return _digest(self.worker.params) + (self.lora.digest() if self.lora is not None else "")
+
+    def _match_prefix(self, key_ids: List[Any]) -> int:
+        # At least one prompt token is always computed, so a hit covers at most len - 1 (the key is no token).
+        best, epoch = self.prefix_cache.longest(key_ids[:-1])
+        best = max(0, best - 1)
         if best and epoch != self.weight_epoch:
             # The real engine would reuse KV computed with old weights (RLinf#96): flush after updates.
             self.stats["stale_cache_hits"] += 1
@@ -169,6 +191,19 @@ class Scheduler:
             assert ok, "Cache flush failed after updating weights"
         return True, "Succeeded to update model weights."
 
+    def _cmd_lora_load(self, arg) -> dict:
+        payloads, load_format, name, lora_id, config = arg
+        assert self.lora is not None, "LoRA is not enabled"  # the Engine answers this itself
+        monkey_patch_torch_reductions()  # deserialize_own_rank patches first, as for weights
+        obj = self._open_once(payloads[self.tp_rank])  # outside the manager's try: a failure here is fatal
+        if load_format == "flattened_bucket":
+            bucket = FlattenedTensorBucket(flattened_tensor=obj["flattened_tensor"], metadata=obj["metadata"])
+            obj = dict(bucket.reconstruct_tensors())
+        return self.lora.load(lora_id, name, config, obj)
+
+    def _cmd_lora_unload(self, lora_id: str) -> dict:
+        return self.lora.unload(lora_id)
+
     def _unwrap(self, value: Any) -> torch.Tensor:
         if isinstance(value, LocalSerializedTensor):
             value = self._open_once(value.values[self.tp_rank])
@@ -192,7 +227,8 @@ class Scheduler:
                     all_params_loaded_since_release=set(params) <= self.loaded_since_release,
                     params_not_loaded_since_release=sorted(set(params) - self.loaded_since_release),
                     weights_released_ever=self.weights_released_ever,
-                    weights_digest=_digest(params))
+                    weights_digest=_digest(params),
+                    lora=dict(self.lora.stats, loaded=self.lora.loaded()) if self.lora is not None else None)
 
     def _cmd_debug_get_param(self, name: str) -> tuple:
         t = self.worker.params[name].detach().contiguous()
