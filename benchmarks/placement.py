@@ -35,11 +35,13 @@ sys.path.insert(0, ROOT)
 
 SETTINGS = {
     "tiny": ["data.batch_size=128", "rollout.n=8", "rollout.max_new_tokens=4"],
-    "long": ["data.batch_size=8", "rollout.n=8", "rollout.max_new_tokens=64", "trainer.micro_batch_size=64",
-             "algorithm.mini_batch_size=64"],
+    "long": ["data.batch_size=2", "rollout.n=4", "rollout.max_new_tokens=LONG_MAX", "rollout.min_new_tokens=LONG_MIN",
+             "trainer.micro_batch_size=8", "algorithm.mini_batch_size=8", "algorithm.kl_coef=0",
+             "algorithm.entropy_coef=0"],
 }
-CONFIGS = {"colocated": [], **{f"split k={k}": ["trainer.placement=split", f"trainer.max_staleness={k}"]
-                               for k in (0, 1, 2)}}
+# name: (ranks, overrides). The two colocated runs are the planner's inputs (rank counts 2 and 1).
+CONFIGS = {"colocated": (2, []), "colocated 1 proc": (1, []),
+           **{f"split k={k}": (2, ["trainer.placement=split", f"trainer.max_staleness={k}"]) for k in (0, 1, 2)}}
 PREDICTED = {"colocated": "colocated", **{f"split k={k}": f"split R=1 k={k}" for k in (0, 1, 2)}}
 
 
@@ -82,38 +84,42 @@ def _summary(history: list[dict], n_seqs: int, warmup: int = 2) -> dict:
             "response_length": med(lambda m: m["response/length"]), "total_s": sum(m["time/step"] for m in history)}
 
 
-def _predict(colocated: list[dict]) -> dict:
-    """The planner's step time per configuration from the colocated run's rates (2 ranks, R=1 for split)."""
-    from hybrid_rl.split.rates import predict_all, rates_from_records, recommend
+def _predict(runs: dict[int, list[dict]]) -> dict:
+    """The planner's step time per configuration from the two colocated runs' rates (rank counts 2 and 1),
+    as `python -m hybrid_rl.plan --from-run <2-rank> --from-run <1-proc> --run-gpus 2,1 --gpus 2` does."""
+    from hybrid_rl.split.rates import fit_rates, predict_all, rates_from_records, recommend
 
-    rates, _ = rates_from_records(colocated, world=2, skip=2)
+    rates = fit_rates([rates_from_records(h, world=w, skip=2) for w, h in runs.items()])
     preds = predict_all(rates, 2, (0, 1, 2))
     return {"by_label": {p.label: p.step_s for p in preds}, "recommended": recommend(preds).label,
             "rates": vars(rates)}
 
 
-def run_setting(name: str, model: str, tmp: str, steps: int) -> dict:
+def run_setting(name: str, model: str, tmp: str, steps: int, long_tokens: tuple[int, int]) -> dict:
     from tests.distributed.launch import run_ranks
 
-    extra = SETTINGS[name]
+    extra = [x.replace("LONG_MAX", str(long_tokens[1])).replace("LONG_MIN", str(long_tokens[0]))
+             for x in SETTINGS[name]]
     n_seqs = int(extra[0].split("=")[1]) * int(extra[1].split("=")[1])
     base = [f"model.path={model}", *extra, "trainer.progress_bar=false", "trainer.device=cpu", "trainer.log_every=0",
             f"trainer.total_steps={steps}", "trainer.resume=none"]
     histories = {}
-    for cfg_name, more in CONFIGS.items():
+    for cfg_name, (world, more) in CONFIGS.items():
         out = os.path.join(tmp, name, cfg_name.replace(" ", "_").replace("=", ""))
-        histories[cfg_name] = run_ranks(_fit, world=2, args=([*base, f"trainer.out_dir={out}", *more], steps),
+        histories[cfg_name] = run_ranks(_fit, world=world, args=([*base, f"trainer.out_dir={out}", *more], steps),
                                         timeout=1200)[0]
     wall = min(sum(m["time/step"] for m in h) for h in histories.values())
-    plan = _predict(histories["colocated"])
+    plan = _predict({2: histories["colocated"], 1: histories["colocated 1 proc"]})
     rows = {}
     for cfg_name, h in histories.items():
         row = _summary(h, n_seqs)
         row["reward_at_wall"] = _reward_at(h, wall)
-        row["predicted_step_s"] = plan["by_label"][PREDICTED[cfg_name]]
-        row["prediction_error"] = row["predicted_step_s"] / row["step_s"] - 1.0
+        label = PREDICTED.get(cfg_name)
+        row["predicted_step_s"] = plan["by_label"][label] if label else None
+        row["prediction_error"] = row["predicted_step_s"] / row["step_s"] - 1.0 if label else None
         rows[cfg_name] = row
-    return {"rows": rows, "wall_s": wall, "recommended": plan["recommended"], "rates": plan["rates"]}
+    return {"rows": rows, "wall_s": wall, "recommended": plan["recommended"], "rates": plan["rates"],
+            "overrides": extra}
 
 
 def _uptime() -> str:
@@ -121,13 +127,19 @@ def _uptime() -> str:
 
 
 def print_table(name: str, res: dict) -> None:
-    print(f"\n[{name}] {' '.join(SETTINGS[name])}; reward at a fixed wall time of {res['wall_s']:.1f} s; "
+    print(f"\n[{name}] {' '.join(res['overrides'])}; reward at a fixed wall time of {res['wall_s']:.1f} s; "
           f"planner recommends: {res['recommended']}")
-    head = (f"{'placement':<12}{'step s':>8}{'pred s':>8}{'err':>7}{'rollout s':>10}{'train s':>9}{'tok/s':>8}"
+    r = res["rates"]
+    print(f"planner rates (fit of the two colocated runs): rollout {r['rollout_rank_s']:.3f} rank-s + "
+          f"{r['rollout_fixed_s']:.3f} s fixed, train {r['train_rank_s']:.3f} rank-s + {r['train_comm_s']:.3f} s "
+          f"collectives, switch {r['switch_s']:.3f} s, sync {r['sync_s']:.3f} s")
+    head = (f"{'placement':<17}{'step s':>8}{'pred s':>8}{'err':>7}{'rollout s':>10}{'train s':>9}{'tok/s':>8}"
             f"{'learn idle':>11}{'roll idle':>10}{'lag':>5}{'reward@T':>9}")
     print(head + "\n" + "-" * len(head))
     for cfg_name, r in res["rows"].items():
-        print(f"{cfg_name:<12}{r['step_s']:>8.3f}{r['predicted_step_s']:>8.3f}{r['prediction_error']:>+7.0%}"
+        pred = (f"{r['predicted_step_s']:>8.3f}{r['prediction_error']:>+7.0%}" if r["predicted_step_s"] is not None
+                else f"{'input':>8}{'':>7}")
+        print(f"{cfg_name:<17}{r['step_s']:>8.3f}{pred}"
               f"{r['rollout_s']:>10.3f}{r['train_s']:>9.3f}{r['tokens_per_s']:>8.0f}{r['learner_idle']:>11.0%}"
               f"{r['rollout_idle']:>10.0%}{r['staleness']:>5.1f}{r['reward_at_wall']:>9.3f}")
 
@@ -137,16 +149,18 @@ def main() -> None:
     from hybrid_rl.rewards.toy import DIGIT_WORDS
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=14)
+    ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--settings", default="tiny,long")
+    ap.add_argument("--long-tokens", default="64,128", help="min,max new tokens of the long setting")
     args = ap.parse_args()
+    long_tokens = tuple(int(x) for x in args.long_tokens.split(","))
     tmp = tempfile.mkdtemp(prefix="placement_bench_")
     # The recipe's model (hidden 128, 2 layers, seed 0).
     model = build_tiny_model_dir(os.path.join(tmp, "model"), DIGIT_WORDS, hidden_size=128, num_layers=2, seed=0)
     before = _uptime()
-    results = {name: run_setting(name, model, tmp, args.steps) for name in args.settings.split(",")}
+    results = {name: run_setting(name, model, tmp, args.steps, long_tokens) for name in args.settings.split(",")}
     after = _uptime()
-    print(f"CPU, 2 processes (1 learner + 1 rollout rank for split), native engine, {args.steps} steps per run "
+    print(f"CPU, 2 processes (1 learner + 1 rollout rank for split; the planner's second input on 1), native engine, {args.steps} steps per run "
           f"(medians after 2 warm-up steps)\nuptime before: {before}\nuptime after:  {after}")
     for name, res in results.items():
         print_table(name, res)

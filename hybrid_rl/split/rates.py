@@ -1,16 +1,23 @@
 """The rate model: step time of each placement from measured rates (pure; `python -m hybrid_rl.plan --from-run`).
 
 A step has two halves: generation (+ rule rewards) and training (scoring, advantages, the update).
-  colocated on W ranks:  rollout/W + train/W + switch      (the halves take turns on every rank)
+Each half's seconds on n ranks:
+  rollout(n) = rollout_rank_s / n + rollout_fixed_s   (rows split over n engines; the per-token decode
+                                                       latency of a step does not shrink with fewer rows)
+  train(n)   = train_rank_s / n + train_comm_s [n > 1] (data-parallel compute, plus the FSDP2 collectives
+                                                       that a group of more than one rank pays per step)
+  colocated on W ranks:  rollout(W) + train(W) + switch     (the halves take turns on every rank)
   split, R rollout ranks, W - R learner ranks, max staleness k:
-      rollout_R = rollout/R,  train_R = train/(W - R)
-      k = 0:   rollout_R + train_R + sync                   (strict alternation: nothing overlaps)
-      k >= 1:  max(rollout_R, train_R) + sync                (the halves overlap; the slower one sets the pace)
+      k = 0:   rollout(R) + train(W - R) + sync             (strict alternation: nothing overlaps)
+      k >= 1:  max(rollout(R), train(W - R)) + sync          (the halves overlap; the slower one sets the pace)
       the faster pool idles 1 - min/max of the overlapped part.
-`rollout` and `train` are rank-seconds per step (seconds x ranks doing the work), so a rate measured on
-one number of ranks predicts another under linear data-parallel scaling. That assumption is what CPU
-can check; on a GPU decode is memory-bandwidth bound and more rows per GPU raise its throughput, so
-fewer rollout ranks with bigger batches do better than linear (the model is pessimistic for split).
+One run measures each half at one rank count, which leaves the fixed and communication terms unknown:
+they are 0 (linear data-parallel scaling) unless `fit_rates` is given runs at two rank counts (a
+1-process run beside the W-rank one measures both). On 2 CPU processes the linear model was 2.1-2.5x
+off for split (one learner trained the whole batch in 0.53 s, two FSDP2 ranks in 0.62 s: gloo
+collectives, benchmarks/results/placement_cpu_2026-11-25.md); the two-run fit is what the benchmark
+checks. On a GPU, decode is memory-bandwidth bound: its fixed term dominates, so fewer rollout ranks
+with bigger batches lose less than linear scaling predicts.
 split/schedule.py simulates the same protocol event by event; tests hold the two equal.
 
 Measured rates come from a run's metrics.jsonl (hybrid_rl/metrics.py names): time/rollout +
@@ -35,17 +42,28 @@ SYNC_KEYS = ("split/sync_s", "switch/sync_weights_s", "switch/resume_weights_s")
 
 @dataclass(frozen=True)
 class Rates:
-    """Per step: rank-seconds of each half, and seconds of the colocated switch and of a split sync."""
+    """Per step: rank-seconds of each half, seconds of the colocated switch and of a split sync, and the
+    two terms that do not scale with ranks (module docstring; 0 = linear scaling)."""
 
     rollout_rank_s: float
     train_rank_s: float
     switch_s: float
     sync_s: float
+    rollout_fixed_s: float = 0.0
+    train_comm_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("rollout_rank_s", "train_rank_s", "switch_s", "sync_s"):
+        for name in ("rollout_rank_s", "train_rank_s", "switch_s", "sync_s", "rollout_fixed_s", "train_comm_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    def rollout(self, ranks: int) -> float:
+        """Seconds of the generation half on `ranks` engines."""
+        return self.rollout_rank_s / ranks + self.rollout_fixed_s
+
+    def train(self, ranks: int) -> float:
+        """Seconds of the training half on a learner group of `ranks`."""
+        return self.train_rank_s / ranks + (self.train_comm_s if ranks > 1 else 0.0)
 
 
 @dataclass(frozen=True)
@@ -82,7 +100,7 @@ def predict_colocated(rates: Rates, world: int) -> Prediction:
     """Every rank generates then trains, paying the switch: the halves add up."""
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
-    r, t = rates.rollout_rank_s / world, rates.train_rank_s / world
+    r, t = rates.rollout(world), rates.train(world)
     return Prediction("colocated", 0, 0, r, t, rates.switch_s, r + t + rates.switch_s, 0.0, _bottleneck(r, t))
 
 
@@ -92,7 +110,7 @@ def predict_split(rates: Rates, world: int, rollout_ranks: int, k: int) -> Predi
         raise ValueError(f"split needs 1 <= rollout ranks < world size; got R={rollout_ranks}, world {world}")
     if k < 0:
         raise ValueError(f"max staleness must be >= 0, got {k}")
-    r, t = rates.rollout_rank_s / rollout_ranks, rates.train_rank_s / (world - rollout_ranks)
+    r, t = rates.rollout(rollout_ranks), rates.train(world - rollout_ranks)
     step = (r + t if k == 0 else max(r, t)) + rates.sync_s
     return Prediction("split", rollout_ranks, k, r, t, rates.sync_s, step, idle_fraction(r, t), _bottleneck(r, t))
 
@@ -156,3 +174,51 @@ def rates_from_records(records: Sequence[dict], world: Optional[int] = None, ski
     else:
         rates = Rates(rollout * R, train * (W - R), switch, sync)
     return rates, {"world": W, "rollout_ranks": R, "steps": len(recs)}
+
+
+def _fit_inverse(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """(a, c) of t = a / n + c with a, c >= 0, least squares over (n, t) points; one rank count: (n t, 0).
+    On the boundary: c < 0 unconstrained (2 ranks more than twice as fast: noise, or super-linear) keeps
+    the best c = 0 line; a < 0 (more ranks no faster: latency-bound decode) keeps the best a = 0 one, a
+    constant. The model never predicts a speed-up from more rows per rank, nor a slow-down from fewer."""
+    xs = [1.0 / n for n, _ in points]
+    ts = [t for _, t in points]
+    if len(set(xs)) < 2:
+        return statistics.mean(n * t for n, t in points), 0.0
+    mx, mt = statistics.mean(xs), statistics.mean(ts)
+    a = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / sum((x - mx) ** 2 for x in xs)
+    c = mt - a * mx
+    if a < 0:
+        return 0.0, mt
+    if c < 0:
+        return sum(x * t for x, t in zip(xs, ts)) / sum(x * x for x in xs), 0.0
+    return a, c
+
+
+def fit_rates(runs: Sequence[tuple[Rates, dict]]) -> Rates:
+    """One Rates from runs at one or more rank counts (each `rates_from_records`' pair).
+
+    rollout: `_fit_inverse` over every run's (rollout ranks, seconds). train: a learner group of one rank
+    pays no collective, so 1-rank points give train_rank_s and the larger groups' excess over it is
+    train_comm_s; without a 1-rank point, `_fit_inverse`. The switch is the largest colocated run's (the
+    planned layout's nearest), the sync a split run's where one measured it, else the largest switch's."""
+    if not runs:
+        raise ValueError("no run to read rates from")
+    roll, train = [], []
+    for rates, meta in runs:
+        W, R = meta["world"], meta["rollout_ranks"]
+        r_n, t_n = (W, W) if R == 0 else (R, W - R)
+        roll.append((r_n, rates.rollout(r_n)))
+        train.append((t_n, rates.train(t_n)))
+    a_r, c_r = _fit_inverse(roll)
+    ones = [t for n, t in train if n == 1]
+    if ones and len({n for n, _ in train}) > 1:
+        a_t = statistics.mean(ones)
+        c_t = max(0.0, statistics.mean(t - a_t / n for n, t in train if n > 1))
+    else:
+        a_t, c_t = _fit_inverse(train)
+    colocated = [(meta["world"], rates) for rates, meta in runs if meta["rollout_ranks"] == 0]
+    split = [rates for rates, meta in runs if meta["rollout_ranks"] > 0]
+    switch_src = max(colocated, key=lambda wr: wr[0])[1] if colocated else runs[0][0]
+    sync = split[0].sync_s if split else switch_src.sync_s
+    return Rates(a_r, a_t, switch_src.switch_s, sync, rollout_fixed_s=c_r, train_comm_s=c_t)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from hybrid_rl import plan
-from hybrid_rl.split.rates import (Rates, predict_all, predict_colocated, predict_split, rates_from_records,
+from hybrid_rl.split.rates import (Rates, fit_rates, predict_all, predict_colocated, predict_split, rates_from_records,
                                    read_metrics, recommend)
 from hybrid_rl.split.schedule import simulate, steady_period
 
@@ -117,3 +117,60 @@ def test_plan_cli_needs_rates(capsys):
     with pytest.raises(SystemExit):
         plan.main(["--placement", "split", "--gpus", "8"])
     assert "--from-run" in capsys.readouterr().err
+
+
+def _run_records(world: int, truth) -> list[dict]:
+    """Colocated steps on `world` ranks as the model says `truth` (a Rates) would measure them."""
+    r, t = truth.rollout(world), truth.train(world)
+    rec = {"time/rollout": r, "time/score": 0.0, "time/train": t, "time/switch": truth.switch_s,
+           "switch/resume_weights_s": truth.sync_s, "time/step": r + t + truth.switch_s}
+    return [rec] * 4
+
+
+def test_runs_at_two_rank_counts_measure_the_fixed_and_collective_terms(tmp_path, capsys):
+    """A 1-process run and a 2-rank run of a truth with decode latency and FSDP collectives: the fit recovers
+    every term, so split (1 learner: no collectives) is predicted as the truth says. One run alone
+    (linear) is 2x off for the learner, the failure the benchmark showed (results/placement_cpu)."""
+    truth = Rates(rollout_rank_s=0.06, train_rank_s=0.50, switch_s=0.01, sync_s=0.02, rollout_fixed_s=0.04,
+                  train_comm_s=0.35)
+    two, one = rates_from_records(_run_records(2, truth), world=2), rates_from_records(_run_records(1, truth), world=1)
+    fitted = fit_rates([two, one])
+    for name in ("rollout_rank_s", "train_rank_s", "rollout_fixed_s", "train_comm_s", "switch_s", "sync_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name)), name
+    for k in (0, 1):
+        assert predict_split(fitted, 2, 1, k).step_s == pytest.approx(predict_split(truth, 2, 1, k).step_s)
+    linear = fit_rates([two])
+    assert linear.rollout_fixed_s == linear.train_comm_s == 0.0
+    assert predict_split(linear, 2, 1, 1).train_s == pytest.approx(2 * truth.train(2))  # 1.7 s against 0.5
+    assert predict_colocated(linear, 2).step_s == pytest.approx(predict_colocated(truth, 2).step_s)
+
+    paths = []
+    for w, recs in ((2, _run_records(2, truth)), (1, _run_records(1, truth))):
+        paths.append(tmp_path / f"w{w}.jsonl")
+        paths[-1].write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert plan.main(["--from-run", str(paths[0]), "--from-run", str(paths[1]), "--run-gpus", "2,1", "--gpus", "2",
+                      "--max-staleness", "1"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert not any("linear data-parallel scaling assumed" in line for line in out)
+    got = {p["label"]: p["step_s"] for p in json.loads(out[-1])["predictions"]}
+    assert got["split R=1 k=1"] == pytest.approx(predict_split(truth, 2, 1, 1).step_s)
+    assert plan.main(["--from-run", str(paths[0]), "--run-gpus", "2", "--gpus", "2"]) == 0
+    assert any("linear data-parallel scaling assumed" in line for line in capsys.readouterr().out.splitlines())
+    with pytest.raises(SystemExit):
+        plan.main(["--from-run", str(paths[0]), "--from-run", str(paths[1]), "--run-gpus", "2", "--gpus", "2"])
+    assert "one per run" in capsys.readouterr().err
+
+
+def test_a_fit_stays_in_the_physical_range():
+    """Two ranks more than twice as fast (noise): the best line through 0, never a negative fixed term. Two
+    ranks slower than one (decode latency-bound, benchmarks/results/placement_cpu long setting): a constant,
+    never a speed-up from fewer rows per rank that a linear fallback would predict."""
+    fast_two = (Rates(0.10, 0.2, 0.0, 0.0), {"world": 2, "rollout_ranks": 0})  # 0.05 s per rank
+    one = (Rates(0.12, 0.3, 0.0, 0.0), {"world": 1, "rollout_ranks": 0})       # 0.12 s on one
+    fitted = fit_rates([fast_two, one])
+    assert fitted.rollout_fixed_s == 0.0 and fitted.train_comm_s == 0.0
+    assert fitted.rollout(1) == pytest.approx((0.5 * 0.05 + 1 * 0.12) / (0.25 + 1))  # least squares, c = 0
+    slow_two = (Rates(0.226, 0.2, 0.0, 0.0), {"world": 2, "rollout_ranks": 0})  # 0.113 s per rank
+    slow_one = (Rates(0.100, 0.2, 0.0, 0.0), {"world": 1, "rollout_ranks": 0})
+    fitted = fit_rates([slow_two, slow_one])
+    assert fitted.rollout_rank_s == 0.0 and fitted.rollout(1) == fitted.rollout(2) == pytest.approx(0.1065)
