@@ -87,12 +87,20 @@ def _rates(args, parser) -> tuple[Rates, dict]:
         parser.error("give --from-run <metrics.jsonl>, or --rollout-s and --train-s (seconds per step)")
     else:
         rates, meta = Rates(0.0, 0.0, 0.0, 0.0), {"runs": []}
-    run_w = worlds[0]
-    over = {"rollout_rank_s": None if args.rollout_s is None else args.rollout_s * run_w,
-            "train_rank_s": None if args.train_s is None else args.train_s * run_w,
-            "switch_s": args.switch_s, "sync_s": args.sync_s, "rollout_fixed_s": args.rollout_fixed_s,
+    over = {"switch_s": args.switch_s, "sync_s": args.sync_s, "rollout_fixed_s": args.rollout_fixed_s,
             "train_comm_s": args.train_comm_s}
-    return dataclasses.replace(rates, **{k: v for k, v in over.items() if v is not None}), meta
+    rates = dataclasses.replace(rates, **{k: v for k, v in over.items() if v is not None})
+    # --rollout-s / --train-s are a half's seconds on run_w ranks colocated: the part that scales with ranks
+    # is what is left after the fixed / collective term (which a group of one rank does not pay).
+    run_w = worlds[0]
+    comm = rates.train_comm_s if run_w > 1 else 0.0
+    for flag, value, fixed, name in (("--rollout-s", args.rollout_s, rates.rollout_fixed_s, "rollout_rank_s"),
+                                     ("--train-s", args.train_s, comm, "train_rank_s")):
+        if value is not None:
+            if value < fixed:
+                parser.error(f"{flag} {value} is less than its fixed term {fixed}: the half cannot be shorter")
+            rates = dataclasses.replace(rates, **{name: (value - fixed) * run_w})
+    return rates, meta
 
 
 def format_table(preds: Sequence[Prediction], best: Prediction) -> str:

@@ -174,3 +174,17 @@ def test_a_fit_stays_in_the_physical_range():
     slow_one = (Rates(0.100, 0.2, 0.0, 0.0), {"world": 1, "rollout_ranks": 0})
     fitted = fit_rates([slow_two, slow_one])
     assert fitted.rollout_rank_s == 0.0 and fitted.rollout(1) == fitted.rollout(2) == pytest.approx(0.1065)
+
+
+def test_named_seconds_keep_their_meaning_with_fixed_and_collective_terms(capsys):
+    """--rollout-s 50 --rollout-fixed-s 25 on 8 ranks: rollout(8) is still 50 s, and a 4-rank pool takes
+    25 + 25 x 2 = 75 s (not 100: half of the generation does not shrink with fewer rows per rank)."""
+    argv = ["--placement", "split", "--gpus", "8", "--rollout-s", "50", "--train-s", "42", "--switch-s", "5",
+            "--sync-s", "1.5", "--rollout-fixed-s", "25", "--train-comm-s", "2", "--max-staleness", "0"]
+    assert plan.main(argv) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rates = Rates(**res["rates"])
+    assert rates.rollout(8) == pytest.approx(50) and rates.train(8) == pytest.approx(42)
+    assert rates.rollout(4) == pytest.approx(75) and rates.train(4) == pytest.approx(2 + 40 * 2)
+    with pytest.raises(SystemExit):
+        plan.main([*argv[:-2], "--rollout-fixed-s", "60"])
