@@ -158,7 +158,9 @@ def head_logprobs(
             raise RuntimeError("lm_head.weight is still sharded inside the model's forward: "
                                "fully_shard the root module (models/fsdp.py), not the head on its own with another mesh")
         logp_R, ent_R = chunked_logprob_entropy(select(hidden), weight_VH, head.bias, targets_R, temperature, chunk_tokens)
-        return torch.stack([logp_R, ent_R], dim=-1)[None]
+        # Stacked from (1, R) pieces, not stacked then unsqueezed: the model returns this tensor, and FSDP2 warns
+        # about a root output that is a view (an in-place op on it would skip the pre-backward hook).
+        return torch.stack([logp_R[None], ent_R[None]], dim=-1)
 
     with _head_replaced(head, logp_and_entropy):
         out = model(**model_inputs, use_cache=False)
