@@ -234,7 +234,7 @@ class Trainer:
         if r.engine == "sglang":
             return engine_cls(self.policy, self.cfg.model.path, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id,
                               tp_size=r.tp_size, weights_dtype=weights_dtype, mem_fraction=r.mem_fraction,
-                              seed=r.seed, timeout_s=r.engine_timeout_s)
+                              seed=r.seed, timeout_s=r.engine_timeout_s, with_tokenizer=r.min_new_tokens > 0)
         if r.engine == "vllm":
             from hybrid_rl.rollout.vllm import build_for_trainer
             longest = max(len(self.encode(row)) for row in [*train_rows, *val_rows])

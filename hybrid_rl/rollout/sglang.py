@@ -82,12 +82,13 @@ class SGLangEngine(SGLangLoraMixin):
 
     def __init__(self, model: torch.nn.Module, model_path: str, pad_id: int, eos_id: int, tp_size: int = 1,
                  weights_dtype: Optional[torch.dtype] = None, mem_fraction: Optional[float] = None, seed: int = 0,
-                 timeout_s: int = 300, engine_kwargs: Optional[dict] = None, release_wait_s: float = 60.0):
+                 timeout_s: int = 300, engine_kwargs: Optional[dict] = None, release_wait_s: float = 60.0,
+                 with_tokenizer: bool = False):
         W, r = D.world_size(), D.rank()
         if tp_size < 1 or W % tp_size or D.local_world_size() % tp_size:
             raise ValueError(f"config key 'rollout.tp_size': {tp_size} must divide the ranks of one node "
                              f"({D.local_world_size()}) and the world ({W})")
-        self.tp_size, self.pad_id, self.eos_id = tp_size, pad_id, eos_id
+        self.tp_size, self.pad_id, self.eos_id, self.with_tokenizer = tp_size, pad_id, eos_id, with_tokenizer
         self.vocab_size = model.config.vocab_size
         self.owner = r - r % tp_size
         self.is_owner = r == self.owner
@@ -100,9 +101,8 @@ class SGLangEngine(SGLangLoraMixin):
         self.device = next(iter(model.parameters())).device
         self._full_bytes = sum(torch.Size(s).numel() for s in self.expected.values()) * self.dtype.itemsize
         self.released = set(SGLANG_TAGS)  # mirrors the engine's offload_tags after the start-up release
-        self.session = False
+        self.session, self.release_wait_s = False, release_wait_s
         self._sent: set[str] = set()
-        self.release_wait_s = release_wait_s
         self.sync_stats = {"bytes": 0, "payloads": 0, "handles": 0}
         self.freed_bytes = 0  # device memory that came back at the last release (CUDA; 0 on CPU)
         self._kv_bytes = 0
@@ -123,8 +123,8 @@ class SGLangEngine(SGLangLoraMixin):
         import sglang
 
         cuda = self.device.type == "cuda"
-        args = dict(model_path=model_path, tp_size=self.tp_size, skip_tokenizer_init=True, load_format="dummy",
-                    enable_memory_saver=cuda, base_gpu_id=(self.device.index or 0) if cuda else 0,
+        args = dict(model_path=model_path, tp_size=self.tp_size, skip_tokenizer_init=not self.with_tokenizer,
+                    load_format="dummy", enable_memory_saver=cuda, base_gpu_id=(self.device.index or 0) if cuda else 0,
                     random_seed=seed + self.owner, dtype=_dtype_name(self.dtype))
         if mem_fraction is not None:
             args["mem_fraction_static"] = mem_fraction
@@ -324,8 +324,7 @@ class SGLangEngine(SGLangLoraMixin):
                 sampling.append(self._sampling_dict(params, i))
         outs = self._calls.run(self.engine.generate, input_ids=ids, sampling_params=sampling, return_logprob=True,
                                lora_path=self.lora_paths(len(ids)))
-        if isinstance(outs, dict):
-            outs = [outs]
+        outs = [outs] if isinstance(outs, dict) else outs
         if len(outs) != len(ids):
             raise RuntimeError(f"SGLang returned {len(outs)} results for {len(ids)} prompts")
         completions = [to_completion(o, i, sampling[i]["stop_token_ids"]) for i, o in enumerate(outs)]
@@ -345,8 +344,11 @@ class SGLangEngine(SGLangLoraMixin):
         if bad:
             raise ValueError(f"stop token ids {bad} are outside the vocabulary (0..{self.vocab_size - 1}); "
                              "SGLang rejects the request")
-        return {"max_new_tokens": p.max_new_tokens, "temperature": 0.0 if p.greedy else p.temperature,
-                "top_p": p.top_p, "top_k": p.top_k, "stop_token_ids": stops, "sampling_seed": p.seed * 1_000_003 + i}
+        if p.min_new_tokens and not self.with_tokenizer:  # 0.5.21: raise_if_tokenizer_required
+            raise ValueError("min_new_tokens needs SGLang's tokenizer (its eos ids are banned too): build "
+                             "SGLangEngine(with_tokenizer=True), as the Trainer does for rollout.min_new_tokens > 0")
+        return {"max_new_tokens": p.max_new_tokens, "min_new_tokens": p.min_new_tokens, "top_p": p.top_p, "top_k": p.top_k,
+                "temperature": 0.0 if p.greedy else p.temperature, "stop_token_ids": stops, "sampling_seed": p.seed * 1_000_003 + i}
 
     # -- owner calls ----------------------------------------------------------
     def _owner_call(self, method: str, *args, check: bool = False, optional: bool = False,
@@ -395,6 +397,4 @@ def _dtype_name(dtype: Optional[torch.dtype]) -> str:
 
 
 def _free_device_bytes(device: torch.device) -> Optional[int]:
-    if device.type != "cuda":
-        return None  # host memory: nothing to wait for
-    return torch.cuda.mem_get_info(device)[0]
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None  # host memory: nothing to wait for

@@ -11,7 +11,7 @@ Rules from sglang-api.md that shape this file:
   * the buffer is fresh per bucket and stays alive until the engine's call has
     returned on the owner (the caller keeps the returned `Export` until then);
   * `monkey_patch_torch_reductions()` only for CUDA tensors (it breaks CPU export);
-  * CPU tensors use the `file_system` sharing strategy: the default fd strategy hands
+  * CPU tensors use the `file_system` sharing strategy (for the export only): the default fd strategy hands
     the descriptor over through the producer's resource-sharer socket, which only a
     process holding the producer's multiprocessing authkey may claim, and the
     scheduler is a child of ANOTHER trainer rank;
@@ -55,11 +55,17 @@ def export_bucket(named_tensors: list[tuple[str, torch.Tensor]], dtype: torch.dt
 
         # Device uuids instead of indices: producer and scheduler may number GPUs differently.
         monkey_patch_torch_reductions()
-    else:
-        torch.multiprocessing.set_sharing_strategy("file_system")
     bucket = FlattenedTensorBucket(named_tensors=tensors)  # a copy: the source may be freed or reused
     flat = bucket.get_flattened_tensor()
-    payload = MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": bucket.get_metadata()})
+    # The strategy is process-wide and read when a tensor is pickled: switched for this export only, so
+    # the caller's own torch.multiprocessing traffic (a DataLoader, a notebook's queues) keeps its own.
+    strategy = torch.multiprocessing.get_sharing_strategy()
+    if device.type != "cuda":
+        torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        payload = MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": bucket.get_metadata()})
+    finally:
+        torch.multiprocessing.set_sharing_strategy(strategy)
     return Export(payload=payload, buffer=flat, nbytes=flat.numel())
 
 

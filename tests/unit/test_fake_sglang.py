@@ -276,6 +276,10 @@ def test_generate_output_format(engine1):
         engine1.generate(input_ids=[5], sampling_params={"max_tokens": 3})
     with pytest.raises(ValueError):
         engine1.generate(prompt="1 2 =")  # no tokenizer with skip_tokenizer_init
+    with pytest.raises(ValueError, match="min_new_tokens=2 is unavailable when skip_tokenizer_init=True"):
+        engine1.generate(input_ids=[5], sampling_params={"min_new_tokens": 2})  # 0.5.21's normalize
+    with pytest.raises(ValueError, match="min_new_tokens must be in"):
+        engine1.generate(input_ids=[5], sampling_params={"min_new_tokens": -1})
 
 
 @pytest.mark.slow

@@ -95,6 +95,52 @@ def test_a_stop_token_at_the_length_limit_finishes_as_stop(setup):
     assert got.finish_reason == want.finish_reason == "stop"
 
 
+def test_min_new_tokens_bans_eos_and_the_extra_stops_like_the_native_engine(setup, tiny_model_dir):
+    """rollout.min_new_tokens goes to SGLang as min_new_tokens, which 0.5.21 serves only with its tokenizer
+    (skip_tokenizer_init=True refuses it): the first greedy token of a prompt, made a stop id, ends that row at
+    once without it and is skipped for the first 3 tokens with it, as the native engine's loop does. SGLang's
+    penalizer adds -inf to the logits before its sampler, so logprobs are the masked distribution's, as native."""
+    from hybrid_rl.rollout.base import SamplingParams
+    from hybrid_rl.rollout.native import NativeEngine
+    from hybrid_rl.rollout.sglang import SGLangEngine
+    from hybrid_rl.switch.phases import PhaseManager
+
+    policy, plain_engine, _, tok = setup
+    with pytest.raises(ValueError, match="with_tokenizer=True"):
+        plain_engine._sampling_dict(SamplingParams(max_new_tokens=8, greedy=True, min_new_tokens=3), 0)
+    policy = copy.deepcopy(policy)
+    engine = SGLangEngine(policy, tiny_model_dir, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, with_tokenizer=True)
+    try:
+        pm = PhaseManager(policy, torch.optim.AdamW(policy.parameters(), lr=1e-3), engine, torch.device("cpu"),
+                          bucket_bytes=64 << 10)
+        stop = _rollout(pm, PROMPTS, _greedy())[0].token_ids[0]
+        plain = SamplingParams(max_new_tokens=8, greedy=True, stop_token_ids=(stop,))
+        assert len(_rollout(pm, PROMPTS, plain)[0].token_ids) == 1
+        sp = SamplingParams(max_new_tokens=8, greedy=True, stop_token_ids=(stop,), min_new_tokens=3)
+        got = _rollout(pm, PROMPTS, sp)
+        want = NativeEngine(copy.deepcopy(policy), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id).generate(PROMPTS, sp)
+    finally:
+        engine.shutdown()
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
+    assert len(got[0].token_ids) > 3 and stop not in got[0].token_ids[:3]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+def test_a_cpu_export_switches_the_sharing_strategy_for_itself_only():
+    """CPU payloads travel as file_system shared memory (a scheduler is not a child of the exporting rank), but
+    the strategy is process-wide: left switched, every later torch.multiprocessing payload of the caller (a
+    DataLoader worker's, the stand-in tests' fd payloads) would travel differently."""
+    from hybrid_rl.rollout.weight_transport import export_bucket
+
+    before = torch.multiprocessing.get_sharing_strategy()
+    assert before != "file_system", "the check needs the default strategy"
+    export = export_bucket([("w", torch.ones(4))], None)
+    assert b"rebuild_storage_filename" in export.payload, "the payload itself is a file_system handle"
+    assert torch.multiprocessing.get_sharing_strategy() == before
+
+
 def test_sampled_logprobs_equal_the_trainers_at_the_sampling_temperature(setup):
     from hybrid_rl.models.logprobs import build_sequences, response_logprobs
     from hybrid_rl.rollout.base import SamplingParams

@@ -233,6 +233,7 @@ class Engine(LoraEngineMixin):
                 raise ValueError(f"got {len(dicts)} sampling_params for {num} prompts")
         params = [SamplingParams(**d) for d in dicts]  # unknown key: TypeError
         for sp in params:
+            sp.check_tokenizer(self.tokenizer)
             sp.verify(self._vocab_size)
         if len({sp.n for sp in params}) > 1:
             raise ValueError("all requests in a batch must use the same n")

@@ -136,7 +136,8 @@ class TpModelWorker:
                 out = self.model(input_ids=tok_N1, attention_mask=attn_NP, position_ids=pos_N1,
                                  past_key_values=cache, use_cache=True)
                 cache, last_NV = out.past_key_values, out.logits[:, -1].float()
-            tokens, logprobs = self._sample(last_NV, [sps[i] for i in live], [len(prompts[i]) + step for i in live])
+            logits_NV = self._ban_early_stops(last_NV, [sps[i] for i in live], step)
+            tokens, logprobs = self._sample(logits_NV, [sps[i] for i in live], [len(prompts[i]) + step for i in live])
             keep = []
             for k, (i, token, logprob) in enumerate(zip(live, tokens, logprobs)):
                 res = results[i]
@@ -153,6 +154,18 @@ class TpModelWorker:
                     keep.append(k)
             step += 1
         return results
+
+    def _ban_early_stops(self, logits_NV: torch.Tensor, sps: List[Dict[str, Any]], step: int) -> torch.Tensor:
+        """BatchedMinNewTokensPenalizer: while a row has fewer than min_new_tokens outputs, its stop ids
+        (stop_token_ids, the config's and the tokenizer's eos; ignore_eos does not matter) get -inf added
+        to the logits, before the sampler: the draw and the returned logprob both see the ban."""
+        rows = [k for k, sp in enumerate(sps) if step < sp["min_new_tokens"]]
+        if not rows:
+            return logits_NV
+        logits_NV = logits_NV.clone()
+        for k in rows:
+            logits_NV[k, sorted(set(sps[k]["stop_token_ids"]) | self.eos_ids)] = float("-inf")
+        return logits_NV
 
     def _input_logprobs(self, prompt: List[int], logp_PV: torch.Tensor, start: int) -> list:
         # Prompt logprobs are always at T = 1 (note 1.5). Like SGLang, the first returned

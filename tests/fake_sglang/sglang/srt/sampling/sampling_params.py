@@ -18,7 +18,7 @@ DEFAULT_SAMPLING_SEED = 42
 
 _UNIMPLEMENTED_DEFAULTS = {
     "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-    "min_new_tokens": 0, "json_schema": None, "regex": None, "ebnf": None,
+    "json_schema": None, "regex": None, "ebnf": None,
     "structural_tag": None, "stop_regex": None, "logit_bias": None, "custom_params": None,
 }
 
@@ -64,6 +64,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (disable), or at least 1, got {self.top_k}.")
         if self.max_new_tokens is None or self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens({self.max_new_tokens})], "
+                             f"got {self.min_new_tokens}.")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
         for tid in self.stop_token_ids or []:
@@ -72,6 +75,19 @@ class SamplingParams:
         for key, default in _UNIMPLEMENTED_DEFAULTS.items():
             if getattr(self, key) != default:
                 raise NotImplementedError(f"the sglang stand-in does not implement sampling param {key!r}")
+
+    def check_tokenizer(self, tokenizer: Any) -> None:
+        """0.5.21's raise_if_tokenizer_required (called from normalize, before verify): without a
+        tokenizer (skip_tokenizer_init=True) stop strings and min_new_tokens are refused; the
+        min-new-tokens penalizer reads the tokenizer's eos_token_id."""
+        if tokenizer is not None:
+            return
+        if self.stop:
+            raise ValueError(f"stop={self.stop!r} is unavailable when skip_tokenizer_init=True "
+                             "(requires tokenizer to decode tokens to text for matching).")
+        if self.min_new_tokens > 0:
+            raise ValueError(f"min_new_tokens={self.min_new_tokens} is unavailable when skip_tokenizer_init=True "
+                             "(requires tokenizer for eos_token_id).")
 
     def normalized(self) -> Dict[str, Any]:
         """A plain dict for the scheduler, with greedy spelled out as SGLang does."""
