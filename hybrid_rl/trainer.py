@@ -158,7 +158,8 @@ class Trainer:
                               [as_policy, as_ref] if own_ref else [as_policy], load=load, dtype=dtype,
                               mesh=self.split.mesh if self.split else None)
         self.policy, self.ref = models[0], (models[1] if len(models) > 1 else None)
-        self.rewards.build_model(rows[:2], self.device, self._mixed)
+        if not self.split:  # a split run's reward model lives on its rollout ranks (split/roles.py)
+            self.rewards.build_model(rows[:2], self.device, self._mixed)
 
     def _build_optimizer(self) -> None:
         """AdamW, its lr schedule over the run's optimizer steps, and the update's settings."""
@@ -244,7 +245,7 @@ class Trainer:
     def _build_rollout_rank(self, rows: list[dict]) -> None:
         """A split rollout rank: its own copy of the policy under the configured engine, the rollout stage on
         this rank's loader slice; no optimizer, phase switch, checkpointer or loggers (split/rollout_loop.py)."""
-        self.policy = split_roles.load_rollout_model(self.cfg, self.device)
+        self.policy = split_roles.load_rollout_models(self.cfg, self.split, self.device, self.rewards, rows)
         self.engine = self._build_engine(None, rows, [])
         self.rollout_stage = RolloutStage(self.cfg, self.encode, self.rewards, self.tokenizer, self.stop_token_ids,
                                           self.stop_set, self.device, self.cfg.trainer.out_dir)

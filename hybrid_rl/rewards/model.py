@@ -148,9 +148,12 @@ def inspect_reward_model(path: str, score_index: int = -1, score_token: str = ""
     return spec, tok
 
 
-def load_reward_model(spec: RewardModelSpec, device: torch.device, bf16: bool) -> torch.nn.Module:
-    """The frozen module, FSDP2-sharded over every rank (bf16 weights when `bf16`, else fp32); only rank 0
-    reads the weights (`models.fsdp.load_sharded`)."""
+def load_reward_model(spec: RewardModelSpec, device: torch.device, bf16: bool, mesh=None,
+                      whole: bool = False) -> torch.nn.Module:
+    """The frozen module (bf16 weights when `bf16`, else fp32), FSDP2-sharded over every rank, of which only
+    rank 0 reads the weights (`models.fsdp.load_sharded`); or over `mesh` only (the split placement's rollout
+    ranks, each of which reads them); or, `whole`, one unsharded copy on this rank (a split run's only rollout
+    rank: no peer to shard with, and no collective in its forward)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
 
@@ -177,8 +180,13 @@ def load_reward_model(spec: RewardModelSpec, device: torch.device, bf16: bool) -
             model.config.pad_token_id = -1
             model.config.get_text_config().pad_token_id = -1
 
+    if whole:
+        model = load()
+        frozen(model)
+        return model.to(device)
     # Already in its final dtype: no mixed-precision policy (nothing of it is trained).
-    return load_sharded(spec.path, device, False, "sdpa", [frozen], load=load, model_class=cls, dtype=dtype)[0]
+    return load_sharded(spec.path, device, False, "sdpa", [frozen], load=load, model_class=cls, dtype=dtype,
+                        mesh=mesh)[0]
 
 
 def encode_texts(tokenizer, prompts: Sequence[str], completions: Sequence[str]) -> list[list[int]]:

@@ -136,13 +136,15 @@ class RewardSetup:
         rows = rows[:2]
         self.rule_rewards(rows, [Completion([], [], "length") for _ in rows], 1, tokenizer, set())
 
-    def build_model(self, probe_rows: list[dict], device: torch.device, mixed: bool) -> None:
+    def build_model(self, probe_rows: list[dict], device: torch.device, mixed: bool, mesh=None,
+                    whole: bool = False) -> None:
         """Load reward.model_path (sharded, frozen) into `module` and its `scorer`, if the run has one; probed once
-        on placeholder completions (every rank: the forward is a collective), so a model that scores NaN fails
-        before training."""
+        on placeholder completions (every rank that holds a shard: the forward is a collective), so a model that
+        scores NaN fails before training. mesh / whole: where a split run's rollout ranks hold it
+        (load_reward_model; split/roles.py load_rollout_models)."""
         if self.rm_spec is None:
             return
-        module = load_reward_model(self.rm_spec, device, bf16=mixed)
+        module = load_reward_model(self.rm_spec, device, bf16=mixed, mesh=mesh, whole=whole)
         scorer = RewardModelScorer(self.rm_spec, self.rm_tokenizer, device, self.max_tokens_per_micro_batch)
         scorer(module, [r["prompt"] for r in probe_rows], ["" for _ in probe_rows])
         self.module, self.scorer = module, scorer

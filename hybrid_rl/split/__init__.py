@@ -21,12 +21,23 @@ Who runs what (W ranks, R = trainer.rollout_ranks, k = trainer.max_staleness; La
                   are learner-group collectives; learner rank 0 broadcasts to the sync group).
   ranks W-R..W-1  rollout ranks: an engine (native with its own copy, vLLM, SGLang), no optimizer. Loop over
                   batches b = 0, 1, ...: receive_weights for each version in syncs_before(b, v, k); draw this
-                  rank's prompts from its own PromptLoader(rank=r-(W-R), world_size=R); generate; rule rewards
-                  and dynamic-sampling filters here (a reward model is refused: see below);
+                  rank's prompts from its own PromptLoader(rank=r-(W-R), world_size=R); generate; rewards (rule
+                  and reward model: see below) and dynamic-sampling filters here;
                   tag each group with the version (per token when partial rollouts swap mid-sequence);
                   send_groups to learner rank 0.
   The PhaseManager is not used on either side: nothing switches. Process groups every rank creates, in order:
-  the learner mesh (DeviceMesh over the learner ranks), the sync group [0] + rollout ranks (new_group).
+  the learner mesh (DeviceMesh over the learner ranks), the learner and rollout pools' groups, the sync group
+  [0] + rollout ranks (new_group), and with a reward model on R > 1 rollout ranks the rollout mesh (comm.py).
+
+Reward model (reward.model_path): it lives on the rollout ranks, resident beside the engine, and the learners
+never load it (roles.load_rollout_models). Why there: a group is complete on its rollout rank, and the
+dynamic-sampling filter needs its rewards before the group is sent; on the learners the filter would have to
+move after the queue, and the reward model would take memory the learners' training needs. The price: a
+second model on every rollout rank, and its scoring (time/reward) on the pool that is the bottleneck where
+split pays (long generations). Placement: with R > 1 FSDP2-sharded over a DeviceMesh of the rollout ranks
+(1/R per rank, as colocated shards it over every rank; the rollout ranks already move in step, so its
+collectives add no new waiting); with R = 1 one unsharded copy (no peer to shard with). It is loaded and
+probed there before the engine is built, so the engine sizes its cache from what is left.
 
 Staleness: batch b is generated with exactly version max(0, b - k) (staleness.py explains why not the
 freshest): k = 0 alternates and is on-policy; queue capacity = groups per step x (k + 1).
@@ -49,11 +60,9 @@ learner rank 0 then receives what the rollout ranks can still make and sends STO
 (weight_sync.send_stop), so they end at once, not at their timeout (rollout_loop.py).
 
 Refused in split mode, before a model is built (roles.setup), and why:
-  reward model  it would score on the rollout ranks (the groups are complete there, and the dynamic-sampling
-                filter needs the rewards before a group is sent), which puts a second resident model on
-                every rollout rank beside the engine, and its scoring on the side that is the bottleneck
-                where split pays (long generations); on the learners it would need the filters moved after
-                the queue. Neither is built yet: use rule rewards, or placement=colocated with a reward model.
+  reward.normalize_model  the running normaliser of the reward model's scores updates on the rollout ranks,
+                and the learners' checkpoint does not carry it yet (it would travel as the loader's position
+                does: in the rollout report and the start message), so a resume would restart it.
   validation    the learners hold no engine, and the rollout ranks generate the next batches with the
                 weights the schedule fixes (a validation pass there would need its own version in the
                 protocol). Evaluate a checkpoint in a colocated run (trainer.val_before_train) instead.

@@ -3,7 +3,9 @@
 Every rank creates every group, in the same order (torch requires it): the learner mesh (a DeviceMesh over
 the learner ranks: the policy's FSDP2 shards), the learner pool's group (metrics, normalisers, whitening),
 the rollout pool's group (dynamic-sampling decisions and reward statistics), and the sync group (learner
-rank 0 + the rollout ranks: weights and the run's start message). Then `distributed.use_group` scopes this
+rank 0 + the rollout ranks: weights and the run's start message), and, for a run with a reward model on
+R > 1 rollout ranks, the rollout mesh (a DeviceMesh over the rollout ranks: the reward model's FSDP2 shards,
+split/roles.py says why it lives there). Then `distributed.use_group` scopes this
 rank's library collectives to its own pool, so the colocated code runs on each pool as it would on a world
 of that pool's size (a rollout rank's prompt slice and sampling seeds are those of rank r - (W - R) of R).
 """
@@ -25,6 +27,7 @@ class SplitComm:
     mesh: Any  # the learner ranks' DeviceMesh (None on rollout ranks)
     sync_group: Any
     timeout_s: float
+    rollout_mesh: Any = None  # the rollout ranks' DeviceMesh for the reward model (None: none, or R == 1, or a learner)
 
     @property
     def role(self) -> str:
@@ -35,8 +38,9 @@ class SplitComm:
         return len(self.layout.learners)
 
 
-def setup_split(rollout_ranks: int, device: torch.device, timeout_s: float) -> SplitComm:
-    """The groups (module docstring) and this rank's scope; call on every rank, right after distributed.init."""
+def setup_split(rollout_ranks: int, device: torch.device, timeout_s: float, reward_model: bool = False) -> SplitComm:
+    """The groups (module docstring) and this rank's scope; call on every rank, right after distributed.init.
+    reward_model: the run has one (reward.model_path), so the rollout mesh is made (every rank, same order)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if not D.is_dist():
@@ -49,12 +53,16 @@ def setup_split(rollout_ranks: int, device: torch.device, timeout_s: float) -> S
     learner_group = D.new_group(layout.learners, int(timeout_s), backend=backend)
     rollout_group = D.new_group(layout.rollouts, int(timeout_s), backend=backend)
     sync_group = D.new_group([0, *layout.rollouts], int(timeout_s))
+    # Made after the other groups, so a run without a reward model creates exactly the groups it did before.
+    rollout_mesh = (DeviceMesh(device.type, torch.tensor(layout.rollouts))
+                    if reward_model and len(layout.rollouts) > 1 else None)
     rollout = layout.is_rollout(me)
     if rollout:
         D.use_group(rollout_group, layout.rollouts)
     else:
         D.use_group(learner_group, layout.learners)
-    return SplitComm(layout, rollout, None if rollout else mesh, sync_group, timeout_s)
+    return SplitComm(layout, rollout, None if rollout else mesh, sync_group, timeout_s,
+                     rollout_mesh if rollout else None)
 
 
 def start_message(comm: SplitComm, first_batch: int, last_batch: int, loader_state: Optional[dict]) -> dict:

@@ -3,6 +3,7 @@ it hands over: the Trainer dispatches, these build (the Trainer itself is never 
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -19,16 +20,18 @@ def setup(cfg, device: torch.device) -> Optional[SplitComm]:
     t = cfg.trainer
     if t.placement != "split":
         return None
-    if cfg.reward.model_path:
-        raise ValueError("config key 'reward.model_path': a reward model is not wired into the split placement yet "
-                         "(it would score on the learner ranks); use rule rewards or trainer.placement=colocated")
+    if cfg.reward.model_path and cfg.reward.normalize_model:
+        raise ValueError("config key 'reward.normalize_model': the running normaliser of the reward model's scores "
+                         "lives on the rollout ranks in the split placement, and a checkpoint (written by the "
+                         "learners) does not carry it yet, so a resumed run would restart it; set it false (weight "
+                         "the model part with reward.weights.model instead) or use trainer.placement=colocated")
     if cfg.model.lora.enabled:
         raise ValueError("config key 'model.lora.enabled': LoRA is not wired into the split placement yet (the sync "
                          "would send the adapters only); use trainer.placement=colocated")
     if t.val_every or t.val_before_train:
         raise ValueError("config key 'trainer.val_every' / 'trainer.val_before_train': validation is not wired into "
                          "the split placement yet (the learners hold no engine); set both off or use colocated")
-    return setup_split(t.rollout_ranks, device, t.dist_timeout_s)
+    return setup_split(t.rollout_ranks, device, t.dist_timeout_s, reward_model=bool(cfg.reward.model_path))
 
 
 def learner_side(cfg, comm: Optional[SplitComm], loader, rows: list[dict], pad_id: int, device: torch.device,
@@ -42,17 +45,31 @@ def learner_side(cfg, comm: Optional[SplitComm], loader, rows: list[dict], pad_i
 
 
 def rollout_side(cfg, comm: SplitComm, stage, engine, loader, rows: list[dict]) -> RolloutSide:
-    return RolloutSide(comm, stage, engine, loader, rows, cfg.trainer.max_staleness, cfg.trainer.seed)
+    """The loop; the stage scores with the reward model (if any) simply resident: nothing switches here."""
+    module = stage.rewards.module
+    phase = None if module is None else (lambda: contextlib.nullcontext(module))
+    return RolloutSide(comm, stage, engine, loader, rows, cfg.trainer.max_staleness, cfg.trainer.seed,
+                       model_phase=phase)
 
 
-def load_rollout_model(cfg, device: torch.device) -> torch.nn.Module:
+def load_rollout_models(cfg, comm: SplitComm, device: torch.device, rewards, rows: list[dict]) -> torch.nn.Module:
     """A rollout rank's own whole copy of the policy at version 0, as the learners load it (fp32 on CPU; the
-    inference dtype on CUDA), in eval mode; later versions arrive through the weight sync."""
+    inference dtype on CUDA), in eval mode (later versions arrive through the weight sync); and the run's
+    reward model, if any, loaded and probed here, before the engine sizes its cache from what is free.
+
+    Why the reward model lives on the rollout ranks, not the learners: a group is complete there, and the
+    dynamic-sampling filter needs its rewards before the group is sent; scoring on the learners would move
+    the filter after the queue, and cost the learners memory their training needs. It is FSDP2-sharded over
+    the rollout ranks (comm.rollout_mesh), 1/R per rank beside the engine, as colocated shards it over every
+    rank: the rollout ranks already move in step (the sampling decisions and the running normaliser are
+    rollout-pool collectives), so its per-micro-batch collectives add no new waiting. With R == 1 there is
+    no peer to shard with: one unsharded copy, whose forward is no collective at all."""
     from hybrid_rl.models.fsdp import disable_dropout
     from hybrid_rl.models.loading import load_causal_lm
 
     mixed = device.type == "cuda" and cfg.model.dtype in ("auto", "bfloat16")
     model = load_causal_lm(cfg.model.path, torch.bfloat16 if mixed else torch.float32, cfg.model.attn_implementation)
+    rewards.build_model(rows[:2], device, mixed, mesh=comm.rollout_mesh, whole=comm.rollout_mesh is None)
     return disable_dropout(model).to(device).eval()
 
 

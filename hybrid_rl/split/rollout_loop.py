@@ -1,7 +1,8 @@
 """The rollout ranks' loop of a split run: weights in, the colocated ROLLOUT + REWARD stage, groups out.
 
 Per batch b of this fit(): receive the versions `syncs_before(b, v, k)` (schedule.py: exactly version
-max(0, b - k), whatever arrives sooner), run rollout_stage.RolloutStage on this rank's own PromptLoader
+max(0, b - k), whatever arrives sooner), run rollout_stage.RolloutStage (with the reward model, if any,
+resident on these ranks: split/roles.py load_rollout_models) on this rank's own PromptLoader
 slice (the stage's sampling seeds from b, as a colocated step seeds from its finished steps), tag every
 group with the version that made it, and send the groups and a JSON report (the stage's metrics, seconds,
 tokens, the loader's position after the batch, a signal this rank received) to learner rank 0. Nothing
@@ -30,10 +31,13 @@ from hybrid_rl.stop import StopSignal
 
 
 class RolloutSide:
-    def __init__(self, comm: SplitComm, stage, engine, loader, rows: list[dict], max_staleness: int, seed: int = 0):
+    def __init__(self, comm: SplitComm, stage, engine, loader, rows: list[dict], max_staleness: int, seed: int = 0,
+                 model_phase=None):
         """stage: the RolloutStage; loader: this rank's PromptLoader (rank r - (W - R) of R); rows: the dataset
-        (a group travels with its row's index); seed: trainer.seed (the per-batch reseed)."""
+        (a group travels with its row's index); seed: trainer.seed (the per-batch reseed); model_phase: the
+        reward model's context for the stage (None without one): it yields the resident module."""
         self.comm, self.stage, self.engine, self.loader, self.k = comm, stage, engine, loader, max_staleness
+        self.model_phase = model_phase
         self.seed, self.signal = seed, None
         self.row_index = {id(r): i for i, r in enumerate(rows)}
         self.version = 0  # the weights the engine holds
@@ -70,7 +74,7 @@ class RolloutSide:
         wait = time.perf_counter() - t0 - synced
         seed_all(self.seed + 1_000_003 * (b + 1) + 7919 * D.rank())
         timer = StageTimer()
-        batch, metrics = self.stage.run(self.engine, self.loader, b, timer)
+        batch, metrics = self.stage.run(self.engine, self.loader, b, timer, model_phase=self.model_phase)
         groups = self.versioned(batch)
         dst, peer = 0, "learner rank 0"
         send_groups(groups, dst, self.comm.timeout_s, peer=peer)

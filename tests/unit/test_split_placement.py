@@ -40,3 +40,18 @@ def test_correct_with_a_correction_and_tp_engines_pass():
     lay = check_placement(8, 4, 2, "correct", tp_size=2, batch_size=32, group_size=8, mini_batch_size=64,
                           rollout_correction="tis_token")
     assert lay.rollouts == [4, 5, 6, 7]
+
+
+def test_a_reward_model_is_let_through_but_its_running_normaliser_is_refused(tmp_path):
+    """Catches: split refusing a reward model again, or letting a normaliser through that a checkpoint loses
+    (split/roles.py setup; before any group or model is built, so no process group is needed here)."""
+    import torch
+
+    from hybrid_rl.config_load import load_config
+    from hybrid_rl.split import roles
+
+    base = ["trainer.placement=split", "trainer.rollout_ranks=1", f"reward.model_path={tmp_path}"]
+    with pytest.raises(ValueError, match=r"config key 'reward.normalize_model': .*rollout ranks"):
+        roles.setup(load_config(None, [*base, "reward.normalize_model=true"]), torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"config key 'trainer.placement': split needs several processes"):
+        roles.setup(load_config(None, base), torch.device("cpu"))  # past the refusals: the groups are next
