@@ -1,22 +1,25 @@
 """Colocated against split placement (max_staleness 0, 1, 2) on the same 2 CPU processes, with the planner's
 prediction beside each measurement (issue 27).
 
-    python benchmarks/placement.py [--steps 14] [--settings tiny,long]
+    python benchmarks/placement.py [--steps 60] [--settings tiny,long] [--long-tokens 64,128]
 
 Settings:
   tiny  the tiny recipe (recipes/grpo_tiny.yaml: 128 prompts x 8 samples, 4 new tokens): training is the
         longer half.
-  long  long, uneven completions: the digits task with 64 new tokens and few prompts (8 x 8), where a
-        random-init policy rarely says EOS early, so most samples run to the cap and a few stop early:
-        generation (one token per decode step for the whole batch) is the longer half.
-Each configuration is one 2-rank launch (tests/distributed/launch.py) of `Trainer.fit(steps)`: colocated (both
-ranks generate and train) and split (rank 0 learns, rank 1 generates). Per configuration: the median seconds
-per step after the first 2 (warm-up), tokens generated per second, each pool's idle fraction (split: the
-learner's wait for batches and the rollout rank's wait for weights, over the step; colocated has one pool,
-which never waits on another), the mean staleness of trained samples, and the mean reward of the steps
-finished by a fixed wall time (the shortest run's total time in that setting: every run reaches it).
-The prediction: hybrid_rl/split/rates.py's model fed with the colocated run's measured rates, as
-`python -m hybrid_rl.plan --from-run <colocated metrics.jsonl> --run-gpus 2 --gpus 2` does.
+  long  long, uneven completions: 2 prompts x 4 samples, EOS banned for the first 64 tokens
+        (rollout.min_new_tokens), at most 128, no KL or entropy term: each decode step costs about the same
+        for 8 rows as for 4, the whole batch waits for its longest row, and training is one parallel pass,
+        so generation is the longer half.
+Each configuration is one launch (tests/distributed/launch.py) of `Trainer.fit(steps)`: colocated on 2 ranks
+(both generate and train), colocated on 1 process (the planner's second input), and split (rank 0 learns,
+rank 1 generates). Per configuration: the median seconds per step after the first 2 (warm-up), tokens
+generated per second, each pool's idle fraction (split: the learner's wait for batches and the rollout rank's
+wait for weights, over the step; colocated has one pool, which never waits on another), the mean staleness
+of trained samples, and the mean reward of the last 10 steps finished by a fixed wall time (the shortest
+run's total time in that setting: every run reaches it).
+The prediction: hybrid_rl/split/rates.py's model fitted to the two colocated runs (2 ranks and 1 process),
+as `python -m hybrid_rl.plan --from-run <2-rank metrics.jsonl> --from-run <1-process metrics.jsonl>
+--run-gpus 2,1 --gpus 2` does; no split run is an input, so every split row is a prediction.
 The load average is printed before and after: on a shared machine the numbers are indicative only.
 The last line is a JSON object.
 """
@@ -57,7 +60,7 @@ def _fit(rank: int, overrides: list[str], steps: int) -> list[dict]:
     return [{k: v for k, v in m.items() if isinstance(v, (int, float))} for m in history]
 
 
-def _reward_at(history: list[dict], wall_s: float, window: int = 3) -> float:
+def _reward_at(history: list[dict], wall_s: float, window: int = 10) -> float:
     """Mean reward of the last `window` steps finished by `wall_s` seconds of steps."""
     done, t = [], 0.0
     for m in history:
@@ -149,7 +152,7 @@ def main() -> None:
     from hybrid_rl.rewards.toy import DIGIT_WORDS
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--settings", default="tiny,long")
     ap.add_argument("--long-tokens", default="64,128", help="min,max new tokens of the long setting")
     args = ap.parse_args()
