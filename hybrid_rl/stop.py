@@ -13,24 +13,34 @@ from hybrid_rl import distributed as D
 
 
 class TrainingInterrupted(SystemExit):
-    """A run stopped by a signal after writing a checkpoint; exit status 128 + signal number."""
+    """A run stopped by a signal after writing a checkpoint; exit status 128 + signal number.
+
+    `announce` prints the message; `Trainer.fit` calls it after its own closing lines (the curve, the
+    time split), so that it is the last thing the library prints: under torchrun, only torchrun's
+    report of the signal comes after it."""
 
     def __init__(self, signum: int, step: int, checkpoint: str):
         name = signal.Signals(signum).name
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
         self.message = (f"interrupted by {name} after step {step}; checkpoint {checkpoint} written. "
                         "Run the same command again to resume (trainer.resume=auto)") + under_torchrun_note()
+        super().__init__(128 + signum)
+
+    def announce(self) -> None:
         if D.is_main():
             print(self.message, flush=True)
-        super().__init__(128 + signum)
 
 
 def under_torchrun_note() -> str:
-    """What torchrun prints after a clean stop, said before it does ('' outside torchrun). torchrun's agent
-    handles the signal itself: it raises SignalException, stops the workers with the same signal (SIGKILL
-    after TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default) and re-raises it whatever they exit with, so
-    its traceback always comes last (torch/distributed/elastic/agent/server/api.py); no exit of ours
-    can make it quiet or print after it."""
+    """What torchrun prints after a clean stop, said before it does ('' outside torchrun).
+
+    torchrun's agent (torch 2.13, torch/distributed/elastic/) handles SIGTERM, SIGINT, SIGHUP and SIGQUIT
+    itself (TORCHELASTIC_SIGNALS_TO_HANDLE, read by the agent): its handler raises SignalException, the
+    agent sends the same signal to the workers, waits for them (SIGKILL after TORCH_ELASTIC_SHUTDOWN_TIMEOUT,
+    30 s by default) and re-raises whatever they exit with, so its traceback always comes last and torchrun
+    exits 1. No exit of ours can make it quiet or print after it. A signal sent to the workers alone is
+    worse: the agent reports the first rank to exit non-zero as 'FAILED' (ChildFailedError), so the docs
+    say to signal torchrun (or the whole job), not the workers (docs/checkpoints.md)."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return ""
     return (". torchrun got the signal too and will print 'SignalException: Process ... got signal' with a "

@@ -364,6 +364,7 @@ class Trainer:
         show = D.is_main() and t.progress_bar and interactive()
         bar = tqdm(total=max(total, 0), disable=not show, desc="grpo", dynamic_ncols=True)
         stop = StopSignal()
+        interrupted: Optional[TrainingInterrupted] = None
         try:
             with D.failure_context(lambda: (state.step, self.phases.failed_phase or self.phases.phase)):
                 if t.val_before_train and state.step == 0:
@@ -383,7 +384,8 @@ class Trainer:
                         if self.split:  # the rollout ranks end now, not at their timeout
                             self.learner_side.stop(state.step)
                         self.close()
-                        raise TrainingInterrupted(signum, state.step, path)
+                        interrupted = TrainingInterrupted(signum, state.step, path)
+                        raise interrupted
         finally:
             stop.restore()
             bar.close()
@@ -392,4 +394,6 @@ class Trainer:
                 plot_curve(whole, os.path.join(self.out_dir, "reward_curve.png"))
                 self.phases.ledger.write_report(state.ledger_rollout, self.out_dir, self.offload.message)
                 print(split_summary(whole))
+            if interrupted is not None:  # last: under torchrun only torchrun's report of the signal follows
+                interrupted.announce()
         return state.history

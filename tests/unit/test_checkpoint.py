@@ -274,9 +274,10 @@ def test_export_keeps_the_source_models_dtype(tiny_model_dir, tmp_path):
     assert declared_and_stored(export_checkpoint(ckpt_dir, str(tmp_path / "f32"), "float32")) == ("float32", {torch.float32})
 
 
-def test_sigint_mid_step_finishes_the_step_then_checkpoints(tiny_model_dir, tmp_path):
+def test_sigint_mid_step_finishes_the_step_then_checkpoints(tiny_model_dir, tmp_path, capsys):
     """Ctrl-C inside step 2's reward: step 2 completes, a checkpoint of step 2 is written, the loggers
-    are closed, and fit raises TrainingInterrupted (exit status 130); the handlers are restored."""
+    are closed, and fit raises TrainingInterrupted (exit status 130); the handlers are restored. Its
+    message is the last line fit prints (after the time split), as a clean stop should read."""
     import signal
 
     from hybrid_rl.stop import TrainingInterrupted
@@ -290,6 +291,8 @@ def test_sigint_mid_step_finishes_the_step_then_checkpoints(tiny_model_dir, tmp_
     with pytest.raises(TrainingInterrupted) as info:
         tr.fit()
     assert info.value.code == 128 + signal.SIGINT and info.value.step == 2
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed[-1] == info.value.message and "time split over 2 steps" in printed[-2], printed[-3:]
     assert signal.getsignal(signal.SIGINT) is before
     assert info.value.checkpoint.endswith("step_00000002") and os.path.isfile(os.path.join(info.value.checkpoint,
                                                                                           "meta.json"))

@@ -124,4 +124,5 @@ def test_a_stop_under_torchrun_says_what_torchrun_prints_next(monkeypatch, capsy
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run")
     stop = TrainingInterrupted(15, 3, "/c")
     assert stop.code == 143 and "SignalException" in stop.message and "not a failure" in stop.message
+    stop.announce()
     assert stop.message in capsys.readouterr().out
