@@ -9,6 +9,8 @@ the scenarios in order, each returning its result or its traceback so that only 
   hang       rank 1 stays silent: rank 0's receive ends after its short timeout naming rollout rank 1;
   dead       rank 1 leaves (its sockets close, as a killed process's do): rank 0's receive fails at once,
              naming rollout rank 1.
+A second 2-rank launch kills the other side: the learner leaves while the rollout rank waits for weights,
+whose receive fails at once naming learner rank 0, and the engine is left expecting a whole sync again.
 A 3-rank launch syncs from 2 learner ranks (the gathers span both shards) to 1 rollout rank.
 """
 from __future__ import annotations
@@ -184,3 +186,33 @@ def test_weight_sync_gathers_from_two_learner_shards(tiny_model_dir):
     learner0, learner1, rollout = run_ranks(_three_ranks, world=3, args=(tiny_model_dir,), timeout=180)
     _check_sync(_ok(learner0), _ok(rollout))
     assert _ok(learner1)["stats"].bytes == 0  # it gathered, only learner rank 0 sends
+
+
+def _learner_leaves(rank: int, model_dir: str) -> dict:
+    from hybrid_rl import distributed as D
+    from hybrid_rl.split.transport import PeerError
+    from hybrid_rl.split.weight_sync import receive_weights
+
+    D.init("cpu", timeout_s=60)
+    sync_group = torch.distributed.new_group([0, 1], backend="gloo")
+    torch.distributed.barrier()
+    if rank == 0:
+        torch.distributed.destroy_process_group()  # every socket closes, as a killed learner's do
+        return {}
+    from hybrid_rl.models.loading import load_causal_lm
+    from hybrid_rl.rollout.native import NativeEngine
+
+    engine = NativeEngine(load_causal_lm(model_dir, dtype=torch.float32), pad_id=0, eos_id=1)
+    t0 = time.monotonic()
+    try:
+        receive_weights(engine, 1, src=0, group=sync_group, timeout_s=TIMEOUT_S)
+        return {"error": "weights received from a learner that left"}
+    except PeerError as err:
+        return {"message": str(err), "seconds": time.monotonic() - t0}
+
+
+def test_dead_learner_rank_is_named_by_the_waiting_rollout_rank(tiny_model_dir):
+    _, rollout = run_ranks(_learner_leaves, world=2, args=(tiny_model_dir,), timeout=120)
+    got = _ok(rollout)
+    assert "learner rank 0" in got["message"] and "died or hangs" in got["message"], got
+    assert got["seconds"] < TIMEOUT_S + 10, got
