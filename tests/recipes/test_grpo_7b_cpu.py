@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+from tests.data_helpers import gsm8k_dir
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPE = os.path.join(ROOT, "recipes", "grpo_7b.py")
 sys.path.insert(0, os.path.join(ROOT, "recipes"))
@@ -27,9 +29,7 @@ CPU_OVERRIDES = ["trainer.device=cpu", "data.batch_size=4", "rollout.n=4", "roll
 
 
 def _gsm8k_rows(split: str, n: int) -> list[dict]:
-    from hybrid_rl.data.gsm8k import default_dirs
-
-    with open(os.path.join(default_dirs()[0], f"{split}.jsonl")) as f:
+    with open(os.path.join(gsm8k_dir(), f"{split}.jsonl")) as f:
         return [json.loads(next(f)) for _ in range(n)]
 
 
@@ -39,6 +39,7 @@ def test_gsm8k_recipe_runs_end_to_end_on_cpu(tmp_path):
     from hybrid_rl.models.loading import load_tokenizer
     from hybrid_rl.models.tiny_text import build_tiny_text_model_dir
 
+    gsm8k_dir()
     model = build_tiny_text_model_dir(str(tmp_path / "model"), max_positions=512)
     out = tmp_path / "run"
     loggers = "[console,tensorboard]" if importlib.util.find_spec("tensorboard") else "[console]"
@@ -238,6 +239,7 @@ def test_dry_run_measures_the_prompts_the_trainer_measures(tmp_path, monkeypatch
     import hybrid_rl.trainer as trainer_mod
     from hybrid_rl.models.tiny_text import build_tiny_text_model_dir
 
+    gsm8k_dir()
     model = build_tiny_text_model_dir(str(tmp_path / "model"), max_positions=512)
     overrides = [f"model.path={model}", "rollout.max_new_tokens=24", "data.max_prompt_tokens=200",
                  "data.val_size=4", "data.val_batch_size=4", "trainer.device=cpu", f"trainer.out_dir={tmp_path / 'run'}",

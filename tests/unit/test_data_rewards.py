@@ -200,6 +200,9 @@ def _data(**kw):
 def test_gsm8k_from_the_shared_copy_beside_the_repo():
     from hybrid_rl.data.gsm8k import INSTRUCTION, default_dirs
     from hybrid_rl.data.prompts import load_datasets
+    from tests.data_helpers import gsm8k_dir
+
+    gsm8k_dir()
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert default_dirs()[0] == os.path.normpath(os.path.join(repo, "..", "shared", "data", "gsm8k"))
@@ -352,12 +355,13 @@ def test_prompt_encoder_renders_the_chat_template_once_per_prompt_and_drops_long
 
 
 def test_text_tokenizer_round_trips_gsm8k_and_has_one_token_for_the_marker(tmp_path):
-    from hybrid_rl.data.gsm8k import default_dirs
     from hybrid_rl.models.loading import load_tokenizer
     from hybrid_rl.models.tiny_text import build_tiny_text_model_dir
 
+    from tests.data_helpers import gsm8k_dir
+
     tok = load_tokenizer(build_tiny_text_model_dir(str(tmp_path / "m")))
-    with open(os.path.join(default_dirs()[0], "test.jsonl")) as f:
+    with open(os.path.join(gsm8k_dir(), "test.jsonl")) as f:
         texts = [(lambda r: r["question"] + "\n" + r["answer"])(json.loads(next(f))) for _ in range(50)]
     for t in texts:
         assert tok.decode(tok(t, add_special_tokens=False).input_ids) == t  # unicode included (GSM8K has some)

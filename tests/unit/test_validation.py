@@ -14,10 +14,10 @@ import os
 import pytest
 
 from hybrid_rl.config_load import load_config
-from hybrid_rl.data.gsm8k import default_dirs
 from hybrid_rl.rollout.base import SamplingParams
 from hybrid_rl.switch.phases import Phase
 from hybrid_rl.trainer import Trainer
+from tests.data_helpers import gsm8k_dir
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -37,7 +37,7 @@ def text_model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def gsm8k_files(tmp_path_factory) -> tuple[str, str]:
     """The first rows of the real GSM8K train and test files, as small jsonl files."""
-    src, out = default_dirs()[0], tmp_path_factory.mktemp("gsm8k_small")
+    src, out = gsm8k_dir(), tmp_path_factory.mktemp("gsm8k_small")
     paths = []
     for split, n in (("train", 16), ("test", 5)):
         with open(os.path.join(src, f"{split}.jsonl")) as f:
