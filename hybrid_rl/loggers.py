@@ -32,9 +32,10 @@ def _numbers(metrics: dict) -> dict[str, float]:
 
 
 def restart_jsonl(path: str, resume_step: Optional[int] = None) -> None:
-    """Start a per-step JSON-lines file of the run: empty for a new run; for a resumed one, the lines
-    up to the step it resumed from (steps the interrupted run did after its last checkpoint are
-    done again, so every step appears once)."""
+    """Start a per-step JSON-lines file of the run: none for a new run (its writer creates it at its first
+    line, so a run that logs nothing there leaves no empty file); for a resumed one, the lines up to the
+    step it resumed from (steps the interrupted run did after its last checkpoint are done again, so
+    every step appears once)."""
     kept = []
     if resume_step is not None and os.path.isfile(path):
         with open(path) as f:
@@ -45,6 +46,10 @@ def restart_jsonl(path: str, resume_step: Optional[int] = None) -> None:
                     break  # a line cut short by the crash: nothing after it is trusted
                 if isinstance(record, dict) and record.get("step", resume_step + 1) <= resume_step:
                     kept.append(line if line.endswith("\n") else line + "\n")
+    if not kept:
+        if os.path.isfile(path):
+            os.remove(path)
+        return
     with open(path, "w") as f:
         f.writelines(kept)
 

@@ -130,7 +130,13 @@ def format_val_line(m: dict) -> str:
     """One line of a validation's `val/*` metrics (pass@1 first, then the rest in name order)."""
     head = [f"val step={m['step']:d}"] if "step" in m else ["val"]
     names = sorted((k for k in m if k.startswith("val/")), key=lambda k: (k != "val/pass@1", k))
-    return "  ".join(head + [f"{k[4:]}={m[k]:.3f}" if isinstance(m[k], float) else f"{k[4:]}={m[k]}" for k in names])
+
+    def value(k: str, v) -> str:
+        if k == "val/prompts":  # a count, logged as a float like every metric
+            return f"{v:.0f}"
+        return f"{v:.3f}" if isinstance(v, float) else f"{v}"
+
+    return "  ".join(head + [f"{k[4:]}={value(k, m[k])}" for k in names])
 
 
 def plot_curve(history: Sequence[dict], path: str, key: str = "reward/mean") -> None:

@@ -29,6 +29,7 @@ import sys
 from omegaconf import OmegaConf
 
 from hybrid_rl import Trainer, distributed, load_config
+from hybrid_rl.config_checks import command_line
 from hybrid_rl.memory_plan import GIB, PHASES
 from hybrid_rl.metrics import reward_summary, run_history
 from hybrid_rl.plan import format_plan
@@ -151,10 +152,11 @@ def main(argv: list[str]) -> dict:
     summary, line = reward_summary(whole, len(history))
     summary.update({"val_pass@1_last": vals[-1] if vals else None, "out_dir": cfg.trainer.out_dir})
     if distributed.is_main():
-        print(f"{line}; val pass@1 (greedy) last: {summary['val_pass@1_last']}")
+        last = summary["val_pass@1_last"]
+        print(f"{line}; val pass@1 (greedy) last: {'none (no validation ran)' if last is None else f'{last:.3f}'}")
     distributed.shutdown()
     return summary
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(command_line(main, sys.argv[1:]))  # a config error: its one line, exit 2

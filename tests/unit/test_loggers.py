@@ -44,8 +44,9 @@ def test_console_logger_every_n_steps_and_validation_lines():
 
 
 def test_format_val_line_puts_pass_at_1_first():
-    assert format_val_line({"step": 5, "val/truncated": 1.0, "val/pass@1": 0.25, "val/mean@2": 0.5}) == \
-        "val step=5  pass@1=0.250  mean@2=0.500  truncated=1.000"
+    assert format_val_line({"step": 5, "val/truncated": 1.0, "val/pass@1": 0.25, "val/mean@2": 0.5,
+                            "val/prompts": 32.0}) == \
+        "val step=5  pass@1=0.250  mean@2=0.500  prompts=32  truncated=1.000"  # a count prints as one
 
 
 def test_missing_optional_logger_packages_are_named(monkeypatch):
@@ -135,15 +136,16 @@ def test_a_training_run_logs_the_same_names_to_every_logger(tiny_trainer_overrid
 
 
 def test_val_samples_restart_with_the_run(tmp_path):
-    """val_samples.jsonl is per step like metrics.jsonl: a new run starts it empty, a resumed run keeps
-    the samples up to its checkpoint (not those the stopped run wrote after it, nor an older run's)."""
+    """val_samples.jsonl is per step like metrics.jsonl: a new run starts without it (no empty file left by a
+    run that writes none), a resumed run keeps the samples up to its checkpoint (not those the stopped run
+    wrote after it, nor an older run's)."""
     path = tmp_path / "val_samples.jsonl"
     path.write_text("".join(json.dumps({"step": s, "prompt": "p"}) + "\n" for s in (0, 2, 4)))
     cfg = load_config(None, [f"trainer.out_dir={tmp_path}", "trainer.loggers=[]"])
     build_loggers(cfg, resume_step=2)
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 2]
     build_loggers(cfg)
-    assert path.read_text() == ""
+    assert not path.exists()
 
 
 def test_wandb_resume_continues_the_same_run(tmp_path, monkeypatch):
@@ -191,4 +193,4 @@ def test_rollout_log_writes_the_trained_completions(tiny_trainer_overrides):
     assert [(r["prompt"], r["completion"], r["reward"]) for r in recs[3:]] == step_texts[:3]
     assert all(r["finish_reason"] in ("stop", "length") and "answer" in r for r in recs)
     Trainer(load_config(None, [*tiny_trainer_overrides, "trainer.log_rollouts=3", "trainer.resume=none"]))
-    assert open(path).read() == ""
+    assert not os.path.exists(path)  # a new run in the same out_dir starts without the old run's lines
