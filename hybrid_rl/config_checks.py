@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from dataclasses import fields
-from typing import TYPE_CHECKING, Any, Literal, Optional, Sequence, Union, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Sequence, Union, get_args, get_origin, get_type_hints
 
 if TYPE_CHECKING:
     from hybrid_rl.config import AlgorithmConfig, Config
@@ -19,6 +20,22 @@ if TYPE_CHECKING:
 def check(cond: bool, key: str, msg: str) -> None:
     if not cond:
         raise ValueError(f"config key '{key}': {msg}")
+
+
+def command_line(main: Callable[[list[str]], Any], argv: list[str]) -> int:
+    """A recipe's `__main__`: `main(argv)`, where a refusal naming a config key (every config error reads
+    `config key '...': ...`) prints that one line to stderr (rank 0 of a multi-rank run), not a traceback
+    ending in it, and exits 2; any other error keeps its traceback. A notebook or a test calling `main`
+    directly still gets the ValueError."""
+    try:
+        main(argv)
+    except ValueError as err:
+        if not str(err).startswith("config key '"):
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+    return 0
 
 
 def one_of(value: Any, key: str, choices: Sequence[Any]) -> None:

@@ -15,6 +15,7 @@ import os
 import sys
 
 from hybrid_rl import Trainer, distributed, load_config
+from hybrid_rl.config_checks import command_line
 from hybrid_rl.metrics import reward_summary, run_history
 from hybrid_rl.models.tiny import build_tiny_model_dir
 from hybrid_rl.rewards.toy import DIGIT_WORDS
@@ -53,4 +54,4 @@ def main(argv: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(command_line(main, sys.argv[1:]))  # a config error: its one line, exit 2

@@ -92,3 +92,34 @@ def test_a_config_changed_after_loading_is_checked_again(tiny_trainer_overrides,
             Trainer(cfg)
     with pytest.raises(TypeError, match=r"pass \['optim.lr=1e-5'\]"):
         load_config(None, "optim.lr=1e-5")
+
+
+@pytest.mark.parametrize("bad, line", [
+    ("trainer.total_step=3", "error: config key 'trainer.total_step': Key 'total_step' not in 'TrainerConfig'. "
+                             "Did you mean: 'total_steps'?"),
+    ("rollout.n=0", "error: config key 'rollout.n': must be >= 1, got 0"),
+])
+def test_a_recipe_prints_a_config_error_as_its_one_line(tmp_path, bad, line):
+    """From the command line a config error is the one line that says what to fix, exit status 2: no traceback
+    for the user to read through (recipes' __main__, config_checks.command_line). Another error keeps its
+    traceback (test_first_run, test_failure_report)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, os.path.join(root, "recipes", "grpo_tiny.py"), bad,
+                           f"trainer.out_dir={tmp_path}"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [line], proc.stderr[-2000:]
+
+
+def test_command_line_keeps_every_other_error():
+    from hybrid_rl.config_checks import command_line
+
+    def broken(argv):
+        raise ValueError("a bug, not a config key")
+
+    with pytest.raises(ValueError, match="a bug"):
+        command_line(broken, [])
+    assert command_line(lambda argv: None, []) == 0
