@@ -19,7 +19,9 @@ of trained samples, and the mean reward of the last 10 steps finished by a fixed
 run's total time in that setting: every run reaches it).
 The prediction: hybrid_rl/split/rates.py's model fitted to the two colocated runs (2 ranks and 1 process),
 as `python -m hybrid_rl.plan --from-run <2-rank metrics.jsonl> --from-run <1-process metrics.jsonl>
---run-gpus 2,1 --gpus 2` does; no split run is an input, so every split row is a prediction.
+--run-gpus 2,1 --gpus 2` does; no split run is an input, so every split row is a prediction. A second
+prediction adds the split k=0 run as an input (`fit_placements`: the split rows then use its pools' own
+rates): split k=1 and k=2 stay out of sample, k=0 is marked as the input it is.
 The load average is printed before and after: on a shared machine the numbers are indicative only.
 The last line is a JSON object.
 """
@@ -87,15 +89,16 @@ def _summary(history: list[dict], n_seqs: int, warmup: int = 2) -> dict:
             "response_length": med(lambda m: m["response/length"]), "total_s": sum(m["time/step"] for m in history)}
 
 
-def _predict(runs: dict[int, list[dict]]) -> dict:
-    """The planner's step time per configuration from the two colocated runs' rates (rank counts 2 and 1),
-    as `python -m hybrid_rl.plan --from-run <2-rank> --from-run <1-proc> --run-gpus 2,1 --gpus 2` does."""
-    from hybrid_rl.split.rates import fit_rates, predict_all, rates_from_records, recommend
+def _predict(runs: list[tuple[int, list[dict]]]) -> dict:
+    """The planner's step time per configuration from runs given as (ranks, history): the two colocated runs
+    (2 ranks and 1 process), as `python -m hybrid_rl.plan --from-run <2-rank> --from-run <1-proc> --run-gpus
+    2,1 --gpus 2` does, and with a split run among them its pools' own rates for the split rows."""
+    from hybrid_rl.split.rates import fit_placements, predict_all, rates_from_records, recommend
 
-    rates = fit_rates([rates_from_records(h, world=w, skip=2) for w, h in runs.items()])
-    preds = predict_all(rates, 2, (0, 1, 2))
+    rates, split_rates = fit_placements([rates_from_records(h, world=w, skip=2) for w, h in runs])
+    preds = predict_all(rates, 2, (0, 1, 2), split_rates=split_rates)
     return {"by_label": {p.label: p.step_s for p in preds}, "recommended": recommend(preds).label,
-            "rates": vars(rates)}
+            "rates": vars(rates), "split_rates": None if split_rates is None else vars(split_rates)}
 
 
 def run_setting(name: str, model: str, tmp: str, steps: int, long_tokens: tuple[int, int]) -> dict:
@@ -112,16 +115,21 @@ def run_setting(name: str, model: str, tmp: str, steps: int, long_tokens: tuple[
         histories[cfg_name] = run_ranks(_fit, world=world, args=([*base, f"trainer.out_dir={out}", *more], steps),
                                         timeout=1200)[0]
     wall = min(sum(m["time/step"] for m in h) for h in histories.values())
-    plan = _predict({2: histories["colocated"], 1: histories["colocated 1 proc"]})
+    colocated_runs = [(2, histories["colocated"]), (1, histories["colocated 1 proc"])]
+    plan = _predict(colocated_runs)
+    # The second prediction adds the split k=0 run (its pools' rates): k=1 and k=2 stay out of sample.
+    plan_k0 = _predict([*colocated_runs, (2, histories["split k=0"])])
     rows = {}
     for cfg_name, h in histories.items():
         row = _summary(h, n_seqs)
         row["reward_at_wall"] = _reward_at(h, wall)
         label = PREDICTED.get(cfg_name)
-        row["predicted_step_s"] = plan["by_label"][label] if label else None
-        row["prediction_error"] = row["predicted_step_s"] / row["step_s"] - 1.0 if label else None
+        for key, p in (("", plan), ("_with_k0", plan_k0)):
+            row[f"predicted_step_s{key}"] = p["by_label"][label] if label else None
+            row[f"prediction_error{key}"] = p["by_label"][label] / row["step_s"] - 1.0 if label else None
         rows[cfg_name] = row
     return {"rows": rows, "wall_s": wall, "recommended": plan["recommended"], "rates": plan["rates"],
+            "recommended_with_k0": plan_k0["recommended"], "split_rates_with_k0": plan_k0["split_rates"],
             "overrides": extra}
 
 
@@ -129,20 +137,27 @@ def _uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
+def _pred_cells(r: dict, key: str, in_sample: bool) -> str:
+    if r[f"predicted_step_s{key}"] is None:
+        return f"{'input':>8}{'':>7}"
+    err = f"{'input':>7}" if in_sample else f"{r[f'prediction_error{key}']:>+7.0%}"
+    return f"{r[f'predicted_step_s{key}']:>8.3f}{err}"
+
+
 def print_table(name: str, res: dict) -> None:
     print(f"\n[{name}] {' '.join(res['overrides'])}; reward at a fixed wall time of {res['wall_s']:.1f} s; "
-          f"planner recommends: {res['recommended']}")
+          f"planner recommends: {res['recommended']} ({res['recommended_with_k0']} with the split k=0 run)")
     r = res["rates"]
     print(f"planner rates (fit of the two colocated runs): rollout {r['rollout_rank_s']:.3f} rank-s + "
           f"{r['rollout_fixed_s']:.3f} s fixed, train {r['train_rank_s']:.3f} rank-s + {r['train_comm_s']:.3f} s "
           f"collectives, switch {r['switch_s']:.3f} s, sync {r['sync_s']:.3f} s")
-    head = (f"{'placement':<17}{'step s':>8}{'pred s':>8}{'err':>7}{'rollout s':>10}{'train s':>9}{'tok/s':>8}"
-            f"{'learn idle':>11}{'roll idle':>10}{'lag':>5}{'reward@T':>9}")
+    print("pred s / err: from the two colocated runs; +k0 / err: the split k=0 run added (its pools' rates)")
+    head = (f"{'placement':<17}{'step s':>8}{'pred s':>8}{'err':>7}{'+k0 s':>8}{'err':>7}{'rollout s':>10}"
+            f"{'train s':>9}{'tok/s':>8}{'learn idle':>11}{'roll idle':>10}{'lag':>5}{'reward@T':>9}")
     print(head + "\n" + "-" * len(head))
     for cfg_name, r in res["rows"].items():
-        pred = (f"{r['predicted_step_s']:>8.3f}{r['prediction_error']:>+7.0%}" if r["predicted_step_s"] is not None
-                else f"{'input':>8}{'':>7}")
-        print(f"{cfg_name:<17}{r['step_s']:>8.3f}{pred}"
+        print(f"{cfg_name:<17}{r['step_s']:>8.3f}{_pred_cells(r, '', False)}"
+              f"{_pred_cells(r, '_with_k0', cfg_name == 'split k=0')}"
               f"{r['rollout_s']:>10.3f}{r['train_s']:>9.3f}{r['tokens_per_s']:>8.0f}{r['learner_idle']:>11.0%}"
               f"{r['rollout_idle']:>10.0%}{r['staleness']:>5.1f}{r['reward_at_wall']:>9.3f}")
 

@@ -9,7 +9,8 @@ whose metrics do not record them) or from named assumptions (--rollout-s / --tra
 of each half measured on --run-gpus ranks colocated, --switch-s, --sync-s, and the terms that do not
 scale with ranks, --rollout-fixed-s and --train-comm-s), which a flag also overrides on measured runs.
 Runs at two rank counts (a 1-process run beside the W-rank one) measure those two terms
-(rates.fit_rates); one run assumes linear scaling and the output says so.
+(rates.fit_rates); one run assumes linear scaling and the output says so. A split run among them gives the
+split placements its pools' own rates (rates.fit_placements).
 Prints a table, the recommendation, and a JSON object as the last line.
 The memory bill per pool of a split placement is not planned here yet (the colocated planner's table
 is the learner's and the engine's bill on one rank).
@@ -21,7 +22,8 @@ import dataclasses
 import json
 from typing import Sequence
 
-from hybrid_rl.split.rates import Prediction, Rates, fit_rates, predict_all, rates_from_records, read_metrics, recommend
+from hybrid_rl.split.rates import (Prediction, Rates, fit_placements, predict_all, rates_from_records, read_metrics,
+                                   recommend)
 
 RATE_FLAGS = ("--from-run", "--placement", "--rollout-s", "--train-s", "--switch-s", "--sync-s", "--rollout-fixed-s",
               "--train-comm-s")
@@ -82,14 +84,17 @@ def _rates(args, parser) -> tuple[Rates, dict]:
                      "give one per run, in the same order")
     if args.from_run:
         runs = [rates_from_records(read_metrics(path), world=w) for path, w in zip(args.from_run, worlds)]
-        rates, meta = fit_rates(runs), {"runs": [m for _, m in runs]}
+        rates, split_rates = fit_placements(runs)
+        meta = {"runs": [m for _, m in runs], "split_rates": split_rates}
     elif args.rollout_s is None or args.train_s is None:
         parser.error("give --from-run <metrics.jsonl>, or --rollout-s and --train-s (seconds per step)")
     else:
-        rates, meta = Rates(0.0, 0.0, 0.0, 0.0), {"runs": []}
-    over = {"switch_s": args.switch_s, "sync_s": args.sync_s, "rollout_fixed_s": args.rollout_fixed_s,
-            "train_comm_s": args.train_comm_s}
-    rates = dataclasses.replace(rates, **{k: v for k, v in over.items() if v is not None})
+        rates, meta = Rates(0.0, 0.0, 0.0, 0.0), {"runs": [], "split_rates": None}
+    over = {k: v for k, v in {"switch_s": args.switch_s, "sync_s": args.sync_s, "rollout_fixed_s": args.rollout_fixed_s,
+                              "train_comm_s": args.train_comm_s}.items() if v is not None}
+    rates = dataclasses.replace(rates, **over)
+    if meta["split_rates"] is not None:
+        meta["split_rates"] = dataclasses.replace(meta["split_rates"], **over)
     # --rollout-s / --train-s are a half's seconds on run_w ranks colocated: the part that scales with ranks
     # is what is left after the fixed / collective term (which a group of one rank does not pay).
     run_w = worlds[0]
@@ -119,7 +124,7 @@ def main(argv: Sequence[str]) -> int:
     placements = ("colocated", "split") if args.placement == "both" else (args.placement,)
     try:
         rates, meta = _rates(args, parser)
-        preds = predict_all(rates, args.gpus, args.max_staleness, args.tp, placements)
+        preds = predict_all(rates, args.gpus, args.max_staleness, args.tp, placements, meta["split_rates"])
         best = recommend(preds)
     except (ValueError, OSError) as err:
         parser.error(str(err))
@@ -128,11 +133,18 @@ def main(argv: Sequence[str]) -> int:
     print(f"rates from {src}: rollout {rates.rollout_rank_s:.3f} rank-s + {rates.rollout_fixed_s:.3f} s fixed, "
           f"train {rates.train_rank_s:.3f} rank-s + {rates.train_comm_s:.3f} s collectives (> 1 rank), switch "
           f"{rates.switch_s:.3f} s, sync {rates.sync_s:.3f} s per step; {args.gpus} ranks planned")
+    if meta["split_rates"] is not None:
+        sr = meta["split_rates"]
+        print(f"split placements from the split runs' pools: rollout {sr.rollout_rank_s:.3f} rank-s + "
+              f"{sr.rollout_fixed_s:.3f} s fixed, train {sr.train_rank_s:.3f} rank-s + {sr.train_comm_s:.3f} s "
+              f"collectives, sync {sr.sync_s:.3f} s")
     if len({(m["world"], m["rollout_ranks"]) for m in meta["runs"]}) == 1:
         print("one rank count measured: linear data-parallel scaling assumed (no fixed or collective term); add a "
               "run at another rank count (a 1-process run) to measure them")
     print(format_table(preds, best))
     print(f"recommended: {best.label} ({best.step_s:.3f} s per step)")
-    print(json.dumps({"rates": dataclasses.asdict(rates), "run": meta, "recommended": best.label,
+    sr = meta["split_rates"]
+    run = {**meta, "split_rates": None if sr is None else dataclasses.asdict(sr)}
+    print(json.dumps({"rates": dataclasses.asdict(rates), "run": run, "recommended": best.label,
                       "predictions": [{**dataclasses.asdict(p), "label": p.label} for p in preds]}, sort_keys=True))
     return 0

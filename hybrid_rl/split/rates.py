@@ -116,11 +116,14 @@ def predict_split(rates: Rates, world: int, rollout_ranks: int, k: int) -> Predi
 
 
 def predict_all(rates: Rates, world: int, ks: Sequence[int] = (0, 1, 2), tp_size: int = 1,
-                placements: Sequence[str] = ("colocated", "split")) -> list[Prediction]:
-    """Colocated, and split at every R in 1..W-1 that `tp_size` divides, for each k in `ks`."""
+                placements: Sequence[str] = ("colocated", "split"), split_rates: Optional[Rates] = None
+                ) -> list[Prediction]:
+    """Colocated, and split at every R in 1..W-1 that `tp_size` divides, for each k in `ks`; split from
+    `split_rates` where given (`fit_placements`: measured in split runs), else from `rates`."""
     out = [predict_colocated(rates, world)] if "colocated" in placements else []
     if "split" in placements:
-        out += [predict_split(rates, world, R, k) for R in range(tp_size, world, tp_size) for k in ks]
+        sr = split_rates or rates
+        out += [predict_split(sr, world, R, k) for R in range(tp_size, world, tp_size) for k in ks]
     return out
 
 
@@ -222,3 +225,33 @@ def fit_rates(runs: Sequence[tuple[Rates, dict]]) -> Rates:
     switch_src = max(colocated, key=lambda wr: wr[0])[1] if colocated else runs[0][0]
     sync = split[0].sync_s if split else switch_src.sync_s
     return Rates(a_r, a_t, switch_src.switch_s, sync, rollout_fixed_s=c_r, train_comm_s=c_t)
+
+
+def _anchored(points: Sequence[tuple[int, float]], fixed: float, at_one: bool) -> tuple[float, float]:
+    """(a, c) from points at one rank count, keeping the term `fixed` another fit measured (c <= t);
+    at_one: the term is not paid by a group of one rank (training's collectives). More counts: fitted."""
+    if len({n for n, _ in points}) > 1:
+        return _fit_inverse(points)
+    n = points[0][0]
+    t = statistics.mean(t for _, t in points)
+    c = 0.0 if at_one and n == 1 else min(fixed, t)
+    return (t - c) * n, fixed if at_one and n == 1 else c
+
+
+def fit_placements(runs: Sequence[tuple[Rates, dict]]) -> tuple[Rates, Optional[Rates]]:
+    """(rates for colocated, rates for split or None). Colocated: `fit_rates` over the colocated runs. Split:
+    where split runs were measured, each pool's rate as a split process ran it (on the 2-core CPU a split
+    process ran each half 10-25% slower than one colocated process did, which colocated runs cannot show;
+    benchmarks/results/placement_two_run_fit_cpu_2026-11-25.md), keeping the fixed and collective terms
+    of the colocated fit where the split runs measured one rank count only. The sync is the split runs'."""
+    colocated = [r for r in runs if r[1]["rollout_ranks"] == 0]
+    split = [r for r in runs if r[1]["rollout_ranks"] > 0]
+    base = fit_rates(colocated or runs)
+    if not split:
+        return base, None
+    a_r, c_r = _anchored([(m["rollout_ranks"], r.rollout(m["rollout_ranks"])) for r, m in split],
+                         base.rollout_fixed_s, at_one=False)
+    learners = [(m["world"] - m["rollout_ranks"], r) for r, m in split]
+    a_t, c_t = _anchored([(n, r.train(n)) for n, r in learners], base.train_comm_s, at_one=True)
+    sync = statistics.median(r.sync_s for r, _ in split)
+    return base, Rates(a_r, a_t, base.switch_s, sync, rollout_fixed_s=c_r, train_comm_s=c_t)

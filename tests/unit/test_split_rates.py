@@ -7,8 +7,8 @@ import json
 import pytest
 
 from hybrid_rl import plan
-from hybrid_rl.split.rates import (Rates, fit_rates, predict_all, predict_colocated, predict_split, rates_from_records,
-                                   read_metrics, recommend)
+from hybrid_rl.split.rates import (Rates, fit_placements, fit_rates, predict_all, predict_colocated, predict_split,
+                                   rates_from_records, read_metrics, recommend)
 from hybrid_rl.split.schedule import simulate, steady_period
 
 
@@ -188,3 +188,39 @@ def test_named_seconds_keep_their_meaning_with_fixed_and_collective_terms(capsys
     assert rates.rollout(4) == pytest.approx(75) and rates.train(4) == pytest.approx(2 + 40 * 2)
     with pytest.raises(SystemExit):
         plan.main([*argv[:-2], "--rollout-fixed-s", "60"])
+
+
+def test_a_split_run_gives_the_split_placements_its_pools_own_rates(tmp_path, capsys):
+    """Colocated runs at 2 and 1 ranks of a truth, and a split k=0 run (1 + 1 ranks) in which each half ran 20%
+    slower than in one colocated process (what the 2-core CPU showed): with the split run, split k=1 is
+    predicted from its pools' rates, exactly; without it, 1 / 1.2 too fast. Colocated is predicted from the
+    colocated runs either way. The fixed term the colocated runs measured stays (the split run has one R)."""
+    truth = Rates(rollout_rank_s=0.06, train_rank_s=0.50, switch_s=0.01, sync_s=0.02, rollout_fixed_s=0.04,
+                  train_comm_s=0.35)
+    slow = 1.2
+    split_rec = {"time/rollout": truth.rollout(1) * slow, "time/train": truth.train(1) * slow, "split/sync_s": 0.03,
+                 "split/rollout_ranks": 1, "split/world_size": 2}
+    split_rec["time/step"] = split_rec["time/rollout"] + split_rec["time/train"] + 0.03
+    runs = [rates_from_records(_run_records(2, truth), world=2), rates_from_records(_run_records(1, truth), world=1),
+            rates_from_records([split_rec] * 4)]
+    colocated, split = fit_placements(runs)
+    assert split is not None and fit_placements(runs[:2])[1] is None
+    want = max(truth.rollout(1), truth.train(1)) * slow + 0.03
+    assert predict_split(split, 2, 1, 1).step_s == pytest.approx(want)
+    assert predict_split(colocated, 2, 1, 1).step_s == pytest.approx((want - 0.03) / slow + truth.sync_s)
+    assert split.rollout_fixed_s == pytest.approx(truth.rollout_fixed_s)
+    assert split.train_comm_s == pytest.approx(truth.train_comm_s)
+    preds = {p.label: p.step_s for p in predict_all(colocated, 2, (1,), split_rates=split)}
+    assert preds["colocated"] == pytest.approx(predict_colocated(truth, 2).step_s)
+    assert preds["split R=1 k=1"] == pytest.approx(want)
+
+    paths = []
+    for i, recs in enumerate((_run_records(2, truth), _run_records(1, truth), [split_rec] * 5)):
+        paths.append(tmp_path / f"run{i}.jsonl")
+        paths[-1].write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert plan.main([*[a for p in paths for a in ("--from-run", str(p))], "--run-gpus", "2,1,2", "--gpus", "2",
+                      "--max-staleness", "1"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert any(line.startswith("split placements from the split runs' pools") for line in out)
+    got = {p["label"]: p["step_s"] for p in json.loads(out[-1])["predictions"]}
+    assert got["split R=1 k=1"] == pytest.approx(want)
