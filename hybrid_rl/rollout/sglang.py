@@ -40,7 +40,7 @@ from hybrid_rl.rollout import alloc_conf
 from hybrid_rl.rollout.base import Completion, SamplingParams, check_tags
 from hybrid_rl.rollout.sglang_calls import EngineThread, attempt, scoped_env, uninterrupted, unwrap
 from hybrid_rl.rollout.sglang_lora import SGLangLoraMixin
-from hybrid_rl.rollout.weight_transport import collect_ipc, export_bucket
+from hybrid_rl.rollout.weight_transport import push_bucket
 
 SGLANG_TAGS = ("weights", "kv_cache")  # cuda_graph stays resident: released and resumed only in pairs
 _AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # set by torchrun for its workers
@@ -231,16 +231,9 @@ class SGLangEngine(SGLangLoraMixin):
             raise RuntimeError("update_weights outside a weight-update session; call begin_weight_update() first")
         bucket = list(named_tensors)
         self._check_bucket(bucket)
-        export = export_bucket(bucket, self.dtype)
-        try:
-            payloads = D.gather_object_to(export.payload, self.owner, self.group)
-            self._owner_call("update_weights_from_tensor", named_tensors=payloads, load_format="flattened_bucket",
-                             flush_cache=False, check=True, precheck=lambda: check_payloads(payloads, self.tp_size))
-        finally:
-            # Only now may the buffer go: the scheduler has opened and copied it (sglang#6626).
-            nbytes = export.nbytes
-            del export
-            collect_ipc()
+        nbytes = push_bucket(bucket, self.dtype, self.owner, self.group, lambda payloads: self._owner_call(
+            "update_weights_from_tensor", named_tensors=payloads, load_format="flattened_bucket", flush_cache=False,
+            check=True, precheck=lambda: check_payloads(payloads, self.tp_size)))
         self._sent.update(n for n, _ in bucket)
         self.sync_stats["bytes"] += nbytes * self.tp_size
         self.sync_stats["payloads"] += self.tp_size

@@ -26,7 +26,7 @@ import torch
 
 from hybrid_rl import distributed as D
 from hybrid_rl.rollout.sglang_calls import attempt, uninterrupted, unwrap
-from hybrid_rl.rollout.weight_transport import collect_ipc, export_bucket
+from hybrid_rl.rollout.weight_transport import push_bucket
 
 # SGLang 0.5.21's SUPPORTED_LORA_TARGET_MODULES (srt/utils/common.py), the names of dense models' Linears.
 SGLANG_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
@@ -112,17 +112,11 @@ class SGLangLoraMixin:
         bucket = list(named_tensors)
         self._check_adapter(bucket)
         name = f"{NAME}-v{self.adapter_version + 1}"
-        export = export_bucket(bucket, self.dtype)
-        try:
-            payloads = D.gather_object_to(export.payload, self.owner, self.group)
-            from hybrid_rl.rollout.sglang import check_payloads
+        from hybrid_rl.rollout.sglang import check_payloads
 
-            self._lora_call("load_lora_adapter_from_tensors", name, payloads, self.lora["config"],
-                            load_format="flattened_bucket", precheck=lambda: check_payloads(payloads, self.tp_size))
-        finally:
-            nbytes = export.nbytes
-            del export  # only now: every scheduler has opened and copied its payload
-            collect_ipc()
+        nbytes = push_bucket(bucket, self.dtype, self.owner, self.group, lambda payloads: self._lora_call(
+            "load_lora_adapter_from_tensors", name, payloads, self.lora["config"], load_format="flattened_bucket",
+            precheck=lambda: check_payloads(payloads, self.tp_size)))
         old, self.adapter_name, self.adapter_version = self.adapter_name, name, self.adapter_version + 1
         if old is not None:
             self._lora_call("unload_lora_adapter", old)

@@ -21,8 +21,11 @@ This module imports `sglang` lazily (GPU extra), like rollout/sglang.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
+
+from hybrid_rl import distributed as D
 
 
 @dataclass
@@ -73,3 +76,18 @@ def collect_ipc() -> None:
     """After the engine call returned and the buffers were dropped: free CUDA IPC limbo blocks."""
     if torch.cuda.is_available():
         torch.cuda.ipc_collect()
+
+
+def push_bucket(named_tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None, owner: int, group,
+                send: Callable[[Optional[list]], None]) -> int:
+    """Export one bucket on every rank of an engine's group, gather the payloads on the `owner` and call
+    `send(payloads)` on every rank (the owner's call hands them to SGLang); the buffer is freed only after
+    that call returned (the rule above, sglang#6626). Returns one rank's bytes."""
+    export = export_bucket(named_tensors, dtype)
+    try:
+        send(D.gather_object_to(export.payload, owner, group))
+    finally:
+        nbytes = export.nbytes
+        del export
+        collect_ipc()
+    return nbytes

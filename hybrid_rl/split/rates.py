@@ -198,6 +198,18 @@ def _fit_inverse(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
     return a, c
 
 
+def _pool_points(runs: Sequence[tuple[Rates, dict]]) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    """Each run's (ranks, seconds) of generation and of training: a colocated run's W ranks do both, a split
+    run's R rollout ranks generate and W - R learners train."""
+    roll, train = [], []
+    for rates, meta in runs:
+        W, R = meta["world"], meta["rollout_ranks"]
+        r_n, t_n = (W, W) if R == 0 else (R, W - R)
+        roll.append((r_n, rates.rollout(r_n)))
+        train.append((t_n, rates.train(t_n)))
+    return roll, train
+
+
 def fit_rates(runs: Sequence[tuple[Rates, dict]]) -> Rates:
     """One Rates from runs at one or more rank counts (each `rates_from_records`' pair).
 
@@ -207,12 +219,7 @@ def fit_rates(runs: Sequence[tuple[Rates, dict]]) -> Rates:
     planned layout's nearest), the sync a split run's where one measured it, else the largest switch's."""
     if not runs:
         raise ValueError("no run to read rates from")
-    roll, train = [], []
-    for rates, meta in runs:
-        W, R = meta["world"], meta["rollout_ranks"]
-        r_n, t_n = (W, W) if R == 0 else (R, W - R)
-        roll.append((r_n, rates.rollout(r_n)))
-        train.append((t_n, rates.train(t_n)))
+    roll, train = _pool_points(runs)
     a_r, c_r = _fit_inverse(roll)
     ones = [t for n, t in train if n == 1]
     if ones and len({n for n, _ in train}) > 1:
@@ -234,8 +241,10 @@ def _anchored(points: Sequence[tuple[int, float]], fixed: float, at_one: bool) -
         return _fit_inverse(points)
     n = points[0][0]
     t = statistics.mean(t for _, t in points)
-    c = 0.0 if at_one and n == 1 else min(fixed, t)
-    return (t - c) * n, fixed if at_one and n == 1 else c
+    if at_one and n == 1:
+        return t, fixed  # a 1-rank group measured the whole compute and paid none of the term
+    c = min(fixed, t)
+    return (t - c) * n, c
 
 
 def fit_placements(runs: Sequence[tuple[Rates, dict]]) -> tuple[Rates, Optional[Rates]]:
@@ -249,9 +258,8 @@ def fit_placements(runs: Sequence[tuple[Rates, dict]]) -> tuple[Rates, Optional[
     base = fit_rates(colocated or runs)
     if not split:
         return base, None
-    a_r, c_r = _anchored([(m["rollout_ranks"], r.rollout(m["rollout_ranks"])) for r, m in split],
-                         base.rollout_fixed_s, at_one=False)
-    learners = [(m["world"] - m["rollout_ranks"], r) for r, m in split]
-    a_t, c_t = _anchored([(n, r.train(n)) for n, r in learners], base.train_comm_s, at_one=True)
+    roll, train = _pool_points(split)
+    a_r, c_r = _anchored(roll, base.rollout_fixed_s, at_one=False)
+    a_t, c_t = _anchored(train, base.train_comm_s, at_one=True)
     sync = statistics.median(r.sync_s for r, _ in split)
     return base, Rates(a_r, a_t, base.switch_s, sync, rollout_fixed_s=c_r, train_comm_s=c_t)
