@@ -1,5 +1,5 @@
 """What a checkpoint costs: bytes on disk, save, load and export seconds, through the library's
-own code (`hybrid_rl/checkpoint.py`, `hybrid_rl/export.py`).
+own code (`hybrid_rl/checkpoint/sharded.py`, `hybrid_rl/checkpoint/export.py`).
 
 Builds a Qwen2 with random weights (`--model tiny`: the demo's 128 x 2 layers; `--model 123m`:
 hidden 1024, 8 layers, vocab 32000, as benchmarks/phase_swap.py), shards it with FSDP2 when
@@ -27,8 +27,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from hybrid_rl import checkpoint as C  # noqa: E402
-from hybrid_rl import distributed as D  # noqa: E402
+from hybrid_rl.checkpoint import sharded as C  # noqa: E402
+from hybrid_rl.runtime import distributed as D  # noqa: E402
 from hybrid_rl.models.fsdp import shard_model  # noqa: E402
 
 MODELS = {"tiny": dict(hidden=128, layers=2, heads=4, kv_heads=2, vocab=16),
@@ -42,9 +42,9 @@ def _dir_bytes(path: str) -> int:
 def main(argv: list[str]) -> dict:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from hybrid_rl.export import export_checkpoint
+    from hybrid_rl.checkpoint.export import export_checkpoint
     from hybrid_rl.models.tiny import build_tiny_model_dir
-    from hybrid_rl.rewards.toy import DIGIT_WORDS
+    from hybrid_rl.data.digits import DIGIT_WORDS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=sorted(MODELS), default="123m")

@@ -53,7 +53,7 @@ fi
 } > "$OUT/env.txt" 2>&1
 
 if [ "$DEVICE" = cuda ]; then
-  part gpu_tests 240 $PY -m pytest -q -m gpu -rs -p no:cacheprovider tests/gpu tests/unit/test_kernels.py
+  part gpu_tests 240 $PY -m pytest -q -m gpu -rs -p no:cacheprovider tests/gpu tests/unit/kernels/test_kernels.py
   # --vocab 151936: Qwen2.5's vocabulary (also the script's default on CUDA), so the tied head (27% of the
   # 0.5B weights) and the sampler's pass over the vocabulary are in the step, as in the real model.
   part rollout_throughput 140 $PY benchmarks/rollout_throughput.py --device cuda --models 0.5b --vocab 151936 \

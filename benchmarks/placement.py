@@ -17,7 +17,7 @@ generated per second, each pool's idle fraction (split: the learner's wait for b
 wait for weights, over the step; colocated has one pool, which never waits on another), the mean staleness
 of trained samples, and the mean reward of the last 10 steps finished by a fixed wall time (the shortest
 run's total time in that setting: every run reaches it).
-The prediction: hybrid_rl/split/rates.py's model fitted to the two colocated runs (2 ranks and 1 process),
+The prediction: hybrid_rl/plan/rates.py's model fitted to the two colocated runs (2 ranks and 1 process),
 as `python -m hybrid_rl.plan --from-run <2-rank metrics.jsonl> --from-run <1-process metrics.jsonl>
 --run-gpus 2,1 --gpus 2` does; no split run is an input, so every split row is a prediction. A second
 prediction adds the split k=0 run as an input (`fit_placements`: the split rows then use its pools' own
@@ -51,8 +51,8 @@ PREDICTED = {"colocated": "colocated", **{f"split k={k}": f"split R=1 k={k}" for
 
 
 def _fit(rank: int, overrides: list[str], steps: int) -> list[dict]:
-    from hybrid_rl import distributed as D
-    from hybrid_rl.config_load import load_config
+    from hybrid_rl.runtime import distributed as D
+    from hybrid_rl.config.load import load_config
     from hybrid_rl.trainer import Trainer
 
     D.init("cpu", timeout_s=300)
@@ -93,7 +93,7 @@ def _predict(runs: list[tuple[int, list[dict]]]) -> dict:
     """The planner's step time per configuration from runs given as (ranks, history): the two colocated runs
     (2 ranks and 1 process), as `python -m hybrid_rl.plan --from-run <2-rank> --from-run <1-proc> --run-gpus
     2,1 --gpus 2` does, and with a split run among them its pools' own rates for the split rows."""
-    from hybrid_rl.split.rates import fit_placements, predict_all, rates_from_records, recommend
+    from hybrid_rl.plan.rates import fit_placements, predict_all, rates_from_records, recommend
 
     rates, split_rates = fit_placements([rates_from_records(h, world=w, skip=2) for w, h in runs])
     preds = predict_all(rates, 2, (0, 1, 2), split_rates=split_rates)
@@ -164,7 +164,7 @@ def print_table(name: str, res: dict) -> None:
 
 def main() -> None:
     from hybrid_rl.models.tiny import build_tiny_model_dir
-    from hybrid_rl.rewards.toy import DIGIT_WORDS
+    from hybrid_rl.data.digits import DIGIT_WORDS
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=60)

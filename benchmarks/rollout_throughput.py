@@ -9,10 +9,10 @@ prompts, one after the other, and the table shows generated tokens per second:
        row decoded until the last one stops, multinomial over a masked softmax;
   new  NativeEngine.generate: preallocated cache, stop checks (every token on CPU, every 8
        on CUDA), finished rows dropped, sort-free sampling; the one-token step as a CUDA
-       graph on CUDA, elsewhere through the lean step (`rollout/lean_step.py`);
+       graph on CUDA, elsewhere through the lean step (`rollout/native/lean_step.py`);
   forward  the same engine with the lean step off (lean_step=False): each token through
        the model's Hugging Face forward (`--paths old,forward,new` to include it);
-  vllm the vLLM engine (rollout/vllm.py, `--paths new,vllm`): an in-process vllm.LLM holding
+  vllm the vLLM engine (rollout/vllm/engine.py, `--paths new,vllm`): an in-process vllm.LLM holding
        the same weights (synced once), eager on CPU; its prefill is timed as a 1-token generate.
 
 Scenarios: `full`, no stop token (every row decodes T tokens, the same work in both
@@ -47,9 +47,9 @@ from typing import Optional
 import torch
 
 from hybrid_rl.models.logprobs import left_pad, position_ids
-from hybrid_rl.rollout.base import Completion, SamplingParams
-from hybrid_rl.rollout.decode_loop import to_completions
-from hybrid_rl.rollout.native import NativeEngine, check_every, filter_logits
+from hybrid_rl.types import Completion, SamplingParams
+from hybrid_rl.rollout.native.decode_loop import to_completions
+from hybrid_rl.rollout.native.engine import NativeEngine, check_every, filter_logits
 from phase_swap import hardware, sync  # run as a script: benchmarks/ is on sys.path
 import vllm_bench
 

@@ -50,7 +50,7 @@ def main() -> None:
     from hybrid_rl.models.packing import pack, packed_response_logprobs
     from hybrid_rl.models.shared_prefix import build_layout
     from hybrid_rl.models.tiny import build_tiny_model_dir
-    from hybrid_rl.rewards.toy import DIGIT_WORDS
+    from hybrid_rl.data.digits import DIGIT_WORDS
 
     work = tempfile.mkdtemp(prefix="shared_prefix_bench_")
     model = load_causal_lm(build_tiny_model_dir(os.path.join(work, "m"), DIGIT_WORDS, hidden_size=a.hidden,

@@ -22,8 +22,8 @@ sys.path.insert(0, ROOT)
 
 
 def _fit(rank: int, overrides: list[str], steps: int) -> list[dict]:
-    from hybrid_rl import distributed as D
-    from hybrid_rl.config_load import load_config
+    from hybrid_rl.runtime import distributed as D
+    from hybrid_rl.config.load import load_config
     from hybrid_rl.trainer import Trainer
 
     D.init("cpu", timeout_s=120)
@@ -46,7 +46,7 @@ def _summary(history: list[dict], warmup: int = 2) -> dict:
 
 def main() -> None:
     from hybrid_rl.models.tiny import build_tiny_model_dir
-    from hybrid_rl.rewards.toy import DIGIT_WORDS
+    from hybrid_rl.data.digits import DIGIT_WORDS
     from tests.distributed.launch import run_ranks
 
     ap = argparse.ArgumentParser()

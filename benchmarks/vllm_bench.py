@@ -40,7 +40,7 @@ class SyncSplit:
     KEYS = ("begin_s", "load_s", "finalize_s", "repack_head_s")
 
     def __init__(self, engine):
-        from hybrid_rl.rollout import vllm as V
+        from hybrid_rl.rollout.vllm import engine as V
 
         self.engine, self.V = engine, V
         self.acc = dict.fromkeys(self.KEYS, 0.0)
@@ -70,7 +70,7 @@ class SyncSplit:
 def engine_for(module: torch.nn.Module, model_dir: str, max_model_len: int, sequences: int, tp_size: int = 1,
                weights_dtype: Optional[torch.dtype] = None, engine_kwargs: Optional[dict] = None):
     """A VLLMEngine over `module` (no EOS: eos_id -1, so only stop_token_ids end a row)."""
-    from hybrid_rl.rollout.vllm import VLLMEngine
+    from hybrid_rl.rollout.vllm.engine import VLLMEngine
 
     return VLLMEngine(module, model_dir, pad_id=0, eos_id=-1, max_model_len=max_model_len, sequences=sequences,
                       tp_size=tp_size, weights_dtype=weights_dtype, engine_kwargs=engine_kwargs)
@@ -94,7 +94,7 @@ def trl_reload_sync(gen) -> None:
     only (no FSDP/DeepSpeed gathering, no PEFT merge): what grpo_step.py's TRL worker runs."""
     from vllm.config import set_current_vllm_config
 
-    from hybrid_rl.rollout.vllm import _repack_tied_head
+    from hybrid_rl.rollout.vllm.engine import _repack_tied_head
 
     def sync_weights():
         worker = gen.llm.llm_engine.model_executor.driver_worker.worker
@@ -102,7 +102,7 @@ def trl_reload_sync(gen) -> None:
             params = ((gen._fix_param_name_to_vllm(n), p.data) for n, p in gen.model.named_parameters())
             worker.reload_weights(weights_iterator=params, is_checkpoint_format=True)
             # The tiny model ties its head to the embedding: without the repack vLLM's CPU GEMM keeps the
-            # first load's head (the adapter's fix, rollout/vllm.py), and TRL would sample from a stale head.
+            # first load's head (the adapter's fix, rollout/vllm/engine.py), and TRL would sample from a stale head.
             with set_current_vllm_config(worker.vllm_config):
                 _repack_tied_head(worker.model_runner.get_model())
         gen.llm.reset_prefix_cache()

@@ -42,8 +42,8 @@ def variant_call(engine, prompts, params, request_seeds: bool, flat: bool, share
     from vllm import SamplingParams as VSP
     from vllm.inputs import TokensPrompt
 
-    from hybrid_rl.rollout import vllm_setup as S
-    from hybrid_rl.rollout.vllm import to_completion
+    from hybrid_rl.rollout.vllm import setup as S
+    from hybrid_rl.rollout.vllm.engine import to_completion
 
     stop = engine._stop_ids(params)
     kw = dict(max_tokens=params.max_new_tokens, temperature=params.temperature, stop_token_ids=stop, logprobs=logprobs,
@@ -84,8 +84,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
     from hybrid_rl.models.loading import load_causal_lm, load_tokenizer
     from hybrid_rl.models.tiny import build_tiny_model_dir
-    from hybrid_rl.rewards.toy import DIGIT_WORDS, digits_rows
-    from hybrid_rl.rollout.base import SamplingParams
+    from hybrid_rl.data.digits import DIGIT_WORDS, digits_rows
+    from hybrid_rl.types import SamplingParams
 
     model_dir = build_tiny_model_dir(os.path.join(tempfile.mkdtemp(prefix="vllm_ab_"), "tiny_qwen2"), DIGIT_WORDS,
                                      hidden_size=128, num_layers=2, seed=0)

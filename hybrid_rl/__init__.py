@@ -15,11 +15,11 @@ def __getattr__(name: str) -> Any:
 
         return Trainer
     if name == "Config":
-        from hybrid_rl.config import Config
+        from hybrid_rl.config.schema import Config
 
         return Config
     if name == "load_config":
-        from hybrid_rl.config_load import load_config
+        from hybrid_rl.config.load import load_config
 
         return load_config
     raise AttributeError(f"module 'hybrid_rl' has no attribute {name!r}")

@@ -1,20 +1,20 @@
 """The GRPO loop, one `Trainer.step()` at a time, in the stages of DESIGN.md's loop:
 
-    ROLLOUT    this rank's prompts (tokenized once) x G samples through the engine (rollout_stage.py);
+    ROLLOUT    this rank's prompts (tokenized once) x G samples through the engine (loop/rollout_stage.py);
     REWARD     rule rewards on the host and/or the reward model in its own stage
                (phases.reward(), nested in ROLLOUT), weighted, + DAPO soft overlong penalty
-               (RewardSetup.score, rewards/setup.py); with dynamic sampling, rounds repeat
-               until enough informative groups (sampling.py)
+               (RewardSetup.score, loop/reward_setup.py); with dynamic sampling, rounds repeat
+               until enough informative groups (loop/dynamic_sampling.py)
     SCORE      old-policy log-probs (when `scores_old_policy` says so) + reference log-probs
     ADVANTAGE  loss mask (overlong filter, rollout correction), KL as a reward penalty,
-               advantages of this rank's groups (advantage_stage.py)
-    TRAIN      epochs x mini-batches x micro-batches; optimizer step (update.py, batching.py)
+               advantages of this rank's groups (loop/advantage_stage.py)
+    TRAIN      epochs x mini-batches x micro-batches; optimizer step (loop/update.py, batch.py)
     metrics    one reduction per stage, the slowest rank's seconds, the memory ledger;
                the KL controller is updated here, once, from the KL this step measured
 
-The run's mutable state is a `RunState` (run_state.py); `fit` runs steps, validates every
+The run's mutable state is a `RunState` (loop/run_state.py); `fit` runs steps, validates every
 `trainer.val_every` (validation.Validator: its own ROLLOUT -> TRAIN round of the phase cycle,
-between steps), hands each step's metrics to the loggers (loggers.py), writes checkpoints every
+between steps), hands each step's metrics to the loggers (observability/loggers.py), writes checkpoints every
 `trainer.save_every` steps (run_state.Checkpointer; resume is decided in `__init__`) and stops
 cleanly on SIGTERM / SIGINT. Each collaborator is built from the parts it uses, not the Trainer.
 
@@ -31,34 +31,35 @@ from typing import Optional
 
 import torch
 
-from hybrid_rl import checkpoint as ckpt
-from hybrid_rl import distributed as D
-from hybrid_rl.advantage_stage import advantage_stage
+from hybrid_rl.checkpoint import sharded as ckpt
+from hybrid_rl.runtime import distributed as D
+from hybrid_rl.loop.advantage_stage import advantage_stage
 from hybrid_rl.algorithms.kl import AdaptiveKLController, FixedKLController
 from hybrid_rl.batch import RolloutBatch
-from hybrid_rl.config import Config
-from hybrid_rl.config_load import load_config, save_config
+from hybrid_rl.config.schema import Config
+from hybrid_rl.config.load import load_config, save_config
 from hybrid_rl.data.chat import PromptEncoder, use_chat_template
 from hybrid_rl.data.prepare import prepare_rows
 from hybrid_rl.data.prompts import PromptLoader, load_datasets
-from hybrid_rl.host_malloc import keep_freed_blocks
-from hybrid_rl.lr_schedule import lr_factor, optimizer_steps
-from hybrid_rl.loggers import build_loggers, check_loggers, console_write, interactive
+from hybrid_rl.runtime.host_malloc import keep_freed_blocks
+from hybrid_rl.loop.lr_schedule import lr_factor, optimizer_steps
+from hybrid_rl.loop.preflight import validate_runtime
+from hybrid_rl.observability.loggers import build_loggers, check_loggers, console_write, interactive
 from hybrid_rl.switch.advice import decide_offload, sglang_kv_room_warning
 from hybrid_rl.switch.phases import PhaseManager
-from hybrid_rl.metrics import StageTimer, bottleneck, plot_curve, run_history, split_summary, step_time_metrics
+from hybrid_rl.observability.metrics import StageTimer, bottleneck, plot_curve, run_history, split_summary, step_time_metrics
 from hybrid_rl.models.fsdp import load_sharded, prepare_policy
 from hybrid_rl.models.loading import load_tokenizer, model_eos_ids
 from hybrid_rl.models.lora import adapters_disabled, policy_loading, trainable_parameters
 from hybrid_rl.rewards.base import RewardFn
-from hybrid_rl.rewards.setup import RewardSetup
+from hybrid_rl.loop.reward_setup import RewardSetup
 from hybrid_rl.rollout.base import engine_class
-from hybrid_rl.rollout_stage import RolloutStage
-from hybrid_rl.run_state import Checkpointer, RunState, find_resume
+from hybrid_rl.loop.rollout_stage import RolloutStage
+from hybrid_rl.loop.run_state import Checkpointer, RunState, find_resume
 from hybrid_rl.split import roles as split_roles
-from hybrid_rl.stop import StopSignal, TrainingInterrupted
-from hybrid_rl.update import UpdateSettings, policy_update, score_logprobs, scores_old_policy
-from hybrid_rl.validation import Validator, check_val_set
+from hybrid_rl.runtime.stop import StopSignal, TrainingInterrupted
+from hybrid_rl.loop.update import UpdateSettings, policy_update, score_logprobs, scores_old_policy
+from hybrid_rl.loop.validation import Validator, check_val_set
 
 
 class Trainer:
@@ -89,18 +90,18 @@ class Trainer:
         self.device = D.init(cfg.trainer.device, cfg.trainer.dist_timeout_s)
         if self.device.type == "cpu" and cfg.trainer.keep_host_memory:
             keep_freed_blocks()
-        cfg.validate_runtime(D.world_size())
+        validate_runtime(cfg, D.world_size())
         self.split = split_roles.setup(cfg, self.device)  # None when colocated; scopes D's collectives to the pool
         self.is_rollout = bool(self.split and self.split.is_rollout)
         with open(os.path.join(cfg.model.path, "config.json")) as f:
             self._model_config = json.load(f)
         self.resume_from, resume_meta = (None, None) if self.is_rollout else find_resume(cfg, self._model_config)
         if cfg.rollout.engine == "sglang":
-            from hybrid_rl.rollout.sglang import check_available
+            from hybrid_rl.rollout.sglang.engine import check_available
 
             check_available()
         if cfg.rollout.engine == "vllm":  # importable, a model vLLM implements, tp_size dividing the ranks
-            from hybrid_rl.rollout.vllm import check_config
+            from hybrid_rl.rollout.vllm.engine import check_config
 
             check_config(cfg, self.device)
         if self.device.type == "cpu" and cfg.model.dtype == "bfloat16":
@@ -237,7 +238,7 @@ class Trainer:
                               tp_size=r.tp_size, weights_dtype=weights_dtype, mem_fraction=r.mem_fraction,
                               seed=r.seed, timeout_s=r.engine_timeout_s, with_tokenizer=r.min_new_tokens > 0)
         if r.engine == "vllm":
-            from hybrid_rl.rollout.vllm import build_for_trainer
+            from hybrid_rl.rollout.vllm.engine import build_for_trainer
             longest = max(len(self.encode(row)) for row in [*train_rows, *val_rows])
             return build_for_trainer(self.cfg, self.policy, tok, longest, bool(val_rows), weights_dtype)
         return engine_cls(self.policy, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, weights_dtype=weights_dtype)

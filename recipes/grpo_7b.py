@@ -6,10 +6,10 @@
 
 --dry-run prints the resolved config and the memory plan, loads no weights, and exits
 non-zero when a phase would not fit, after the ranked changes that would make it fit
-(hybrid_rl/plan_fixes.py: offload, a smaller data.batch_size or rollout.n, rollout.tp_size,
+(hybrid_rl/plan/fixes.py: offload, a smaller data.batch_size or rollout.n, rollout.tp_size,
 more GPUs, LoRA), each with its plan line. A phase fits only within the GPU less a margin for
-the CUDA context, NCCL and fragmentation (hybrid_rl/memory_plan.py). It plans as the trainer's offload.auto does
-(hybrid_rl/plan_config.py): the reward model's config.json, and the prompt lengths measured
+the CUDA context, NCCL and fragmentation (hybrid_rl/plan/memory.py). It plans as the trainer's offload.auto does
+(hybrid_rl/plan/from_config.py): the reward model's config.json, and the prompt lengths measured
 on the dataset when the tokenizer and data are local (else data.max_prompt_tokens); it
 prints which. A real start plans the same way for the GPUs it
 runs on (or for --gpu-mem-gib) and refuses, printing the plan and the change to make,
@@ -28,12 +28,13 @@ import sys
 
 from omegaconf import OmegaConf
 
-from hybrid_rl import Trainer, distributed, load_config
-from hybrid_rl.config_checks import command_line
-from hybrid_rl.memory_plan import GIB, PHASES
-from hybrid_rl.metrics import reward_summary, run_history
-from hybrid_rl.plan import format_plan
-from hybrid_rl.plan_config import PromptTokens, config_fixes, plan_from_config, prompt_tokens_for_plan
+from hybrid_rl import Trainer, load_config
+from hybrid_rl.runtime import distributed
+from hybrid_rl.config.checks import command_line
+from hybrid_rl.plan.memory import GIB, PHASES
+from hybrid_rl.observability.metrics import reward_summary, run_history
+from hybrid_rl.plan.report import format_plan
+from hybrid_rl.plan.from_config import PromptTokens, config_fixes, plan_from_config, prompt_tokens_for_plan
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -65,7 +66,7 @@ def env_overrides(overrides: list[str]) -> list[str]:
 
 
 def memory_plan(cfg, n_gpus: int, gpu_mem_gib: float, prompts: PromptTokens | None = None):
-    """The planner's bill for this config, as the trainer's offload.auto plans it (hybrid_rl/plan_config.py):
+    """The planner's bill for this config, as the trainer's offload.auto plans it (hybrid_rl/plan/from_config.py):
     (plan, suggestion, fixes: the ranked changes that fit, [] when it fits). No weights are read; prompts:
     the prompt length to bill (default: measured if local)."""
     prompts = prompts or prompt_tokens_for_plan(cfg)

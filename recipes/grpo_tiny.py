@@ -14,11 +14,12 @@ random-weight model, and the recipe says so.
 import os
 import sys
 
-from hybrid_rl import Trainer, distributed, load_config
-from hybrid_rl.config_checks import command_line
-from hybrid_rl.metrics import reward_summary, run_history
+from hybrid_rl import Trainer, load_config
+from hybrid_rl.runtime import distributed
+from hybrid_rl.config.checks import command_line
+from hybrid_rl.observability.metrics import reward_summary, run_history
 from hybrid_rl.models.tiny import build_tiny_model_dir
-from hybrid_rl.rewards.toy import DIGIT_WORDS
+from hybrid_rl.data.digits import DIGIT_WORDS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -32,7 +32,7 @@ TINY_LAYERS = 2
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     from hybrid_rl.models.tiny import build_tiny_model_dir
-    from hybrid_rl.rewards.toy import DIGIT_WORDS
+    from hybrid_rl.data.digits import DIGIT_WORDS
 
     root = tmp_path_factory.mktemp("tiny_model")
     return build_tiny_model_dir(str(root / "model"), DIGIT_WORDS, hidden_size=TINY_HIDDEN, num_layers=TINY_LAYERS)

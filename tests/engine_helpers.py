@@ -29,7 +29,7 @@ def rollout(pm, prompts, params):
 def vllm_model_dir(tmp_path_factory, name: str) -> str:
     """The tiny digits model, wide enough for vLLM: its CPU attention needs head_dim 32 (hidden 128, 4 heads)."""
     from hybrid_rl.models.tiny import build_tiny_model_dir
-    from hybrid_rl.rewards.toy import DIGIT_WORDS
+    from hybrid_rl.data.digits import DIGIT_WORDS
 
     return build_tiny_model_dir(str(tmp_path_factory.mktemp(name) / "model"), DIGIT_WORDS, hidden_size=128,
                                 num_layers=2)

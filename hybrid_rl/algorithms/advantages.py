@@ -191,7 +191,7 @@ def reinforce_pp_advantages(
         eps: added to the std.
         reduce_sum: for data-parallel training, a callable that all-reduce-sums
             a float64 tensor in place and returns it (e.g.
-            hybrid_rl.distributed.all_reduce_sum). It is called exactly once,
+            hybrid_rl.runtime.distributed.all_reduce_sum). It is called exactly once,
             on every rank, so the mean and std are over all ranks' tokens.
             None: this batch is the whole batch.
         stats_mask_NT: the tokens the mean and std are taken over (default:

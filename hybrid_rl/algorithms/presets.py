@@ -1,14 +1,14 @@
 """Named algorithm presets: the published settings of each method, as plain values.
 
 A preset is a function returning a dict of `algorithm.*` config keys (no config
-object here; `config.py` layers these values). Each preset names the whole
+object here; `config/schema.py` layers these values). Each preset names the whole
 algorithm (advantage, loss, aggregation, clipping, KL, entropy, DAPO tricks) so
 that selecting one over a YAML that sets some of those keys gives that method,
 not a mix. Batch shape (ppo_epochs, mini_batch_size), the sampling budget
 (max_sampling_rounds) and rollout correction are left to the user: they depend
 on the hardware and the engine, not on the method.
 
-Selection (see `config_load.load_config`): `algorithm.preset=dapo` expands to these
+Selection (see `config.load.load_config`): `algorithm.preset=dapo` expands to these
 keys in the layer that names it; keys set explicitly in that layer or a later
 one (YAML < command line) still win.
 

@@ -68,7 +68,7 @@ def whiten_valid(x_NT: Tensor, valid_NT: Tensor, eps: float, reduce_sum: ReduceS
         if not isinstance(stats, Tensor) or stats.shape != (N_STATS,):
             raise ValueError(
                 f"reduce_sum must return the summed float64 ({N_STATS},) tensor it was given, got "
-                f"{getattr(stats, 'shape', type(stats))}; pass e.g. hybrid_rl.distributed.all_reduce_sum"
+                f"{getattr(stats, 'shape', type(stats))}; pass e.g. hybrid_rl.runtime.distributed.all_reduce_sum"
             )
     n, total, m2_within, sq_means, ranks = stats.to(torch.float64).unbind()
     mean = total / n.clamp(min=1.0)

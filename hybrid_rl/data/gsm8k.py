@@ -46,7 +46,7 @@ def _split_file(directory: str, split: str) -> Optional[str]:
 
 
 def _from_dir(directory: str) -> RawSplits:
-    from hybrid_rl.data.prompts import read_rows
+    from hybrid_rl.data.rows import read_rows
 
     train, test = _split_file(directory, "train"), _split_file(directory, "test")
     if train is None:
@@ -65,7 +65,7 @@ def _from_hub() -> RawSplits:
 
 def load_splits(path: str = "") -> RawSplits:
     """GSM8K's train and test rows, from `path`, the local copy, or the hub (module docstring)."""
-    from hybrid_rl.data.prompts import read_rows
+    from hybrid_rl.data.rows import read_rows
 
     if path:
         if os.path.isdir(path):

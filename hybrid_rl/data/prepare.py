@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from hybrid_rl import distributed as D
-from hybrid_rl.config import Config
+from hybrid_rl.runtime import distributed as D
+from hybrid_rl.config.schema import Config
 from hybrid_rl.data.chat import PromptEncoder, drop_long_prompts, prompt_limit
 
 

@@ -20,6 +20,8 @@ import random
 from dataclasses import dataclass
 from typing import Optional
 
+from hybrid_rl.data.rows import read_rows
+
 @dataclass
 class Datasets:
     train: list[dict]
@@ -75,7 +77,7 @@ def load_rows(task: str, path: str = "", prompt_key: str = "prompt", num_prompts
               answer_key: str = "", instruction: Optional[str] = None) -> list[dict]:
     """The checked rows of a generated task or a local file (no split)."""
     if task == "digits":
-        from hybrid_rl.rewards.toy import digits_rows
+        from hybrid_rl.data.digits import digits_rows
 
         rows = digits_rows(num_prompts or 4096, seed)
     elif task in ("jsonl", "parquet"):
@@ -84,39 +86,6 @@ def load_rows(task: str, path: str = "", prompt_key: str = "prompt", num_prompts
         raise ValueError(f"unknown data.task {task!r} for load_rows; valid: ['digits', 'jsonl', 'parquet'] "
                          "(gsm8k: load_datasets)")
     return [_check_row(r, i, prompt_key, path or task, answer_key, instruction) for i, r in enumerate(rows)]
-
-
-def read_rows(path: str, kind: str = "", key: str = "data.path") -> list[dict]:
-    """Rows of a .jsonl or .parquet file (`kind`, else by its extension); `key` names the setting in errors."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{key} {path!r} does not exist")
-    kind = kind or ("parquet" if path.endswith(".parquet") else "jsonl")
-    rows = _read_parquet(path) if kind == "parquet" else _read_jsonl(path)
-    if not rows:
-        raise ValueError(f"{key} {path!r} holds no rows")
-    return rows
-
-
-def _read_jsonl(path: str) -> list[dict]:
-    rows = []
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{line_no}: not valid JSON ({err.msg})") from None
-    return rows
-
-
-def _read_parquet(path: str) -> list[dict]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ImportError(f"reading the parquet file {path!r} needs pyarrow: pip install pyarrow "
-                          "(or convert it to .jsonl)") from None
-    return pq.read_table(path).to_pylist()
 
 
 ROLES = ("system", "user", "assistant")
@@ -174,7 +143,7 @@ class PromptLoader:
 
     Its position (epoch, cursor, seed) is a plain, JSON-safe dict via state_dict /
     load_state_dict, and restoring it replays the same batches: a checkpoint saves it with the
-    run's other state (run_state.py), so a resumed run draws the batches it would have drawn.
+    run's other state (loop/run_state.py), so a resumed run draws the batches it would have drawn.
     """
 
     def __init__(self, rows: list[dict], batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0):

@@ -22,7 +22,7 @@ Design note: how this plugs into the trainer
 --------------------------------------------
 The pieces are self-contained; the trainer integration is meant to be a small step:
 
-* Config (config.py): `env.name` / `env.fn` / `env.timeout_s` / `env.max_workers`, and
+* Config (config/schema.py): `env.name` / `env.fn` / `env.timeout_s` / `env.max_workers`, and
   `rollout.max_turns` / `rollout.max_episode_tokens`; they map one-to-one onto
   `base.resolve_env(name, fn_path)` and `rollout.episodes.EpisodeSettings`. With an environment
   set, the rollout stage calls `EpisodeRunner(engine, tokenizer, spec.factory, name, settings)

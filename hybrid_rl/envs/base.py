@@ -3,7 +3,7 @@
 An environment plays the other side of a multi-turn episode: `reset(row)` gives the opening
 chat messages, and each `step(completion)` takes the model's latest turn as text and answers
 with messages to append, a reward and whether the episode is over. The episode runner
-(rollout/episodes.py) owns the tokens; an environment only ever sees and returns text, so it
+(envs/episodes.py) owns the tokens; an environment only ever sees and returns text, so it
 cannot cause re-tokenization or leak tokens into the loss.
 
 Three ways to name one, like rewards (rewards/base.py): a factory passed in code, `env.fn =
@@ -19,7 +19,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
-from hybrid_rl.user_import import import_object
+from hybrid_rl.runtime.user_import import import_object
 
 
 @dataclass
@@ -89,7 +89,7 @@ def get_env(name: str) -> EnvSpec:
 
 
 def load_env_factory(path: str) -> EnvFactory:
-    """Import `package.module:factory` (the form of `env.fn`; user_import.py: beside the command too)."""
+    """Import `package.module:factory` (the form of `env.fn`; runtime/user_import.py: beside the command too)."""
     obj = import_object(path, "env.fn", "factory")
     if not callable(obj):
         raise ValueError(f"config key 'env.fn': {path!r} is a {type(obj).__name__}, not a callable factory")

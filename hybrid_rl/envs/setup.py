@@ -4,7 +4,7 @@ the tokenizer has a chat template (an environment speaks in chat messages), the 
 first dataset row (what it makes has reset and step; reset returns messages), and
 `rollout.max_episode_tokens` lies between the longest opening prompt and the model's context.
 
-The rollout stage (rollout_stage.py) asks `runner(engine, tokenizer)` for the episode runner; one runner,
+The rollout stage (loop/rollout_stage.py) asks `runner(engine, tokenizer)` for the episode runner; one runner,
 and so one pool of step threads, serves the whole run.
 """
 from __future__ import annotations
@@ -14,10 +14,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from hybrid_rl.config import Config
+from hybrid_rl.config.schema import Config
 from hybrid_rl.data.chat_delta import prompt_ids, require_chat_template
 from hybrid_rl.envs.base import EnvError, EnvSpec, check_messages, make_env, resolve_env
-from hybrid_rl.rollout.episodes import EpisodeRunner, EpisodeSettings
+from hybrid_rl.envs.episodes import EpisodeRunner, EpisodeSettings
 
 PROBE_ROWS = 256  # rows whose opening prompts are measured against max_episode_tokens at start-up
 

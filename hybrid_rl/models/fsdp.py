@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-from hybrid_rl import distributed as D
+from hybrid_rl.runtime import distributed as D
 from hybrid_rl.models.loading import decoder_layers, load_causal_lm
 
 

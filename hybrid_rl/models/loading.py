@@ -120,3 +120,19 @@ def model_eos_ids(path: str) -> set[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(int(v) for v in value)
     return ids
+
+
+def all_full_attention(model: torch.nn.Module) -> bool:
+    """True when every layer of the (possibly wrapped) model attends to the whole past.
+
+    The lean step needs it, and so do the engine's ready 4-D decode mask and its CUDA
+    graphs: transformers' own mask builder is the only one that knows sliding windows.
+    """
+    config = model_config(model)
+    if config is None:
+        return False
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return all(t == "full_attention" for t in types)
+    # Configs without layer_types (Llama, Mistral): a window or chunk applies to every layer.
+    return getattr(config, "sliding_window", None) is None and getattr(config, "attention_chunk_size", None) is None

@@ -11,15 +11,15 @@ engine, checkpoints) works unchanged. Each adapted `nn.Linear` becomes a peft `l
 by peft's `cast_adapter_dtype`: the fp32 masters). Parameter names gain `.base_layer.` and
 `.lora_{A,B}.default.`; the names a peft adapter directory and vLLM use are `adapter_named_tensors`'.
 
-Where it plugs in: the settings are config_lora.py's (schema), checked in config_checks.validate_runtime
+Where it plugs in: the settings are config/schema.py's (schema), checked in loop/preflight.py
 (`check_engine`, `check_model_dir`: before any weight is read); the trainer builds the policy with
 `policy_loading` (dropout off BEFORE the injection, rank 0's adapter init broadcast to every rank), gives AdamW
 `trainable_parameters` only and scores the reference `with adapters_disabled(policy)` (no second copy);
 switch/phases.py syncs an engine with its own copy adapter-only (`base_named_parameters` once, then
-`adapter_named_tensors` each step, through `update_adapter`: rollout/vllm_lora.py, rollout/sglang_lora.py);
-checkpoint.py saves the trainable parameters only;
-export_lora.py writes the adapter directory or the merged model; the planner counts the adapters with
-model_arch.lora_param_count.
+`adapter_named_tensors` each step, through `update_adapter`: rollout/vllm/lora.py, rollout/sglang/lora.py);
+checkpoint/sharded.py saves the trainable parameters only;
+checkpoint/export.py writes the adapter directory or the merged model; the planner counts the adapters with
+plan.arch.lora_param_count.
 """
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from hybrid_rl.config_lora import LORA_ALL_LINEAR as ALL_LINEAR
-from hybrid_rl.config_lora import LoraSettings
+from hybrid_rl.config.schema import LORA_ALL_LINEAR as ALL_LINEAR
+from hybrid_rl.config.schema import LoraSettings
 
 ADAPTER = "default"  # peft's adapter name; one adapter per policy
 _LORA_PARAM = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weight$")
@@ -105,26 +105,6 @@ def check_model_dir(settings: LoraSettings, path: str) -> Optional[dict[str, tup
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
     return target_shapes(settings, meta)
-
-
-def check_engine(settings: LoraSettings, engine: str) -> None:
-    """The rollout engines that serve adapters: native (the live module), vLLM (its LoRA API, rank in vLLM's
-    allowed max_lora_rank values) and SGLang (its LoRA API, target modules among the ones it adapts)."""
-    if not settings.enabled:
-        return
-    if engine == "vllm":
-        from hybrid_rl.rollout.vllm_lora import max_lora_rank
-
-        max_lora_rank(settings.rank)  # raises for a rank vLLM cannot serve
-        return
-    if engine == "sglang":
-        from hybrid_rl.rollout.sglang_lora import check_targets
-
-        check_targets(settings.target_modules)  # raises for a module SGLang cannot adapt
-        return
-    if engine != "native":
-        raise ValueError(f"config key 'model.lora.rank': rollout.engine={engine!r} has no adapter sync in this "
-                         "library yet; use rollout.engine=native, vllm or sglang, or model.lora.rank=0")
 
 
 # -- the adapted policy ---------------------------------------------------------------------------
@@ -216,9 +196,9 @@ def peft_name(param_name: str) -> Optional[str]:
 def adapter_named_tensors(model: torch.nn.Module, dtype: Optional[torch.dtype] = None
                           ) -> Iterator[tuple[str, torch.Tensor]]:
     """(peft name, full tensor) of every adapter weight, each shard cast to `dtype` (None: as stored, fp32) before
-    the all-gather, as switch/weights.py does for full weights. A collective under FSDP2: every rank iterates to
+    the all-gather, as models/weights.py does for full weights. A collective under FSDP2: every rank iterates to
     the end, in the same order. lora_A is (rank, in), lora_B is (out, rank)."""
-    from hybrid_rl.switch.weights import full_tensor
+    from hybrid_rl.models.weights import full_tensor
 
     for name, p in model.named_parameters():
         out = peft_name(name)

@@ -14,7 +14,7 @@ from typing import Iterator
 
 import torch
 
-from hybrid_rl import distributed as D
+from hybrid_rl.runtime import distributed as D
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

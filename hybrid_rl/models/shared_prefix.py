@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from hybrid_rl.models.loading import attention_implementation, model_config
 from hybrid_rl.models.logprobs import head_logprobs, position_ids, scatter_responses
-from hybrid_rl.rollout.lean_step import all_full_attention
+from hybrid_rl.models.loading import all_full_attention
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 BASES = ("sdpa", "eager")

@@ -41,7 +41,7 @@ import numbers
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from hybrid_rl.user_import import import_object
+from hybrid_rl.runtime.user_import import import_object
 
 RewardFn = Callable[[Sequence[str], Sequence[str], Sequence[dict]], Sequence[float]]
 RowCheck = Callable[[Sequence[dict], str], None]  # (rows, source name) -> None, raises on a bad row
@@ -93,7 +93,7 @@ def get_reward(name: str) -> RewardSpec:
 
 
 def load_reward_fn(path: str) -> RewardFn:
-    """Import `package.module:function` (the form of `reward.fn`; user_import.py: beside the command too)."""
+    """Import `package.module:function` (the form of `reward.fn`; runtime/user_import.py: beside the command too)."""
     return import_object(path, "reward.fn", "function")
 
 

@@ -19,13 +19,13 @@ from typing import Mapping, Optional
 
 import torch
 
-from hybrid_rl import distributed as D
+from hybrid_rl.runtime import distributed as D
 
-PARTS = ("rule", "model", "env")  # env: an episode's summed step rewards (envs/, rollout/episodes.py)
+PARTS = ("rule", "model", "env")  # env: an episode's summed step rewards (envs/, envs/episodes.py)
 
 
 def resolve_weights(weights: Mapping[str, float], has_model: bool, has_env: bool = False) -> dict[str, float]:
-    """The parts a run computes, with their weights (config.py has checked the keys). Without weights: the
+    """The parts a run computes, with their weights (config/schema.py has checked the keys). Without weights: the
     environment's reward alone when there is one, else the reward model's, else the rule reward."""
     if weights:
         return {k: float(weights[k]) for k in PARTS if k in weights}

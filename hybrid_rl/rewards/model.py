@@ -17,7 +17,7 @@ policy's scoring does), so every sequence ends at the last position: that is whe
 the score is read, whatever the pad id (a classifier's config gets a pad id no token
 has, which makes Hugging Face's pooling pick exactly that position). Micro-batches
 hold at most `reward.max_tokens_per_micro_batch` padded tokens; each forward is an
-FSDP collective, so the ranks agree on the number (batching.micro_batches).
+FSDP collective, so the ranks agree on the number (batch.micro_batches).
 
 Frozen (requires_grad False, eval), FSDP2-sharded like the reference, bf16 on CUDA
 with mixed precision and fp32 otherwise. Where it is resident is the phase switch's
@@ -35,7 +35,7 @@ from typing import NoReturn, Optional, Sequence
 
 import torch
 
-from hybrid_rl.batching import micro_batches
+from hybrid_rl.batch import micro_batches
 from hybrid_rl.models.logprobs import left_pad, position_ids
 
 @dataclass(frozen=True)

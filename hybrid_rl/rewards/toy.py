@@ -1,28 +1,15 @@
 """Verifiable toy tasks small enough to learn on a CPU in minutes.
 
 "digits": the prompt is three digits, the answer is each digit plus one (mod 10),
-then EOS. A uniform-random policy over the vocabulary scores about 0.06.
+then EOS (its rows and vocabulary: data/digits.py). A uniform-random policy over the vocabulary scores about 0.06.
 
 Importing this module registers its rewards; `rewards.base.get_reward` does that import.
 """
 from __future__ import annotations
 
-import random
 from typing import Sequence
 
 from hybrid_rl.rewards.base import register_reward
-
-DIGIT_WORDS = [str(d) for d in range(10)] + ["="]
-
-
-def digits_rows(n: int, seed: int) -> list[dict]:
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        ds = [rng.randrange(10) for _ in range(3)]
-        rows.append({"prompt": " ".join(map(str, ds)) + " =", "answer": "".join(str((d + 1) % 10) for d in ds)})
-    return rows
-
 
 @register_reward("digits")
 def digits_reward(prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[dict]) -> list[float]:

@@ -3,62 +3,20 @@
 An engine turns prompt token ids into completions and knows how to take fresh
 weights and give its memory back between rollouts. Engines are looked up by
 name and imported lazily, so a GPU-only engine costs nothing where it is absent.
-`native` decodes on the policy's own module (rollout/native.py); `sglang` drives an
-SGLang engine that receives the weights as CUDA IPC handles (rollout/sglang.py); `vllm`
-runs vLLM in the trainer's own processes, weights reloaded in place (rollout/vllm.py).
+`native` decodes on the policy's own module (rollout/native/engine.py); `sglang` drives an
+SGLang engine that receives the weights as CUDA IPC handles (rollout/sglang/engine.py); `vllm`
+runs vLLM in the trainer's own processes, weights reloaded in place (rollout/vllm/engine.py).
 """
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
 from typing import Iterable, Protocol, Sequence
 
 import torch
 
+from hybrid_rl.types import Completion, SamplingParams
+
 TAGS = ("weights", "kv_cache")
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1: off
-    stop_token_ids: tuple[int, ...] = ()  # EOS is always a stop token
-    greedy: bool = False
-    seed: int = 0
-    min_new_tokens: int = 0  # no stop token (EOS or stop_token_ids) before this many tokens (vLLM's min_tokens)
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
-        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
-                             f"got {self.min_new_tokens}")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}; use greedy=True for argmax decoding")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-
-
-@dataclass
-class Completion:
-    """One sampled continuation.
-
-    token_ids include the stop token when one was produced. logprobs[i] is the
-    log-probability of token_ids[i] under log_softmax(logits / temperature), before
-    top-k / top-p filtering (SGLang's convention).
-    """
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "stop" | "length"
-
-
-def response_bodies(completions: Sequence[Completion], stop_ids: set[int]) -> list[list[int]]:
-    """Each completion's tokens without a final stop token: what rewards and validation read."""
-    return [c.token_ids[:-1] if c.finish_reason == "stop" and c.token_ids and c.token_ids[-1] in stop_ids
-            else c.token_ids for c in completions]
 
 
 class RolloutEngine(Protocol):
@@ -92,9 +50,9 @@ class RolloutEngine(Protocol):
 
 
 _ENGINES = {
-    "native": "hybrid_rl.rollout.native:NativeEngine",
-    "sglang": "hybrid_rl.rollout.sglang:SGLangEngine",
-    "vllm": "hybrid_rl.rollout.vllm:VLLMEngine",
+    "native": "hybrid_rl.rollout.native.engine:NativeEngine",
+    "sglang": "hybrid_rl.rollout.sglang.engine:SGLangEngine",
+    "vllm": "hybrid_rl.rollout.vllm.engine:VLLMEngine",
 }
 
 

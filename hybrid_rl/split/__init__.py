@@ -8,7 +8,7 @@ What is here (the Trainer dispatches by role through roles.py):
   weight_sync.py send_weights (every learner rank) / receive_weights (rollout ranks), bucketed, inference dtype
   groups.py      to_rollout_batch: received groups -> the RolloutBatch the colocated stages take
   placement.py   Layout (last R ranks generate) and check_placement (refusals naming the key)
-  rates.py, plan_cli.py   the rate model and `python -m hybrid_rl.plan --from-run / --placement split`
+  (the rate model and `python -m hybrid_rl.plan --from-run / --placement split`: plan/rates.py, plan/placement.py)
 
 Who runs what (W ranks, R = trainer.rollout_ranks, k = trainer.max_staleness; Layout):
   ranks 0..W-R-1  learners: policy FSDP2-sharded over a mesh of the learner ranks only, optimizer resident,

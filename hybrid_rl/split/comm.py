@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from hybrid_rl import distributed as D
+from hybrid_rl.runtime import distributed as D
 from hybrid_rl.split.placement import Layout
 
 

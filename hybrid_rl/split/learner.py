@@ -22,12 +22,12 @@ from typing import Optional, Sequence
 
 import torch
 
-from hybrid_rl import distributed as D
+from hybrid_rl.runtime import distributed as D
 from hybrid_rl.batch import RolloutBatch
-from hybrid_rl.metrics import StageTimer
+from hybrid_rl.observability.metrics import StageTimer
 from hybrid_rl.split.comm import SplitComm, start_message
 from hybrid_rl.split.groups import to_rollout_batch
-from hybrid_rl.split.rates import idle_fraction
+from hybrid_rl.plan.rates import idle_fraction
 from hybrid_rl.split.staleness import LearnerQueue, StalenessRule, Taken, staleness_metrics
 from hybrid_rl.split.transport import recv_groups, recv_json
 from hybrid_rl.split.weight_sync import send_stop, send_weights

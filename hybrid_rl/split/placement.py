@@ -1,8 +1,8 @@
 """Which rank does what under `trainer.placement=split`, and the combinations refused before a model is built.
 
-Pure functions of plain values, so the config's runtime validation (config_checks.validate_runtime)
+Pure functions of plain values, so the config's runtime validation (loop/preflight.py validate_runtime)
 can call `check_placement` with what it knows, and a test can name every refusal without a process
-group. Every refusal is a ValueError reading `config key '<key>': ...`, the format of config_checks.
+group. Every refusal is a ValueError reading `config key '<key>': ...`, the format of config/checks.py.
 """
 from __future__ import annotations
 

@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import time
 
-from hybrid_rl import distributed as D
-from hybrid_rl.checkpoint import seed_all
-from hybrid_rl.metrics import StageTimer
+from hybrid_rl.runtime import distributed as D
+from hybrid_rl.checkpoint.sharded import seed_all
+from hybrid_rl.observability.metrics import StageTimer
 from hybrid_rl.split.comm import SplitComm, start_message
 from hybrid_rl.split.schedule import syncs_before
 from hybrid_rl.split.staleness import VersionedGroup
 from hybrid_rl.split.transport import send_groups, send_json
 from hybrid_rl.split.weight_sync import SyncStopped, receive_weights
-from hybrid_rl.stop import StopSignal
+from hybrid_rl.runtime.stop import StopSignal
 
 
 class RolloutSide:

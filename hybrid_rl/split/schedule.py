@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence, Union
 
-from hybrid_rl.rollout.base import Completion
+from hybrid_rl.types import Completion
 from hybrid_rl.split.staleness import LearnerQueue, StalenessRule, VersionedGroup, may_start
 
 Seconds = Union[float, Callable[[int], float]]

@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Literal, Optional, Sequence
 
-from hybrid_rl.rollout.base import Completion
+from hybrid_rl.types import Completion
 
 StaleSamples = Literal["drop", "correct"]
 STALE_SAMPLES = ("drop", "correct")

@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from hybrid_rl.rollout.base import Completion
+from hybrid_rl.types import Completion
 from hybrid_rl.split.staleness import VersionedGroup
 
 MAGIC = 0x5EED_6A0B

@@ -1,7 +1,7 @@
 """Weights, learner ranks -> rollout ranks, after each optimizer step of the split placement.
 
 The learner ranks gather the full weights from their FSDP2 shards bucket by bucket, each shard cast to
-the inference dtype before the gather (switch/weights.iter_weight_buckets, the colocated sync's own
+the inference dtype before the gather (models/weights.iter_weight_buckets, the colocated sync's own
 code: the gather is a collective of the learner group's mesh, so every learner rank iterates); learner
 rank 0 flattens each bucket into one tensor and broadcasts it over the sync group (learner rank 0 +
 every rollout rank). A rollout rank applies each bucket through the engine's weight-update API
@@ -26,8 +26,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hybrid_rl import distributed as D
-from hybrid_rl.switch.weights import iter_weight_buckets
+from hybrid_rl.runtime import distributed as D
+from hybrid_rl.models.weights import iter_weight_buckets
 from hybrid_rl.split.transport import PeerError
 
 MAGIC = 0x5EED_3E16

@@ -10,8 +10,8 @@ from typing import Optional
 
 import torch
 
-from hybrid_rl import memory_plan
-from hybrid_rl.plan_config import plan_from_config
+from hybrid_rl.plan import memory as memory_plan
+from hybrid_rl.plan.from_config import plan_from_config
 
 
 @dataclass
@@ -31,7 +31,7 @@ def decide_offload(cfg, device: torch.device, world_size: int, mixed_precision: 
     """Turn `cfg.offload` into the flags the phase switch uses.
 
     prompt_tokens: the longest training prompt in tokens. With offload.auto on CUDA the flags are those of
-    plan_config.plan_from_config, the plan recipes/grpo_7b.py's dry run prints for the same config and
+    plan.from_config.plan_from_config, the plan recipes/grpo_7b.py's dry run prints for the same config and
     prompt length. Warnings, not errors, for flags that name a role the run does not have.
     """
     offload = cfg.offload

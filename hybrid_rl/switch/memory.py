@@ -2,7 +2,7 @@
 
 Counts come from the tensors themselves (so they work on CPU and match the planner's
 formulas), and on CUDA also from the allocator (`memory_allocated` and the peak
-since the previous boundary). `ROLES` is imported from `hybrid_rl.memory_plan`, its one
+since the previous boundary). `ROLES` is imported from `hybrid_rl.plan.memory`, its one
 definition: the ledger and the plan cannot drift apart, and the planner stays
 torch-free for `python -m hybrid_rl.plan`.
 """
@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from hybrid_rl.switch.offload import local_bytes, optimizer_tensors
-from hybrid_rl.memory_plan import ROLES
+from hybrid_rl.plan.memory import ROLES
 
 __all__ = ["ROLES", "MemoryLedger", "Snapshot", "grad_bytes", "module_bytes", "optimizer_bytes"]
 

@@ -17,7 +17,7 @@ to SCORE:   onload the reference model; leaving SCORE: offload it (if configured
 to TRAIN:   onload optimizer state
 
 Why the reward model scores in a stage nested in ROLLOUT, not in SCORE or a phase of its own:
-with dynamic sampling (sampling.py) each round's rewards decide whether another round is
+with dynamic sampling (loop/dynamic_sampling.py) each round's rewards decide whether another round is
 generated, so the rewards of a round are needed while the engine is still live; a REWARD
 phase between ROLLOUT and SCORE would wake the engine again for every extra round (a
 second weight sync per round for an engine with its own copy). Nested, the engine's
@@ -44,7 +44,7 @@ import torch
 from hybrid_rl.switch import memory
 from hybrid_rl.switch import offload as O
 from hybrid_rl.switch.memory import MemoryLedger
-from hybrid_rl.switch.weights import engine_dtype, iter_weight_buckets
+from hybrid_rl.models.weights import engine_dtype, iter_weight_buckets
 from hybrid_rl.models.fsdp import reshard
 
 

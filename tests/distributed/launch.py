@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
-from hybrid_rl.distributed import free_port
+from hybrid_rl.runtime.distributed import free_port
 
 
 def _entry(fn: Callable, rank: int, world: int, port: int, out_q, args: tuple) -> None:

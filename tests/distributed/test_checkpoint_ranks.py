@@ -42,7 +42,7 @@ def test_two_rank_resume_is_bit_exact(tiny_model_dir, tmp_path, extra):
     assert sorted(f for f in os.listdir(os.path.join(ckpt_dir, newest)) if f.startswith("rank_")) == \
         ["rank_00000.pt", "rank_00001.pt"]
     # The export (one process, no group) of the 2-rank checkpoint is the full model the ranks hold.
-    from hybrid_rl.export import export_checkpoint
+    from hybrid_rl.checkpoint.export import export_checkpoint
     from hybrid_rl.models.loading import load_causal_lm
 
     export_checkpoint(ckpt_dir, str(tmp_path / "hf"))

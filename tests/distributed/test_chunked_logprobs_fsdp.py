@@ -45,7 +45,7 @@ def _loss(lp: torch.Tensor, ent: torch.Tensor, a: torch.Tensor, b: torch.Tensor)
 
 
 def _rank_fn(rank: int, model_dirs: dict[str, str]):
-    from hybrid_rl import distributed as D
+    from hybrid_rl.runtime import distributed as D
     from hybrid_rl.models.fsdp import shard_model
     from hybrid_rl.models.loading import load_causal_lm
     from hybrid_rl.models.logprobs import response_logprobs

@@ -26,7 +26,7 @@ class _RankAsk:
         self.reset, self.step = self.inner.reset, self.inner.step
 
     def metrics(self) -> dict:
-        from hybrid_rl import distributed as D
+        from hybrid_rl.runtime import distributed as D
 
         return {"hint": 1.0} if D.rank() == 0 else {}
 
@@ -36,10 +36,10 @@ def rank_ask(row: dict) -> _RankAsk:
 
 
 def _step_on_rank(rank: int, overrides: list[str]):
-    from hybrid_rl import distributed as D
+    from hybrid_rl.runtime import distributed as D
     from hybrid_rl import trainer as trainer_mod
-    from hybrid_rl.config_load import load_config
-    import hybrid_rl.rollout.episodes as episodes_mod
+    from hybrid_rl.config.load import load_config
+    import hybrid_rl.envs.episodes as episodes_mod
 
     D.init("cpu", timeout_s=60)
     uids, run = [], episodes_mod.EpisodeRunner.run

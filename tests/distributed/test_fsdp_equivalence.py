@@ -27,12 +27,12 @@ def _batch(model_dir: str):
 
 def _train(model_dir: str, rows: slice, steps: int, loss_agg: str, keep_model: str = "", max_tokens: int = 0,
            packing: bool = False):
-    from hybrid_rl import distributed as D
-    from hybrid_rl.config import AlgorithmConfig
+    from hybrid_rl.runtime import distributed as D
+    from hybrid_rl.config.schema import AlgorithmConfig
     from hybrid_rl.models.fsdp import shard_model
     from hybrid_rl.models.loading import load_causal_lm
     from hybrid_rl.batch import TrainBatch
-    from hybrid_rl.update import UpdateSettings, policy_update, score_logprobs
+    from hybrid_rl.loop.update import UpdateSettings, policy_update, score_logprobs
 
     dev = D.init("cpu", timeout_s=60)
     if packing:  # every micro-batch packed, even one where packing would save little

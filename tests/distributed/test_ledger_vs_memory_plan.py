@@ -16,12 +16,12 @@ N_LOCAL, PROMPT, NEW = 3, 5, 4  # sequences per rank, prompt tokens, generated t
 def _rank_fn(rank: int, model_dir: str) -> dict:
     import copy
 
-    from hybrid_rl import distributed as D
+    from hybrid_rl.runtime import distributed as D
     from hybrid_rl.switch.phases import PhaseManager
     from hybrid_rl.models.fsdp import shard_model
     from hybrid_rl.models.loading import load_causal_lm
-    from hybrid_rl.rollout.base import SamplingParams
-    from hybrid_rl.rollout.native import NativeEngine
+    from hybrid_rl.types import SamplingParams
+    from hybrid_rl.rollout.native.engine import NativeEngine
 
     dev = D.init("cpu", timeout_s=60)
     base = load_causal_lm(model_dir)
@@ -43,7 +43,7 @@ def _rank_fn(rank: int, model_dir: str) -> dict:
 
 
 def test_planner_matches_ledger_on_tiny_model(tiny_model_dir):
-    from hybrid_rl import memory_plan
+    from hybrid_rl.plan import memory as memory_plan
 
     ranks = run_ranks(_rank_fn, world=2, args=(tiny_model_dir,))
     arch = memory_plan.ModelArch.from_hf_config(os.path.join(tiny_model_dir, "config.json"))

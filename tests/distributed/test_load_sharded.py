@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 
 
 def _load_on_rank(rank: int, model_dir: str):
-    from hybrid_rl import distributed as D
+    from hybrid_rl.runtime import distributed as D
     from hybrid_rl.models import fsdp
 
     D.init("cpu", timeout_s=60)
@@ -59,7 +59,7 @@ def test_only_rank_0_reads_and_every_rank_holds_the_model(tiny_model_dir):
 
 
 def _load_broken_on_rank(rank: int, model_dir: str):
-    from hybrid_rl import distributed as D
+    from hybrid_rl.runtime import distributed as D
     from hybrid_rl.models import fsdp
 
     D.init("cpu", timeout_s=60)

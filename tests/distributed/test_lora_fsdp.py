@@ -19,7 +19,7 @@ N = 6
 
 
 def _lora_step(rank: int, model_dir: str, world: int) -> dict:
-    from hybrid_rl import distributed as D
+    from hybrid_rl.runtime import distributed as D
     from hybrid_rl.models.fsdp import load_sharded
     from hybrid_rl.models.loading import load_causal_lm
     from hybrid_rl.models.logprobs import response_logprobs

@@ -47,8 +47,8 @@ def _adapters(trainer) -> dict:
 
 def _rank_run(rank: int, model_dir: str, out: str) -> dict:
     from hybrid_rl import Trainer
-    from hybrid_rl import distributed as D
-    from hybrid_rl.config_load import load_config
+    from hybrid_rl.runtime import distributed as D
+    from hybrid_rl.config.load import load_config
 
     D.init("cpu", timeout_s=60)
     tr = Trainer(load_config(os.path.join(ROOT, "recipes", "grpo_tiny.yaml"), _overrides(model_dir, out)))
@@ -85,7 +85,7 @@ def _interleaved(r0: dict, r1: dict):
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory):
     from hybrid_rl import Trainer
-    from hybrid_rl.config_load import load_config
+    from hybrid_rl.config.load import load_config
 
     out = tmp_path_factory.mktemp("lora_ranks")
     r0, r1 = run_ranks(_rank_run, world=2, args=(tiny_model_dir, str(out / "two")), timeout=300)

@@ -14,7 +14,7 @@ from tests.distributed.launch import run_ranks
 def _guarded(rank: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
-    from hybrid_rl import distributed as D
+    from hybrid_rl.runtime import distributed as D
     from hybrid_rl.switch.offload import ModuleOffloader
 
     dev = D.init("cpu", timeout_s=60)

@@ -21,11 +21,11 @@ def _snapshot(model, opt) -> tuple[dict, list]:
 def _setup(model_dir: str, offload_optimizer: bool, with_ref: bool):
     import copy
 
-    from hybrid_rl import distributed as D
+    from hybrid_rl.runtime import distributed as D
     from hybrid_rl.switch.phases import PhaseManager
     from hybrid_rl.models.fsdp import shard_model
     from hybrid_rl.models.loading import load_causal_lm
-    from hybrid_rl.rollout.native import NativeEngine
+    from hybrid_rl.rollout.native.engine import NativeEngine
 
     dev = D.init("cpu", timeout_s=60)
     base = load_causal_lm(model_dir)
@@ -45,7 +45,7 @@ def _setup(model_dir: str, offload_optimizer: bool, with_ref: bool):
 
 
 def _roundtrip(model_dir: str, offload_optimizer: bool) -> bool:
-    from hybrid_rl.rollout.base import SamplingParams
+    from hybrid_rl.types import SamplingParams
 
     model, opt, pm = _setup(model_dir, offload_optimizer, with_ref=True)
     before = _snapshot(model, opt)
@@ -131,14 +131,14 @@ def _residency_through_the_phases(rank: int, model_dir: str, own_weights: bool):
 
     import torch
 
-    from hybrid_rl import distributed as D
+    from hybrid_rl.runtime import distributed as D
     from hybrid_rl.models.fsdp import shard_model
     from hybrid_rl.models.loading import load_causal_lm
     from hybrid_rl.models.logprobs import build_sequences
-    from hybrid_rl.rollout.base import SamplingParams
-    from hybrid_rl.rollout.native import NativeEngine
+    from hybrid_rl.types import SamplingParams
+    from hybrid_rl.rollout.native.engine import NativeEngine
     from hybrid_rl.switch.phases import PhaseManager
-    from hybrid_rl.update import score_logprobs
+    from hybrid_rl.loop.update import score_logprobs
 
     dev = D.init("cpu", timeout_s=60)
     base = load_causal_lm(model_dir)

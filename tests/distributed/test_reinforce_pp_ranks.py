@@ -1,7 +1,7 @@
 """REINFORCE++ whitening over the global batch on 2 real gloo ranks.
 
 Each rank holds some whole groups of one batch and calls the token-level
-estimators with reduce_sum=hybrid_rl.distributed.all_reduce_sum. The
+estimators with reduce_sum=hybrid_rl.runtime.distributed.all_reduce_sum. The
 concatenation of the ranks' advantages must equal a 1-process computation on
 the whole batch, and every call must all-reduce exactly once (also on a rank
 with no rows, which would otherwise leave its peer waiting).
@@ -58,7 +58,7 @@ def _estimates(rows, reduce_sum):
 
 
 def _rank_main(rank: int, cuts: tuple) -> dict:
-    from hybrid_rl import distributed as D
+    from hybrid_rl.runtime import distributed as D
 
     D.init("cpu", timeout_s=60)
     assert D.is_dist() and D.world_size() == 2

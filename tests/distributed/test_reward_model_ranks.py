@@ -27,7 +27,7 @@ def _texts(rank: int) -> tuple[list[str], list[str]]:
 
 def _cycle(pm, engine_prompts, scorer, prompts, texts, rank: int, scribble: bool):
     """One TRAIN -> ROLLOUT (+ REWARD) -> SCORE -> TRAIN round; returns the reward model's scores."""
-    from hybrid_rl.rollout.base import SamplingParams
+    from hybrid_rl.types import SamplingParams
 
     if scribble:  # what the device would hold while the model is on the host
         with torch.no_grad():
@@ -50,11 +50,11 @@ def _rank_fn(rank: int, model_dir: str, rm_dir: str, overrides: list[str]) -> di
 
     from transformers import AutoModelForSequenceClassification
 
-    from hybrid_rl import distributed as D
+    from hybrid_rl.runtime import distributed as D
     from hybrid_rl.models.fsdp import shard_model
     from hybrid_rl.models.loading import load_causal_lm
     from hybrid_rl.rewards.model import RewardModelScorer, encode_texts, inspect_reward_model, load_reward_model
-    from hybrid_rl.rollout.native import NativeEngine
+    from hybrid_rl.rollout.native.engine import NativeEngine
     from hybrid_rl.switch.phases import PhaseManager
 
     dev = D.init("cpu", timeout_s=60)
@@ -90,7 +90,7 @@ def _rank_fn(rank: int, model_dir: str, rm_dir: str, overrides: list[str]) -> di
                                         for x in encode_texts(tok, prompts, texts)])
 
     # The trainer on both ranks: rule + model reward, the model offloaded outside its stage.
-    from hybrid_rl.config_load import load_config
+    from hybrid_rl.config.load import load_config
     from hybrid_rl.trainer import Trainer
 
     tr = Trainer(load_config(None, overrides))
@@ -102,7 +102,7 @@ def _rank_fn(rank: int, model_dir: str, rm_dir: str, overrides: list[str]) -> di
 
 @pytest.fixture(scope="module")
 def ranks(tiny_model_dir, tmp_path_factory):
-    from hybrid_rl.models.tiny_reward import random_reward_model_dir
+    from hybrid_rl.rewards.tiny_model import random_reward_model_dir
 
     root = tmp_path_factory.mktemp("rm_ranks")
     rm_dir = random_reward_model_dir(str(root / "rm"))
@@ -128,7 +128,7 @@ def test_sharded_scores_equal_the_unsharded_model_and_offload_changes_no_bit(ran
 
 
 def _plan(rm_dir: str, model_dir: str, offload: bool):
-    from hybrid_rl import memory_plan
+    from hybrid_rl.plan import memory as memory_plan
 
     arch = memory_plan.ModelArch.from_hf_config(os.path.join(model_dir, "config.json"))
     rm_arch = memory_plan.ModelArch.from_hf_config(os.path.join(rm_dir, "config.json"))

@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_each_rank_gets_its_own_completions_from_the_group_engine(tiny_model_dir, tmp_path, tp_size):
-    from hybrid_rl.distributed import free_port
+    from hybrid_rl.runtime.distributed import free_port
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "tests", "fake_sglang"), ROOT])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",

@@ -49,7 +49,7 @@ def _stop(model_dir: str, out: str, where: str) -> dict:
     from hybrid_rl import Trainer, load_config
     from hybrid_rl.split import learner as learner_mod
     from hybrid_rl.split import rollout_loop
-    from hybrid_rl.stop import TrainingInterrupted
+    from hybrid_rl.runtime.stop import TrainingInterrupted
     from tests import checkpoint_helpers as helpers
 
     extra = ["trainer.max_staleness=1", "trainer.total_steps=6"]
@@ -83,7 +83,7 @@ def _stop(model_dir: str, out: str, where: str) -> dict:
 
 
 def _rank(rank: int, model_dir: str, out: str) -> dict:
-    from hybrid_rl import distributed as D
+    from hybrid_rl.runtime import distributed as D
 
     D.init("cpu", timeout_s=60)
     results = {}

@@ -28,7 +28,7 @@ BUCKET = 4 << 10  # small buckets: the tiny model's sync takes many
 
 
 def _groups():
-    from hybrid_rl.rollout.base import Completion
+    from hybrid_rl.types import Completion
     from hybrid_rl.split.staleness import VersionedGroup
 
     g = torch.Generator().manual_seed(0)
@@ -61,10 +61,10 @@ def _learner_model(model_dir: str, learners: list[int]):
 
 def _weights(rank: int, model_dir: str, world: int) -> dict:
     from hybrid_rl.models.loading import load_causal_lm
-    from hybrid_rl.rollout.native import NativeEngine
+    from hybrid_rl.rollout.native.engine import NativeEngine
     from hybrid_rl.split.placement import Layout
     from hybrid_rl.split.weight_sync import receive_weights, send_weights
-    from hybrid_rl.switch.weights import full_tensor
+    from hybrid_rl.models.weights import full_tensor
 
     lay = Layout(world, 1)
     model = _learner_model(model_dir, lay.learners)
@@ -79,7 +79,7 @@ def _weights(rank: int, model_dir: str, world: int) -> dict:
     engine = NativeEngine(engine_model, pad_id=0, eos_id=1)
     stats = receive_weights(engine, 1, src=0, group=sync_group, timeout_s=TIMEOUT_S)
     got = {n: p.detach().clone() for n, p in engine_model.named_parameters()}
-    from hybrid_rl.rollout.base import SamplingParams
+    from hybrid_rl.types import SamplingParams
 
     out = engine.generate([[2, 5, 6]], SamplingParams(max_new_tokens=3, seed=1))
     return {"got": got, "before": before, "stats": stats, "generated": len(out[0].token_ids)}
@@ -115,7 +115,7 @@ def _silent_then_dead(rank: int) -> dict:
 
 
 def _two_ranks(rank: int, model_dir: str) -> dict:
-    from hybrid_rl import distributed as D
+    from hybrid_rl.runtime import distributed as D
     from hybrid_rl.split.transport import recv_groups, send_groups
 
     D.init("cpu", timeout_s=60)
@@ -176,7 +176,7 @@ def test_dead_rollout_rank_is_named(two):
 
 
 def _three_ranks(rank: int, model_dir: str) -> dict:
-    from hybrid_rl import distributed as D
+    from hybrid_rl.runtime import distributed as D
 
     D.init("cpu", timeout_s=60)
     return _capture(_weights, rank, model_dir, 3)
@@ -189,7 +189,7 @@ def test_weight_sync_gathers_from_two_learner_shards(tiny_model_dir):
 
 
 def _learner_leaves(rank: int, model_dir: str) -> dict:
-    from hybrid_rl import distributed as D
+    from hybrid_rl.runtime import distributed as D
     from hybrid_rl.split.transport import PeerError
     from hybrid_rl.split.weight_sync import receive_weights
 
@@ -200,7 +200,7 @@ def _learner_leaves(rank: int, model_dir: str) -> dict:
         torch.distributed.destroy_process_group()  # every socket closes, as a killed learner's do
         return {}
     from hybrid_rl.models.loading import load_causal_lm
-    from hybrid_rl.rollout.native import NativeEngine
+    from hybrid_rl.rollout.native.engine import NativeEngine
 
     engine = NativeEngine(load_causal_lm(model_dir, dtype=torch.float32), pad_id=0, eos_id=1)
     t0 = time.monotonic()

@@ -48,8 +48,8 @@ def _placement(module) -> dict:
 
 def _fit(overrides: list[str], steps: int) -> dict:
     """fit(steps), counting this rank's reward-model loads; what the run trained and where its reward model is."""
-    from hybrid_rl.config_load import load_config
-    from hybrid_rl.rewards import setup as setup_mod
+    from hybrid_rl.config.load import load_config
+    from hybrid_rl.loop import reward_setup as setup_mod
     from hybrid_rl.trainer import Trainer
 
     loads, real_load = [], setup_mod.load_reward_model
@@ -70,7 +70,7 @@ def _fit(overrides: list[str], steps: int) -> dict:
 
 
 def _rank(rank: int, model_dir: str, rm_dir: str, out: str, rollout_ranks: int, steps: int, k: int) -> dict:
-    from hybrid_rl import distributed as D
+    from hybrid_rl.runtime import distributed as D
 
     D.init("cpu", timeout_s=60)
     overrides = [f"model.path={model_dir}", f"reward.model_path={rm_dir}", f"trainer.out_dir={out}", *BASE,
@@ -83,7 +83,7 @@ def _rank(rank: int, model_dir: str, rm_dir: str, out: str, rollout_ranks: int, 
 
 @pytest.fixture(scope="module")
 def rm_dir(tmp_path_factory):
-    from hybrid_rl.models.tiny_reward import random_reward_model_dir
+    from hybrid_rl.rewards.tiny_model import random_reward_model_dir
 
     return random_reward_model_dir(str(tmp_path_factory.mktemp("split_rm") / "rm"))
 

@@ -35,9 +35,9 @@ CONFIGS = {
 
 def _fit(overrides: list[str], steps: int) -> dict:
     """fit(steps) with spies on what the update trains and what the correction gets (this rank only)."""
-    from hybrid_rl import advantage_stage as adv_mod
+    from hybrid_rl.loop import advantage_stage as adv_mod
     from hybrid_rl import trainer as trainer_mod
-    from hybrid_rl.config_load import load_config
+    from hybrid_rl.config.load import load_config
 
     seen = {"ids": [], "corr": []}
     real_update, real_corr = trainer_mod.policy_update, adv_mod.rollout_correction
@@ -62,7 +62,7 @@ def _fit(overrides: list[str], steps: int) -> dict:
 
 
 def _split_rank(rank: int, model_dir: str, out_root: str) -> dict:
-    from hybrid_rl import distributed as D
+    from hybrid_rl.runtime import distributed as D
 
     D.init("cpu", timeout_s=60)
     results = {}

@@ -25,9 +25,9 @@ def _step_on_rank(rank: int, overrides: list[str], gpu_backend: bool):
 
 
 def _step_watched(overrides: list[str], gpu_backend: bool):
-    from hybrid_rl import distributed as D
+    from hybrid_rl.runtime import distributed as D
     from hybrid_rl import trainer as trainer_mod
-    from hybrid_rl.config_load import load_config
+    from hybrid_rl.config.load import load_config
 
     D.init("cpu", timeout_s=60)
     if gpu_backend:
@@ -94,9 +94,9 @@ def test_ranks_report_the_same_global_metrics(two_rank_step):
 
 
 def _same_prompt_step(rank: int, overrides: list[str]):
-    from hybrid_rl import distributed as D
+    from hybrid_rl.runtime import distributed as D
     from hybrid_rl import trainer as trainer_mod
-    from hybrid_rl.config_load import load_config
+    from hybrid_rl.config.load import load_config
 
     D.init("cpu", timeout_s=60)
     tr = trainer_mod.Trainer(load_config(None, overrides))
@@ -144,7 +144,7 @@ def test_global_mini_batch_size_is_split_over_ranks(same_prompt_step):
 
 
 def test_the_gpu_backend_serves_host_and_device_tensors():
-    from hybrid_rl import distributed as D
+    from hybrid_rl.runtime import distributed as D
 
     assert D.served_device_types(D.backend_for(torch.device("cuda"))) == {"cpu", "cuda"}
     assert D.served_device_types("nccl") == {"cuda"}, "a plain nccl group cannot reduce the step's host metrics"
@@ -152,12 +152,12 @@ def test_the_gpu_backend_serves_host_and_device_tensors():
 
 
 def test_no_module_calls_a_collective_around_the_checked_helpers():
-    """Collectives go through hybrid_rl.distributed, where the device check lives."""
+    """Collectives go through hybrid_rl.runtime.distributed, where the device check lives."""
     import pathlib
     import re
 
     root = pathlib.Path(__file__).resolve().parents[2] / "hybrid_rl"
     pattern = re.compile(r"\bdist\.(all_reduce|all_gather|broadcast|reduce_scatter|gather|scatter)\w*\(")
     offenders = [str(p.relative_to(root)) for p in root.rglob("*.py")
-                 if p.name != "distributed.py" and pattern.search(p.read_text())]
+                 if p.name != "runtime/distributed.py" and pattern.search(p.read_text())]
     assert offenders == []

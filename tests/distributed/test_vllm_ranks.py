@@ -26,7 +26,7 @@ def wide_model_dir(tmp_path_factory) -> str:
 
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_each_rank_gets_its_own_completions(wide_model_dir, tmp_path, tp_size):
-    from hybrid_rl.distributed import free_port
+    from hybrid_rl.runtime.distributed import free_port
 
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",

@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Optional
 
-from hybrid_rl.distributed import free_port
+from hybrid_rl.runtime.distributed import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPE = os.path.join(ROOT, "recipes", "grpo_tiny.py")

@@ -14,12 +14,12 @@ import sys
 
 import torch
 
-from hybrid_rl import distributed as D
+from hybrid_rl.runtime import distributed as D
 from hybrid_rl.models.fsdp import shard_model
 from hybrid_rl.models.loading import load_causal_lm, load_tokenizer
-from hybrid_rl.rollout.base import SamplingParams
-from hybrid_rl.rollout.native import NativeEngine
-from hybrid_rl.rollout.vllm import VLLMEngine
+from hybrid_rl.types import SamplingParams
+from hybrid_rl.rollout.native.engine import NativeEngine
+from hybrid_rl.rollout.vllm.engine import VLLMEngine
 from hybrid_rl.switch.phases import PhaseManager
 from tests.engine_helpers import perturbed
 

@@ -1,20 +1,20 @@
 """Gradient checkpointing on CUDA: it acts in a real `Trainer.step` (FSDP2, bf16 mixed precision),
 and it lowers the peak memory of the update's forward and backward about as the planner's
 activation estimate says. The CPU side (call counts, saved bytes, FSDP2 on gloo) is
-tests/unit/test_gradient_checkpointing.py. Skipped without CUDA; `benchmarks/gpu_session.sh` runs it."""
+tests/unit/models/test_gradient_checkpointing.py. Skipped without CUDA; `benchmarks/gpu_session.sh` runs it."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.unit.test_gradient_checkpointing import _record_calls
+from tests.unit.models.test_gradient_checkpointing import _record_calls
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def test_trainer_step_recomputes_layers_on_cuda(tiny_model_dir, tmp_path):
     from hybrid_rl import Trainer, load_config
-    from hybrid_rl import distributed as D
+    from hybrid_rl.runtime import distributed as D
 
     overrides = [f"model.path={tiny_model_dir}", f"trainer.out_dir={tmp_path}", "trainer.device=cuda",
                  "trainer.progress_bar=false", "data.batch_size=8", "rollout.n=4", "rollout.max_new_tokens=4",
@@ -41,7 +41,7 @@ def test_trainer_step_recomputes_layers_on_cuda(tiny_model_dir, tmp_path):
 def _peak_activation_bytes(model, ids, attn, P: int) -> int:
     """Peak bytes allocated during one forward and backward of the update's scoring function, less the
     parameters' gradients (allocated in the backward and kept)."""
-    from hybrid_rl.update import logprob_function, train_mode
+    from hybrid_rl.loop.update import logprob_function, train_mode
 
     model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
@@ -59,7 +59,7 @@ def _peak_activation_bytes(model, ids, attn, P: int) -> int:
 def test_checkpointing_lowers_peak_memory_as_planned():
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from hybrid_rl.memory_plan import ModelArch, activation_estimate
+    from hybrid_rl.plan.memory import ModelArch, activation_estimate
     from hybrid_rl.models.fsdp import prepare_policy
 
     # About 0.1B parameters; 8 x 1024 tokens, so activations (about 3 GB unchecked) dwarf the allocator's slack.

@@ -1,6 +1,6 @@
 """The Triton kernels compiled for the GPU against their torch twins (skipped without CUDA).
 
-tests/unit/test_kernels.py runs its cases in the Triton interpreter on CPU tensors, which
+tests/unit/kernels/test_kernels.py runs its cases in the Triton interpreter on CPU tensors, which
 executes the kernel body as numpy: the compiled code (approximate exp and log, fused
 multiply-adds, masked loads, constexpr branches) is only ever compiled there, never run.
 Here a selection of the same cases runs compiled on CUDA tensors, and the chunked LM head,
@@ -31,7 +31,7 @@ def _compiled_triton() -> None:
 @pytest.mark.parametrize("case", CASES)
 def test_interpreter_case_compiled_on_cuda(case: str) -> None:
     _compiled_triton()
-    from tests.unit.test_kernels import CASES as ALL_CASES
+    from tests.unit.kernels.test_kernels import CASES as ALL_CASES
 
     with torch.device("cuda"):  # every tensor the case makes is made on the GPU
         ALL_CASES[case]()

@@ -10,8 +10,8 @@ import torch
 
 from hybrid_rl.models.loading import load_causal_lm
 from hybrid_rl.models.logprobs import build_sequences, response_logprobs
-from hybrid_rl.rollout.base import SamplingParams
-from hybrid_rl.rollout.native import NativeEngine
+from hybrid_rl.types import SamplingParams
+from hybrid_rl.rollout.native.engine import NativeEngine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -64,7 +64,7 @@ def test_graphs_capture_on_the_fsdp2_policy(tiny_model_dir, mixed_precision):
     """The trainer's case: the engine decodes with the FSDP2-sharded policy, its shards gathered.
     The captured step is the lean one, which runs no FSDP2 hook: the root's pre-forward hook makes
     the all-gather streams wait on the capturing stream, which a capture cannot end with."""
-    from hybrid_rl import distributed as D
+    from hybrid_rl.runtime import distributed as D
     from hybrid_rl.models.fsdp import shard_model
 
     dev = D.init("cuda", 120)
@@ -125,7 +125,7 @@ def test_a_failed_capture_falls_back_and_leaves_the_allocator_clean(model, monke
     """A host sync inside the capture invalidates it (capture_end then raises): the engine must put the
     stream back, drop the graphs and their pool, decode eagerly with the same tokens, and the next
     rollout and empty_cache() must work."""
-    from hybrid_rl.rollout.decode_graph import DecodeGraphs
+    from hybrid_rl.rollout.native.decode_graph import DecodeGraphs
 
     sp = SamplingParams(max_new_tokens=8, greedy=True)
     ref = NativeEngine(model, PAD, EOS, cuda_graphs=False).generate(PROMPTS, sp)
@@ -165,8 +165,8 @@ def test_failed_captures_into_the_shared_pool_leave_empty_cache_working(model):
     without invalidating the capture (capture_end succeeds; the graph's reset releases the pool), and
     a host sync invalidates it (capture_end raises before ending the allocation; DecodeGraphs ends it).
     After each the stream is back and empty_cache() works; close() finds no capture open."""
-    from hybrid_rl.rollout.decode_graph import DecodeGraphs
-    from hybrid_rl.rollout.kv_cache import StaticKVCache
+    from hybrid_rl.rollout.native.decode_graph import DecodeGraphs
+    from hybrid_rl.rollout.native.kv_cache import StaticKVCache
 
     g = DecodeGraphs(model, StaticKVCache(4, 16), torch.device("cuda"), lean=object())
 
@@ -190,11 +190,11 @@ def test_failed_captures_into_the_shared_pool_leave_empty_cache_working(model):
 # ---------------------------------------------------------------------------- the memory cap, measured
 def test_measured_rollout_peak_stays_within_the_planned_bill(tmp_path):
     """A model with a real vocabulary in bf16: the memory a capped rollout allocates above its start
-    stays within `memory_rollout`'s bill for the rows it chose (the bill is an upper bound)."""
+    stays within `rollout_memory`'s bill for the rows it chose (the bill is an upper bound)."""
     import transformers
 
-    from hybrid_rl.memory_plan import ModelArch
-    from hybrid_rl.memory_rollout import RolloutShape, budget_for
+    from hybrid_rl.plan.memory import ModelArch
+    from hybrid_rl.plan.rollout_memory import RolloutShape, budget_for
     from hybrid_rl.models.loading import model_config
 
     cfg = transformers.Qwen2Config(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,

@@ -68,7 +68,7 @@ def test_module_offload_frees_device_memory_and_reuses_pinned_buffers(tiny_model
 def test_module_offload_of_an_fsdp2_model(tiny_model_dir):
     """FSDP2's shards: the DTensor parameters and the padded flat shard it all-gathers from share
     a storage, which the offloader empties and refills in place."""
-    from hybrid_rl import distributed as D
+    from hybrid_rl.runtime import distributed as D
     from hybrid_rl.models.fsdp import shard_model
     from hybrid_rl.models.loading import load_causal_lm
 

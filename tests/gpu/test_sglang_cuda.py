@@ -33,7 +33,7 @@ def sglang_model_dir(tmp_path_factory) -> str:
     attention backends (FA3 on Hopper, FlashInfer) have kernels for head dims such as 64, 128
     and 256, not for the conftest model's 16."""
     from hybrid_rl.models.tiny import build_tiny_model_dir
-    from hybrid_rl.rewards.toy import DIGIT_WORDS
+    from hybrid_rl.data.digits import DIGIT_WORDS
 
     return build_tiny_model_dir(str(tmp_path_factory.mktemp("sglang_model") / "model"), DIGIT_WORDS,
                                 hidden_size=128, num_heads=2, num_kv_heads=1)
@@ -43,10 +43,10 @@ def sglang_model_dir(tmp_path_factory) -> str:
 def setup(sglang_model_dir):
     if not _real_sglang():
         pytest.skip("needs a real sglang")
-    from hybrid_rl import distributed as D
+    from hybrid_rl.runtime import distributed as D
     from hybrid_rl.models.fsdp import shard_model
     from hybrid_rl.models.loading import load_causal_lm, load_tokenizer
-    from hybrid_rl.rollout.sglang import SGLangEngine
+    from hybrid_rl.rollout.sglang.engine import SGLangEngine
     from hybrid_rl.switch.phases import PhaseManager
 
     dev = D.init("cuda")
@@ -60,7 +60,7 @@ def setup(sglang_model_dir):
 
 
 def _greedy_rollout(pm):
-    from hybrid_rl.rollout.base import SamplingParams
+    from hybrid_rl.types import SamplingParams
 
     with pm.rollout() as engine:
         out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, greedy=True))
@@ -70,8 +70,8 @@ def _greedy_rollout(pm):
 
 
 def test_greedy_after_a_sync_equals_the_native_engine(setup):
-    from hybrid_rl.rollout.base import SamplingParams
-    from hybrid_rl.rollout.native import NativeEngine
+    from hybrid_rl.types import SamplingParams
+    from hybrid_rl.rollout.native.engine import NativeEngine
 
     policy, engine, pm, tok = setup
     got = _greedy_rollout(pm)
@@ -116,7 +116,7 @@ def test_five_grpo_steps_on_one_gpu(sglang_model_dir, tmp_path):
 
 _EXPORT_UNDER_EXPANDABLE = """
 import torch
-from hybrid_rl.rollout import alloc_conf as A
+from hybrid_rl.rollout.sglang import alloc_conf as A
 
 def expandable(t):
     seg = [s for s in torch.cuda.memory_snapshot() if s["address"] <= t.data_ptr() < s["address"] + s["total_size"]]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.test_lean_step import KINDS, _build
-from tests.unit.test_shared_prefix import check_equals_the_padded_path
+from tests.unit.rollout.native.test_lean_step import KINDS, _build
+from tests.unit.models.test_shared_prefix import check_equals_the_padded_path
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

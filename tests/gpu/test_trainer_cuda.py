@@ -25,7 +25,7 @@ def _overrides(model_dir: str, out: str) -> list[str]:
 
 def test_one_gpu_step_in_bf16(tiny_model_dir, tmp_path):
     from hybrid_rl import Trainer, load_config
-    from hybrid_rl import distributed as D
+    from hybrid_rl.runtime import distributed as D
 
     try:  # the process group outlives a failed assertion otherwise, and the next D.init would reuse it
         trainer = Trainer(load_config(None, _overrides(tiny_model_dir, str(tmp_path))))
@@ -56,7 +56,7 @@ def test_one_gpu_step_in_bf16(tiny_model_dir, tmp_path):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_two_gpu_recipe_under_torchrun(tmp_path):
-    from hybrid_rl.distributed import free_port
+    from hybrid_rl.runtime.distributed import free_port
 
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",

@@ -180,7 +180,7 @@ def test_a_real_start_refuses_before_any_weights_load(tiny_model_dir, tmp_path, 
 
 def _classifier_dir(path) -> str:
     """A reward model directory holding only its config.json: Qwen2.5-0.5B's shape as a 1-label classifier."""
-    from hybrid_rl.memory_plan import builtin_arch
+    from hybrid_rl.plan.memory import builtin_arch
 
     a = builtin_arch("Qwen2.5-0.5B")
     os.makedirs(path, exist_ok=True)
@@ -216,7 +216,7 @@ def test_the_dry_run_plan_is_decide_offloads_plan(tmp_path, monkeypatch, engine)
     planner argument the two derive differently (micro-batch, engine, reward model, dtype) fails it."""
     import torch
 
-    from hybrid_rl.plan_config import PromptTokens
+    from hybrid_rl.plan.from_config import PromptTokens
     from hybrid_rl.switch.advice import decide_offload
 
     props = type("Props", (), {"total_memory": 80 * 2**30})()

@@ -27,7 +27,7 @@ def test_recipe_two_ranks_learns_the_task(tmp_path):
     """
     out = tmp_path / "run"
     from hybrid_rl import load_config
-    from hybrid_rl.distributed import free_port
+    from hybrid_rl.runtime.distributed import free_port
 
     steps = load_config(os.path.join(ROOT, "recipes", "grpo_tiny.yaml"), []).trainer.total_steps
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
@@ -91,7 +91,7 @@ def test_recipe_split_placement_learns_with_staleness_one(tmp_path):
     so the run is reproducible on one machine.
     Catches: a split loop that trains on the wrong groups, or syncs no weights (the reward would stay flat)."""
     out = tmp_path / "run"
-    from hybrid_rl.distributed import free_port
+    from hybrid_rl.runtime.distributed import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            os.path.join(ROOT, "recipes", "grpo_tiny.py"), f"model.path={tmp_path / 'model'}", f"trainer.out_dir={out}",

@@ -38,7 +38,7 @@ def _pretrain_copying(path: str, seed: int, steps: int = 100) -> str:
     """The recipe's tiny model (hidden 128, 2 layers, `seed`) trained to copy the prompt's digits, saved at `path`."""
     from hybrid_rl.models.loading import load_causal_lm, load_tokenizer
     from hybrid_rl.models.tiny import build_tiny_model_dir
-    from hybrid_rl.rewards.toy import DIGIT_WORDS
+    from hybrid_rl.data.digits import DIGIT_WORDS
 
     random_dir = build_tiny_model_dir(path + "_random", DIGIT_WORDS, hidden_size=128, num_layers=2, seed=seed)
     tok, model = load_tokenizer(random_dir), load_causal_lm(random_dir).train()

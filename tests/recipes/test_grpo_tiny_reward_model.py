@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.mark.slow
 def test_recipe_with_a_reward_model_raises_the_models_reward(tmp_path):
-    from hybrid_rl.models.tiny_reward import random_reward_model_dir
+    from hybrid_rl.rewards.tiny_model import random_reward_model_dir
 
     rm_dir = random_reward_model_dir(str(tmp_path / "rm"))
     out = tmp_path / "run"

@@ -44,7 +44,7 @@ MAX_MISMATCH = 1e-4  # engine vs trainer log-probs (fp32), every step
 
 
 def _run(root, name: str, *overrides: str) -> list[dict]:
-    from hybrid_rl.distributed import free_port
+    from hybrid_rl.runtime.distributed import free_port
 
     out = root / name
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "tests", "fake_sglang"), ROOT])}

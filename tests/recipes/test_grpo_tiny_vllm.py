@@ -10,7 +10,7 @@ reloaded in place after the optimizer step (the vocabulary shard of rank 1 is al
 15-token model). A 40-step run at each gave the same reward curve when tp 1 and 2 drew the same samples (a
 vLLM seed per sample; with one seeded stream per generate call since, their samples differ); tp 2 took ~1.6x
 as long on 2 busy cores (2m47s vs 2m04s, load ~7), tp 1 being covered by tests/distributed/test_vllm_ranks.py
-and tests/unit/test_vllm_engine.py.
+and tests/unit/rollout/vllm/test_vllm_engine.py.
 
 The settings are the recipe's defaults (recipes/grpo_tiny.yaml, 40 steps; the seed table of every engine is in
 benchmarks/results/grpo_tiny_seeds_cpu_2026-11-25.md); at tp 2, seed 0 reached 0.997 over the last 4 of 40 steps.
@@ -36,7 +36,7 @@ MAX_MISMATCH = 1e-4  # fp32; measured 7e-8..2e-7 per step
 
 
 def test_recipe_with_vllm_learns(tmp_path):
-    from hybrid_rl.distributed import free_port
+    from hybrid_rl.runtime.distributed import free_port
 
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": ROOT}

@@ -51,7 +51,7 @@ def test_two_launchers_one_process_each(tmp_path):
     assert any(name.endswith(".safetensors") for name in os.listdir(run / "final_model"))
 
     # Checkpoints: every save_every steps and after the last one, complete ones only.
-    from hybrid_rl import checkpoint as ckpt
+    from hybrid_rl.checkpoint import sharded as ckpt
 
     root = str(run / "checkpoints")
     latest = ckpt.latest(root)

@@ -55,7 +55,7 @@ def test_dapo_two_ranks_agree_on_the_kept_groups(tmp_path, tiny_model_dir):
     import subprocess
     import sys
 
-    from hybrid_rl.distributed import free_port
+    from hybrid_rl.runtime.distributed import free_port
 
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",

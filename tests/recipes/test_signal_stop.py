@@ -4,7 +4,7 @@ closed, the job exits non-zero saying it was interrupted; running the command ag
 What the user sees, in order: the library's clean-stop line (which says torchrun's SignalException
 traceback follows and is not a failure) is the library's last line; after it comes only torchrun's
 traceback, ending in its SignalException. torchrun's agent always re-raises the signal after its
-workers exit (hybrid_rl/stop.py, under_torchrun_note), so that traceback cannot be avoided; what
+workers exit (hybrid_rl/runtime/stop.py, under_torchrun_note), so that traceback cannot be avoided; what
 the test pins is that nothing of ours comes after the note that explains it."""
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def _steps(out: str) -> list[int]:
 
 
 def _command(tmp_path, total: int) -> list[str]:
-    from hybrid_rl.distributed import free_port
+    from hybrid_rl.runtime.distributed import free_port
 
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
             os.path.join(ROOT, "recipes", "grpo_tiny.py"), f"model.path={tmp_path / 'model'}",

@@ -38,7 +38,7 @@ def _cfg(root, out, *extra):
 
 
 def test_every_trained_token_is_one_the_engine_generated(ask_dir, tmp_path, monkeypatch):
-    import hybrid_rl.rollout.episodes as episodes_mod
+    import hybrid_rl.envs.episodes as episodes_mod
     import hybrid_rl.trainer as trainer_mod
 
     seen_episodes, seen_batches = [], []
@@ -96,7 +96,7 @@ def test_bad_env_settings_are_refused_before_the_first_step(ask_dir, tmp_path, t
 
 
 def test_validation_runs_episodes(ask_dir, tmp_path, monkeypatch):
-    import hybrid_rl.rollout.episodes as episodes_mod
+    import hybrid_rl.envs.episodes as episodes_mod
 
     calls = []
     run = episodes_mod.EpisodeRunner.run

@@ -1,7 +1,7 @@
 """LoRA through the Trainer (issue 29): the reference is the policy with its adapters off, the optimizer and the
 checkpoints hold the adapters only, resume is bit-exact, the export writes the merged model or a peft adapter
 directory, the native engine's sync moves nothing, and bad `model.lora.*` input is refused before any weight is read.
-The vLLM engine's adapter-only sync is tests/unit/test_vllm_lora.py."""
+The vLLM engine's adapter-only sync is tests/unit/rollout/vllm/test_vllm_lora.py."""
 from __future__ import annotations
 
 import inspect
@@ -42,7 +42,7 @@ def test_checkpoint_holds_the_adapters_and_their_optimizer_state_only(resumed):
     """Catches: the frozen base written into every checkpoint (model.path holds it already)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from hybrid_rl import checkpoint as ckpt
+    from hybrid_rl.checkpoint import sharded as ckpt
 
     path = ckpt.latest(os.path.join(resumed["resumed_dir"], "checkpoints"))
     keys = FileSystemReader(os.path.join(path, "state")).read_metadata().state_dict_metadata
@@ -61,9 +61,9 @@ def test_export_merged_equals_the_adapted_policy_and_the_adapter_dir_loads_in_pe
     """Catches: an export that drops the adapters (the base model's logits), or merges them with the wrong scale."""
     from peft import PeftModel
 
-    from hybrid_rl import checkpoint as ckpt
-    from hybrid_rl.config_lora import LoraSettings
-    from hybrid_rl.export import main as export_main
+    from hybrid_rl.checkpoint import sharded as ckpt
+    from hybrid_rl.config.schema import LoraSettings
+    from hybrid_rl.checkpoint.export import main as export_main
     from hybrid_rl.models.loading import load_causal_lm
     from hybrid_rl.models.lora import apply_lora
 
@@ -127,7 +127,7 @@ def test_reference_is_the_base_model_to_the_bit(spied_run, tiny_model_dir):
 
 
 def trainer_score(model, args):
-    from hybrid_rl.update import score_logprobs
+    from hybrid_rl.loop.update import score_logprobs
 
     return score_logprobs(model, **args)
 

