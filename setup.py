@@ -4,6 +4,7 @@ torch is pinned in the set-up scripts (Makefile, .ci/run) *before* this package 
 installed, so the loose `torch>=2.6` below is already satisfied and never pulls a
 CUDA build on a CPU machine.
 """
+
 from setuptools import find_packages, setup
 
 setup(
@@ -36,11 +37,24 @@ setup(
         "math": ["math-verify>=0.9"],
         # lora: model.lora.rank > 0 (models/lora.py); peft 0.21.2 is the release tested beside transformers 5.19.
         "lora": ["peft>=0.21.2,<0.22"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "triton>=3.3", "tensorboard>=2.14", "math-verify>=0.9",
-                 "peft>=0.21.2,<0.22"],
+        "test": [
+            "pytest>=8",
+            "pytest-timeout>=2.3",
+            "triton>=3.3",
+            "tensorboard>=2.14",
+            "math-verify>=0.9",
+            "peft>=0.21.2,<0.22",
+        ],
         # trl: only for benchmarks/grpo_step.py (our Trainer vs TRL's GRPOTrainer); never needed by the
         # library or the tests. trl 1.16.0 pulls accelerate, datasets, pandas, pyarrow, not torch.
         "bench": ["trl==1.16.0"],
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "triton>=3.3", "ruff>=0.6", "tensorboard>=2.14", "math-verify>=0.9"],
+        "dev": [
+            "pytest>=8",
+            "pytest-timeout>=2.3",
+            "triton>=3.3",
+            "ruff>=0.6",
+            "tensorboard>=2.14",
+            "math-verify>=0.9",
+        ],
     },
 )

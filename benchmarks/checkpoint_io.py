@@ -12,6 +12,7 @@ directory on rank 0 (one process, no group).
 
 Prints a table, then one JSON object as the last line. `main(argv) -> dict`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,11 +29,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from hybrid_rl.checkpoint import sharded as C  # noqa: E402
-from hybrid_rl.runtime import distributed as D  # noqa: E402
 from hybrid_rl.models.fsdp import shard_model  # noqa: E402
+from hybrid_rl.runtime import distributed as D  # noqa: E402
 
-MODELS = {"tiny": dict(hidden=128, layers=2, heads=4, kv_heads=2, vocab=16),
-          "123m": dict(hidden=1024, layers=8, heads=16, kv_heads=4, vocab=32000)}
+MODELS = {
+    "tiny": dict(hidden=128, layers=2, heads=4, kv_heads=2, vocab=16),
+    "123m": dict(hidden=1024, layers=8, heads=16, kv_heads=4, vocab=32000),
+}
 
 
 def _dir_bytes(path: str) -> int:
@@ -43,8 +46,8 @@ def main(argv: list[str]) -> dict:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from hybrid_rl.checkpoint.export import export_checkpoint
-    from hybrid_rl.models.tiny import build_tiny_model_dir
     from hybrid_rl.data.digits import DIGIT_WORDS
+    from hybrid_rl.models.tiny import build_tiny_model_dir
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=sorted(MODELS), default="123m")
@@ -61,9 +64,15 @@ def main(argv: list[str]) -> dict:
     from hybrid_rl.models.loading import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
-    cfg = Qwen2Config(vocab_size=m["vocab"], hidden_size=m["hidden"], intermediate_size=32 * round(2.75 * m["hidden"] / 32),
-                      num_hidden_layers=m["layers"], num_attention_heads=m["heads"], num_key_value_heads=m["kv_heads"],
-                      tie_word_embeddings=True)
+    cfg = Qwen2Config(
+        vocab_size=m["vocab"],
+        hidden_size=m["hidden"],
+        intermediate_size=32 * round(2.75 * m["hidden"] / 32),
+        num_hidden_layers=m["layers"],
+        num_attention_heads=m["heads"],
+        num_key_value_heads=m["kv_heads"],
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     model = shard_model(AutoModelForCausalLM.from_config(cfg), torch.device("cpu"), False)
     params = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters()) if D.is_main() else 0
@@ -82,8 +91,9 @@ def main(argv: list[str]) -> dict:
     ckpt_root = os.path.join(root, "checkpoints")
     for step in range(1, args.k + 1):
         t0 = time.perf_counter()
-        path = C.save(ckpt_root, step, model, opt, {"step": step, "rng": C.rng_state()}, {"model": {}, "config": {}},
-                      write_hf)
+        path = C.save(
+            ckpt_root, step, model, opt, {"step": step, "rng": C.rng_state()}, {"model": {}, "config": {}}, write_hf
+        )
         saves.append(D.all_reduce_max(torch.tensor([time.perf_counter() - t0], dtype=torch.float64)).item())
         fresh = torch.optim.AdamW(model.parameters(), lr=1e-4)
         t0 = time.perf_counter()
@@ -99,18 +109,31 @@ def main(argv: list[str]) -> dict:
     result = {}
     if D.is_main():
         size = _dir_bytes(path)
-        hw = open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0].strip(": \t") \
-            if os.path.isfile("/proc/cpuinfo") else "unknown"
-        result = {"model": args.model, "params": params, "ranks": D.world_size(), "checkpoint_bytes": size,
-                  "state_bytes": _dir_bytes(os.path.join(path, "state")),
-                  "save_s": statistics.median(saves), "load_s": statistics.median(loads),
-                  "export_s": statistics.median(exports), "export_bytes": _dir_bytes(os.path.join(root, "hf_export")),
-                  "hardware": f"{hw}, {os.cpu_count()} cores, torch {torch.__version__}",
-                  "date": time.strftime("%Y-%m-%d"), "k": args.k}
-        print(f"{args.model}: {params / 1e6:.1f}M params, {D.world_size()} rank(s): checkpoint "
-              f"{size / 1e6:.1f} MB (weights + AdamW m, v in fp32), save {result['save_s']:.2f} s, "
-              f"load {result['load_s']:.2f} s, export {result['export_s']:.2f} s "
-              f"({result['export_bytes'] / 1e6:.1f} MB HF dir)")
+        hw = (
+            open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0].strip(": \t")
+            if os.path.isfile("/proc/cpuinfo")
+            else "unknown"
+        )
+        result = {
+            "model": args.model,
+            "params": params,
+            "ranks": D.world_size(),
+            "checkpoint_bytes": size,
+            "state_bytes": _dir_bytes(os.path.join(path, "state")),
+            "save_s": statistics.median(saves),
+            "load_s": statistics.median(loads),
+            "export_s": statistics.median(exports),
+            "export_bytes": _dir_bytes(os.path.join(root, "hf_export")),
+            "hardware": f"{hw}, {os.cpu_count()} cores, torch {torch.__version__}",
+            "date": time.strftime("%Y-%m-%d"),
+            "k": args.k,
+        }
+        print(
+            f"{args.model}: {params / 1e6:.1f}M params, {D.world_size()} rank(s): checkpoint "
+            f"{size / 1e6:.1f} MB (weights + AdamW m, v in fp32), save {result['save_s']:.2f} s, "
+            f"load {result['load_s']:.2f} s, export {result['export_s']:.2f} s "
+            f"({result['export_bytes'] / 1e6:.1f} MB HF dir)"
+        )
         print(json.dumps(result))
     D.shutdown()
     return result

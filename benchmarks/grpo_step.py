@@ -26,6 +26,7 @@ ours is eager on CPU unless `--vllm-compile` gives it the same setting (rollout.
 
 Prints a human table, then ONE JSON object as the last line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,8 +66,8 @@ def _wait_go() -> bool:
 
 
 def _model_dir(work: str) -> str:
-    from hybrid_rl.models.tiny import build_tiny_model_dir
     from hybrid_rl.data.digits import DIGIT_WORDS
+    from hybrid_rl.models.tiny import build_tiny_model_dir
 
     return build_tiny_model_dir(os.path.join(work, "tiny_qwen2"), DIGIT_WORDS, hidden_size=128, num_layers=2, seed=0)
 
@@ -81,20 +82,39 @@ def worker_ours(a) -> None:
 
     model = _model_dir(a.work)
     overrides = [
-        f"model.path={model}", f"data.batch_size={a.prompts}", f"rollout.n={a.n}",
-        f"rollout.max_new_tokens={a.max_new_tokens}", "rollout.temperature=1.0", f"optim.lr={a.lr}",
-        f"trainer.micro_batch_size={a.micro_batch}", f"trainer.total_steps={a.warmup + a.steps}",
-        f"trainer.out_dir={os.path.join(a.work, 'ours_out')}", "trainer.device=cpu", "trainer.log_every=0",
-        "trainer.progress_bar=false", f"trainer.seed={a.seed}",
+        f"model.path={model}",
+        f"data.batch_size={a.prompts}",
+        f"rollout.n={a.n}",
+        f"rollout.max_new_tokens={a.max_new_tokens}",
+        "rollout.temperature=1.0",
+        f"optim.lr={a.lr}",
+        f"trainer.micro_batch_size={a.micro_batch}",
+        f"trainer.total_steps={a.warmup + a.steps}",
+        f"trainer.out_dir={os.path.join(a.work, 'ours_out')}",
+        "trainer.device=cpu",
+        "trainer.log_every=0",
+        "trainer.progress_bar=false",
+        f"trainer.seed={a.seed}",
         # The same --seed moves our prompts and sampling streams, as it moves TRL's (digits_rows(n, seed)).
-        f"data.seed={a.seed}", f"rollout.seed={a.seed}",
+        f"data.seed={a.seed}",
+        f"rollout.seed={a.seed}",
         # The algorithm TRL's side is configured for, pinned here so that a retuned recipe (its own
         # defaults) cannot change what is compared: one optimizer step per GRPO step, k3 KL 0.001 in the
         # loss, no entropy bonus, AdamW (0.9, 0.999) at a constant lr.
-        "algorithm.advantage=grpo", "algorithm.policy_loss=ppo_clip", "algorithm.loss_agg=token-mean",
-        "algorithm.mini_batch_size=0", "algorithm.kl_placement=loss", "algorithm.kl_estimator=k3",
-        "algorithm.kl_coef=0.001", "algorithm.entropy_coef=0.0", "optim.betas=[0.9,0.999]", "optim.eps=1e-8",
-        "optim.weight_decay=0.0", "optim.grad_clip=1.0", "optim.warmup_steps=0", "optim.lr_schedule=constant",
+        "algorithm.advantage=grpo",
+        "algorithm.policy_loss=ppo_clip",
+        "algorithm.loss_agg=token-mean",
+        "algorithm.mini_batch_size=0",
+        "algorithm.kl_placement=loss",
+        "algorithm.kl_estimator=k3",
+        "algorithm.kl_coef=0.001",
+        "algorithm.entropy_coef=0.0",
+        "optim.betas=[0.9,0.999]",
+        "optim.eps=1e-8",
+        "optim.weight_decay=0.0",
+        "optim.grad_clip=1.0",
+        "optim.warmup_steps=0",
+        "optim.lr_schedule=constant",
     ]
     if a.worker == "padded":  # the same library with every row padded to the longest (before packing)
         overrides.append("trainer.packing=false")
@@ -111,8 +131,14 @@ def worker_ours(a) -> None:
         t0 = time.perf_counter()
         m = trainer.step()
         dt = time.perf_counter() - t0
-        _send(out, {"step_s": dt, "reward": float(m["reward/mean"]),
-                    "phases": {k[5:]: float(v) for k, v in m.items() if k.startswith("time/")}})
+        _send(
+            out,
+            {
+                "step_s": dt,
+                "reward": float(m["reward/mean"]),
+                "phases": {k[5:]: float(v) for k, v in m.items() if k.startswith("time/")},
+            },
+        )
     trainer.close()
     distributed.shutdown()
 
@@ -126,9 +152,9 @@ def worker_trl(a) -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from hybrid_rl.data.digits import digits_rows
     from hybrid_rl.models.loading import load_tokenizer
     from hybrid_rl.rewards.toy import digits_reward
-    from hybrid_rl.data.digits import digits_rows
 
     model = _model_dir(a.work)
     use_vllm = a.worker == "trl_vllm"
@@ -141,8 +167,13 @@ def worker_trl(a) -> None:
         meta = []
         for ids, ans in zip(completion_ids, answer):
             stop = len(ids) > 0 and ids[-1] == tok.eos_token_id
-            meta.append({"answer": ans, "finish_reason": "stop" if stop else "length",
-                         "response_tokens": len(ids) - 1 if stop else len(ids)})
+            meta.append(
+                {
+                    "answer": ans,
+                    "finish_reason": "stop" if stop else "length",
+                    "response_tokens": len(ids) - 1 if stop else len(ids),
+                }
+            )
         r = digits_reward(prompts, completions, meta)
         rewards.extend(r)
         return r
@@ -157,28 +188,36 @@ def worker_trl(a) -> None:
         lr_scheduler_type="constant",
         warmup_steps=0,
         weight_decay=0.0,
-        adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
         max_grad_norm=1.0,
         optim="adamw_torch",
         per_device_train_batch_size=a.micro_batch,
         gradient_accumulation_steps=total // a.micro_batch,  # one optimizer step per 256 completions
         num_generations=a.n,
         max_completion_length=a.max_new_tokens,
-        temperature=1.0, top_p=1.0, top_k=0,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
         beta=0.001,
         num_iterations=1,
         epsilon=0.2,
-        loss_type="dapo",          # token-mean over the whole step's tokens = our loss_agg=token-mean
-        scale_rewards="group",     # (r - group mean) / group std = our advantage=grpo
+        loss_type="dapo",  # token-mean over the whole step's tokens = our loss_agg=token-mean
+        scale_rewards="group",  # (r - group mean) / group std = our advantage=grpo
         mask_truncated_completions=False,
         use_vllm=use_vllm,
         **({"vllm_mode": "colocate", "vllm_enable_sleep_mode": False} if use_vllm else {}),
-        bf16=False, fp16=False,
+        bf16=False,
+        fp16=False,
         use_cpu=True,
         gradient_checkpointing=False,  # TRL's GRPOConfig defaults to True; ours (model.gradient_checkpointing) to False
         seed=a.seed,
-        logging_strategy="no", save_strategy="no", report_to="none",
-        disable_tqdm=True, log_completions=False,
+        logging_strategy="no",
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        log_completions=False,
         dataloader_num_workers=0,
         model_init_kwargs={"dtype": torch.float32},
     )
@@ -203,8 +242,9 @@ def worker_trl(a) -> None:
                 control.should_training_stop = True
             self.t0 = time.perf_counter()
 
-    trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=args, train_dataset=ds,
-                          processing_class=tok, callbacks=[Gate()])
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=reward_fn, args=args, train_dataset=ds, processing_class=tok, callbacks=[Gate()]
+    )
     if use_vllm:
         sys.path.insert(0, HERE)
         import vllm_bench
@@ -220,18 +260,48 @@ class Worker:
     def __init__(self, kind: str, a, L: int, log_dir: str):
         self.kind = kind
         self.log = open(os.path.join(log_dir, f"{kind}_{L}.log"), "w")
-        env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "MKL_NUM_THREADS": str(a.threads),
-               "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               "VLLM_LOGGING_STREAM": "ext://sys.stderr"}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(a.threads),
+            "MKL_NUM_THREADS": str(a.threads),
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+        }
         if kind == "trl_vllm":
-            env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB; TRL passes gpu_memory_utilization=0.3, i.e. 0.3 x host RAM on CPU
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--work", a.work,
-               "--max-new-tokens", str(L), "--steps", str(a.steps), "--warmup", str(a.warmup),
-               "--prompts", str(a.prompts), "--n", str(a.n), "--lr", str(a.lr), "--threads", str(a.threads),
-               "--micro-batch", str(a.micro_batch), "--seed", str(a.seed)] + (["--vllm-compile"] if a.vllm_compile else [])
+            env["VLLM_CPU_KVCACHE_SPACE"] = (
+                "1"  # GiB; TRL passes gpu_memory_utilization=0.3, i.e. 0.3 x host RAM on CPU
+            )
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--worker",
+            kind,
+            "--work",
+            a.work,
+            "--max-new-tokens",
+            str(L),
+            "--steps",
+            str(a.steps),
+            "--warmup",
+            str(a.warmup),
+            "--prompts",
+            str(a.prompts),
+            "--n",
+            str(a.n),
+            "--lr",
+            str(a.lr),
+            "--threads",
+            str(a.threads),
+            "--micro-batch",
+            str(a.micro_batch),
+            "--seed",
+            str(a.seed),
+        ] + (["--vllm-compile"] if a.vllm_compile else [])
         self.t_spawn = time.perf_counter()
-        self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                  text=True, bufsize=1, env=env, cwd=ROOT)
+        self.p = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1, env=env, cwd=ROOT
+        )
         self.steps: list[dict] = []
         self.ready = self._read()
         self.startup_s = time.perf_counter() - self.t_spawn
@@ -244,7 +314,7 @@ class Worker:
                 tail = open(self.log.name).read()[-3000:]
                 raise RuntimeError(f"{self.kind} worker died (rc={self.p.poll()}); log tail:\n{tail}")
             if line.startswith(PROTO):
-                return json.loads(line[len(PROTO):])
+                return json.loads(line[len(PROTO) :])
 
     def step(self) -> dict:
         self.p.stdin.write("go\n")
@@ -270,13 +340,17 @@ def summarize(w: Worker, warmup: int) -> dict:
     meas = w.steps[warmup:]
     times = [s["step_s"] for s in meas]
     d = {
-        "median_step_s": statistics.median(times), "min_step_s": min(times), "max_step_s": max(times),
+        "median_step_s": statistics.median(times),
+        "min_step_s": min(times),
+        "max_step_s": max(times),
         "warmup_step_s": [s["step_s"] for s in w.steps[:warmup]],
         "startup_s": w.startup_s,
         "total_wall_s": w.startup_s + sum(s["step_s"] for s in w.steps),
-        "reward_first": w.steps[0]["reward"], "reward_last": w.steps[-1]["reward"],
+        "reward_first": w.steps[0]["reward"],
+        "reward_last": w.steps[-1]["reward"],
         "reward_last5": statistics.mean(s["reward"] for s in w.steps[-5:]),
-        "steps_measured": len(meas), "threads": w.ready.get("threads"),
+        "steps_measured": len(meas),
+        "threads": w.ready.get("threads"),
     }
     if "phases" in meas[0]:
         d["phases_median_s"] = {k: statistics.median(s["phases"][k] for s in meas) for k in meas[0]["phases"]}
@@ -295,12 +369,21 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch threads per worker")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", choices=["ours", "trl"], default=None)
-    ap.add_argument("--padded", action="store_true",
-                    help="also run our trainer with trainer.packing=false (a third worker, interleaved)")
-    ap.add_argument("--vllm", action="store_true",
-                    help="also run ours with rollout.engine=vllm and TRL with vLLM colocated (two more workers, interleaved)")
-    ap.add_argument("--vllm-compile", action="store_true",
-                    help="ours+vLLM with rollout.enforce_eager=false: compiled on CPU, as TRL's colocated engine is")
+    ap.add_argument(
+        "--padded",
+        action="store_true",
+        help="also run our trainer with trainer.packing=false (a third worker, interleaved)",
+    )
+    ap.add_argument(
+        "--vllm",
+        action="store_true",
+        help="also run ours with rollout.engine=vllm and TRL with vLLM colocated (two more workers, interleaved)",
+    )
+    ap.add_argument(
+        "--vllm-compile",
+        action="store_true",
+        help="ours+vLLM with rollout.enforce_eager=false: compiled on CPU, as TRL's colocated engine is",
+    )
     ap.add_argument("--json-only", action="store_true")
     ap.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
@@ -315,12 +398,18 @@ def main() -> None:
     load_start = os.getloadavg()
     try:
         import trl  # noqa: F401
+
         have_trl = True
     except ImportError:
         have_trl = False
     wanted = {"ours", "trl"} | ({"padded"} if a.padded else set()) | ({"vllm", "trl_vllm"} if a.vllm else set())
-    kinds = [k for k in SIDES if k in wanted and (a.only is None or k.startswith("trl") == (a.only == "trl"))
-             and (have_trl or not k.startswith("trl"))]
+    kinds = [
+        k
+        for k in SIDES
+        if k in wanted
+        and (a.only is None or k.startswith("trl") == (a.only == "trl"))
+        and (have_trl or not k.startswith("trl"))
+    ]
     say = (lambda *x, **kw: None) if a.json_only else print
 
     import torch
@@ -366,19 +455,35 @@ def main() -> None:
 
     load_end = os.getloadavg()
     result = {
-        "bench": "grpo_step", "versions": versions, "cpu_count": os.cpu_count(),
-        "settings": {"prompts": a.prompts, "n": a.n, "lr": a.lr, "micro_batch": a.micro_batch,
-                     "threads_per_worker": a.threads, "warmup": a.warmup, "steps": a.steps, "seed": a.seed},
-        "trl_available": have_trl, "configs": configs,
-        "loadavg_start": list(load_start), "loadavg_end": list(load_end),
+        "bench": "grpo_step",
+        "versions": versions,
+        "cpu_count": os.cpu_count(),
+        "settings": {
+            "prompts": a.prompts,
+            "n": a.n,
+            "lr": a.lr,
+            "micro_batch": a.micro_batch,
+            "threads_per_worker": a.threads,
+            "warmup": a.warmup,
+            "steps": a.steps,
+            "seed": a.seed,
+        },
+        "trl_available": have_trl,
+        "configs": configs,
+        "loadavg_start": list(load_start),
+        "loadavg_end": list(load_end),
         "wall_s": time.perf_counter() - t_start,
     }
     if not a.json_only:
         print()
-        print(f"GRPO step, {a.prompts} prompts x {a.n} samples, {a.threads} threads per worker, "
-              f"median of {a.steps} steps after {a.warmup} warm-up")
-        print(f"{'new_tok':>7} {'side':<8} {'median_s':>9} {'min_s':>7} {'startup_s':>9} {'total_s':>8} "
-              f"{'reward_last':>11} {'reward_last5':>12} {'TRL/ours':>8}")
+        print(
+            f"GRPO step, {a.prompts} prompts x {a.n} samples, {a.threads} threads per worker, "
+            f"median of {a.steps} steps after {a.warmup} warm-up"
+        )
+        print(
+            f"{'new_tok':>7} {'side':<8} {'median_s':>9} {'min_s':>7} {'startup_s':>9} {'total_s':>8} "
+            f"{'reward_last':>11} {'reward_last5':>12} {'TRL/ours':>8}"
+        )
         for c in configs:
             for k in kinds:
                 s = c[k]
@@ -387,19 +492,27 @@ def main() -> None:
                     ratio = f"{c['ratio_trl_over_padded']:.2f}x"
                 if k == "trl_vllm" and "ratio_trl_vllm_over_vllm" in c:
                     ratio = f"{c['ratio_trl_vllm_over_vllm']:.2f}x"  # TRL+vLLM over ours+vLLM
-                print(f"{c['max_new_tokens']:>7} {k:<8} {s['median_step_s']:>9.3f} {s['min_step_s']:>7.3f} "
-                      f"{s['startup_s']:>9.1f} {s['total_wall_s']:>8.1f} {s['reward_last']:>11.3f} "
-                      f"{s['reward_last5']:>12.3f} {ratio:>8}")
-        print("TRL/ours: on the trl row TRL / ours (native engine); on trl_vllm TRL+vLLM / ours+vLLM (target >= 1.5); "
-              "on padded TRL / padded")
+                print(
+                    f"{c['max_new_tokens']:>7} {k:<8} {s['median_step_s']:>9.3f} {s['min_step_s']:>7.3f} "
+                    f"{s['startup_s']:>9.1f} {s['total_wall_s']:>8.1f} {s['reward_last']:>11.3f} "
+                    f"{s['reward_last5']:>12.3f} {ratio:>8}"
+                )
+        print(
+            "TRL/ours: on the trl row TRL / ours (native engine); on trl_vllm TRL+vLLM / ours+vLLM (target >= 1.5); "
+            "on padded TRL / padded"
+        )
         for c in configs:
             for k in ("ours", "padded", "vllm"):
                 if k in c and "phases_median_s" in c[k]:
                     ph = c[k]["phases_median_s"]
-                    print(f"{k} phases (median s), {c['max_new_tokens']} new tokens: "
-                          + ", ".join(f"{name} {v:.3f}" for name, v in ph.items()))
-        print(f"load average start {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f}, "
-              f"end {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}; wall {result['wall_s']:.1f}s")
+                    print(
+                        f"{k} phases (median s), {c['max_new_tokens']} new tokens: "
+                        + ", ".join(f"{name} {v:.3f}" for name, v in ph.items())
+                    )
+        print(
+            f"load average start {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f}, "
+            f"end {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}; wall {result['wall_s']:.1f}s"
+        )
     print(json.dumps(result), flush=True)
 
 

@@ -27,6 +27,7 @@ V*H, the latter 519 MiB in fp32 at Qwen2.5-0.5B's head): the temporaries alone.
 Prints a table, then one JSON object as the last line. `main(argv) -> dict`.
 Legend: R tokens (rows), H hidden size, V vocabulary size, C rows per chunk.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -98,15 +99,17 @@ class AllocTracker(TorchDispatchMode):
         return peak
 
 
-def naive_logprob_entropy(hidden_RH: torch.Tensor, weight_VH: torch.Tensor, targets_R: torch.Tensor,
-                          temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def naive_logprob_entropy(
+    hidden_RH: torch.Tensor, weight_VH: torch.Tensor, targets_R: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Full (R, V) logits, upcast to fp32, then the unchunked logprob/entropy (the old path)."""
     logits_RV = torch.nn.functional.linear(hidden_RH, weight_VH)
     return logprob_entropy(logits_RV.float(), targets_R, temperature)
 
 
-def measure(fn: Callable, hidden_RH: torch.Tensor, weight_VH: torch.Tensor, targets_R: torch.Tensor,
-            temperature: float) -> dict[str, Any]:
+def measure(
+    fn: Callable, hidden_RH: torch.Tensor, weight_VH: torch.Tensor, targets_R: torch.Tensor, temperature: float
+) -> dict[str, Any]:
     """One forward + backward of sum(a*logp + b*entropy) under the tracker; bytes and seconds."""
     R = hidden_RH.shape[0]
     a_R = torch.linspace(-1.0, 1.0, R)
@@ -127,8 +130,14 @@ def measure(fn: Callable, hidden_RH: torch.Tensor, weight_VH: torch.Tensor, targ
         if cuda:
             torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    out = {"peak_bytes": tr.peak, "temp_peak_bytes": tr.peak_without([h.grad, w.grad]), "largest_bytes": tr.largest,
-           "seconds": seconds, "grad_hidden": h.grad, "grad_weight": w.grad}
+    out = {
+        "peak_bytes": tr.peak,
+        "temp_peak_bytes": tr.peak_without([h.grad, w.grad]),
+        "largest_bytes": tr.largest,
+        "seconds": seconds,
+        "grad_hidden": h.grad,
+        "grad_weight": w.grad,
+    }
     if cuda:
         out["cuda_peak_bytes"] = torch.cuda.max_memory_allocated() - cuda_base
     return out
@@ -139,16 +148,23 @@ def _row(R: int, impl: str, C: str, r: dict, naive: dict | None) -> str:
         return f"{r[key] / naive[key]:.3f}" if naive else "-"
 
     mib = {k: r[k] / 2**20 for k in ("temp_peak_bytes", "peak_bytes", "largest_bytes")}
-    return (f"{R:>6} {impl:>8} {C:>5} {mib['temp_peak_bytes']:>12.1f} {ratio('temp_peak_bytes'):>10} {mib['peak_bytes']:>12.1f} "
-            f"{ratio('peak_bytes'):>10} {mib['largest_bytes']:>12.1f} {r['seconds']:>8.2f} {ratio('seconds'):>10}")
+    return (
+        f"{R:>6} {impl:>8} {C:>5} {mib['temp_peak_bytes']:>12.1f} {ratio('temp_peak_bytes'):>10} "
+        f"{mib['peak_bytes']:>12.1f} "
+        f"{ratio('peak_bytes'):>10} {mib['largest_bytes']:>12.1f} {r['seconds']:>8.2f} {ratio('seconds'):>10}"
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # 4096 would take ~4 more minutes on a 2-core VM and ~15 GB for the naive path.
     ap.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 2048], help="R values")
-    ap.add_argument("--naive-max-tokens", type=int, default=4096,
-                    help="skip the naive path above this R (its (R, V) temporaries may not fit)")
+    ap.add_argument(
+        "--naive-max-tokens",
+        type=int,
+        default=4096,
+        help="skip the naive path above this R (its (R, V) temporaries may not fit)",
+    )
     ap.add_argument("--vocab", type=int, default=151_936)
     ap.add_argument("--hidden", type=int, default=896)
     ap.add_argument("--chunk", type=int, default=None, help="rows per chunk (default: chunk_rows(R, V), per R)")
@@ -163,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
     V, H = args.vocab, args.hidden
     g = torch.Generator().manual_seed(0)
-    weight_VH = (torch.randn(V, H, generator=g) * H ** -0.5).to(dev, dtype)
+    weight_VH = (torch.randn(V, H, generator=g) * H**-0.5).to(dev, dtype)
 
     def chunked(h, w, t, temp):
         return chunked_logprob_entropy(h, w, None, t, temp, chunk_tokens=args.chunk)
@@ -179,25 +195,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.cuda.synchronize()
 
     rows: list[dict[str, Any]] = []
-    lines = [f"{'R':>6} {'impl':>8} {'C':>5} {'temp MiB':>12} {'/naive':>10} {'peak MiB':>12} {'/naive':>10} "
-             f"{'largest MiB':>12} {'seconds':>8} {'/naive':>10}"]
+    lines = [
+        f"{'R':>6} {'impl':>8} {'C':>5} {'temp MiB':>12} {'/naive':>10} {'peak MiB':>12} {'/naive':>10} "
+        f"{'largest MiB':>12} {'seconds':>8} {'/naive':>10}"
+    ]
     for R in args.tokens:
         C = args.chunk or chunk_rows(R, V)  # what chunked_logprob_entropy picks for chunk_tokens=args.chunk
         hidden_RH = torch.randn(R, H, generator=g).to(dev, dtype)
         targets_R = torch.randint(0, V, (R,), generator=g).to(dev)
-        naive = measure(naive_logprob_entropy, hidden_RH, weight_VH, targets_R, args.temperature) \
-            if R <= args.naive_max_tokens else None
+        naive = (
+            measure(naive_logprob_entropy, hidden_RH, weight_VH, targets_R, args.temperature)
+            if R <= args.naive_max_tokens
+            else None
+        )
         ch = measure(chunked, hidden_RH, weight_VH, targets_R, args.temperature)
         max_grad_diff = None
         if naive is not None:
-            max_grad_diff = max((ch["grad_hidden"] - naive["grad_hidden"]).abs().max().item(),
-                                (ch["grad_weight"] - naive["grad_weight"]).abs().max().item())
+            max_grad_diff = max(
+                (ch["grad_hidden"] - naive["grad_hidden"]).abs().max().item(),
+                (ch["grad_weight"] - naive["grad_weight"]).abs().max().item(),
+            )
             lines.append(_row(R, "naive", "-", naive, None))
         lines.append(_row(R, "chunked", str(C), ch, naive))
         row: dict[str, Any] = {"tokens": R, "chunk": C, "max_abs_grad_diff": max_grad_diff}
         for name, r in (("naive", naive), ("chunked", ch)):
             if r is not None:
-                row[name] = {k: (round(v, 4) if k == "seconds" else v) for k, v in r.items() if not k.startswith("grad")}
+                row[name] = {
+                    k: (round(v, 4) if k == "seconds" else v) for k, v in r.items() if not k.startswith("grad")
+                }
         if naive is not None:
             row["temp_peak_ratio_chunked_over_naive"] = round(ch["temp_peak_bytes"] / naive["temp_peak_bytes"], 4)
             row["peak_ratio_chunked_over_naive"] = round(ch["peak_bytes"] / naive["peak_bytes"], 4)
@@ -208,20 +233,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {
         "benchmark": "logprob_memory",
         "date": datetime.date.today().isoformat(),
-        "device": str(dev), "dtype": args.dtype, "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "machine": platform.machine(), "vocab": V, "hidden": H, "temperature": args.temperature,
+        "device": str(dev),
+        "dtype": args.dtype,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "vocab": V,
+        "hidden": H,
+        "temperature": args.temperature,
         "chunk": args.chunk or "chunk_rows(R, V), per row",
-        "memory_measure": ("AllocTracker (TorchDispatchMode): live bytes of storages created by aten ops during "
-                           "forward+backward; temp_peak leaves out the returned gradients of hidden and weight"),
+        "memory_measure": (
+            "AllocTracker (TorchDispatchMode): live bytes of storages created by aten ops during "
+            "forward+backward; temp_peak leaves out the returned gradients of hidden and weight"
+        ),
         "rows": rows,
     }
     if not args.json_only:
-        print(f"logp + entropy, forward + backward: V={V} H={H} dtype={args.dtype} device={dev} "
-              f"chunk C={args.chunk or 'chunk_rows(R, V) (see rows)'} "
-              f"T={args.temperature}, torch {torch.__version__}, {torch.get_num_threads()} threads")
-        print("peak = most bytes of torch-allocated storages live at once during forward+backward (AllocTracker;"
-              " inputs excluded, gradients included); temp = the same without the two gradients every method"
-              " returns (grad_hidden R*H, grad_weight V*H); largest = biggest single storage")
+        print(
+            f"logp + entropy, forward + backward: V={V} H={H} dtype={args.dtype} device={dev} "
+            f"chunk C={args.chunk or 'chunk_rows(R, V) (see rows)'} "
+            f"T={args.temperature}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+        )
+        print(
+            "peak = most bytes of torch-allocated storages live at once during forward+backward (AllocTracker;"
+            " inputs excluded, gradients included); temp = the same without the two gradients every method"
+            " returns (grad_hidden R*H, grad_weight V*H); largest = biggest single storage"
+        )
         print("\n".join(lines))
     print(json.dumps(result))
     return result

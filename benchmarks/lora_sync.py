@@ -12,6 +12,7 @@ perturbed so that nothing is zero; the model is the tiny recipe's or the 123M be
 
 Prints one JSON line per model: bytes per sync (full fp32 weights, adapter fp32) and the median seconds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from rollout_throughput import MODELS  # noqa: E402  (benchmarks/ on sys.path, as the other benchmarks)
 import vllm_bench  # noqa: E402
+from rollout_throughput import MODELS  # noqa: E402  (benchmarks/ on sys.path, as the other benchmarks)
 
 
 def build(model: str, vocab: int):
@@ -35,9 +36,17 @@ def build(model: str, vocab: int):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     hidden, layers, inter, heads, kv = MODELS[model]
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=256,
-                      tie_word_embeddings=True, architectures=["Qwen2ForCausalLM"])
+    cfg = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        architectures=["Qwen2ForCausalLM"],
+    )
     torch.manual_seed(0)
     module = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     path = tempfile.mkdtemp(prefix="lora_sync_")
@@ -61,8 +70,13 @@ def full_syncs(module, path: str, k: int) -> tuple[int, list[float]]:
 
 
 def adapter_pushes(module, path: str, rank: int, k: int) -> tuple[int, list[float]]:
-    from hybrid_rl.models.lora import (LoraSettings, adapter_config, adapter_named_tensors, apply_lora,
-                                       base_named_parameters)
+    from hybrid_rl.models.lora import (
+        LoraSettings,
+        adapter_config,
+        adapter_named_tensors,
+        apply_lora,
+        base_named_parameters,
+    )
     from hybrid_rl.rollout.vllm.lora import engine_kwargs
 
     policy = apply_lora(module, LoraSettings(rank=rank, alpha=2.0 * rank))
@@ -96,10 +110,18 @@ def main(argv=None) -> dict:
     n_params = sum(p.numel() for p in module.parameters())
     full_bytes, full_s = full_syncs(module, path, args.k)
     lora_bytes, lora_s = adapter_pushes(module, path, args.rank, args.k)
-    out = {"model": args.model, "params": n_params, "rank": args.rank, "full_sync_bytes": full_bytes,
-           "full_sync_s_median": statistics.median(full_s), "adapter_sync_bytes": lora_bytes,
-           "adapter_sync_s_median": statistics.median(lora_s), "k": args.k, "threads": torch.get_num_threads(),
-           "loadavg": os.getloadavg()}
+    out = {
+        "model": args.model,
+        "params": n_params,
+        "rank": args.rank,
+        "full_sync_bytes": full_bytes,
+        "full_sync_s_median": statistics.median(full_s),
+        "adapter_sync_bytes": lora_bytes,
+        "adapter_sync_s_median": statistics.median(lora_s),
+        "k": args.k,
+        "threads": torch.get_num_threads(),
+        "loadavg": os.getloadavg(),
+    }
     print(json.dumps(out))
     return out
 

@@ -24,6 +24,7 @@ over the same policy, optimizer and reference.
 Prints a human table, then one JSON object as the last line. `main(argv) -> dict`.
 Legend: N sequences in the rollout batch, P prompt tokens, T new tokens, L = P + T.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,21 +41,22 @@ from typing import Optional
 
 import torch
 
+from hybrid_rl.models.fsdp import shard_model
+from hybrid_rl.rollout.native.engine import NativeEngine
 from hybrid_rl.runtime import distributed as D
 from hybrid_rl.switch import memory
 from hybrid_rl.switch.phases import PhaseManager
-from hybrid_rl.models.fsdp import shard_model
 from hybrid_rl.types import SamplingParams
-from hybrid_rl.rollout.native.engine import NativeEngine
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the report module beside this script
-from phase_swap_report import STAGES, max_over_ranks, human_table, summarize  # noqa: E402
 import vllm_bench  # noqa: E402
-
+from phase_swap_report import STAGES, human_table, max_over_ranks, summarize  # noqa: E402
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     m = p.add_argument_group("model (ignored with --config)")
     p.add_argument("--config", default=None, help="a HF config.json (or a directory holding one); random weights")
     m.add_argument("--hidden", type=int, default=1024)
@@ -64,28 +66,55 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     m.add_argument("--kv-heads", type=int, default=4)
     m.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                   help="auto: bf16 mixed precision on CUDA (as the trainer), fp32 on CPU")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="auto: bf16 mixed precision on CUDA (as the trainer), fp32 on CPU",
+    )
     p.add_argument("--k", type=int, default=5, help="measured cycles")
     p.add_argument("--warmup", type=int, default=1, help="cycles run first and not measured")
-    p.add_argument("--engine", choices=("both", "zero-copy", "copy", "sglang", "vllm"), default="both",
-                   help="sglang: an sglang.Engine (on CPU: put tests/fake_sglang on PYTHONPATH for the stand-in); "
-                        "vllm: an in-process vllm.LLM (rollout/vllm/engine.py), weights reloaded in place")
-    p.add_argument("--bucket-mb", type=float, default=256.0, help="weight-sync bucket size (copy, sglang and vllm engines)")
+    p.add_argument(
+        "--engine",
+        choices=("both", "zero-copy", "copy", "sglang", "vllm"),
+        default="both",
+        help="sglang: an sglang.Engine (on CPU: put tests/fake_sglang on PYTHONPATH for the stand-in); "
+        "vllm: an in-process vllm.LLM (rollout/vllm/engine.py), weights reloaded in place",
+    )
+    p.add_argument(
+        "--bucket-mb", type=float, default=256.0, help="weight-sync bucket size (copy, sglang and vllm engines)"
+    )
     p.add_argument("--tp-size", type=int, default=1, help="sglang, vllm: ranks per engine")
     p.add_argument("--offload-optimizer", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--ref", action=argparse.BooleanOptionalAction, default=True,
-                   help="a frozen reference copy, resident only inside SCORE")
-    p.add_argument("--train-step", action=argparse.BooleanOptionalAction, default=True,
-                   help="one real optimizer step inside each TRAIN (so zero_grad has gradients to free)")
+    p.add_argument(
+        "--ref",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a frozen reference copy, resident only inside SCORE",
+    )
+    p.add_argument(
+        "--train-step",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one real optimizer step inside each TRAIN (so zero_grad has gradients to free)",
+    )
     p.add_argument("--batch", type=int, default=4, help="N sequences generated per rollout")
     p.add_argument("--prompt-len", type=int, default=32, help="P")
     p.add_argument("--new-tokens", type=int, default=8, help="T")
     p.add_argument("--kv-tokens", type=int, default=0, help="if > 0: batch = ceil(kv_tokens / (P + T))")
-    p.add_argument("--train-tokens", type=int, default=16,
-                   help="one sequence of this many tokens for the train step and the ref forward (compute is not what is measured)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads; 0: torch's default. Default: 1 on CPU (see README), torch's on CUDA")
+    p.add_argument(
+        "--train-tokens",
+        type=int,
+        default=16,
+        help="one sequence of this many tokens for the train step and the ref forward "
+        "(compute is not what is measured)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads; 0: torch's default. Default: 1 on CPU (see README), torch's on CUDA",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-only", action="store_true", help="print only the JSON line")
     args = p.parse_args(argv)
@@ -109,10 +138,16 @@ def build_config(args: argparse.Namespace):
         cfg = AutoConfig.for_model(d.pop("model_type"), **d)
     else:
         inter = args.intermediate or 32 * round(2.75 * args.hidden / 32)
-        cfg = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=inter,
-                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                          num_key_value_heads=args.kv_heads, tie_word_embeddings=True,
-                          max_position_embeddings=max(512, args.prompt_len + args.new_tokens))
+        cfg = Qwen2Config(
+            vocab_size=args.vocab,
+            hidden_size=args.hidden,
+            intermediate_size=inter,
+            num_hidden_layers=args.layers,
+            num_attention_heads=args.heads,
+            num_key_value_heads=args.kv_heads,
+            tie_word_embeddings=True,
+            max_position_embeddings=max(512, args.prompt_len + args.new_tokens),
+        )
     cfg.use_cache = False  # training default; the engine asks for its cache explicitly
     return cfg
 
@@ -124,8 +159,14 @@ def hardware(dev: torch.device) -> dict:
             cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
     except OSError:
         pass
-    hw = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-          "machine": platform.machine(), "system": platform.system(), "gpu": None}
+    hw = {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "system": platform.system(),
+        "gpu": None,
+    }
     if dev.type == "cuda":
         hw["gpu"] = torch.cuda.get_device_name(dev)
         hw["gpu_memory_gb"] = round(torch.cuda.get_device_properties(dev).total_memory / 1e9, 1)
@@ -203,8 +244,11 @@ def timed_generate(engine: NativeEngine, prompts: list[list[int]], sp: SamplingP
         for h in hooks:
             h.remove()
     assert len(out) == len(prompts)
-    return {"generate_s": total, "prefill_s": calls[0] if calls else 0.0,
-            "decode_s_per_token": statistics.median(calls[1:]) if len(calls) > 1 else 0.0}
+    return {
+        "generate_s": total,
+        "prefill_s": calls[0] if calls else 0.0,
+        "decode_s_per_token": statistics.median(calls[1:]) if len(calls) > 1 else 0.0,
+    }
 
 
 def run_engine(mode: str, args, dev, policy, opt, ref, engine_module, train_ids, prompts, sp, shared: dict) -> dict:
@@ -213,16 +257,42 @@ def run_engine(mode: str, args, dev, policy, opt, ref, engine_module, train_ids,
     if mode == "sglang":
         from hybrid_rl.rollout.sglang.engine import SGLangEngine
 
-        engine = SGLangEngine(policy, shared["model_dir"], pad_id=0, eos_id=-1, tp_size=args.tp_size,
-                              weights_dtype=torch.bfloat16 if args.mixed else None)
+        engine = SGLangEngine(
+            policy,
+            shared["model_dir"],
+            pad_id=0,
+            eos_id=-1,
+            tp_size=args.tp_size,
+            weights_dtype=torch.bfloat16 if args.mixed else None,
+        )
     elif mode == "vllm":
-        engine = vllm_bench.engine_for(policy, shared["model_dir"], args.prompt_len + args.new_tokens, args.batch,
-                                       args.tp_size, torch.bfloat16 if args.mixed else None)
+        engine = vllm_bench.engine_for(
+            policy,
+            shared["model_dir"],
+            args.prompt_len + args.new_tokens,
+            args.batch,
+            args.tp_size,
+            torch.bfloat16 if args.mixed else None,
+        )
     else:
-        engine = NativeEngine(policy if mode == "zero-copy" else engine_module, pad_id=0, eos_id=-1,
-                              weights_dtype=torch.bfloat16 if args.mixed else None, own_weights=mode == "copy")
-    pm = PhaseManager(policy, opt, engine, dev, ref=ref, offload_optimizer=args.offload_optimizer, offload_ref=True,
-                      bucket_bytes=int(args.bucket_mb * (1 << 20)), always_copy=dev.type == "cpu")
+        engine = NativeEngine(
+            policy if mode == "zero-copy" else engine_module,
+            pad_id=0,
+            eos_id=-1,
+            weights_dtype=torch.bfloat16 if args.mixed else None,
+            own_weights=mode == "copy",
+        )
+    pm = PhaseManager(
+        policy,
+        opt,
+        engine,
+        dev,
+        ref=ref,
+        offload_optimizer=args.offload_optimizer,
+        offload_ref=True,
+        bucket_bytes=int(args.bucket_mb * (1 << 20)),
+        always_copy=dev.type == "cpu",
+    )
     assert pm.zero_copy == (mode == "zero-copy")
     split = vllm_bench.SyncSplit(engine) if mode == "vllm" else None  # where vLLM's sync time goes
     samples: dict[str, dict[str, list]] = {}
@@ -275,9 +345,14 @@ def run_engine(mode: str, args, dev, policy, opt, ref, engine_module, train_ids,
         for key, v in gen.items():
             compute.setdefault(key, []).append(v)
     ledger = [{"boundary": s.label, **s.roles, "total": s.total} for s in pm.ledger.rollout_snapshots(pm.rollouts)]
-    out = {"samples": samples, "compute": compute, "ledger": ledger, "ledger_table": pm.ledger.table(pm.rollouts),
-           "engine_module_bytes": memory.module_bytes(engine_module, dev) if mode == "copy" else 0,
-           "sync": dict(getattr(engine, "sync_stats", {}))}  # sglang: bytes, payloads, handles of one sync
+    out = {
+        "samples": samples,
+        "compute": compute,
+        "ledger": ledger,
+        "ledger_table": pm.ledger.table(pm.rollouts),
+        "engine_module_bytes": memory.module_bytes(engine_module, dev) if mode == "copy" else 0,
+        "sync": dict(getattr(engine, "sync_stats", {})),
+    }  # sglang: bytes, payloads, handles of one sync
     if split is not None:
         split.close()
         out["process_changes"] = sorted(getattr(engine, "process_changes", {}))
@@ -304,7 +379,9 @@ def build(args: argparse.Namespace, dev: torch.device):
     ref = copy.deepcopy(base).requires_grad_(False).eval() if args.ref else None
     policy = shard_model(base, dev, args.mixed)
     ref = shard_model(ref, dev, args.mixed) if ref is not None else None
-    opt = torch.optim.AdamW(policy.parameters(), lr=1e-5, foreach=True)  # CUDA's default path, on every device; same m, v state
+    opt = torch.optim.AdamW(
+        policy.parameters(), lr=1e-5, foreach=True
+    )  # CUDA's default path, on every device; same m, v state
     g = torch.Generator().manual_seed(args.seed + D.rank())
     prompts = torch.randint(3, cfg.vocab_size, (args.batch, args.prompt_len), generator=g).tolist()
     train_ids = torch.randint(3, cfg.vocab_size, (1, args.train_tokens), generator=g).to(dev)
@@ -333,20 +410,51 @@ def run(args: argparse.Namespace, dev: torch.device) -> tuple[dict, dict[str, st
     shared: dict = {}
     if "sglang" in modes or "vllm" in modes:
         shared["model_dir"] = _config_dir(cfg)
-    raw = {mode: run_engine(mode, args, dev, policy, opt, ref, engine_module, train_ids, prompts, sp, shared) for mode in modes}
+    raw = {
+        mode: run_engine(mode, args, dev, policy, opt, ref, engine_module, train_ids, prompts, sp, shared)
+        for mode in modes
+    }
     shared.clear()
     gathered = D.all_gather_object({m: {k: v for k, v in r.items() if k != "ledger_table"} for m, r in raw.items()})
     n_params = sum(p.numel() for p in policy.parameters())  # DTensor numel is the global size
-    settings = {k: getattr(args, k) for k in ("k", "warmup", "engine", "bucket_mb", "offload_optimizer", "ref", "train_step",
-                                             "batch", "prompt_len", "new_tokens", "train_tokens", "threads", "seed")}
+    settings = {
+        k: getattr(args, k)
+        for k in (
+            "k",
+            "warmup",
+            "engine",
+            "bucket_mb",
+            "offload_optimizer",
+            "ref",
+            "train_step",
+            "batch",
+            "prompt_len",
+            "new_tokens",
+            "train_tokens",
+            "threads",
+            "seed",
+        )
+    }
     res = {
-        "benchmark": "phase_swap", "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__, "device": dev.type, "world_size": D.world_size(),
+        "benchmark": "phase_swap",
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "device": dev.type,
+        "world_size": D.world_size(),
         "hardware": hardware(dev),
-        "load_avg_start": [round(x, 2) for x in load_start], "load_avg_end": [round(x, 2) for x in os.getloadavg()],
-        "model": {"params": n_params, "param_bytes": n_params * 4, "dtype": "bf16 mixed (fp32 master)" if args.mixed else "float32",
-                  "type": cfg.model_type, "hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers, "vocab": cfg.vocab_size,
-                  "config": args.config},
+        "load_avg_start": [round(x, 2) for x in load_start],
+        "load_avg_end": [round(x, 2) for x in os.getloadavg()],
+        "model": {
+            "params": n_params,
+            "param_bytes": n_params * 4,
+            "dtype": "bf16 mixed (fp32 master)" if args.mixed else "float32",
+            "type": cfg.model_type,
+            "hidden": cfg.hidden_size,
+            "layers": cfg.num_hidden_layers,
+            "vocab": cfg.vocab_size,
+            "config": args.config,
+        },
         "settings": {**settings, "kv_tokens": args.batch * (args.prompt_len + args.new_tokens)},
         "engines": {m: summarize(max_over_ranks([g_[m] for g_ in gathered])) for m in modes},
     }

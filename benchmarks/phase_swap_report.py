@@ -5,6 +5,7 @@ the bare copy it is measured against; `summarize` turns one engine's raw samples
 medians, GB/s and ratios to that copy; `human_table` prints them. The measuring lives in
 `phase_swap.py`.
 """
+
 from __future__ import annotations
 
 import copy
@@ -17,9 +18,17 @@ STAGES = {
     "zero_grad": ("free", None, "frees the gradients (set_to_none)"),
     "offload_optimizer": ("copy", "d2h", "AdamW m, v -> host buffers"),
     "resume_weights": ("gather", "d2d", "engine.resume(['weights']): all-gather if the engine module is FSDP2-sharded"),
-    "sync_weights": ("copy", "d2d", "policy -> engine weights, bucketed (engines with their own copy: copy, sglang, vllm)"),
+    "sync_weights": (
+        "copy",
+        "d2d",
+        "policy -> engine weights, bucketed (engines with their own copy: copy, sglang, vllm)",
+    ),
     "offload_params": ("copy", "d2h", "policy shards -> host"),
-    "resume_kv": ("flag", None, "engine.resume(['kv_cache']); a flag for the native engine (KV allocated inside generate)"),
+    "resume_kv": (
+        "flag",
+        None,
+        "engine.resume(['kv_cache']); a flag for the native engine (KV allocated inside generate)",
+    ),
     "kv_prefill": ("compute", None, "inside generate: prompt forward + first KV alloc; bytes = final KV"),
     "release_engine": ("free", None, "engine.release(['kv_cache', 'weights'])"),
     "onload_params": ("copy", "h2d", "policy shards -> device"),
@@ -52,8 +61,18 @@ def summarize(raw: dict) -> dict:
         s = raw["samples"][name]
         kind, _, note = STAGES.get(name, ("copy", None, ""))
         t, b = med(s["s"]), int(med(s["bytes"]))
-        row = {"kind": kind, "median_s": t, "min_s": min(s["s"]), "max_s": max(s["s"]), "bytes": b,
-               "freed_bytes": int(med(s["freed"])), "gbps": None, "copy_gbps": None, "ratio": None, "note": note}
+        row = {
+            "kind": kind,
+            "median_s": t,
+            "min_s": min(s["s"]),
+            "max_s": max(s["s"]),
+            "bytes": b,
+            "freed_bytes": int(med(s["freed"])),
+            "gbps": None,
+            "copy_gbps": None,
+            "ratio": None,
+            "note": note,
+        }
         if s["copy_s"]:
             cb = int(med(s["copy_bytes"]))
             row["gbps"] = b / max(t, 1e-12) / 1e9
@@ -64,15 +83,25 @@ def summarize(raw: dict) -> dict:
         stages[name] = row
 
     def total(names):
-        per_cycle = [sum(raw["samples"][n]["s"][i] for n in names if n in raw["samples"]) for i in range(len(raw["samples"]["zero_grad"]["s"]))]
+        per_cycle = [
+            sum(raw["samples"][n]["s"][i] for n in names if n in raw["samples"])
+            for i in range(len(raw["samples"]["zero_grad"]["s"]))
+        ]
         return med(per_cycle)
 
     switch_names = [n for n in stages if stages[n]["kind"] != "compute"]
-    return {"stages": stages,
-            "switch_s": {"to_rollout": total(TO_ROLLOUT), "score_ref": total(SCORE), "to_train": total(TO_TRAIN),
-                         "total": total(switch_names)},
-            "compute": {k: med(v) for k, v in raw["compute"].items()},
-            "ledger_last_cycle": raw["ledger"], "engine_module_bytes": raw["engine_module_bytes"]}
+    return {
+        "stages": stages,
+        "switch_s": {
+            "to_rollout": total(TO_ROLLOUT),
+            "score_ref": total(SCORE),
+            "to_train": total(TO_TRAIN),
+            "total": total(switch_names),
+        },
+        "compute": {k: med(v) for k, v in raw["compute"].items()},
+        "ledger_last_cycle": raw["ledger"],
+        "engine_module_bytes": raw["engine_module_bytes"],
+    }
 
 
 def _fmt(x, spec: str) -> str:
@@ -81,38 +110,56 @@ def _fmt(x, spec: str) -> str:
 
 def human_table(res: dict, ledger_tables: dict[str, str]) -> str:
     m = res["model"]
-    lines = [f"phase_swap: {m['params'] / 1e6:.1f}M params ({m['param_bytes'] / 1e6:.0f} MB {m['dtype']}), "
-             f"device {res['device']} x{res['world_size']}, torch {res['torch']}, {res['hardware']['cpu']} "
-             f"({res['hardware']['cpu_count']} cores, {res['hardware']['torch_threads']} threads)"
-             + (f", GPU {res['hardware']['gpu']}" if res["hardware"]["gpu"] else ""),
-             f"k={res['settings']['k']} cycles after {res['settings']['warmup']} warm-up; rollout batch "
-             f"{res['settings']['batch']} x ({res['settings']['prompt_len']} + {res['settings']['new_tokens']}) tokens; "
-             f"ratio = GB/s / copy GB/s (same bytes, same run; 1.0 = as fast as a bare copy)"]
+    lines = [
+        f"phase_swap: {m['params'] / 1e6:.1f}M params ({m['param_bytes'] / 1e6:.0f} MB {m['dtype']}), "
+        f"device {res['device']} x{res['world_size']}, torch {res['torch']}, {res['hardware']['cpu']} "
+        f"({res['hardware']['cpu_count']} cores, {res['hardware']['torch_threads']} threads)"
+        + (f", GPU {res['hardware']['gpu']}" if res["hardware"]["gpu"] else ""),
+        f"k={res['settings']['k']} cycles after {res['settings']['warmup']} warm-up; rollout batch "
+        f"{res['settings']['batch']} x ({res['settings']['prompt_len']} + {res['settings']['new_tokens']}) tokens; "
+        f"ratio = GB/s / copy GB/s (same bytes, same run; 1.0 = as fast as a bare copy)",
+    ]
     for mode, e in res["engines"].items():
-        lines += ["", f"== engine: {mode} ==",
-                  f"{'stage':<18}{'median_s':>10}{'min_s':>10}{'MB':>10}{'GB/s':>8}{'copy GB/s':>11}{'ratio':>7}  note"]
+        lines += [
+            "",
+            f"== engine: {mode} ==",
+            f"{'stage':<18}{'median_s':>10}{'min_s':>10}{'MB':>10}{'GB/s':>8}{'copy GB/s':>11}{'ratio':>7}  note",
+        ]
         for name, r in e["stages"].items():
             note = r["note"] + (f" ({r['freed_bytes'] / 1e6:.1f} MB)" if r["freed_bytes"] else "")
-            lines.append(f"{name:<18}{r['median_s']:>10.4f}{r['min_s']:>10.4f}{r['bytes'] / 1e6:>10.1f}"
-                         f"{_fmt(r['gbps'], '.2f'):>8}{_fmt(r['copy_gbps'], '.2f'):>11}{_fmt(r['ratio'], '.2f'):>7}  {note}")
+            lines.append(
+                f"{name:<18}{r['median_s']:>10.4f}{r['min_s']:>10.4f}{r['bytes'] / 1e6:>10.1f}"
+                f"{_fmt(r['gbps'], '.2f'):>8}{_fmt(r['copy_gbps'], '.2f'):>11}{_fmt(r['ratio'], '.2f'):>7}  {note}"
+            )
         sw, c = e["switch_s"], e["compute"]
-        lines.append(f"switch seconds (median per cycle): to_rollout {sw['to_rollout']:.4f}, score ref on/off "
-                     f"{sw['score_ref']:.4f}, to_train {sw['to_train']:.4f}, total {sw['total']:.4f} (kv_prefill excluded)")
-        lines.append(f"phase compute for scale: generate {c['generate_s']:.3f} s (prefill {c['prefill_s']:.4f} s, "
-                     f"decode {c['decode_s_per_token'] * 1e3:.1f} ms/token), ref forward {c['score_s']:.3f} s, "
-                     f"train step {c['train_step_s']:.3f} s")
+        lines.append(
+            f"switch seconds (median per cycle): to_rollout {sw['to_rollout']:.4f}, score ref on/off "
+            f"{sw['score_ref']:.4f}, to_train {sw['to_train']:.4f}, total {sw['total']:.4f} (kv_prefill excluded)"
+        )
+        lines.append(
+            f"phase compute for scale: generate {c['generate_s']:.3f} s (prefill {c['prefill_s']:.4f} s, "
+            f"decode {c['decode_s_per_token'] * 1e3:.1f} ms/token), ref forward {c['score_s']:.3f} s, "
+            f"train step {c['train_step_s']:.3f} s"
+        )
         if "sync" in e and "payloads" in e["sync"]:  # SGLang: flat buckets as handles
             s, sw_stage = e["sync"], e["stages"].get("sync_weights", {})
-            lines.append(f"weight sync: {s['bytes'] / 1e6:.1f} MB in {s['payloads']} payloads, {s['handles']} handles "
-                         f"(one flat bucket per TP rank per bucket); {_fmt(sw_stage.get('ratio'), '.2f')}x a bare copy")
+            lines.append(
+                f"weight sync: {s['bytes'] / 1e6:.1f} MB in {s['payloads']} payloads, {s['handles']} handles "
+                f"(one flat bucket per TP rank per bucket); {_fmt(sw_stage.get('ratio'), '.2f')}x a bare copy"
+            )
         elif "sync" in e:  # vLLM: buckets into its layer-wise reload, split by SyncSplit
             s = e["sync"]
-            lines.append(f"weight sync: {s['bytes'] / 1e6:.1f} MB in {s['buckets']} buckets, "
-                         f"{_fmt(e.get('sync_over_memcpy'), '.2f')}x the time of a memcpy of the same bytes; "
-                         f"split (median s): begin {c.get('begin_s', 0):.4f}, load_weights {c.get('load_s', 0):.4f}, "
-                         f"finalize {c.get('finalize_s', 0):.4f} (of which tied-head repack {c.get('repack_head_s', 0):.4f})")
+            lines.append(
+                f"weight sync: {s['bytes'] / 1e6:.1f} MB in {s['buckets']} buckets, "
+                f"{_fmt(e.get('sync_over_memcpy'), '.2f')}x the time of a memcpy of the same bytes; "
+                f"split (median s): begin {c.get('begin_s', 0):.4f}, load_weights {c.get('load_s', 0):.4f}, "
+                f"finalize {c.get('finalize_s', 0):.4f} (of which tied-head repack {c.get('repack_head_s', 0):.4f})"
+            )
         lines += ["memory ledger, last cycle (rank 0; this device):", ledger_tables[mode]]
     if res["device"] == "cpu":
-        lines += ["", "ledger on CPU: offloaded roles count as absent (what the switch decided), although on CPU "
-                  "the host buffers are the same memory; kv_cache is the cache of the rollout in progress"]
+        lines += [
+            "",
+            "ledger on CPU: offloaded roles count as absent (what the switch decided), although on CPU "
+            "the host buffers are the same memory; kv_cache is the cache of the rollout in progress",
+        ]
     return "\n".join(lines)

@@ -25,6 +25,7 @@ rates): split k=1 and k=2 stay out of sample, k=0 is marked as the input it is.
 The load average is printed before and after: on a shared machine the numbers are indicative only.
 The last line is a JSON object.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,19 +41,29 @@ sys.path.insert(0, ROOT)
 
 SETTINGS = {
     "tiny": ["data.batch_size=128", "rollout.n=8", "rollout.max_new_tokens=4"],
-    "long": ["data.batch_size=2", "rollout.n=4", "rollout.max_new_tokens=LONG_MAX", "rollout.min_new_tokens=LONG_MIN",
-             "trainer.micro_batch_size=8", "algorithm.mini_batch_size=8", "algorithm.kl_coef=0",
-             "algorithm.entropy_coef=0"],
+    "long": [
+        "data.batch_size=2",
+        "rollout.n=4",
+        "rollout.max_new_tokens=LONG_MAX",
+        "rollout.min_new_tokens=LONG_MIN",
+        "trainer.micro_batch_size=8",
+        "algorithm.mini_batch_size=8",
+        "algorithm.kl_coef=0",
+        "algorithm.entropy_coef=0",
+    ],
 }
 # name: (ranks, overrides). The two colocated runs are the planner's inputs (rank counts 2 and 1).
-CONFIGS = {"colocated": (2, []), "colocated 1 proc": (1, []),
-           **{f"split k={k}": (2, ["trainer.placement=split", f"trainer.max_staleness={k}"]) for k in (0, 1, 2)}}
+CONFIGS = {
+    "colocated": (2, []),
+    "colocated 1 proc": (1, []),
+    **{f"split k={k}": (2, ["trainer.placement=split", f"trainer.max_staleness={k}"]) for k in (0, 1, 2)},
+}
 PREDICTED = {"colocated": "colocated", **{f"split k={k}": f"split R=1 k={k}" for k in (0, 1, 2)}}
 
 
 def _fit(rank: int, overrides: list[str], steps: int) -> list[dict]:
-    from hybrid_rl.runtime import distributed as D
     from hybrid_rl.config.load import load_config
+    from hybrid_rl.runtime import distributed as D
     from hybrid_rl.trainer import Trainer
 
     D.init("cpu", timeout_s=300)
@@ -81,12 +92,17 @@ def _summary(history: list[dict], n_seqs: int, warmup: int = 2) -> dict:
 
     step = med(lambda m: m["time/step"])
     learner_wait = med(lambda m: m.get("split/learner_wait_s", 0.0) + m.get("split/batch_wait_s", 0.0))
-    return {"step_s": step, "rollout_s": med(lambda m: m.get("time/rollout", 0.0) + m.get("time/reward", 0.0)),
-            "train_s": med(lambda m: sum(m.get(k, 0.0) for k in ("time/score", "time/advantage", "time/train"))),
-            "tokens_per_s": med(lambda m: m["response/length"] * n_seqs / m["time/step"]),
-            "learner_idle": learner_wait / step, "rollout_idle": med(lambda m: m.get("split/rollout_wait_s", 0.0)) / step,
-            "staleness": med(lambda m: m.get("split/staleness_mean", 0.0)),
-            "response_length": med(lambda m: m["response/length"]), "total_s": sum(m["time/step"] for m in history)}
+    return {
+        "step_s": step,
+        "rollout_s": med(lambda m: m.get("time/rollout", 0.0) + m.get("time/reward", 0.0)),
+        "train_s": med(lambda m: sum(m.get(k, 0.0) for k in ("time/score", "time/advantage", "time/train"))),
+        "tokens_per_s": med(lambda m: m["response/length"] * n_seqs / m["time/step"]),
+        "learner_idle": learner_wait / step,
+        "rollout_idle": med(lambda m: m.get("split/rollout_wait_s", 0.0)) / step,
+        "staleness": med(lambda m: m.get("split/staleness_mean", 0.0)),
+        "response_length": med(lambda m: m["response/length"]),
+        "total_s": sum(m["time/step"] for m in history),
+    }
 
 
 def _predict(runs: list[tuple[int, list[dict]]]) -> dict:
@@ -97,23 +113,36 @@ def _predict(runs: list[tuple[int, list[dict]]]) -> dict:
 
     rates, split_rates = fit_placements([rates_from_records(h, world=w, skip=2) for w, h in runs])
     preds = predict_all(rates, 2, (0, 1, 2), split_rates=split_rates)
-    return {"by_label": {p.label: p.step_s for p in preds}, "recommended": recommend(preds).label,
-            "rates": vars(rates), "split_rates": None if split_rates is None else vars(split_rates)}
+    return {
+        "by_label": {p.label: p.step_s for p in preds},
+        "recommended": recommend(preds).label,
+        "rates": vars(rates),
+        "split_rates": None if split_rates is None else vars(split_rates),
+    }
 
 
 def run_setting(name: str, model: str, tmp: str, steps: int, long_tokens: tuple[int, int]) -> dict:
     from tests.distributed.launch import run_ranks
 
-    extra = [x.replace("LONG_MAX", str(long_tokens[1])).replace("LONG_MIN", str(long_tokens[0]))
-             for x in SETTINGS[name]]
+    extra = [
+        x.replace("LONG_MAX", str(long_tokens[1])).replace("LONG_MIN", str(long_tokens[0])) for x in SETTINGS[name]
+    ]
     n_seqs = int(extra[0].split("=")[1]) * int(extra[1].split("=")[1])
-    base = [f"model.path={model}", *extra, "trainer.progress_bar=false", "trainer.device=cpu", "trainer.log_every=0",
-            f"trainer.total_steps={steps}", "trainer.resume=none"]
+    base = [
+        f"model.path={model}",
+        *extra,
+        "trainer.progress_bar=false",
+        "trainer.device=cpu",
+        "trainer.log_every=0",
+        f"trainer.total_steps={steps}",
+        "trainer.resume=none",
+    ]
     histories = {}
     for cfg_name, (world, more) in CONFIGS.items():
         out = os.path.join(tmp, name, cfg_name.replace(" ", "_").replace("=", ""))
-        histories[cfg_name] = run_ranks(_fit, world=world, args=([*base, f"trainer.out_dir={out}", *more], steps),
-                                        timeout=1200)[0]
+        histories[cfg_name] = run_ranks(
+            _fit, world=world, args=([*base, f"trainer.out_dir={out}", *more], steps), timeout=1200
+        )[0]
     wall = min(sum(m["time/step"] for m in h) for h in histories.values())
     colocated_runs = [(2, histories["colocated"]), (1, histories["colocated 1 proc"])]
     plan = _predict(colocated_runs)
@@ -128,9 +157,15 @@ def run_setting(name: str, model: str, tmp: str, steps: int, long_tokens: tuple[
             row[f"predicted_step_s{key}"] = p["by_label"][label] if label else None
             row[f"prediction_error{key}"] = p["by_label"][label] / row["step_s"] - 1.0 if label else None
         rows[cfg_name] = row
-    return {"rows": rows, "wall_s": wall, "recommended": plan["recommended"], "rates": plan["rates"],
-            "recommended_with_k0": plan_k0["recommended"], "split_rates_with_k0": plan_k0["split_rates"],
-            "overrides": extra}
+    return {
+        "rows": rows,
+        "wall_s": wall,
+        "recommended": plan["recommended"],
+        "rates": plan["rates"],
+        "recommended_with_k0": plan_k0["recommended"],
+        "split_rates_with_k0": plan_k0["split_rates"],
+        "overrides": extra,
+    }
 
 
 def _uptime() -> str:
@@ -145,26 +180,34 @@ def _pred_cells(r: dict, key: str, in_sample: bool) -> str:
 
 
 def print_table(name: str, res: dict) -> None:
-    print(f"\n[{name}] {' '.join(res['overrides'])}; reward at a fixed wall time of {res['wall_s']:.1f} s; "
-          f"planner recommends: {res['recommended']} ({res['recommended_with_k0']} with the split k=0 run)")
+    print(
+        f"\n[{name}] {' '.join(res['overrides'])}; reward at a fixed wall time of {res['wall_s']:.1f} s; "
+        f"planner recommends: {res['recommended']} ({res['recommended_with_k0']} with the split k=0 run)"
+    )
     r = res["rates"]
-    print(f"planner rates (fit of the two colocated runs): rollout {r['rollout_rank_s']:.3f} rank-s + "
-          f"{r['rollout_fixed_s']:.3f} s fixed, train {r['train_rank_s']:.3f} rank-s + {r['train_comm_s']:.3f} s "
-          f"collectives, switch {r['switch_s']:.3f} s, sync {r['sync_s']:.3f} s")
+    print(
+        f"planner rates (fit of the two colocated runs): rollout {r['rollout_rank_s']:.3f} rank-s + "
+        f"{r['rollout_fixed_s']:.3f} s fixed, train {r['train_rank_s']:.3f} rank-s + {r['train_comm_s']:.3f} s "
+        f"collectives, switch {r['switch_s']:.3f} s, sync {r['sync_s']:.3f} s"
+    )
     print("pred s / err: from the two colocated runs; +k0 / err: the split k=0 run added (its pools' rates)")
-    head = (f"{'placement':<17}{'step s':>8}{'pred s':>8}{'err':>7}{'+k0 s':>8}{'err':>7}{'rollout s':>10}"
-            f"{'train s':>9}{'tok/s':>8}{'learn idle':>11}{'roll idle':>10}{'lag':>5}{'reward@T':>9}")
+    head = (
+        f"{'placement':<17}{'step s':>8}{'pred s':>8}{'err':>7}{'+k0 s':>8}{'err':>7}{'rollout s':>10}"
+        f"{'train s':>9}{'tok/s':>8}{'learn idle':>11}{'roll idle':>10}{'lag':>5}{'reward@T':>9}"
+    )
     print(head + "\n" + "-" * len(head))
     for cfg_name, r in res["rows"].items():
-        print(f"{cfg_name:<17}{r['step_s']:>8.3f}{_pred_cells(r, '', False)}"
-              f"{_pred_cells(r, '_with_k0', cfg_name == 'split k=0')}"
-              f"{r['rollout_s']:>10.3f}{r['train_s']:>9.3f}{r['tokens_per_s']:>8.0f}{r['learner_idle']:>11.0%}"
-              f"{r['rollout_idle']:>10.0%}{r['staleness']:>5.1f}{r['reward_at_wall']:>9.3f}")
+        print(
+            f"{cfg_name:<17}{r['step_s']:>8.3f}{_pred_cells(r, '', False)}"
+            f"{_pred_cells(r, '_with_k0', cfg_name == 'split k=0')}"
+            f"{r['rollout_s']:>10.3f}{r['train_s']:>9.3f}{r['tokens_per_s']:>8.0f}{r['learner_idle']:>11.0%}"
+            f"{r['rollout_idle']:>10.0%}{r['staleness']:>5.1f}{r['reward_at_wall']:>9.3f}"
+        )
 
 
 def main() -> None:
-    from hybrid_rl.models.tiny import build_tiny_model_dir
     from hybrid_rl.data.digits import DIGIT_WORDS
+    from hybrid_rl.models.tiny import build_tiny_model_dir
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=60)
@@ -178,8 +221,11 @@ def main() -> None:
     before = _uptime()
     results = {name: run_setting(name, model, tmp, args.steps, long_tokens) for name in args.settings.split(",")}
     after = _uptime()
-    print(f"CPU, 2 processes (1 learner + 1 rollout rank for split; the planner's second input on 1), native engine, {args.steps} steps per run "
-          f"(medians after 2 warm-up steps)\nuptime before: {before}\nuptime after:  {after}")
+    print(
+        "CPU, 2 processes (1 learner + 1 rollout rank for split; the planner's second input on 1), native engine, "
+        f"{args.steps} steps per run "
+        f"(medians after 2 warm-up steps)\nuptime before: {before}\nuptime after:  {after}"
+    )
     for name, res in results.items():
         print_table(name, res)
     print(json.dumps({"benchmark": "placement", "uptime": [before, after], "args": vars(args), "results": results}))

@@ -33,6 +33,7 @@ their current length, left padding not counted) over the measured step time, aga
 Prints a human table, then one JSON object as the last line. `main(argv) -> dict`.
 Legend: N sequences (the batch), P prompt tokens, T new tokens, V vocab.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,13 +46,13 @@ import time
 from typing import Optional
 
 import torch
+import vllm_bench
+from phase_swap import hardware, sync  # run as a script: benchmarks/ is on sys.path
 
 from hybrid_rl.models.logprobs import left_pad, position_ids
-from hybrid_rl.types import Completion, SamplingParams
 from hybrid_rl.rollout.native.decode_loop import to_completions
 from hybrid_rl.rollout.native.engine import NativeEngine, check_every, filter_logits
-from phase_swap import hardware, sync  # run as a script: benchmarks/ is on sys.path
-import vllm_bench
+from hybrid_rl.types import Completion, SamplingParams
 
 # name -> (hidden, layers, intermediate, heads, KV heads); vocab from --vocab, tied embeddings.
 MODELS = {
@@ -65,20 +66,41 @@ PAD = 0
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--models", default="tiny,0.1b", help=f"comma list of {sorted(MODELS)}")
-    p.add_argument("--new-tokens", default=None, help="comma list of T per model 'tiny:32,128;0.1b:32' or one list for all "
-                   "(default: CPU tiny 32,128 and 0.1b 16; CUDA 128,512 for every model)")
+    p.add_argument(
+        "--new-tokens",
+        default=None,
+        help="comma list of T per model 'tiny:32,128;0.1b:32' or one list for all "
+        "(default: CPU tiny 32,128 and 0.1b 16; CUDA 128,512 for every model)",
+    )
     p.add_argument("--scenarios", default="full,ragged")
     p.add_argument("--paths", default="old,new", help="comma list of old, forward, new, vllm")
     p.add_argument("--batch", type=int, default=64, help="N")
-    p.add_argument("--prompt-len", type=int, default=None, help="P: prompts have P/2..P tokens, left-padded (default: CPU 16, CUDA 128)")
-    p.add_argument("--vocab", type=int, default=None,
-                   help="V (default: Qwen2.5's 151936 on CUDA, so the 0.5b model has its real head; 32000 on CPU)")
+    p.add_argument(
+        "--prompt-len",
+        type=int,
+        default=None,
+        help="P: prompts have P/2..P tokens, left-padded (default: CPU 16, CUDA 128)",
+    )
+    p.add_argument(
+        "--vocab",
+        type=int,
+        default=None,
+        help="V (default: Qwen2.5's 151936 on CUDA, so the 0.5b model has its real head; 32000 on CPU)",
+    )
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--repeats", type=int, default=1, help="timed generate calls per case (median), after one warm-up per model")
-    p.add_argument("--threads", type=int, default=None, help="torch threads; default 1 on CPU (shared machine), torch's on CUDA")
+    p.add_argument(
+        "--dtype", choices=("auto", "float32", "bfloat16"), default="auto", help="auto: bf16 on CUDA, fp32 on CPU"
+    )
+    p.add_argument(
+        "--repeats", type=int, default=1, help="timed generate calls per case (median), after one warm-up per model"
+    )
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads; default 1 on CPU (shared machine), torch's on CUDA"
+    )
     p.add_argument("--peak-tbs", type=float, default=None, help="HBM peak in TB/s (default: looked up for H100/H200)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -109,9 +131,16 @@ def build_model(name: str, vocab: int, dtype: torch.dtype, device: torch.device,
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     hidden, layers, inter, heads, kv_heads = MODELS[name]
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=True,
-                      max_position_embeddings=max(512, max_len))
+    cfg = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        tie_word_embeddings=True,
+        max_position_embeddings=max(512, max_len),
+    )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg).to(device=device, dtype=dtype).eval()
 
@@ -127,8 +156,9 @@ def legacy_generate(model, prompts: list[list[int]], sp: SamplingParams, pad_id:
     pos = position_ids(attn)
     stop_ids = torch.tensor(sorted({eos_id, *sp.stop_token_ids}), device=dev)
     cache = DynamicCache()
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
-                   use_cache=True, logits_to_keep=1).logits[:, -1]
+    logits = model(
+        input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1
+    ).logits[:, -1]
     next_pos = pos[:, -1:] + 1
     finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=dev)
     toks, lps = [], []
@@ -146,8 +176,13 @@ def legacy_generate(model, prompts: list[list[int]], sp: SamplingParams, pad_id:
         if bool(finished.all()) or t == sp.max_new_tokens - 1:
             break
         attn = torch.cat([attn, alive.long()[:, None]], dim=1)
-        logits = model(input_ids=toks[-1][:, None], attention_mask=attn, position_ids=next_pos,
-                       past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(
+            input_ids=toks[-1][:, None],
+            attention_mask=attn,
+            position_ids=next_pos,
+            past_key_values=cache,
+            use_cache=True,
+        ).logits[:, -1]
         next_pos = next_pos + 1
     return to_completions(torch.stack(toks, 1), torch.stack(lps, 1), stop_ids)
 
@@ -160,7 +195,9 @@ def useful_bytes(model, comps: list[Completion], prompt_lens: list[int], elem: i
     weights = sum(p.numel() for p in model.parameters()) * elem
     if not cfg.tie_word_embeddings:  # an untied input embedding is looked up, not read whole
         weights -= model.get_input_embeddings().weight.numel() * elem
-    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * elem
+    kv_per_token = (
+        2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * elem
+    )
     lengths = [len(c.token_ids) for c in comps]
     steps = max(lengths) - 1
     total = 0
@@ -170,7 +207,11 @@ def useful_bytes(model, comps: list[Completion], prompt_lens: list[int], elem: i
 
 
 def run_case(model, path: str, prompts, sp: SamplingParams, eos_id: int, dev, repeats: int, vllm_engine=None) -> dict:
-    engine = vllm_engine if path == "vllm" else NativeEngine(model, PAD, eos_id, lean_step=False if path == "forward" else None)
+    engine = (
+        vllm_engine
+        if path == "vllm"
+        else NativeEngine(model, PAD, eos_id, lean_step=False if path == "forward" else None)
+    )
     times, captures, comps = [], [], None
     for _ in range(repeats):
         sync(dev)
@@ -184,9 +225,14 @@ def run_case(model, path: str, prompts, sp: SamplingParams, eos_id: int, dev, re
     # The graphs are captured inside every generate call (the cache is allocated per call): the
     # capture seconds of the run whose time is the median, reported apart from the decode.
     capture = captures[times.index(s)] if s in times else statistics.median(captures)
-    return {"seconds": s, "tokens": tokens, "comps": comps,
-            "decode_path": getattr(engine, "last_decode_path", None) or ("vllm" if path == "vllm" else "legacy"),
-            "graph_error": getattr(engine, "last_graph_error", None) if path != "old" else None, "capture_s": capture}
+    return {
+        "seconds": s,
+        "tokens": tokens,
+        "comps": comps,
+        "decode_path": getattr(engine, "last_decode_path", None) or ("vllm" if path == "vllm" else "legacy"),
+        "graph_error": getattr(engine, "last_graph_error", None) if path != "old" else None,
+        "capture_s": capture,
+    }
 
 
 def vllm_prefill_seconds(engine, prompts) -> float:
@@ -208,7 +254,9 @@ def prefill_seconds(model, prompts, dev) -> float:
         sync(dev)
         t0 = time.perf_counter()
         with torch.no_grad():
-            model(input_ids=ids, attention_mask=attn, position_ids=position_ids(attn), use_cache=False, logits_to_keep=1)
+            model(
+                input_ids=ids, attention_mask=attn, position_ids=position_ids(attn), use_cache=False, logits_to_keep=1
+            )
         sync(dev)
         out.append(time.perf_counter() - t0)
     return statistics.median(out)
@@ -216,8 +264,11 @@ def prefill_seconds(model, prompts, dev) -> float:
 
 def main(argv: Optional[list[str]] = None) -> dict:
     args = parse_args(argv)
-    dev = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                       ("cpu" if args.device == "auto" else args.device))
+    dev = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
     if args.threads is None:
         args.threads = 1 if dev.type == "cpu" else 0
     if args.prompt_len is None:
@@ -226,13 +277,17 @@ def main(argv: Optional[list[str]] = None) -> dict:
         args.vocab = 32000 if dev.type == "cpu" else 151_936
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype, torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
+        args.dtype, torch.bfloat16 if dev.type == "cuda" else torch.float32
+    )
     peak = args.peak_tbs
     if peak is None and dev.type == "cuda":
         name = torch.cuda.get_device_name(dev)
         peak = next((v for k, v in PEAK_TBS.items() if k in name), None)
         if peak is None:
-            print(f"no HBM peak known for {name!r}: the roofline columns are left out; pass --peak-tbs", file=sys.stderr)
+            print(
+                f"no HBM peak known for {name!r}: the roofline columns are left out; pass --peak-tbs", file=sys.stderr
+            )
     load_start = os.getloadavg()
     g = torch.Generator().manual_seed(args.seed)
     rows, started = [], time.perf_counter()
@@ -249,14 +304,17 @@ def main(argv: Optional[list[str]] = None) -> dict:
         same = [c.token_ids for c in legacy_generate(model, prompts, greedy, PAD, -1)] == native_greedy
         vllm_engine, same_vllm, pre_vllm = None, None, None
         if "vllm" in args.paths:
-            vllm_engine = vllm_bench.synced_engine(model, vllm_bench.config_dir(model.config, type(model).__name__),
-                                                   args.prompt_len + max(Ts), args.batch)
+            vllm_engine = vllm_bench.synced_engine(
+                model, vllm_bench.config_dir(model.config, type(model).__name__), args.prompt_len + max(Ts), args.batch
+            )
             same_vllm = [c.token_ids for c in vllm_engine.generate(prompts, greedy)] == native_greedy
             pre_vllm = vllm_prefill_seconds(vllm_engine, prompts)
         for T in Ts:
             for scen in args.scenarios:
                 # ragged: the top ~4/T of the vocabulary ids stop a row (eos_id -1 never matches).
-                stops = tuple(range(args.vocab - max(1, round(4 * args.vocab / T)), args.vocab)) if scen == "ragged" else ()
+                stops = (
+                    tuple(range(args.vocab - max(1, round(4 * args.vocab / T)), args.vocab)) if scen == "ragged" else ()
+                )
                 sp = SamplingParams(max_new_tokens=T, temperature=1.0, stop_token_ids=stops, seed=args.seed)
                 for path in args.paths:
                     r = run_case(model, path, prompts, sp, -1, dev, args.repeats, vllm_engine)
@@ -264,48 +322,76 @@ def main(argv: Optional[list[str]] = None) -> dict:
                     decode_s = max(r["seconds"] - pre, 1e-9)
                     steady_s = max(decode_s - r["capture_s"], 1e-9)  # decode without the graph captures
                     nbytes, steps = useful_bytes(model, r["comps"], lens, dtype.itemsize)
-                    row = {"model": name, "params": n_params, "T": T, "scenario": scen, "path": path,
-                           "tokens": r["tokens"], "longest": max(len(c.token_ids) for c in r["comps"]),
-                           "generate_s": round(r["seconds"], 4), "prefill_s": round(pre, 4), "decode_s": round(decode_s, 4),
-                           "decode_tokens_per_s": round(r["tokens"] / decode_s, 1),
-                           "tokens_per_s_with_prefill": round(r["tokens"] / r["seconds"], 1),
-                           "step_ms": round(1e3 * decode_s / max(steps, 1), 3), "greedy_old_eq_new": same,
-                           "greedy_native_eq_vllm": same_vllm if path == "vllm" else None,
-                           "decode_path": r["decode_path"], "graph_error": r["graph_error"],
-                           "capture_s": round(r["capture_s"], 4),
-                           "decode_tokens_per_s_excl_capture": round(r["tokens"] / steady_s, 1),
-                           "roofline_frac": round(nbytes / decode_s / (peak * 1e12), 4) if peak and dev.type == "cuda" else None,
-                           "roofline_frac_excl_capture": (round(nbytes / steady_s / (peak * 1e12), 4)
-                                                          if peak and dev.type == "cuda" else None)}
+                    row = {
+                        "model": name,
+                        "params": n_params,
+                        "T": T,
+                        "scenario": scen,
+                        "path": path,
+                        "tokens": r["tokens"],
+                        "longest": max(len(c.token_ids) for c in r["comps"]),
+                        "generate_s": round(r["seconds"], 4),
+                        "prefill_s": round(pre, 4),
+                        "decode_s": round(decode_s, 4),
+                        "decode_tokens_per_s": round(r["tokens"] / decode_s, 1),
+                        "tokens_per_s_with_prefill": round(r["tokens"] / r["seconds"], 1),
+                        "step_ms": round(1e3 * decode_s / max(steps, 1), 3),
+                        "greedy_old_eq_new": same,
+                        "greedy_native_eq_vllm": same_vllm if path == "vllm" else None,
+                        "decode_path": r["decode_path"],
+                        "graph_error": r["graph_error"],
+                        "capture_s": round(r["capture_s"], 4),
+                        "decode_tokens_per_s_excl_capture": round(r["tokens"] / steady_s, 1),
+                        "roofline_frac": round(nbytes / decode_s / (peak * 1e12), 4)
+                        if peak and dev.type == "cuda"
+                        else None,
+                        "roofline_frac_excl_capture": (
+                            round(nbytes / steady_s / (peak * 1e12), 4) if peak and dev.type == "cuda" else None
+                        ),
+                    }
                     rows.append(row)
-                    print(f"  {name} T={T} {scen} {path}: {row['decode_tokens_per_s']} decode tok/s", file=sys.stderr, flush=True)
+                    print(
+                        f"  {name} T={T} {scen} {path}: {row['decode_tokens_per_s']} decode tok/s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
         if vllm_engine is not None:
             vllm_engine.shutdown()
         del model, vllm_engine
+
     def ratios(num: str, den: str, key: str = "decode_tokens_per_s") -> dict:
         out = {}
         for r in rows:
             if r["path"] == num:
-                o = next((o for o in rows if o["path"] == den and all(o[k] == r[k] for k in ("model", "T", "scenario"))), None)
+                o = next(
+                    (o for o in rows if o["path"] == den and all(o[k] == r[k] for k in ("model", "T", "scenario"))),
+                    None,
+                )
                 if o:
                     out[f"{r['model']}/T={r['T']}/{r['scenario']}"] = round(r[key] / o[key], 2)
         return out
 
     speedups, vllm_vs_new = ratios("new", "old"), ratios("vllm", "new", "tokens_per_s_with_prefill")
     roof = bool(peak and dev.type == "cuda")
-    print(f"\nrollout throughput: batch {args.batch}, prompts {args.prompt_len // 2}..{args.prompt_len} tokens, "
-          f"{dev.type} {str(dtype).replace('torch.', '')}, {args.threads or torch.get_num_threads()} thread(s), "
-          f"median of {args.repeats}" + (f", HBM peak {peak} TB/s" if roof else ""))
-    print(f"{'model':>6} {'T':>5} {'scenario':>8} {'path':>7} {'tokens':>7} {'longest':>7} {'generate s':>10} "
-          f"{'decode s':>9} {'decode tok/s':>12} {'tok/s w/ prefill':>16} {'step ms':>8} {'ratio':>12}"
-          + (f" {'capture s':>9} {'roofline':>8} {'roofline excl capture':>21}" if roof else ""))
+    print(
+        f"\nrollout throughput: batch {args.batch}, prompts {args.prompt_len // 2}..{args.prompt_len} tokens, "
+        f"{dev.type} {str(dtype).replace('torch.', '')}, {args.threads or torch.get_num_threads()} thread(s), "
+        f"median of {args.repeats}" + (f", HBM peak {peak} TB/s" if roof else "")
+    )
+    print(
+        f"{'model':>6} {'T':>5} {'scenario':>8} {'path':>7} {'tokens':>7} {'longest':>7} {'generate s':>10} "
+        f"{'decode s':>9} {'decode tok/s':>12} {'tok/s w/ prefill':>16} {'step ms':>8} {'ratio':>12}"
+        + (f" {'capture s':>9} {'roofline':>8} {'roofline excl capture':>21}" if roof else "")
+    )
     for r in rows:
         key = f"{r['model']}/T={r['T']}/{r['scenario']}"
         ratio = f"new/old {speedups[key]}x" if r["path"] == "new" and key in speedups else ""
         ratio = f"/new {vllm_vs_new[key]}x" if r["path"] == "vllm" and key in vllm_vs_new else ratio
-        line = (f"{r['model']:>6} {r['T']:>5} {r['scenario']:>8} {r['path']:>7} {r['tokens']:>7} {r['longest']:>7} "
-                f"{r['generate_s']:>10.3f} {r['decode_s']:>9.3f} {r['decode_tokens_per_s']:>12.1f} "
-                f"{r['tokens_per_s_with_prefill']:>16.1f} {r['step_ms']:>8.2f} {ratio:>12}")
+        line = (
+            f"{r['model']:>6} {r['T']:>5} {r['scenario']:>8} {r['path']:>7} {r['tokens']:>7} {r['longest']:>7} "
+            f"{r['generate_s']:>10.3f} {r['decode_s']:>9.3f} {r['decode_tokens_per_s']:>12.1f} "
+            f"{r['tokens_per_s_with_prefill']:>16.1f} {r['step_ms']:>8.2f} {ratio:>12}"
+        )
         if roof:
             line += f" {r['capture_s']:>9.3f} {r['roofline_frac']:>8.3f} {r['roofline_frac_excl_capture']:>21.3f}"
         print(line)
@@ -314,17 +400,36 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if any(r["greedy_native_eq_vllm"] is False for r in rows):
         print("WARNING: vLLM's greedy tokens differ from the native engine's (fp32 near-ties of random weights?)")
     if vllm_vs_new:
-        print("ratio for vllm rows: vLLM's tokens/s with prefill over the native engine's (the same work: "
-              "prompt forward + T tokens per row)")
+        print(
+            "ratio for vllm rows: vLLM's tokens/s with prefill over the native engine's (the same work: "
+            "prompt forward + T tokens per row)"
+        )
     res = {
-        "benchmark": "rollout_throughput", "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__, "device": dev.type, "dtype": str(dtype).replace("torch.", ""),
-        "hardware": hardware(dev), "load_avg_start": [round(x, 2) for x in load_start],
-        "load_avg_end": [round(x, 2) for x in os.getloadavg()], "wall_s": round(time.perf_counter() - started, 1),
-        "settings": {"batch": args.batch, "prompt_len": args.prompt_len, "vocab": args.vocab, "repeats": args.repeats,
-                     "threads": args.threads, "seed": args.seed, "peak_tbs": peak, "temperature": 1.0, "top_p": 1.0,
-                     "stop_check_every": check_every(None, dev.type)},
-        "results": rows, "speedup_new_over_old": speedups, "vllm_over_new_with_prefill": vllm_vs_new,
+        "benchmark": "rollout_throughput",
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "device": dev.type,
+        "dtype": str(dtype).replace("torch.", ""),
+        "hardware": hardware(dev),
+        "load_avg_start": [round(x, 2) for x in load_start],
+        "load_avg_end": [round(x, 2) for x in os.getloadavg()],
+        "wall_s": round(time.perf_counter() - started, 1),
+        "settings": {
+            "batch": args.batch,
+            "prompt_len": args.prompt_len,
+            "vocab": args.vocab,
+            "repeats": args.repeats,
+            "threads": args.threads,
+            "seed": args.seed,
+            "peak_tbs": peak,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "stop_check_every": check_every(None, dev.type),
+        },
+        "results": rows,
+        "speedup_new_over_old": speedups,
+        "vllm_over_new_with_prefill": vllm_vs_new,
     }
     print(json.dumps(res))
     return res

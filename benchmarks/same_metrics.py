@@ -23,6 +23,7 @@ checkpoint every `--steps // 2` steps.
 Prints a table (per side and process count: steps compared, first / last reward, differing
 values), then ONE JSON object as the last line; exits 1 on any difference (or a failed run).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,13 +46,33 @@ ALSO = ("reward/", "actor/", "response/", "rollout/", "val/pass@1", "val/reward_
 
 def overrides(steps: int, out_dir: str, model_dir: str) -> list[str]:
     half = max(1, steps // 2)
-    return [f"trainer.total_steps={steps}", "trainer.seed=0", "trainer.progress_bar=false", "trainer.resume=none",
-            f"trainer.out_dir={out_dir}", f"model.path={model_dir}", "data.batch_size=32", "data.num_prompts=1000",
-            "data.val_split=0.05", "data.val_batch_size=16", f"trainer.val_every={half}", f"trainer.save_every={half}",
-            "rollout.n=8", "rollout.max_new_tokens=4", "rollout.temperature=1.0", "rollout.seed=0",
-            "algorithm.mini_batch_size=128", "algorithm.kl_placement=reward", "algorithm.kl_coef=0.01",
-            "algorithm.kl_estimator=k1", "algorithm.entropy_coef=0.01", "optim.lr=2.5e-3", "optim.grad_clip=1.0",
-            "trainer.micro_batch_size=128", "trainer.log_every=0"]
+    return [
+        f"trainer.total_steps={steps}",
+        "trainer.seed=0",
+        "trainer.progress_bar=false",
+        "trainer.resume=none",
+        f"trainer.out_dir={out_dir}",
+        f"model.path={model_dir}",
+        "data.batch_size=32",
+        "data.num_prompts=1000",
+        "data.val_split=0.05",
+        "data.val_batch_size=16",
+        f"trainer.val_every={half}",
+        f"trainer.save_every={half}",
+        "rollout.n=8",
+        "rollout.max_new_tokens=4",
+        "rollout.temperature=1.0",
+        "rollout.seed=0",
+        "algorithm.mini_batch_size=128",
+        "algorithm.kl_placement=reward",
+        "algorithm.kl_coef=0.01",
+        "algorithm.kl_estimator=k1",
+        "algorithm.entropy_coef=0.01",
+        "optim.lr=2.5e-3",
+        "optim.grad_clip=1.0",
+        "trainer.micro_batch_size=128",
+        "trainer.log_every=0",
+    ]
 
 
 def free_port() -> int:
@@ -73,20 +94,30 @@ def run_side(tree: str, yaml_text: str, nproc: int, steps: int, work: str) -> li
     with open(os.path.join(work, "recipes", "grpo_tiny.yaml"), "w") as f:
         f.write(yaml_text)
     env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1"}
-    where = subprocess.run([sys.executable, "-c", "import hybrid_rl; print(hybrid_rl.__file__)"], env=env,
-                           cwd=work, check=True, capture_output=True, text=True).stdout.strip()
+    where = subprocess.run(
+        [sys.executable, "-c", "import hybrid_rl; print(hybrid_rl.__file__)"],
+        env=env,
+        cwd=work,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     if not os.path.realpath(where).startswith(os.path.realpath(tree) + os.sep):
         raise RuntimeError(f"PYTHONPATH={tree} imported hybrid_rl from {where}, not from that tree")
     print(f"  {tree}: hybrid_rl from {where}, {nproc} process(es)", file=sys.stderr)
     out_dir = os.path.join(work, "out")
     args = overrides(steps, out_dir, os.path.join(work, "tiny_qwen2"))
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = ([sys.executable, script] if nproc == 1 else
-           [torchrun, f"--nproc_per_node={nproc}", f"--master_port={free_port()}", script])
+    cmd = (
+        [sys.executable, script]
+        if nproc == 1
+        else [torchrun, f"--nproc_per_node={nproc}", f"--master_port={free_port()}", script]
+    )
     done = subprocess.run(cmd + args, env=env, cwd=work, capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"the recipe failed ({tree}, {nproc} process(es), rc {done.returncode}):\n"
-                           f"{done.stderr[-4000:]}")
+        raise RuntimeError(
+            f"the recipe failed ({tree}, {nproc} process(es), rc {done.returncode}):\n{done.stderr[-4000:]}"
+        )
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
 
@@ -119,8 +150,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--after", default="", help="git revision of the other side (default: the working tree)")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--nprocs", default="1,2", help="process counts, comma-separated (default 1,2)")
-    p.add_argument("--yaml", default=os.path.join(ROOT, "recipes", "grpo_tiny.yaml"),
-                   help="the recipe YAML both sides read (snapshotted once, at the start)")
+    p.add_argument(
+        "--yaml",
+        default=os.path.join(ROOT, "recipes", "grpo_tiny.yaml"),
+        help="the recipe YAML both sides read (snapshotted once, at the start)",
+    )
     args = p.parse_args(argv)
     with open(args.yaml) as f:
         yaml_text = f.read()
@@ -134,19 +168,28 @@ def main(argv: list[str]) -> int:
                 git("worktree", "add", "--detach", trees[side], rev)
             else:
                 trees[side] = ROOT
-        labels = {s: (git("rev-parse", "--short", "HEAD", cwd=t) if t != ROOT else "working tree")
-                  for s, t in trees.items()}
+        labels = {
+            s: (git("rev-parse", "--short", "HEAD", cwd=t) if t != ROOT else "working tree") for s, t in trees.items()
+        }
         for nproc in nprocs:
             histories = {}
             for side in ("before", "after"):
-                histories[side] = run_side(trees[side], yaml_text, nproc, args.steps,
-                                           os.path.join(tmp, f"run_{side}_{nproc}"))
+                histories[side] = run_side(
+                    trees[side], yaml_text, nproc, args.steps, os.path.join(tmp, f"run_{side}_{nproc}")
+                )
             n, diffs = compare(histories["before"], histories["after"])
             last = histories["after"][-1] if histories["after"] else {}
-            results.append({"nproc": nproc, "steps": len(histories["after"]), "values_compared": n,
-                            "differences": len(diffs), "first_diffs": diffs[:10],
-                            "reward_first": histories["after"][0].get("reward/mean") if histories["after"] else None,
-                            "reward_last": last.get("reward/mean")})
+            results.append(
+                {
+                    "nproc": nproc,
+                    "steps": len(histories["after"]),
+                    "values_compared": n,
+                    "differences": len(diffs),
+                    "first_diffs": diffs[:10],
+                    "reward_first": histories["after"][0].get("reward/mean") if histories["after"] else None,
+                    "reward_last": last.get("reward/mean"),
+                }
+            )
             failed |= bool(diffs)
     except (RuntimeError, subprocess.CalledProcessError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -156,17 +199,30 @@ def main(argv: list[str]) -> int:
             if tree != ROOT:
                 subprocess.run(["git", "worktree", "remove", "--force", tree], cwd=ROOT, capture_output=True)
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"same_metrics: {labels.get('before', args.before)} vs {labels.get('after', args.after or 'working tree')}, "
-          f"{args.steps} steps, columns {', '.join(REQUIRED)} (+ {', '.join(ALSO)})")
+    print(
+        f"same_metrics: {labels.get('before', args.before)} vs {labels.get('after', args.after or 'working tree')}, "
+        f"{args.steps} steps, columns {', '.join(REQUIRED)} (+ {', '.join(ALSO)})"
+    )
     print(f"{'procs':>5} {'steps':>5} {'values':>7} {'diffs':>5} {'reward first':>13} {'reward last':>12}")
     for r in results:
-        print(f"{r['nproc']:>5} {r['steps']:>5} {r['values_compared']:>7} {r['differences']:>5} "
-              f"{r['reward_first'] or 0:>13.4f} {r['reward_last'] or 0:>12.4f}")
+        print(
+            f"{r['nproc']:>5} {r['steps']:>5} {r['values_compared']:>7} {r['differences']:>5} "
+            f"{r['reward_first'] or 0:>13.4f} {r['reward_last'] or 0:>12.4f}"
+        )
         for d in r["first_diffs"]:
             print(f"      {d}")
     ok = not failed and len(results) == len(nprocs)
-    print(json.dumps({"ok": ok, "before": labels.get("before"), "after": labels.get("after"), "steps": args.steps,
-                      "results": results}))
+    print(
+        json.dumps(
+            {
+                "ok": ok,
+                "before": labels.get("before"),
+                "after": labels.get("after"),
+                "steps": args.steps,
+                "results": results,
+            }
+        )
+    )
     return 0 if ok else 1
 
 

@@ -14,6 +14,7 @@ ratio of each to the shared row, and the tokens each layout computes.
 
 Prints a human table, then ONE JSON object as the last line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,34 +46,44 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(a.threads)
+    from hybrid_rl.data.digits import DIGIT_WORDS
     from hybrid_rl.models.loading import load_causal_lm
     from hybrid_rl.models.logprobs import build_sequences, response_logprobs
     from hybrid_rl.models.packing import pack, packed_response_logprobs
     from hybrid_rl.models.shared_prefix import build_layout
     from hybrid_rl.models.tiny import build_tiny_model_dir
-    from hybrid_rl.data.digits import DIGIT_WORDS
 
     work = tempfile.mkdtemp(prefix="shared_prefix_bench_")
-    model = load_causal_lm(build_tiny_model_dir(os.path.join(work, "m"), DIGIT_WORDS, hidden_size=a.hidden,
-                                                num_layers=a.layers, seed=0, max_positions=1024))
+    model = load_causal_lm(
+        build_tiny_model_dir(
+            os.path.join(work, "m"), DIGIT_WORDS, hidden_size=a.hidden, num_layers=a.layers, seed=0, max_positions=1024
+        )
+    )
     V = model.config.vocab_size
     layouts = {
         "padded": lambda ids, attn, P: response_logprobs(model, ids, attn, P),
-        "packed_rows": lambda ids, attn, P: packed_response_logprobs(model, ids, attn, P, min_saving=0.0,
-                                                                     share_prompts=False),
-        "shared": lambda ids, attn, P: packed_response_logprobs(model, ids, attn, P, min_saving=0.0,
-                                                                share_prompts=True),
+        "packed_rows": lambda ids, attn, P: packed_response_logprobs(
+            model, ids, attn, P, min_saving=0.0, share_prompts=False
+        ),
+        "shared": lambda ids, attn, P: packed_response_logprobs(
+            model, ids, attn, P, min_saving=0.0, share_prompts=True
+        ),
     }
     results = []
     for plen in a.prompt_lens:
         rng = random.Random(plen)
         prompts = [[rng.randrange(4, V) for _ in range(plen)] for _ in range(a.prompts)]
         rows = [p for p in prompts for _ in range(a.n)]
-        answers = [[rng.randrange(4, V) for _ in range(a.max_new_tokens if rng.random() < 0.55 else rng.randint(3, 20))]
-                   for _ in rows]
+        answers = [
+            [rng.randrange(4, V) for _ in range(a.max_new_tokens if rng.random() < 0.55 else rng.randint(3, 20))]
+            for _ in rows
+        ]
         ids, attn, _, P = build_sequences(rows, answers, pad_id=0)
-        tokens = {"padded": ids.numel(), "packed_rows": pack(ids, attn, P, one_row=False).ids_RC.numel(),
-                  "shared": build_layout(ids, attn, P).tokens}
+        tokens = {
+            "padded": ids.numel(),
+            "packed_rows": pack(ids, attn, P, one_row=False).ids_RC.numel(),
+            "shared": build_layout(ids, attn, P).tokens,
+        }
         times = {(name, mode): [] for name in layouts for mode in ("score", "train")}
         for rep in range(a.reps + 2):
             for name, fn in layouts.items():
@@ -89,18 +100,35 @@ def main() -> None:
                     times[(name, "score")].append(score_s)
                     times[(name, "train")].append(train_s)
         med = {k: statistics.median(v) for k, v in times.items()}
-        results.append({"prompt_len": plen, "rows": len(rows), "tokens": tokens,
-                        "median_s": {f"{n}/{m}": s for (n, m), s in med.items()},
-                        "ratio_to_shared": {f"{n}/{m}": med[(n, m)] / med[("shared", m)] for (n, m) in med}})
+        results.append(
+            {
+                "prompt_len": plen,
+                "rows": len(rows),
+                "tokens": tokens,
+                "median_s": {f"{n}/{m}": s for (n, m), s in med.items()},
+                "ratio_to_shared": {f"{n}/{m}": med[(n, m)] / med[("shared", m)] for (n, m) in med},
+            }
+        )
         if not a.json_only:
             print(f"\nprompt {plen} tokens, {a.prompts} prompts x {a.n} samples, answers <= {a.max_new_tokens}")
             print(f"{'layout':>12} {'tokens':>7} {'score_ms':>9} {'x shared':>9} {'train_ms':>9} {'x shared':>9}")
             for n in layouts:
-                print(f"{n:>12} {tokens[n]:>7} {med[(n, 'score')] * 1e3:>9.1f} "
-                      f"{med[(n, 'score')] / med[('shared', 'score')]:>8.2f}x {med[(n, 'train')] * 1e3:>9.1f} "
-                      f"{med[(n, 'train')] / med[('shared', 'train')]:>8.2f}x")
-    print(json.dumps({"bench": "shared_prefix", "versions": {"torch": torch.__version__},
-                      "settings": vars(a), "cpu_count": os.cpu_count(), "results": results}))
+                print(
+                    f"{n:>12} {tokens[n]:>7} {med[(n, 'score')] * 1e3:>9.1f} "
+                    f"{med[(n, 'score')] / med[('shared', 'score')]:>8.2f}x {med[(n, 'train')] * 1e3:>9.1f} "
+                    f"{med[(n, 'train')] / med[('shared', 'train')]:>8.2f}x"
+                )
+    print(
+        json.dumps(
+            {
+                "bench": "shared_prefix",
+                "versions": {"torch": torch.__version__},
+                "settings": vars(a),
+                "cpu_count": os.cpu_count(),
+                "results": results,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

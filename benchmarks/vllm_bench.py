@@ -11,6 +11,7 @@
 
 vLLM is imported lazily, inside the functions.
 """
+
 from __future__ import annotations
 
 import os
@@ -44,8 +45,11 @@ class SyncSplit:
 
         self.engine, self.V = engine, V
         self.acc = dict.fromkeys(self.KEYS, 0.0)
-        for meth, key in (("begin_weight_update", "begin_s"), ("update_weights", "load_s"),
-                          ("end_weight_update", "finalize_s")):
+        for meth, key in (
+            ("begin_weight_update", "begin_s"),
+            ("update_weights", "load_s"),
+            ("end_weight_update", "finalize_s"),
+        ):
             setattr(engine, meth, self._timed(getattr(engine, meth), key))
         self._repack = V._repack_tied_head
         V._repack_tied_head = self._timed(self._repack, "repack_head_s")  # looked up by name at call time
@@ -57,6 +61,7 @@ class SyncSplit:
                 return fn(*a, **kw)
             finally:
                 self.acc[key] += time.perf_counter() - t0
+
         return run
 
     def pop(self) -> dict:
@@ -67,17 +72,34 @@ class SyncSplit:
         self.V._repack_tied_head = self._repack
 
 
-def engine_for(module: torch.nn.Module, model_dir: str, max_model_len: int, sequences: int, tp_size: int = 1,
-               weights_dtype: Optional[torch.dtype] = None, engine_kwargs: Optional[dict] = None):
+def engine_for(
+    module: torch.nn.Module,
+    model_dir: str,
+    max_model_len: int,
+    sequences: int,
+    tp_size: int = 1,
+    weights_dtype: Optional[torch.dtype] = None,
+    engine_kwargs: Optional[dict] = None,
+):
     """A VLLMEngine over `module` (no EOS: eos_id -1, so only stop_token_ids end a row)."""
     from hybrid_rl.rollout.vllm.engine import VLLMEngine
 
-    return VLLMEngine(module, model_dir, pad_id=0, eos_id=-1, max_model_len=max_model_len, sequences=sequences,
-                      tp_size=tp_size, weights_dtype=weights_dtype, engine_kwargs=engine_kwargs)
+    return VLLMEngine(
+        module,
+        model_dir,
+        pad_id=0,
+        eos_id=-1,
+        max_model_len=max_model_len,
+        sequences=sequences,
+        tp_size=tp_size,
+        weights_dtype=weights_dtype,
+        engine_kwargs=engine_kwargs,
+    )
 
 
-def synced_engine(module: torch.nn.Module, model_dir: str, max_model_len: int, sequences: int,
-                  engine_kwargs: Optional[dict] = None):
+def synced_engine(
+    module: torch.nn.Module, model_dir: str, max_model_len: int, sequences: int, engine_kwargs: Optional[dict] = None
+):
     """An engine holding `module`'s weights, awake (weights and KV cache), ready to generate."""
     engine = engine_for(module, model_dir, max_model_len, sequences, engine_kwargs=engine_kwargs)
     engine.resume(["weights"])

@@ -3,6 +3,7 @@
 `Trainer` and `Config` are imported lazily so that `import hybrid_rl.algorithms`
 stays light (no transformers import) in tests and tools.
 """
+
 from typing import Any
 
 __version__ = "0.1.0"

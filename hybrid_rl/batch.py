@@ -25,6 +25,7 @@ micro-batch to its longest response. The update (loop/update.py), scoring and th
 (rewards/model.py) all batch through here, so they split and trim the same way.
 "Group" here means only a prompt's G samples (r // G); a micro-batch is a micro-batch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -59,9 +60,18 @@ class RolloutBatch:
         return torch.arange(len(self), device=self.scores_N.device) // self.group_size
 
     @classmethod
-    def build(cls, rows: list[dict], prompt_ids: list[list[int]], completions: list[Completion], group_size: int,
-              rewards_N: torch.Tensor, scores_N: torch.Tensor, pad_id: int, device: torch.device,
-              loss_masks: Optional[list[list[int]]] = None) -> "RolloutBatch":
+    def build(
+        cls,
+        rows: list[dict],
+        prompt_ids: list[list[int]],
+        completions: list[Completion],
+        group_size: int,
+        rewards_N: torch.Tensor,
+        scores_N: torch.Tensor,
+        pad_id: int,
+        device: torch.device,
+        loss_masks: Optional[list[list[int]]] = None,
+    ) -> "RolloutBatch":
         """Pad on the host in one pass, then one copy per tensor to `device`.
 
         loss_masks: per completion, 1 for each token the loss may train (sampled by the engine) and 0 for one it
@@ -77,8 +87,10 @@ class RolloutBatch:
             if len(c.logprobs) != len(c.token_ids):
                 raise ValueError(f"completion {i}: {len(c.token_ids)} tokens but {len(c.logprobs)} logprobs")
             if loss_masks is not None and (len(loss_masks[i]) != len(c.token_ids) or set(loss_masks[i]) - {0, 1}):
-                raise ValueError(f"completion {i}: a loss mask of 0/1 per token is needed ({len(c.token_ids)} tokens, "
-                                 f"mask of {len(loss_masks[i])})")
+                raise ValueError(
+                    f"completion {i}: a loss mask of 0/1 per token is needed ({len(c.token_ids)} tokens, "
+                    f"mask of {len(loss_masks[i])})"
+                )
         if loss_masks is not None and len(loss_masks) != len(completions):
             raise ValueError(f"{len(loss_masks)} loss masks for {len(completions)} completions")
         P = max(len(p) for p in prompt_ids)
@@ -92,12 +104,20 @@ class RolloutBatch:
             logp.append(c.logprobs + [0.0] * (T - n))
             truncated.append(c.finish_reason == "length")
         attn_NL = torch.tensor(attn, dtype=torch.long, device=device)
-        return cls(rows=rows, prompt_ids=prompt_ids, completions=completions, group_size=G,
-                   ids_NL=torch.tensor(ids, dtype=torch.long, device=device), attn_NL=attn_NL,
-                   resp_mask_NT=torch.tensor(mask, dtype=torch.float32, device=device), P=P,
-                   engine_logp_NT=torch.tensor(logp, dtype=torch.float32, device=device),
-                   truncated_N=torch.tensor(truncated, dtype=torch.bool, device=device),
-                   rewards_N=rewards_N.to(device), scores_N=scores_N.to(device))
+        return cls(
+            rows=rows,
+            prompt_ids=prompt_ids,
+            completions=completions,
+            group_size=G,
+            ids_NL=torch.tensor(ids, dtype=torch.long, device=device),
+            attn_NL=attn_NL,
+            resp_mask_NT=torch.tensor(mask, dtype=torch.float32, device=device),
+            P=P,
+            engine_logp_NT=torch.tensor(logp, dtype=torch.float32, device=device),
+            truncated_N=torch.tensor(truncated, dtype=torch.bool, device=device),
+            rewards_N=rewards_N.to(device),
+            scores_N=scores_N.to(device),
+        )
 
 
 @dataclass
@@ -123,12 +143,22 @@ class TrainBatch:
 def response_ends(mask_NT: torch.Tensor) -> list[int]:
     """Per row, one past the last token in the loss (0 for an empty row); one host copy per step."""
     pos_NT = torch.arange(1, mask_NT.shape[1] + 1, device=mask_NT.device)
-    return (torch.where(mask_NT != 0, pos_NT, 0).amax(dim=1) if mask_NT.shape[1] else
-            torch.zeros(mask_NT.shape[0], dtype=torch.long)).tolist()
+    return (
+        torch.where(mask_NT != 0, pos_NT, 0).amax(dim=1)
+        if mask_NT.shape[1]
+        else torch.zeros(mask_NT.shape[0], dtype=torch.long)
+    ).tolist()
 
 
-def micro_batches(rows: list[int], ends: list[int], P: int, micro_batch_size: int, max_tokens: int,
-                  packed: bool = False, group_size: int = 1) -> list[list[int]]:
+def micro_batches(
+    rows: list[int],
+    ends: list[int],
+    P: int,
+    micro_batch_size: int,
+    max_tokens: int,
+    packed: bool = False,
+    group_size: int = 1,
+) -> list[list[int]]:
     """Split a mini-batch's rows into micro-batches, the same NUMBER on every rank.
 
     max_tokens == 0: consecutive runs of micro_batch_size rows; packed with group_size G > 1
@@ -152,7 +182,7 @@ def micro_batches(rows: list[int], ends: list[int], P: int, micro_batch_size: in
         size = micro_batch_size
         if packed and 1 < group_size <= micro_batch_size:
             size -= micro_batch_size % group_size
-        return [rows[i:i + size] for i in range(0, len(rows), size)]
+        return [rows[i : i + size] for i in range(0, len(rows), size)]
 
     def packed_cost(unit: list[int]) -> int:
         return P + sum(max(1, ends[r]) for r in unit)
@@ -180,10 +210,12 @@ def micro_batches(rows: list[int], ends: list[int], P: int, micro_batch_size: in
     while len(micros) < target:
         big = max(range(len(micros)), key=lambda m: len(micros[m]))
         if len(micros[big]) < 2:
-            raise RuntimeError(f"cannot make {target} micro-batches from {len(rows)} rows; every rank must hold "
-                               "as many rows per mini-batch")
+            raise RuntimeError(
+                f"cannot make {target} micro-batches from {len(rows)} rows; every rank must hold "
+                "as many rows per mini-batch"
+            )
         half = len(micros[big]) // 2
-        micros[big:big + 1] = [micros[big][:half], micros[big][half:]]
+        micros[big : big + 1] = [micros[big][:half], micros[big][half:]]
     return micros
 
 
@@ -205,4 +237,4 @@ def trimmed(b: TrainBatch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     mask = b.mask_NT[rows]
     # Host sync: the slice bound is a Python int.
     T = int(mask.sum(0).nonzero().max().item()) + 1 if mask.any() else 1
-    return b.ids_NL[rows, :b.P + T], b.attn_NL[rows, :b.P + T], mask[:, :T], T
+    return b.ids_NL[rows, : b.P + T], b.attn_NL[rows, : b.P + T], mask[:, :T], T

@@ -21,6 +21,7 @@ cleanly on SIGTERM / SIGINT. Each collaborator is built from the parts it uses, 
 Works under `torchrun` (one process per device) and in a plain process.
 Legend: B prompts per step (global), G samples per prompt, N sequences, T tokens.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,35 +32,42 @@ from typing import Optional
 
 import torch
 
-from hybrid_rl.checkpoint import sharded as ckpt
-from hybrid_rl.runtime import distributed as D
-from hybrid_rl.loop.advantage_stage import advantage_stage
 from hybrid_rl.algorithms.kl import AdaptiveKLController, FixedKLController
 from hybrid_rl.batch import RolloutBatch
-from hybrid_rl.config.schema import Config
+from hybrid_rl.checkpoint import sharded as ckpt
 from hybrid_rl.config.load import load_config, save_config
+from hybrid_rl.config.schema import Config
 from hybrid_rl.data.chat import PromptEncoder, use_chat_template
 from hybrid_rl.data.prepare import prepare_rows
 from hybrid_rl.data.prompts import PromptLoader, load_datasets
-from hybrid_rl.runtime.host_malloc import keep_freed_blocks
+from hybrid_rl.loop.advantage_stage import advantage_stage
 from hybrid_rl.loop.lr_schedule import lr_factor, optimizer_steps
 from hybrid_rl.loop.preflight import validate_runtime
-from hybrid_rl.observability.loggers import build_loggers, check_loggers, console_write, interactive
-from hybrid_rl.switch.advice import decide_offload, sglang_kv_room_warning
-from hybrid_rl.switch.phases import PhaseManager
-from hybrid_rl.observability.metrics import StageTimer, bottleneck, plot_curve, run_history, split_summary, step_time_metrics
+from hybrid_rl.loop.reward_setup import RewardSetup
+from hybrid_rl.loop.rollout_stage import RolloutStage
+from hybrid_rl.loop.run_state import Checkpointer, RunState, find_resume
+from hybrid_rl.loop.update import UpdateSettings, policy_update, score_logprobs, scores_old_policy
+from hybrid_rl.loop.validation import Validator, check_val_set
 from hybrid_rl.models.fsdp import load_sharded, prepare_policy
 from hybrid_rl.models.loading import load_tokenizer, model_eos_ids
 from hybrid_rl.models.lora import adapters_disabled, policy_loading, trainable_parameters
+from hybrid_rl.observability.loggers import build_loggers, check_loggers, console_write, interactive
+from hybrid_rl.observability.metrics import (
+    StageTimer,
+    bottleneck,
+    plot_curve,
+    run_history,
+    split_summary,
+    step_time_metrics,
+)
 from hybrid_rl.rewards.base import RewardFn
-from hybrid_rl.loop.reward_setup import RewardSetup
 from hybrid_rl.rollout.base import engine_class
-from hybrid_rl.loop.rollout_stage import RolloutStage
-from hybrid_rl.loop.run_state import Checkpointer, RunState, find_resume
-from hybrid_rl.split import roles as split_roles
+from hybrid_rl.runtime import distributed as D
+from hybrid_rl.runtime.host_malloc import keep_freed_blocks
 from hybrid_rl.runtime.stop import StopSignal, TrainingInterrupted
-from hybrid_rl.loop.update import UpdateSettings, policy_update, score_logprobs, scores_old_policy
-from hybrid_rl.loop.validation import Validator, check_val_set
+from hybrid_rl.split import roles as split_roles
+from hybrid_rl.switch.advice import decide_offload, sglang_kv_room_warning
+from hybrid_rl.switch.phases import PhaseManager
 
 
 class Trainer:
@@ -105,8 +113,10 @@ class Trainer:
 
             check_config(cfg, self.device)
         if self.device.type == "cpu" and cfg.model.dtype == "bfloat16":
-            warnings.warn("model.dtype=bfloat16 is ignored on CPU: the policy trains in float32 there "
-                          "(bf16 mixed precision is a CUDA path)")
+            warnings.warn(
+                "model.dtype=bfloat16 is ignored on CPU: the policy trains in float32 there "
+                "(bf16 mixed precision is a CUDA path)"
+            )
         check_loggers(cfg.trainer.loggers)
         ckpt.seed_all(cfg.trainer.seed)
         return resume_meta
@@ -120,27 +130,42 @@ class Trainer:
         self.stop_token_ids = tuple(sorted({*cfg.rollout.stop_token_ids, *model_eos_ids(cfg.model.path)}))
         self.stop_set = {self.tokenizer.eos_token_id, *self.stop_token_ids}  # a completion's last token, cut
         # Prompt text -> token ids (chat template applied when used); each prompt is tokenized once.
-        self.encode = PromptEncoder(self.tokenizer, use_chat_template(self.tokenizer, cfg.data.chat_template,
-                                                                      cfg.model.path), cfg.model.path,
-                                    cfg.data.system_prompt)
+        self.encode = PromptEncoder(
+            self.tokenizer,
+            use_chat_template(self.tokenizer, cfg.data.chat_template, cfg.model.path),
+            cfg.model.path,
+            cfg.data.system_prompt,
+        )
         data = load_datasets(cfg.data)
-        prepare = functools.partial(prepare_rows, cfg=cfg, encode=self.encode, check_rows=self.rewards.rule.check_rows,
-                                    max_positions=self._model_config.get("max_position_embeddings"))
+        prepare = functools.partial(
+            prepare_rows,
+            cfg=cfg,
+            encode=self.encode,
+            check_rows=self.rewards.rule.check_rows,
+            max_positions=self._model_config.get("max_position_embeddings"),
+        )
         rows = prepare(data.train, data.train_source, "train")
         val_rows = prepare(data.val, data.val_source, "validation") if data.val else []
-        val_rows = val_rows[:cfg.data.val_size]
+        val_rows = val_rows[: cfg.data.val_size]
         if cfg.trainer.val_every or cfg.trainer.val_before_train:
             if not val_rows:
-                raise ValueError(f"config key 'trainer.val_every' / 'trainer.val_before_train': validation needs a "
-                                 f"validation set; set data.val_path or data.val_split (data.task={cfg.data.task} "
-                                 "has none of its own)")
+                raise ValueError(
+                    f"config key 'trainer.val_every' / 'trainer.val_before_train': validation needs a "
+                    f"validation set; set data.val_path or data.val_split (data.task={cfg.data.task} "
+                    "has none of its own)"
+                )
             check_val_set(val_rows, cfg.data.val_batch_size or cfg.data.batch_size, data.val_source)
         self.rewards.probe(rows, self.tokenizer, cfg.model.path)  # and the environment, if any (issue 28)
         a = cfg.algorithm
-        self.state = RunState(loader=PromptLoader(rows, cfg.data.batch_size, D.rank(), D.world_size(), cfg.data.seed),
-                              kl_ctl=(AdaptiveKLController(a.kl_coef, a.target_kl, a.kl_horizon)
-                                      if a.kl_controller == "adaptive" else FixedKLController(a.kl_coef)),
-                              reward_norm=self.rewards.norm)
+        self.state = RunState(
+            loader=PromptLoader(rows, cfg.data.batch_size, D.rank(), D.world_size(), cfg.data.seed),
+            kl_ctl=(
+                AdaptiveKLController(a.kl_coef, a.target_kl, a.kl_horizon)
+                if a.kl_controller == "adaptive"
+                else FixedKLController(a.kl_coef)
+            ),
+            reward_norm=self.rewards.norm,
+        )
         return rows, val_rows
 
     def _build_models(self, rows: list[dict]) -> None:
@@ -155,9 +180,16 @@ class Trainer:
         # LoRA: a frozen base (inference dtype) + fp32 adapters; its reference is the base, adapters off (_score)
         load, as_policy, dtype = policy_loading(cfg.model, as_policy, self._mixed)
         own_ref = cfg.algorithm.needs_ref_model and not cfg.model.lora.enabled
-        models = load_sharded(cfg.model.path, self.device, self._mixed, cfg.model.attn_implementation,
-                              [as_policy, as_ref] if own_ref else [as_policy], load=load, dtype=dtype,
-                              mesh=self.split.mesh if self.split else None)
+        models = load_sharded(
+            cfg.model.path,
+            self.device,
+            self._mixed,
+            cfg.model.attn_implementation,
+            [as_policy, as_ref] if own_ref else [as_policy],
+            load=load,
+            dtype=dtype,
+            mesh=self.split.mesh if self.split else None,
+        )
         self.policy, self.ref = models[0], (models[1] if len(models) > 1 else None)
         if not self.split:  # a split run's reward model lives on its rollout ranks (split/roles.py)
             self.rewards.build_model(rows[:2], self.device, self._mixed)
@@ -165,13 +197,21 @@ class Trainer:
     def _build_optimizer(self) -> None:
         """AdamW, its lr schedule over the run's optimizer steps, and the update's settings."""
         cfg, o = self.cfg, self.cfg.optim
-        self.optimizer = torch.optim.AdamW(trainable_parameters(self.policy), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                           weight_decay=o.weight_decay)
-        total = optimizer_steps(cfg.trainer.total_steps, cfg.data.batch_size * cfg.rollout.n,
-                                cfg.algorithm.mini_batch_size, cfg.algorithm.ppo_epochs)
+        self.optimizer = torch.optim.AdamW(
+            trainable_parameters(self.policy), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
+        )
+        total = optimizer_steps(
+            cfg.trainer.total_steps,
+            cfg.data.batch_size * cfg.rollout.n,
+            cfg.algorithm.mini_batch_size,
+            cfg.algorithm.ppo_epochs,
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, functools.partial(lr_factor, warmup=o.warmup_steps, total=total, kind=o.lr_schedule,
-                                              min_ratio=o.min_lr_ratio))
+            self.optimizer,
+            functools.partial(
+                lr_factor, warmup=o.warmup_steps, total=total, kind=o.lr_schedule, min_ratio=o.min_lr_ratio
+            ),
+        )
         self.update_settings = UpdateSettings.from_config(cfg)
 
     def _build_engine_and_phases(self, train_rows: list[dict], val_rows: list[dict]) -> None:
@@ -180,16 +220,29 @@ class Trainer:
         if cfg.rollout.engine == "sglang" and self.device.type == "cuda":
             # Before the engine exists: what it will size its KV cache from is free now.
             optimizer_bytes = 8 * sum(p.numel() for p in trainable_parameters(self.policy)) // D.world_size()
-            room = sglang_kv_room_warning(optimizer_bytes, torch.cuda.mem_get_info(self.device)[0],
-                                          cfg.rollout.mem_fraction, self.offload.optimizer)
+            room = sglang_kv_room_warning(
+                optimizer_bytes,
+                torch.cuda.mem_get_info(self.device)[0],
+                cfg.rollout.mem_fraction,
+                self.offload.optimizer,
+            )
             if room:
                 warnings.warn(room)
         self.engine = self._build_engine(torch.bfloat16 if self._mixed else None, train_rows, val_rows)
-        self.phases = PhaseManager(self.policy, self.optimizer, self.engine, self.device, ref=self.ref,
-                                   offload_optimizer=self.offload.optimizer, offload_ref=self.offload.ref,
-                                   offload_params=self.offload.params, bucket_bytes=cfg.rollout.bucket_mb << 20,
-                                   lora=cfg.model.lora.enabled,
-                                   reward_model=self.rewards.module, offload_reward_model=self.offload.reward_model)
+        self.phases = PhaseManager(
+            self.policy,
+            self.optimizer,
+            self.engine,
+            self.device,
+            ref=self.ref,
+            offload_optimizer=self.offload.optimizer,
+            offload_ref=self.offload.ref,
+            offload_params=self.offload.params,
+            bucket_bytes=cfg.rollout.bucket_mb << 20,
+            lora=cfg.model.lora.enabled,
+            reward_model=self.rewards.module,
+            offload_reward_model=self.offload.reward_model,
+        )
 
     def _build_collaborators(self, val_rows: list[dict], resume_meta: Optional[dict]) -> None:
         """The rollout stage, the checkpointer and the validator (built from the parts they use), the output
@@ -197,14 +250,46 @@ class Trainer:
         cfg = self.cfg
         self._closed = False
         self.out_dir = cfg.trainer.out_dir
-        self.rollout_stage = RolloutStage(cfg, self.encode, self.rewards, self.tokenizer, self.stop_token_ids,
-                                          self.stop_set, self.device, self.out_dir)
-        self.checkpointer = Checkpointer(cfg, self._model_config, self.policy, self.optimizer, self.scheduler,
-                                         self.state, self.phases, self.tokenizer)
-        self.validator = Validator(cfg, val_rows, self.encode, self.rewards, self.tokenizer, self.phases,
-                                   self.stop_token_ids, self.stop_set, self.out_dir)
-        self.learner_side = split_roles.learner_side(cfg, self.split, self.state.loader, self.state.loader.rows,
-                                                     self.tokenizer.pad_token_id, self.device, self._mixed)
+        self.rollout_stage = RolloutStage(
+            cfg,
+            self.encode,
+            self.rewards,
+            self.tokenizer,
+            self.stop_token_ids,
+            self.stop_set,
+            self.device,
+            self.out_dir,
+        )
+        self.checkpointer = Checkpointer(
+            cfg,
+            self._model_config,
+            self.policy,
+            self.optimizer,
+            self.scheduler,
+            self.state,
+            self.phases,
+            self.tokenizer,
+        )
+        self.validator = Validator(
+            cfg,
+            val_rows,
+            self.encode,
+            self.rewards,
+            self.tokenizer,
+            self.phases,
+            self.stop_token_ids,
+            self.stop_set,
+            self.out_dir,
+        )
+        self.learner_side = split_roles.learner_side(
+            cfg,
+            self.split,
+            self.state.loader,
+            self.state.loader.rows,
+            self.tokenizer.pad_token_id,
+            self.device,
+            self._mixed,
+        )
         if D.is_main():
             os.makedirs(self.out_dir, exist_ok=True)
             save_config(cfg, os.path.join(self.out_dir, "config.yaml"))
@@ -234,11 +319,21 @@ class Trainer:
             return split_roles.learner_engine(self.policy)  # split learners hold no engine
         engine_cls = engine_class(r.engine)
         if r.engine == "sglang":
-            return engine_cls(self.policy, self.cfg.model.path, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id,
-                              tp_size=r.tp_size, weights_dtype=weights_dtype, mem_fraction=r.mem_fraction,
-                              seed=r.seed, timeout_s=r.engine_timeout_s, with_tokenizer=r.min_new_tokens > 0)
+            return engine_cls(
+                self.policy,
+                self.cfg.model.path,
+                pad_id=tok.pad_token_id,
+                eos_id=tok.eos_token_id,
+                tp_size=r.tp_size,
+                weights_dtype=weights_dtype,
+                mem_fraction=r.mem_fraction,
+                seed=r.seed,
+                timeout_s=r.engine_timeout_s,
+                with_tokenizer=r.min_new_tokens > 0,
+            )
         if r.engine == "vllm":
             from hybrid_rl.rollout.vllm.engine import build_for_trainer
+
             longest = max(len(self.encode(row)) for row in [*train_rows, *val_rows])
             return build_for_trainer(self.cfg, self.policy, tok, longest, bool(val_rows), weights_dtype)
         return engine_cls(self.policy, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, weights_dtype=weights_dtype)
@@ -248,10 +343,19 @@ class Trainer:
         this rank's loader slice; no optimizer, phase switch, checkpointer or loggers (split/rollout_loop.py)."""
         self.policy = split_roles.load_rollout_models(self.cfg, self.split, self.device, self.rewards, rows)
         self.engine = self._build_engine(None, rows, [])
-        self.rollout_stage = RolloutStage(self.cfg, self.encode, self.rewards, self.tokenizer, self.stop_token_ids,
-                                          self.stop_set, self.device, self.cfg.trainer.out_dir)
-        self.rollout_side = split_roles.rollout_side(self.cfg, self.split, self.rollout_stage, self.engine,
-                                                     self.state.loader, rows)
+        self.rollout_stage = RolloutStage(
+            self.cfg,
+            self.encode,
+            self.rewards,
+            self.tokenizer,
+            self.stop_token_ids,
+            self.stop_set,
+            self.device,
+            self.cfg.trainer.out_dir,
+        )
+        self.rollout_side = split_roles.rollout_side(
+            self.cfg, self.split, self.rollout_stage, self.engine, self.state.loader, rows
+        )
         self._closed, self.loggers, self.checkpointer = False, [], split_roles.RolloutCheckpoints()
 
     # -- one step -------------------------------------------------------------
@@ -259,8 +363,10 @@ class Trainer:
         """One GRPO step; its metrics. After an exception (a failing reward, an out-of-memory error, Ctrl-C in a
         notebook) the phase switch is back in TRAIN and the loader at the step's first batch: step() retries it."""
         if self._closed:
-            raise RuntimeError("this Trainer is closed (close() ran, or a signal stopped fit() after its checkpoint); "
-                               "build a new Trainer(cfg): trainer.resume=auto continues from the newest checkpoint")
+            raise RuntimeError(
+                "this Trainer is closed (close() ran, or a signal stopped fit() after its checkpoint); "
+                "build a new Trainer(cfg): trainer.resume=auto continues from the newest checkpoint"
+            )
         loader, loader_state = self.state.loader, self.state.loader.state_dict()
         where = lambda: (self.state.step + 1, self.phases.failed_phase or self.phases.phase)  # for failure_line
         with D.failure_context(where), self.phases.recovering(undo=lambda: loader.load_state_dict(loader_state)):
@@ -277,18 +383,26 @@ class Trainer:
                 if self.split:  # batch `step` from the rollout ranks, this learner's share (split/learner.py)
                     batch, metrics = self.learner_side.batch(self.state.step, timer)
                 else:
-                    batch, metrics = self.rollout_stage.run(engine, self.state.loader, self.state.step, timer,
-                                                            model_phase=self.phases.reward)
+                    batch, metrics = self.rollout_stage.run(
+                        engine, self.state.loader, self.state.step, timer, model_phase=self.phases.reward
+                    )
             if batch is not None:
                 with self.phases.score() as ref, timer("score"):
                     old_logp_NT, ref_logp_NT = self._score(batch, ref)
                 with timer("advantage"):
-                    train_batch, shaping = advantage_stage(batch, old_logp_NT, ref_logp_NT, kl_coef,
-                                                           self.cfg.algorithm)
+                    train_batch, shaping = advantage_stage(batch, old_logp_NT, ref_logp_NT, kl_coef, self.cfg.algorithm)
                 with self.phases.train() as optimizer, timer("train"):  # a new mini-batch shuffle every step
-                    metrics.update(policy_update(policy=self.policy, optimizer=optimizer, scheduler=self.scheduler,
-                                                 batch=train_batch, settings=self.update_settings, kl_coef=kl_coef,
-                                                 seed=self.cfg.trainer.seed + self.state.step))
+                    metrics.update(
+                        policy_update(
+                            policy=self.policy,
+                            optimizer=optimizer,
+                            scheduler=self.scheduler,
+                            batch=train_batch,
+                            settings=self.update_settings,
+                            kl_coef=kl_coef,
+                            seed=self.cfg.trainer.seed + self.state.step,
+                        )
+                    )
                 metrics.update(shaping.reduce())
                 metrics["actor/kl_coef"] = kl_coef
                 if "actor/kl_ref" in metrics:
@@ -316,12 +430,23 @@ class Trainer:
         tc = self.cfg.trainer
 
         def score(model):
-            return score_logprobs(model, batch.ids_NL, batch.attn_NL, batch.P, self.cfg.rollout.temperature,
-                                  tc.micro_batch_size, tc.max_tokens_per_micro_batch, tc.packing, batch.group_size)
+            return score_logprobs(
+                model,
+                batch.ids_NL,
+                batch.attn_NL,
+                batch.P,
+                self.cfg.rollout.temperature,
+                tc.micro_batch_size,
+                tc.max_tokens_per_micro_batch,
+                tc.packing,
+                batch.group_size,
+            )
 
         # split with k > 0: the batch's generating weights are not the policy's, the recompute is pi_old
         stale = bool(self.split) and self.cfg.trainer.max_staleness > 0
-        old = score(self.policy) if stale or scores_old_policy(self.cfg.algorithm, len(batch) * D.world_size()) else None
+        old = (
+            score(self.policy) if stale or scores_old_policy(self.cfg.algorithm, len(batch) * D.world_size()) else None
+        )
         if ref is None and self.cfg.model.lora.enabled and self.cfg.algorithm.needs_ref_model:
             with adapters_disabled(self.policy):  # the reference: the base, to the bit
                 return old, score(self.policy)
@@ -359,9 +484,14 @@ class Trainer:
         if self.split:
             self.learner_side.start(state.step, max(total, 0), state.loader.state_dict(), self.policy)
         if total <= 0 and D.is_main():
-            print(f"nothing to do: the run is at step {state.step} of trainer.total_steps={t.total_steps}"
-                  + (f" (resumed from {self.resume_from}); raise total_steps, or start over in "
-                     "another trainer.out_dir" if self.resume_from else ""))
+            print(
+                f"nothing to do: the run is at step {state.step} of trainer.total_steps={t.total_steps}"
+                + (
+                    f" (resumed from {self.resume_from}); raise total_steps, or start over in another trainer.out_dir"
+                    if self.resume_from
+                    else ""
+                )
+            )
         show = D.is_main() and t.progress_bar and interactive()
         bar = tqdm(total=max(total, 0), disable=not show, desc="grpo", dynamic_ncols=True)
         stop = StopSignal()

@@ -3,6 +3,7 @@
 Every layer reads them (the batch, rewards, dynamic sampling, the split placement's queue, the engines), so they
 live here and import nothing of the package.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,8 +25,9 @@ class SamplingParams:
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
-                             f"got {self.min_new_tokens}")
+            raise ValueError(
+                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}"
+            )
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}; use greedy=True for argmax decoding")
         if not 0 < self.top_p <= 1:
@@ -48,5 +50,7 @@ class Completion:
 
 def response_bodies(completions: Sequence[Completion], stop_ids: set[int]) -> list[list[int]]:
     """Each completion's tokens without a final stop token: what rewards and validation read."""
-    return [c.token_ids[:-1] if c.finish_reason == "stop" and c.token_ids and c.token_ids[-1] in stop_ids
-            else c.token_ids for c in completions]
+    return [
+        c.token_ids[:-1] if c.finish_reason == "stop" and c.token_ids and c.token_ids[-1] in stop_ids else c.token_ids
+        for c in completions
+    ]

@@ -14,6 +14,7 @@ first use. Entry points:
         the LM head folded in: logits built and dropped a chunk of tokens at a time,
         recomputed in the backward, so no (R, V) tensor ever exists.
 """
+
 from .lm_head import chunk_rows, chunked_logprob_entropy, default_chunk_tokens
 from .logprob import logprob_entropy, token_logprob_entropy, triton_available
 from .reference import token_logprob_entropy_ref

@@ -24,6 +24,7 @@ numbers.
 Shapes legend:
     R: rows (tokens), H: hidden size, V: vocabulary size, C: rows per chunk
 """
+
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -100,8 +101,14 @@ def _torch_fwd(z_CV: Tensor, t_C: Tensor) -> tuple[Tensor, Tensor, Tensor, Tenso
 
 
 def _torch_bwd(
-    z_CV: Tensor, t_C: Tensor, m_C: Tensor, log_s_C: Tensor, ent_C: Tensor,
-    g_lp_C: Tensor | None, g_h_C: Tensor | None, temperature: float,
+    z_CV: Tensor,
+    t_C: Tensor,
+    m_C: Tensor,
+    log_s_C: Tensor,
+    ent_C: Tensor,
+    g_lp_C: Tensor | None,
+    g_h_C: Tensor | None,
+    temperature: float,
 ) -> Tensor:
     """fp32 dL/dlogits (C, V) of the chunk; consumes z_CV."""
     logp_CV = z_CV.sub_(m_C[:, None]).sub_(log_s_C[:, None])
@@ -127,19 +134,25 @@ def _torch_bwd(
 class _ChunkedLogprobEntropy(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, hidden_RH: Tensor, weight_VH: Tensor, bias_V: Tensor | None, targets_R: Tensor,
-        temperature: float, chunk: int, use_triton: bool,
+        ctx: Any,
+        hidden_RH: Tensor,
+        weight_VH: Tensor,
+        bias_V: Tensor | None,
+        targets_R: Tensor,
+        temperature: float,
+        chunk: int,
+        use_triton: bool,
     ) -> tuple[Tensor, Tensor]:
         R = hidden_RH.shape[0]
         logp_R, ent_R, m_R, log_s_R = (torch.empty(R, device=hidden_RH.device, dtype=torch.float32) for _ in range(4))
         for s in range(0, R, chunk):
-            h_CH, t_C = hidden_RH[s:s + chunk], targets_R[s:s + chunk]
+            h_CH, t_C = hidden_RH[s : s + chunk], targets_R[s : s + chunk]
             if use_triton:
                 out = _launch_fwd(_chunk_logits(h_CH, weight_VH, bias_V), t_C, temperature, None)
             else:
                 out = _torch_fwd(_chunk_z(h_CH, weight_VH, bias_V, temperature), t_C)
             for dst, src in zip((logp_R, ent_R, m_R, log_s_R), out):
-                dst[s:s + chunk] = src
+                dst[s : s + chunk] = src
         # A copy of the entropy, so that a caller editing the output in place does
         # not corrupt what the backward reads.
         ctx.save_for_backward(hidden_RH, weight_VH, bias_V, targets_R, m_R, log_s_R, ent_R.clone())
@@ -173,11 +186,21 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
             g_lp_C = g_lp[s:e] if g_lp is not None else None
             g_h_C = g_h[s:e] if g_h is not None else None
             if ctx.use_triton:
-                grad_CV = _launch_bwd(_chunk_logits(h_CH, weight_VH, bias_V), t_C, m_R[s:e], log_s_R[s:e], ent_R[s:e],
-                                      g_lp_C, g_h_C, T, None)
+                grad_CV = _launch_bwd(
+                    _chunk_logits(h_CH, weight_VH, bias_V),
+                    t_C,
+                    m_R[s:e],
+                    log_s_R[s:e],
+                    ent_R[s:e],
+                    g_lp_C,
+                    g_h_C,
+                    T,
+                    None,
+                )
             else:
-                grad_CV = _torch_bwd(_chunk_z(h_CH, weight_VH, bias_V, T), t_C, m_R[s:e], log_s_R[s:e], ent_R[s:e],
-                                     g_lp_C, g_h_C, T)
+                grad_CV = _torch_bwd(
+                    _chunk_z(h_CH, weight_VH, bias_V, T), t_C, m_R[s:e], log_s_R[s:e], ent_R[s:e], g_lp_C, g_h_C, T
+                )
             if need_b:
                 grad_b_V.add_(grad_CV.sum(0, dtype=torch.float32))
             grad_CV = grad_CV.to(weight_VH.dtype)  # matmuls in the model's dtype, like the head's own

@@ -32,6 +32,7 @@ TRITON_INTERPRET when it decorates a function, the kernels are also decorated
 lazily, on first use; set TRITON_INTERPRET=1 before the first call to run them
 in the interpreter on CPU tensors.
 """
+
 from __future__ import annotations
 
 import functools
@@ -226,15 +227,21 @@ def _launch_fwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     R, V = logits_RV.shape
     fwd, _ = _kernels(_interpreting())
-    logp_R, ent_R, m_R, logs_R = (
-        torch.empty(R, device=logits_RV.device, dtype=torch.float32) for _ in range(4)
-    )
+    logp_R, ent_R, m_R, logs_R = (torch.empty(R, device=logits_RV.device, dtype=torch.float32) for _ in range(4))
     if R > 0:
         block = _pick_block(V, block_v)
         fwd[(R,)](
-            logits_RV, targets_R, logp_R, ent_R, m_R, logs_R,
-            V, logits_RV.stride(0), float(temperature),
-            BLOCK_V=block, num_warps=_num_warps(block),
+            logits_RV,
+            targets_R,
+            logp_R,
+            ent_R,
+            m_R,
+            logs_R,
+            V,
+            logits_RV.stride(0),
+            float(temperature),
+            BLOCK_V=block,
+            num_warps=_num_warps(block),
         )
     return logp_R, ent_R, m_R, logs_R
 
@@ -259,10 +266,22 @@ def _launch_bwd(
         g_lp = g_logp_R.float().contiguous() if g_logp_R is not None else m_R
         g_h = g_ent_R.float().contiguous() if g_ent_R is not None else m_R
         bwd[(R,)](
-            logits_RV, targets_R, m_R, logs_R, ent_R, g_lp, g_h, grad_RV,
-            V, logits_RV.stride(0), grad_RV.stride(0), float(temperature),
-            HAS_G_LOGP=g_logp_R is not None, HAS_G_ENT=g_ent_R is not None,
-            BLOCK_V=block, num_warps=_num_warps(block),
+            logits_RV,
+            targets_R,
+            m_R,
+            logs_R,
+            ent_R,
+            g_lp,
+            g_h,
+            grad_RV,
+            V,
+            logits_RV.stride(0),
+            grad_RV.stride(0),
+            float(temperature),
+            HAS_G_LOGP=g_logp_R is not None,
+            HAS_G_ENT=g_ent_R is not None,
+            BLOCK_V=block,
+            num_warps=_num_warps(block),
         )
     return grad_RV
 
@@ -288,9 +307,7 @@ class _TokenLogprobEntropy(torch.autograd.Function):
         if g_logp_R is None and g_ent_R is None:
             return None, None, None, None
         logits_RV, targets_R, m_R, logs_R, ent_R = ctx.saved_tensors
-        grad_RV = _launch_bwd(
-            logits_RV, targets_R, m_R, logs_R, ent_R, g_logp_R, g_ent_R, ctx.temperature, ctx.block_v
-        )
+        grad_RV = _launch_bwd(logits_RV, targets_R, m_R, logs_R, ent_R, g_logp_R, g_ent_R, ctx.temperature, ctx.block_v)
         return grad_RV, None, None, None
 
 
@@ -298,9 +315,7 @@ def _validate(logits: Tensor, targets: Tensor, temperature: float) -> None:
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ValueError(f"logits must have a non-empty last (vocab) dim, got {tuple(logits.shape)}")
     if logits.shape[:-1] != targets.shape:
-        raise ValueError(
-            f"leading shape mismatch: logits {tuple(logits.shape)} vs targets {tuple(targets.shape)}"
-        )
+        raise ValueError(f"leading shape mismatch: logits {tuple(logits.shape)} vs targets {tuple(targets.shape)}")
     if targets.dtype.is_floating_point or targets.dtype == torch.bool:
         raise TypeError(f"targets must be an integer tensor, got {targets.dtype}")
     if temperature <= 0:

@@ -9,6 +9,7 @@ Shapes legend:
     R: rows (tokens; any leading dims are flattened into R)
     V: vocabulary size
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,9 +18,7 @@ from torch import Tensor
 __all__ = ["token_logprob_entropy_ref"]
 
 
-def token_logprob_entropy_ref(
-    logits_RV: Tensor, targets_R: Tensor, temperature: float = 1.0
-) -> tuple[Tensor, Tensor]:
+def token_logprob_entropy_ref(logits_RV: Tensor, targets_R: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
     """Log-probability of `targets` and entropy of softmax(logits / temperature).
 
     Args:
@@ -34,9 +33,7 @@ def token_logprob_entropy_ref(
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if logits_RV.shape[:-1] != targets_R.shape:
-        raise ValueError(
-            f"leading shape mismatch: logits {tuple(logits_RV.shape)} vs targets {tuple(targets_R.shape)}"
-        )
+        raise ValueError(f"leading shape mismatch: logits {tuple(logits_RV.shape)} vs targets {tuple(targets_R.shape)}")
     # Upcast first: bf16 log_softmax loses ~3 significant digits, which is visible
     # in the importance ratios exp(logp_new - logp_old) that RL losses build.
     z_RV = logits_RV.float()

@@ -21,6 +21,7 @@ else the native engine (the log says which). On CPU, with a tiny model substitut
         rollout.max_new_tokens=32 data.max_prompt_tokens=384 data.val_size=8 data.val_batch_size=8 \\
         algorithm.mini_batch_size=0 trainer.micro_batch_size=16 trainer.total_steps=4 trainer.val_every=2
 """
+
 import argparse
 import importlib.util
 import os
@@ -29,12 +30,12 @@ import sys
 from omegaconf import OmegaConf
 
 from hybrid_rl import Trainer, load_config
-from hybrid_rl.runtime import distributed
 from hybrid_rl.config.checks import command_line
-from hybrid_rl.plan.memory import GIB, PHASES
 from hybrid_rl.observability.metrics import reward_summary, run_history
-from hybrid_rl.plan.report import format_plan
 from hybrid_rl.plan.from_config import PromptTokens, config_fixes, plan_from_config, prompt_tokens_for_plan
+from hybrid_rl.plan.memory import GIB, PHASES
+from hybrid_rl.plan.report import format_plan
+from hybrid_rl.runtime import distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -42,12 +43,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def choose_engine(overrides: list[str]) -> tuple[list[str], str]:
     """SGLang where it is importable, else native (tp 1); an explicit rollout.engine= wins."""
     if any(o.startswith("rollout.engine=") for o in overrides):
-        native_tp = "rollout.engine=native" in overrides and not any(o.startswith("rollout.tp_size=") for o in overrides)
+        native_tp = "rollout.engine=native" in overrides and not any(
+            o.startswith("rollout.tp_size=") for o in overrides
+        )
         return ["rollout.tp_size=1"] if native_tp else [], "rollout engine: as given on the command line"
     if importlib.util.find_spec("sglang") is not None:
         return [], "rollout engine: sglang (importable here)"
     return ["rollout.engine=native", "rollout.tp_size=1"], (
-        "rollout engine: native (sglang is not importable here; pip install 'hybrid_rl[gpu]' on a GPU machine)")
+        "rollout engine: native (sglang is not importable here; pip install 'hybrid_rl[gpu]' on a GPU machine)"
+    )
 
 
 # GSM8K with a calculator tool (env.name=gsm8k_calculator, hybrid_rl/envs/gsm8k_calc.py): the model may call
@@ -77,7 +81,11 @@ def memory_plan(cfg, n_gpus: int, gpu_mem_gib: float, prompts: PromptTokens | No
 
 def plan_inputs(cfg, prompts: PromptTokens) -> str:
     """What the plan billed that a run measures: the prompt length and the reward model."""
-    rm = f"reward.model_path={cfg.reward.model_path}" if cfg.reward.model_path else f"none (rule reward {cfg.reward.name})"
+    rm = (
+        f"reward.model_path={cfg.reward.model_path}"
+        if cfg.reward.model_path
+        else f"none (rule reward {cfg.reward.name})"
+    )
     return f"planned for prompts of {prompts.tokens} tokens: {prompts.source}\nreward model billed: {rm}"
 
 
@@ -95,8 +103,12 @@ def parse_args(argv: list[str]):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="print the config and memory plan; load nothing")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs to plan for (default: the ranks, 8 on --dry-run)")
-    parser.add_argument("--gpu-mem-gib", type=float, default=None,
-                        help="GPU memory in GiB to plan for (default: measured, 80 on --dry-run); as python -m hybrid_rl.plan")
+    parser.add_argument(
+        "--gpu-mem-gib",
+        type=float,
+        default=None,
+        help="GPU memory in GiB to plan for (default: measured, 80 on --dry-run); as python -m hybrid_rl.plan",
+    )
     args, overrides = parser.parse_known_args(argv)
     if any(a.split("=")[0] == "--gpu-mem-gb" for a in overrides):
         parser.error("--gpu-mem-gb is --gpu-mem-gib here and in python -m hybrid_rl.plan (the value is GiB)")

@@ -11,15 +11,16 @@ counts full marks only, so it stays near 0 until the policy learns to stop (trun
 that never stops) while reward climbs (docs/metrics.md). model.path that does not exist is made a
 random-weight model, and the recipe says so.
 """
+
 import os
 import sys
 
 from hybrid_rl import Trainer, load_config
-from hybrid_rl.runtime import distributed
 from hybrid_rl.config.checks import command_line
-from hybrid_rl.observability.metrics import reward_summary, run_history
-from hybrid_rl.models.tiny import build_tiny_model_dir
 from hybrid_rl.data.digits import DIGIT_WORDS
+from hybrid_rl.models.tiny import build_tiny_model_dir
+from hybrid_rl.observability.metrics import reward_summary, run_history
+from hybrid_rl.runtime import distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -33,9 +34,12 @@ def main(argv: list[str]) -> dict:
     distributed.init(cfg.trainer.device, cfg.trainer.dist_timeout_s)
     if distributed.is_main():
         if not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
-            print(f"NOTE: model.path={cfg.model.path} has no model: creating a RANDOM-weight tiny Qwen2 there (the "
-                  "demo's; it learns the digits task from scratch). To train a real model, set model.path to its "
-                  "Hugging Face directory.", flush=True)
+            print(
+                f"NOTE: model.path={cfg.model.path} has no model: creating a RANDOM-weight tiny Qwen2 there (the "
+                "demo's; it learns the digits task from scratch). To train a real model, set model.path to its "
+                "Hugging Face directory.",
+                flush=True,
+            )
         build_tiny_model_dir(cfg.model.path, DIGIT_WORDS, hidden_size=128, num_layers=2, seed=cfg.trainer.seed)
     distributed.barrier()
 

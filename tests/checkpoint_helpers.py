@@ -1,5 +1,6 @@
 """Shared by the checkpoint tests: a reward that draws from every RNG a user's code might
 use, and "2k steps" vs "k steps, stop, resume for k more" on the real Trainer."""
+
 from __future__ import annotations
 
 import os
@@ -24,12 +25,24 @@ def noisy_digits(prompts: Sequence[str], completions: Sequence[str], metadata: S
 
 
 def overrides(model_dir: str, out_dir: str, *extra: str) -> list[str]:
-    return [f"model.path={model_dir}", "data.batch_size=4", "rollout.n=4", "rollout.max_new_tokens=4",
-            f"trainer.out_dir={out_dir}", "trainer.progress_bar=false", "trainer.device=cpu", "optim.lr=2e-3",
-            # Not the recipe's: its cosine decay (to 20%) refuses a resume with another total_steps (done
-            # here), and its mini_batch_size (= data.batch_size) must be a multiple of rollout.n (some set 8).
-            "optim.lr_schedule=constant", "optim.min_lr_ratio=0.0", "algorithm.mini_batch_size=0",
-            "reward.fn=tests.checkpoint_helpers:noisy_digits", "trainer.log_every=0", *extra]
+    return [
+        f"model.path={model_dir}",
+        "data.batch_size=4",
+        "rollout.n=4",
+        "rollout.max_new_tokens=4",
+        f"trainer.out_dir={out_dir}",
+        "trainer.progress_bar=false",
+        "trainer.device=cpu",
+        "optim.lr=2e-3",
+        # Not the recipe's: its cosine decay (to 20%) refuses a resume with another total_steps (done
+        # here), and its mini_batch_size (= data.batch_size) must be a multiple of rollout.n (some set 8).
+        "optim.lr_schedule=constant",
+        "optim.min_lr_ratio=0.0",
+        "algorithm.mini_batch_size=0",
+        "reward.fn=tests.checkpoint_helpers:noisy_digits",
+        "trainer.log_every=0",
+        *extra,
+    ]
 
 
 def comparable(m: dict) -> dict:
@@ -72,11 +85,15 @@ def straight_and_resumed(model_dir: str, out: str, k: int, *extra: str, offload_
     second.save_checkpoint()  # step 2k: what the export checks read
     from hybrid_rl.models.saving import full_state_dict
 
-    return {"full_weights": full_state_dict(second.policy),  # a collective: every rank calls it
-            "straight": [comparable(m) for m in full[k:]], "resumed": [comparable(m) for m in rest],
-            "straight_weights": weights(straight), "resumed_weights": weights(second),
-            "loader": (straight.state.loader.state_dict(), second.state.loader.state_dict()),
-            "resumed_dir": os.path.join(out, "resumed")}
+    return {
+        "full_weights": full_state_dict(second.policy),  # a collective: every rank calls it
+        "straight": [comparable(m) for m in full[k:]],
+        "resumed": [comparable(m) for m in rest],
+        "straight_weights": weights(straight),
+        "resumed_weights": weights(second),
+        "loader": (straight.state.loader.state_dict(), second.state.loader.state_dict()),
+        "resumed_dir": os.path.join(out, "resumed"),
+    }
 
 
 def assert_same_run(result: dict) -> None:

@@ -19,6 +19,7 @@ the digits-task vocabulary (`<pad>`=0, `<eos>`=1, `<bos>`=2, `<unk>`=3, then
                             cores, several times slower on a loaded machine). Opt in with
                             `pytestmark = pytest.mark.usefixtures("torch_one_thread")`.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,8 @@ TINY_LAYERS = 2
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
-    from hybrid_rl.models.tiny import build_tiny_model_dir
     from hybrid_rl.data.digits import DIGIT_WORDS
+    from hybrid_rl.models.tiny import build_tiny_model_dir
 
     root = tmp_path_factory.mktemp("tiny_model")
     return build_tiny_model_dir(str(root / "model"), DIGIT_WORDS, hidden_size=TINY_HIDDEN, num_layers=TINY_LAYERS)
@@ -145,6 +146,9 @@ def pytest_sessionfinish(session, exitstatus):
     if _REQUIRE_VLLM and _skipped_vllm:
         import sys
 
-        print(f"\nHYBRID_RL_REQUIRE_VLLM is set but {len(_skipped_vllm)} vLLM test(s) skipped; the first: "
-              f"{_skipped_vllm[0]}. Install the extra: pip install -e '.[vllm]' (see the Makefile).", file=sys.stderr)
+        print(
+            f"\nHYBRID_RL_REQUIRE_VLLM is set but {len(_skipped_vllm)} vLLM test(s) skipped; the first: "
+            f"{_skipped_vllm[0]}. Install the extra: pip install -e '.[vllm]' (see the Makefile).",
+            file=sys.stderr,
+        )
         session.exitstatus = 1

@@ -1,5 +1,6 @@
 """Shared by the engine adapter tests (vLLM, the SGLang stand-in): prompts over the digits vocabulary,
 trained-looking weights for a policy before a sync, and one rollout through the phase switch."""
+
 from __future__ import annotations
 
 import torch
@@ -28,8 +29,9 @@ def rollout(pm, prompts, params):
 
 def vllm_model_dir(tmp_path_factory, name: str) -> str:
     """The tiny digits model, wide enough for vLLM: its CPU attention needs head_dim 32 (hidden 128, 4 heads)."""
-    from hybrid_rl.models.tiny import build_tiny_model_dir
     from hybrid_rl.data.digits import DIGIT_WORDS
+    from hybrid_rl.models.tiny import build_tiny_model_dir
 
-    return build_tiny_model_dir(str(tmp_path_factory.mktemp(name) / "model"), DIGIT_WORDS, hidden_size=128,
-                                num_layers=2)
+    return build_tiny_model_dir(
+        str(tmp_path_factory.mktemp(name) / "model"), DIGIT_WORDS, hidden_size=128, num_layers=2
+    )

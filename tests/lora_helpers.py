@@ -1,4 +1,5 @@
 """Shared by the LoRA tests (unit, 2 ranks, vLLM): adapter weights that move the output, and a fixed batch."""
+
 from __future__ import annotations
 
 import torch
@@ -24,12 +25,20 @@ def batch(seed: int = 0, n: int = 6):
     return build_sequences(prompts, responses, pad_id=0)
 
 
-def expected_adapter_numel(config, rank: int, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                      "down_proj")) -> int:
+def expected_adapter_numel(
+    config, rank: int, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+) -> int:
     """rank x (in + out) summed over the targeted projections of every layer, from the HF config's arithmetic alone."""
     h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     d = getattr(config, "head_dim", None) or h // config.num_attention_heads
     q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
-    widths = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-              "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    widths = {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, inter),
+        "up_proj": (h, inter),
+        "down_proj": (inter, h),
+    }
     return layers * sum(rank * (widths[t][0] + widths[t][1]) for t in targets)

@@ -9,6 +9,7 @@ ISO dates are not quoted results and are skipped. A unit citing a file that does
 carries no date, fails too. Numbers compare as written ("0.10" is not found in "0.104"), so a rounded
 or stale figure is caught, and the fix is to quote the file.
 """
+
 from __future__ import annotations
 
 import glob
@@ -28,7 +29,9 @@ ITEM_START = re.compile(r"^\s*(?:[*-] |\| |\d+\. )")
 
 def doc_files(root: str = ROOT) -> list[str]:
     """README.md and every markdown file under docs/."""
-    files = [os.path.join(root, "README.md")] + sorted(glob.glob(os.path.join(root, "docs", "**", "*.md"), recursive=True))
+    files = [os.path.join(root, "README.md")] + sorted(
+        glob.glob(os.path.join(root, "docs", "**", "*.md"), recursive=True)
+    )
     return [f for f in files if os.path.isfile(f)]
 
 
@@ -118,8 +121,10 @@ def main() -> int:
     for p in problems:
         print(p)
     if problems:
-        print(f"{len(problems)} number(s) not found in the results they cite: quote the results file, or cite the one "
-              "that holds the number")
+        print(
+            f"{len(problems)} number(s) not found in the results they cite: quote the results file, or cite the one "
+            "that holds the number"
+        )
         return 1
     print("every number in a paragraph citing benchmarks/results/ is in the file it cites")
     return 0

@@ -9,6 +9,7 @@ import is still a dependency). A file belongs to its folder under hybrid_rl/ (a 
 up; a cycle of files is allowed only where a registry imports its built-ins (`REGISTRIES`), inside one folder.
 tests/unit/test_layers.py asserts both; exit status 1 here when either is broken.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,9 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 # Registration by import: a registry module imports its built-ins, which import it back to register.
 REGISTRIES = {
-    frozenset({"hybrid_rl.rewards.base", "hybrid_rl.rewards.toy", "hybrid_rl.rewards.math",
-               "hybrid_rl.rewards.latex_math"}),
+    frozenset(
+        {"hybrid_rl.rewards.base", "hybrid_rl.rewards.toy", "hybrid_rl.rewards.math", "hybrid_rl.rewards.latex_math"}
+    ),
     # (gsm8k_calc builds on tools.ToolEnv, which takes Step from base: the same registration loop)
     frozenset({"hybrid_rl.envs.base", "hybrid_rl.envs.gsm8k_calc", "hybrid_rl.envs.tiny_ask", "hybrid_rl.envs.tools"}),
 }

@@ -9,6 +9,7 @@ kl           KL estimators, KL controllers, reward-side KL penalty
 correction   rollout-engine vs trainer mismatch correction (TIS / MIS)
 dapo         DAPO dynamic-sampling filter, overlong penalty and filtering
 """
+
 from hybrid_rl.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
     TOKEN_LEVEL_ESTIMATORS,

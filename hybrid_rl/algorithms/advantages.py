@@ -30,6 +30,7 @@ groups whose rewards are all equal. Groups whose rewards are exactly equal get
 an advantage of exactly 0 for every estimator that subtracts a group baseline,
 and a batch whose whitened values are all equal gets exactly 0.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,8 +43,17 @@ from hybrid_rl.algorithms.returns import check_token_kl, discounted_returns, tok
 from hybrid_rl.algorithms.whitening import ReduceSum, stats_mask, whiten_valid
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS", "TOKEN_LEVEL_ESTIMATORS", "AdvantageInputs", "Estimator", "estimator", "takes_token_kl",
-    "compute_advantages", "grpo_advantages", "drgrpo_advantages", "rloo_advantages", "reinforce_pp_advantages",
+    "ADVANTAGE_ESTIMATORS",
+    "TOKEN_LEVEL_ESTIMATORS",
+    "AdvantageInputs",
+    "Estimator",
+    "estimator",
+    "takes_token_kl",
+    "compute_advantages",
+    "grpo_advantages",
+    "drgrpo_advantages",
+    "rloo_advantages",
+    "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",
 ]
 
@@ -147,6 +157,7 @@ def rloo_advantages(rewards_N: Tensor, group_ids_N: Tensor, eps: float = 1e-6) -
 
 # ---------------------------------------------------------------- token level: REINFORCE++
 
+
 def _check_mask(mask_NT: Tensor, n: int) -> None:
     if not isinstance(mask_NT, Tensor) or mask_NT.dim() != 2 or mask_NT.shape[0] != n:
         raise ValueError(
@@ -209,8 +220,9 @@ def reinforce_pp_advantages(
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma must be in [0, 1], got {gamma}")
     valid_NT = mask_NT != 0
-    r_NT = token_rewards(scores_N.to(mask_NT.device), valid_NT, None if kl_NT is None else kl_NT.to(mask_NT.device),
-                      kl_coef)
+    r_NT = token_rewards(
+        scores_N.to(mask_NT.device), valid_NT, None if kl_NT is None else kl_NT.to(mask_NT.device), kl_coef
+    )
     g_NT = discounted_returns(r_NT, valid_NT, gamma)
     return whiten_valid(g_NT, valid_NT, eps, reduce_sum, stats_NT).to(_out_dtype(scores_N))
 
@@ -254,6 +266,7 @@ def reinforce_pp_baseline_advantages(
 
 
 # ---------------------------------------------------------------- the table: one signature for every estimator
+
 
 @dataclass(frozen=True)
 class AdvantageInputs:
@@ -307,13 +320,22 @@ def _per_sequence(seq_fn: Callable[..., Tensor]) -> Callable[[AdvantageInputs], 
 
 
 def _reinforce_pp(x: AdvantageInputs) -> Tensor:
-    return reinforce_pp_advantages(x.scores_N, x.mask_NT, gamma=x.gamma, kl_NT=x.kl_NT, kl_coef=x.kl_coef,
-                                   eps=x.eps, reduce_sum=x.reduce_sum, stats_mask_NT=x.stats_mask_NT)
+    return reinforce_pp_advantages(
+        x.scores_N,
+        x.mask_NT,
+        gamma=x.gamma,
+        kl_NT=x.kl_NT,
+        kl_coef=x.kl_coef,
+        eps=x.eps,
+        reduce_sum=x.reduce_sum,
+        stats_mask_NT=x.stats_mask_NT,
+    )
 
 
 def _reinforce_pp_baseline(x: AdvantageInputs) -> Tensor:
-    return reinforce_pp_baseline_advantages(x.scores_N, x.group_ids_N, x.mask_NT, eps=x.eps,
-                                            reduce_sum=x.reduce_sum, stats_mask_NT=x.stats_mask_NT)
+    return reinforce_pp_baseline_advantages(
+        x.scores_N, x.group_ids_N, x.mask_NT, eps=x.eps, reduce_sum=x.reduce_sum, stats_mask_NT=x.stats_mask_NT
+    )
 
 
 ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
@@ -383,10 +405,22 @@ def compute_advantages(
             f"for {_names('token_kl')}); use a KL loss, or put the KL in the scores with kl_penalty_rewards"
         )
     if not est.discounted and gamma != 1.0:
-        raise ValueError(f"advantage estimator {name!r} has no discount; gamma={gamma} applies only to "
-                         f"{_names('discounted')}")
-    return est.fn(AdvantageInputs(scores_N, group_ids_N, mask_NT, eps=eps, gamma=gamma, kl_NT=kl_NT,
-                                  kl_coef=kl_coef, reduce_sum=reduce_sum, stats_mask_NT=stats_mask_NT))
+        raise ValueError(
+            f"advantage estimator {name!r} has no discount; gamma={gamma} applies only to {_names('discounted')}"
+        )
+    return est.fn(
+        AdvantageInputs(
+            scores_N,
+            group_ids_N,
+            mask_NT,
+            eps=eps,
+            gamma=gamma,
+            kl_NT=kl_NT,
+            kl_coef=kl_coef,
+            reduce_sum=reduce_sum,
+            stats_mask_NT=stats_mask_NT,
+        )
+    )
 
 
 def _names(flag: str) -> str:

@@ -40,6 +40,7 @@ ppo_mini_batch_size with dynamic batch size). The two differ by a constant
 factor for a fixed batch size, which the learning rate absorbs, and verl's
 default horizon changes with the padding of each micro-batch.
 """
+
 from __future__ import annotations
 
 import torch
@@ -57,9 +58,7 @@ def _check_mode(mode: str) -> None:
 
 def _check_mask_NT(mask_NT: Tensor) -> None:
     if not isinstance(mask_NT, Tensor) or mask_NT.dim() != 2:
-        raise ValueError(
-            f"mask_NT must be a 2-D (N, T) tensor, got {getattr(mask_NT, 'shape', type(mask_NT))}"
-        )
+        raise ValueError(f"mask_NT must be a 2-D (N, T) tensor, got {getattr(mask_NT, 'shape', type(mask_NT))}")
 
 
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:

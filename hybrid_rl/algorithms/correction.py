@@ -27,6 +27,7 @@ Conventions: weight_NT is detached and equals 1.0 wherever the returned mask is
 tokens; multiply the per-token loss by weight_NT. Ratios are compared in log
 space, so no exp can overflow.
 """
+
 from __future__ import annotations
 
 import math
@@ -102,8 +103,9 @@ def rollout_correction(
     return weight_NT, out_valid_NT.to(mask_NT.dtype), metrics
 
 
-def _checked_log_bounds(old_logp_NT: Tensor, engine_logp_NT: Tensor, mask_NT: Tensor, mode: str, cap: float,
-                lower: float | None) -> tuple[float, float | None]:
+def _checked_log_bounds(
+    old_logp_NT: Tensor, engine_logp_NT: Tensor, mask_NT: Tensor, mode: str, cap: float, lower: float | None
+) -> tuple[float, float | None]:
     """Checks the arguments; returns (log cap, log lower bound), the lower bound defaulting to
     1 / cap for MIS and to None (no lower bound) for TIS and none."""
     if mode not in CORRECTION_MODES:
@@ -118,8 +120,9 @@ def _checked_log_bounds(old_logp_NT: Tensor, engine_logp_NT: Tensor, mask_NT: Te
     return math.log(cap), None if lower is None else math.log(lower)
 
 
-def _correct(mode: str, d_NT: Tensor, dec_NT: Tensor, valid_NT: Tensor, log_cap: float,
-             log_lower: float | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _correct(
+    mode: str, d_NT: Tensor, dec_NT: Tensor, valid_NT: Tensor, log_cap: float, log_lower: float | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The mode's weights and mask from the deciding log-ratio dec_NT (per token, or its sequence's).
 
     TIS: weight = exp(clamp(dec, log lower, log cap)) on valid tokens; MIS: valid tokens whose
@@ -143,8 +146,9 @@ def _correct(mode: str, d_NT: Tensor, dec_NT: Tensor, valid_NT: Tensor, log_cap:
     return weight_NT, out_valid_NT, capped_NT, masked_NT
 
 
-def _mismatch_metrics(d_NT: Tensor, seq_d_N: Tensor, valid_NT: Tensor, is_seq: bool, capped_NT: Tensor,
-                      masked_NT: Tensor) -> dict[str, Tensor]:
+def _mismatch_metrics(
+    d_NT: Tensor, seq_d_N: Tensor, valid_NT: Tensor, is_seq: bool, capped_NT: Tensor, masked_NT: Tensor
+) -> dict[str, Tensor]:
     """The `rollout_correction` metrics (its docstring), from the token log-ratios d_NT (0 off
     the valid tokens), their per-sequence sums seq_d_N, and the TIS-truncated / MIS-masked tokens."""
     n_tok = valid_NT.sum().clamp(min=1)

@@ -7,6 +7,7 @@ Shape legend:
     N   sequences (B prompts x G samples), T response tokens (padded)
     _NT per-token tensor, _N per-sequence tensor
 """
+
 from __future__ import annotations
 
 import torch

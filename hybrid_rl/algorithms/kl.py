@@ -12,6 +12,7 @@ Divergence", http://joschu.net/blog/kl-approx.html):
     k3 = exp(-d) - (-d) - 1 >= 0    unbiased, low variance ("low_var_kl")
 k3 is clamped to [-10, 10] as verl does, so one wild token cannot dominate.
 """
+
 from __future__ import annotations
 
 import torch
@@ -77,8 +78,8 @@ class FixedKLController:
 class AdaptiveKLController:
     """Proportional KL controller (Ziegler et al. 2019, arXiv:1909.08593, Sec. 2.2).
 
-        e     = clip(current_kl / target_kl - 1, -0.2, 0.2)
-        coef <- coef * (1 + e * n_steps / horizon)
+    e     = clip(current_kl / target_kl - 1, -0.2, 0.2)
+    coef <- coef * (1 + e * n_steps / horizon)
     """
 
     def __init__(self, init_coef: float, target_kl: float, horizon: int) -> None:

@@ -51,6 +51,7 @@ logged as actor/<name>; checked against verl at commit b178a3c, Jan 2026):
                                          They agree in expectation, not per batch.
     ratio_*          -                   not logged by verl's policy losses
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -124,9 +125,7 @@ def _metrics(ratio_NT, d_NT, valid_NT, low_NT, high_NT) -> dict[str, Tensor]:
         "clip_frac_high": _frac(high_NT, valid_NT),
         "clip_frac": _frac(low_NT | high_NT, valid_NT),
         "approx_kl": (k3_NT.sum() / n).float(),
-        "ratio_mean": torch.where(
-            valid_NT.any(), torch.where(valid_NT, r, torch.zeros_like(r)).sum() / n, one
-        ).float(),
+        "ratio_mean": torch.where(valid_NT.any(), torch.where(valid_NT, r, torch.zeros_like(r)).sum() / n, one).float(),
         "ratio_max": torch.where(torch.isfinite(r_max), r_max, one).float(),
         "ratio_min": torch.where(torch.isfinite(r_min), r_min, one).float(),
     }

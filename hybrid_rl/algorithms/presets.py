@@ -15,6 +15,7 @@ one (YAML < command line) still win.
 LOSS_CLIP_DEFAULTS holds the clip bounds each policy loss uses when
 `algorithm.clip_ratio_low/high` are left at "auto".
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
@@ -42,10 +43,20 @@ def grpo() -> dict[str, Any]:
     averaged over tokens of a sequence then over sequences (Eq. 3), and the
     unbiased k3 KL estimator to the reference added to the loss with beta = 0.04.
     """
-    return {"advantage": "grpo", "policy_loss": "ppo_clip", "loss_agg": "seq-mean-token-mean",
-            "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": None,
-            "kl_placement": "loss", "kl_coef": 0.04, "kl_estimator": "k3", "kl_controller": "fixed",
-            "entropy_coef": 0.0, **_NO_DAPO}
+    return {
+        "advantage": "grpo",
+        "policy_loss": "ppo_clip",
+        "loss_agg": "seq-mean-token-mean",
+        "clip_ratio_low": 0.2,
+        "clip_ratio_high": 0.2,
+        "clip_ratio_c": None,
+        "kl_placement": "loss",
+        "kl_coef": 0.04,
+        "kl_estimator": "k3",
+        "kl_controller": "fixed",
+        "entropy_coef": 0.0,
+        **_NO_DAPO,
+    }
 
 
 def drgrpo() -> dict[str, Any]:
@@ -56,9 +67,17 @@ def drgrpo() -> dict[str, Any]:
     and no division by the response length (token sums divided by a constant,
     the maximum response length: seq-mean-token-sum-norm). No KL term.
     """
-    return {"advantage": "drgrpo", "policy_loss": "ppo_clip", "loss_agg": "seq-mean-token-sum-norm",
-            "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": None,
-            **_NO_KL, "entropy_coef": 0.0, **_NO_DAPO}
+    return {
+        "advantage": "drgrpo",
+        "policy_loss": "ppo_clip",
+        "loss_agg": "seq-mean-token-sum-norm",
+        "clip_ratio_low": 0.2,
+        "clip_ratio_high": 0.2,
+        "clip_ratio_c": None,
+        **_NO_KL,
+        "entropy_coef": 0.0,
+        **_NO_DAPO,
+    }
 
 
 def dapo() -> dict[str, Any]:
@@ -72,11 +91,20 @@ def dapo() -> dict[str, Any]:
     maximum length (the paper's 4096 of 20480 tokens; overlong_buffer_len=null
     means that fifth). No KL term, GRPO group-normalised advantages.
     """
-    return {"advantage": "grpo", "policy_loss": "ppo_clip", "loss_agg": "token-mean",
-            "clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": None,
-            **_NO_KL, "entropy_coef": 0.0,
-            "dynamic_sampling": True, "overlong_filter": True, "overlong_penalty_factor": 1.0,
-            "overlong_buffer_len": None}
+    return {
+        "advantage": "grpo",
+        "policy_loss": "ppo_clip",
+        "loss_agg": "token-mean",
+        "clip_ratio_low": 0.2,
+        "clip_ratio_high": 0.28,
+        "clip_ratio_c": None,
+        **_NO_KL,
+        "entropy_coef": 0.0,
+        "dynamic_sampling": True,
+        "overlong_filter": True,
+        "overlong_penalty_factor": 1.0,
+        "overlong_buffer_len": None,
+    }
 
 
 def gspo() -> dict[str, Any]:
@@ -89,9 +117,17 @@ def gspo() -> dict[str, Any]:
     paper splits each rollout batch into 4 mini-batches: set
     algorithm.mini_batch_size for that (the ratio is 1 on the first one).
     """
-    return {"advantage": "grpo", "policy_loss": "gspo", "loss_agg": "seq-mean-token-mean",
-            "clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4, "clip_ratio_c": None,
-            **_NO_KL, "entropy_coef": 0.0, **_NO_DAPO}
+    return {
+        "advantage": "grpo",
+        "policy_loss": "gspo",
+        "loss_agg": "seq-mean-token-mean",
+        "clip_ratio_low": 3e-4,
+        "clip_ratio_high": 4e-4,
+        "clip_ratio_c": None,
+        **_NO_KL,
+        "entropy_coef": 0.0,
+        **_NO_DAPO,
+    }
 
 
 PRESETS: dict[str, Callable[[], dict[str, Any]]] = {"grpo": grpo, "drgrpo": drgrpo, "dapo": dapo, "gspo": gspo}

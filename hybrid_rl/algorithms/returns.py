@@ -7,6 +7,7 @@ so the estimators module holds the estimators and their table.
 
 Shape legend: N sequences, T response tokens; _N per sequence, _NT per token.
 """
+
 from __future__ import annotations
 
 import torch

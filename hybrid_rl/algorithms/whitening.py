@@ -8,6 +8,7 @@ on one rank or many) are about the statistics, not about any estimator.
 
 Shape legend: N sequences, T response tokens; _NT one entry per token.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -47,8 +48,9 @@ def local_moments(x_NT: Tensor, valid_NT: Tensor) -> Tensor:
     return torch.stack([n, n * mean, (dev_NT * dev_NT).sum(), n * mean * mean, torch.ones((), **f64)])
 
 
-def whiten_valid(x_NT: Tensor, valid_NT: Tensor, eps: float, reduce_sum: ReduceSum | None,
-                 stats_NT: Tensor | None = None) -> Tensor:
+def whiten_valid(
+    x_NT: Tensor, valid_NT: Tensor, eps: float, reduce_sum: ReduceSum | None, stats_NT: Tensor | None = None
+) -> Tensor:
     """(x - mean) / (std + eps) over the valid tokens of every rank, float64; 0 at masked positions.
     stats_NT: the tokens mean and std are taken over (default: valid_NT), e.g. only those the loss trains.
 
@@ -87,6 +89,8 @@ def stats_mask(stats_mask_NT: Tensor | None, mask_NT: Tensor) -> Tensor | None:
     if stats_mask_NT is None:
         return None
     if not isinstance(stats_mask_NT, Tensor) or stats_mask_NT.shape != mask_NT.shape:
-        raise ValueError(f"stats_mask_NT must have the (N, T) shape of mask_NT {tuple(mask_NT.shape)}, got "
-                         f"{getattr(stats_mask_NT, 'shape', type(stats_mask_NT))}")
+        raise ValueError(
+            f"stats_mask_NT must have the (N, T) shape of mask_NT {tuple(mask_NT.shape)}, got "
+            f"{getattr(stats_mask_NT, 'shape', type(stats_mask_NT))}"
+        )
     return (stats_mask_NT.to(mask_NT.device) != 0) & (mask_NT != 0)

@@ -14,6 +14,7 @@ adapter directory (adapter_config.json + adapter_model.safetensors + tokenizer; 
 `PeftModel.from_pretrained` and vLLM's LoRARequest read), or with --merge the base with the adapters
 merged in (peft's merge), a plain Hugging Face model directory.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,8 +63,10 @@ def export_checkpoint(checkpoint: str, out: str, dtype: str = "auto", merge: boo
     if lora.get("rank", 0) > 0:
         return export_lora(path, out, meta["config"]["model"], target, merge, AutoTokenizer.from_pretrained(hf))
     if merge:
-        raise ValueError(f"--merge: checkpoint {path!r} is not a LoRA run (model.lora.rank 0): its export is the "
-                         "whole model already; drop --merge")
+        raise ValueError(
+            f"--merge: checkpoint {path!r} is not a LoRA run (model.lora.rank 0): its export is the "
+            "whole model already; drop --merge"
+        )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.to_empty(device="cpu")
@@ -76,8 +79,10 @@ def export_checkpoint(checkpoint: str, out: str, dtype: str = "auto", merge: boo
     wanted = {k: v for k, v in state.items() if f"model.{k}" in saved}
     missing = sorted(k for k in state if f"model.{k}" not in saved and not _is_tied(model, k))
     if missing:
-        raise ckpt.CheckpointError(f"checkpoint {path!r} has no weights for {missing[:5]} "
-                                   f"({len(missing)} missing); it was not written for this model")
+        raise ckpt.CheckpointError(
+            f"checkpoint {path!r} has no weights for {missing[:5]} "
+            f"({len(missing)} missing); it was not written for this model"
+        )
     with ckpt.quiet_single_process():  # no_dist: one process is the intent, DCP's warning says it again
         dcp_load({"model": wanted}, checkpoint_id=os.path.join(path, "state"), no_dist=True)
     model.tie_weights()
@@ -107,14 +112,17 @@ def export_lora(path: str, out: str, model_cfg: dict, dtype: torch.dtype, merge:
     if not os.path.isfile(os.path.join(base, "config.json")):
         raise ckpt.CheckpointError(
             f"checkpoint {path!r} is a LoRA run's: it holds the adapters only, and its base model {base!r} (the run's "
-            "model.path) is not here; put the base model there (or link it) and export again")
+            "model.path) is not here; put the base model there (or link it) and export again"
+        )
     model = L.apply_lora(load_causal_lm(base, torch.float32), LoraSettings(**model_cfg["lora"]))
     saved = set(FileSystemReader(os.path.join(path, "state")).read_metadata().state_dict_metadata)
     wanted = {n: p.detach() for n, p in model.named_parameters() if L.peft_name(n)}
     missing = sorted(n for n in wanted if f"model.{n}" not in saved)
     if missing:
-        raise ckpt.CheckpointError(f"checkpoint {path!r} has no adapter weights for {missing[:3]} ({len(missing)} "
-                                   "missing); it was not written with these model.lora settings")
+        raise ckpt.CheckpointError(
+            f"checkpoint {path!r} has no adapter weights for {missing[:3]} ({len(missing)} "
+            "missing); it was not written with these model.lora settings"
+        )
     with ckpt.quiet_single_process():  # no_dist: one process is the intent, DCP's warning says it again
         dcp_load({"model": wanted}, checkpoint_id=os.path.join(path, "state"), no_dist=True)  # in place
     model.peft_config[L.ADAPTER].base_model_name_or_path = os.path.abspath(base)
@@ -149,8 +157,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("checkpoint", help="a step_* checkpoint directory, or a checkpoints root (its newest)")
     parser.add_argument("out", help="the Hugging Face directory to write")
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
-    parser.add_argument("--merge", action="store_true",
-                        help="a LoRA checkpoint: write the base with the adapters merged (default: a peft adapter dir)")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA checkpoint: write the base with the adapters merged (default: a peft adapter dir)",
+    )
     args = parser.parse_args(argv)
     try:
         out = export_checkpoint(args.checkpoint, args.out, args.dtype, args.merge)

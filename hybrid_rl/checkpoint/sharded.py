@@ -21,6 +21,7 @@ per-rank RNG streams and the rank slices of each batch are what make resume bit-
 and they do not reshard (DCP could reshard the weights, but the run would not be the
 same run); `check_compatible` refuses it before anything is built or overwritten.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -45,21 +46,56 @@ _STEP_DIR = re.compile(r"^step_(\d{8})$")
 # how long it runs, how it checkpoints, what it keeps off the device (bit-exact either way),
 # and its memory layout (below).
 RESUMABLE_CHANGES = (
-    "trainer.total_steps", "trainer.resume", "trainer.resume_ignore", "trainer.save_every", "trainer.keep_last",
-    "trainer.checkpoint_dir", "trainer.out_dir", "trainer.progress_bar", "trainer.log_every", "trainer.loggers",
-    "trainer.project", "trainer.experiment", "trainer.wandb_mode", "trainer.dist_timeout_s", "trainer.val_every",
-    "trainer.val_before_train", "trainer.val_n", "trainer.val_sample_rows", "trainer.log_rollouts", "model.path", "offload.",
+    "trainer.total_steps",
+    "trainer.resume",
+    "trainer.resume_ignore",
+    "trainer.save_every",
+    "trainer.keep_last",
+    "trainer.checkpoint_dir",
+    "trainer.out_dir",
+    "trainer.progress_bar",
+    "trainer.log_every",
+    "trainer.loggers",
+    "trainer.project",
+    "trainer.experiment",
+    "trainer.wandb_mode",
+    "trainer.dist_timeout_s",
+    "trainer.val_every",
+    "trainer.val_before_train",
+    "trainer.val_n",
+    "trainer.val_sample_rows",
+    "trainer.log_rollouts",
+    "model.path",
+    "offload.",
     # (not data.val_split: the held-out rows leave the training set, so it changes what the run trains on)
-    "data.val_path", "data.val_size", "data.val_batch_size",
+    "data.val_path",
+    "data.val_size",
+    "data.val_batch_size",
     # How the same computation is laid out in memory: after an out-of-memory error the run resumes with
     # smaller micro-batches. Same run, but no longer bit-exact (float sums in another order).
-    "trainer.micro_batch_size", "trainer.max_tokens_per_micro_batch", "trainer.packing", "trainer.keep_host_memory",
-    "model.gradient_checkpointing", "model.attn_implementation", "rollout.mem_fraction", "rollout.bucket_mb",
+    "trainer.micro_batch_size",
+    "trainer.max_tokens_per_micro_batch",
+    "trainer.packing",
+    "trainer.keep_host_memory",
+    "model.gradient_checkpointing",
+    "model.attn_implementation",
+    "rollout.mem_fraction",
+    "rollout.bucket_mb",
     "reward.max_tokens_per_micro_batch",
 )
 # The model fields that decide whether saved shards fit the model being built.
-_MODEL_KEYS = ("model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-               "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
+_MODEL_KEYS = (
+    "model_type",
+    "architectures",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "tie_word_embeddings",
+)
 
 
 class CheckpointError(RuntimeError):
@@ -91,11 +127,15 @@ def latest(root: str) -> Optional[str]:
 def read_meta(path: str) -> dict:
     meta_path = os.path.join(path, "meta.json")
     if not os.path.isdir(path):
-        raise CheckpointError(f"checkpoint {path!r} does not exist; pass a step_* directory under "
-                              "<out_dir>/checkpoints, or trainer.resume=auto")
+        raise CheckpointError(
+            f"checkpoint {path!r} does not exist; pass a step_* directory under "
+            "<out_dir>/checkpoints, or trainer.resume=auto"
+        )
     if not os.path.isfile(meta_path):
-        raise CheckpointError(f"checkpoint {path!r} is incomplete (no meta.json: its save did not finish); "
-                              "resume from an older one, or trainer.resume=auto to take the newest complete one")
+        raise CheckpointError(
+            f"checkpoint {path!r} is incomplete (no meta.json: its save did not finish); "
+            "resume from an older one, or trainer.resume=auto to take the newest complete one"
+        )
     with open(meta_path) as f:
         meta = json.load(f)
     if meta.get("format") != FORMAT:
@@ -126,15 +166,19 @@ def check_compatible(path: str, config: dict, model_config: dict, world_size: in
     if meta["world_size"] != world_size:
         raise CheckpointError(
             f"checkpoint {path!r} was written by {meta['world_size']} ranks, this run has {world_size}; resume with "
-            f"--nproc_per_node (x nodes) = {meta['world_size']}, or start a new run in another trainer.out_dir. Resuming on "
+            f"--nproc_per_node (x nodes) = {meta['world_size']}, or start a new run in another trainer.out_dir. "
+            "Resuming on "
             "another world size is refused: per-rank RNG streams and batch slices would change, so it would not "
-            "continue the same run")
+            "continue the same run"
+        )
     theirs, ours = meta["model"], model_fingerprint(model_config)
     diff = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
     if diff:
         detail = ", ".join(f"{k}: checkpoint {theirs.get(k)!r} vs model.path {ours.get(k)!r}" for k in diff)
-        raise CheckpointError(f"checkpoint {path!r} holds another model ({detail}); point model.path at the model "
-                              "the run started from, or start a new run in another trainer.out_dir")
+        raise CheckpointError(
+            f"checkpoint {path!r} holds another model ({detail}); point model.path at the model "
+            "the run started from, or start a new run in another trainer.out_dir"
+        )
     saved = flatten(meta["config"])
     new = flatten(config)
     allowed = tuple(RESUMABLE_CHANGES) + tuple(ignore)
@@ -142,17 +186,27 @@ def check_compatible(path: str, config: dict, model_config: dict, world_size: in
         # A decaying lr spans the run's length: another total_steps changes the lr of every later
         # step (the decay is re-planned over the new length), so it is no longer the same run.
         allowed = tuple(a for a in allowed if a != "trainer.total_steps")
-    changed = sorted(k for k in set(saved) | set(new)
-                     if saved.get(k) != new.get(k) and not any(k == a or (a.endswith(".") and k.startswith(a))
-                                                                for a in allowed))
+    changed = sorted(
+        k
+        for k in set(saved) | set(new)
+        if saved.get(k) != new.get(k) and not any(k == a or (a.endswith(".") and k.startswith(a)) for a in allowed)
+    )
     if changed:
-        detail = "; ".join(f"{k}: {saved.get(k)!r} -> {new.get(k)!r}"
-                           + (f" (the {new['optim.lr_schedule']} lr schedule decays over it: the lr would jump to "
-                              "the new schedule's at the next step)" if k == "trainer.total_steps" else "")
-                           for k in changed)
-        raise CheckpointError(f"config differs from checkpoint {path!r} in keys that change the run: {detail}. Set them "
-                              "back, list them in trainer.resume_ignore to resume anyway (no longer the same run), "
-                              "or start a new run in another trainer.out_dir")
+        detail = "; ".join(
+            f"{k}: {saved.get(k)!r} -> {new.get(k)!r}"
+            + (
+                f" (the {new['optim.lr_schedule']} lr schedule decays over it: the lr would jump to "
+                "the new schedule's at the next step)"
+                if k == "trainer.total_steps"
+                else ""
+            )
+            for k in changed
+        )
+        raise CheckpointError(
+            f"config differs from checkpoint {path!r} in keys that change the run: {detail}. Set them "
+            "back, list them in trainer.resume_ignore to resume anyway (no longer the same run), "
+            "or start a new run in another trainer.out_dir"
+        )
     return meta
 
 
@@ -172,8 +226,11 @@ def rng_state() -> dict:
     kernels draw from. A list over every visible GPU (`get_rng_state_all`) could not be restored
     by a resume that sees fewer of them."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
-             "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)}
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
@@ -197,14 +254,23 @@ def set_rng_state(state: dict) -> None:
             raise CheckpointError(
                 f"the checkpoint's rank file holds CUDA random-number states for {len(cuda)} GPU(s) (the old layout, "
                 f"one per visible GPU) and this rank runs on cuda:{device}, which is not among them; resume with the "
-                "GPUs visible as when it was saved (CUDA_VISIBLE_DEVICES, --nproc_per_node)")
+                "GPUs visible as when it was saved (CUDA_VISIBLE_DEVICES, --nproc_per_node)"
+            )
         cuda = cuda[device]
     torch.cuda.set_rng_state(cuda, device)
 
 
 # -- save ---------------------------------------------------------------------
-def save(root: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank_state: dict,
-         meta: dict, write_hf, trainable_only: bool = False) -> str:
+def save(
+    root: str,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rank_state: dict,
+    meta: dict,
+    write_hf,
+    trainable_only: bool = False,
+) -> str:
     """Write checkpoint `step` under `root` on every rank; returns its path once complete.
 
     rank_state: this rank's state (torch-saveable, weights_only-loadable). meta: JSON-safe
@@ -230,8 +296,12 @@ def save(root: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Op
     model_sd, optim_sd = _state_dicts(model, optimizer, trainable_only)
     try:
         with quiet_single_process():
-            dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmp, "state"),
-                     no_dist=not D.is_dist(), process_group=D.scope_group())  # split: the learner ranks
+            dcp_save(
+                {"model": model_sd, "optim": optim_sd},
+                checkpoint_id=os.path.join(tmp, "state"),
+                no_dist=not D.is_dist(),
+                process_group=D.scope_group(),
+            )  # split: the learner ranks
         torch.save(rank_state, os.path.join(tmp, f"rank_{D.rank():05d}.pt"))
     except Exception as err:  # DCP raises on every rank when one rank's write fails
         failure = err
@@ -241,15 +311,29 @@ def save(root: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Op
         try:
             # Ranks on other nodes write through their own view of `root`: without a shared
             # filesystem their parts are not here, and the checkpoint must not look complete.
-            absent = [f"rank_{r:05d}.pt" for r in range(D.world_size())
-                      if not os.path.isfile(os.path.join(tmp, f"rank_{r:05d}.pt"))]
+            absent = [
+                f"rank_{r:05d}.pt"
+                for r in range(D.world_size())
+                if not os.path.isfile(os.path.join(tmp, f"rank_{r:05d}.pt"))
+            ]
             if absent or not os.path.isfile(os.path.join(tmp, "state", ".metadata")):
-                raise OSError(f"{', '.join(absent) or 'state/.metadata'} missing from {tmp!r} after every rank wrote "
-                              "its part: trainer.out_dir / trainer.checkpoint_dir must be on a filesystem that every "
-                              "node sees")
+                raise OSError(
+                    f"{', '.join(absent) or 'state/.metadata'} missing from {tmp!r} after every rank wrote "
+                    "its part: trainer.out_dir / trainer.checkpoint_dir must be on a filesystem that every "
+                    "node sees"
+                )
             with open(os.path.join(tmp, "meta.json"), "w") as f:
-                json.dump({"format": FORMAT, "step": step, "world_size": D.world_size(),
-                           "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **meta}, f, indent=1)
+                json.dump(
+                    {
+                        "format": FORMAT,
+                        "step": step,
+                        "world_size": D.world_size(),
+                        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                        **meta,
+                    },
+                    f,
+                    indent=1,
+                )
                 f.flush()
                 os.fsync(f.fileno())
             _replace_dir(tmp, final)
@@ -268,8 +352,10 @@ def _agree(failure: Optional[BaseException], tmp: str, final: str, what: str) ->
         shutil.rmtree(tmp, ignore_errors=True)
     bad_rank = int(failed.item()) - 1  # the highest failing rank
     cause = f": {type(failure).__name__}: {failure}" if failure is not None else f" (see rank {bad_rank}'s log)"
-    raise CheckpointError(f"saving checkpoint {final!r} failed while {what} on rank {bad_rank}{cause}. The temporary "
-                          f"directory {tmp!r} was removed; earlier checkpoints are untouched") from failure
+    raise CheckpointError(
+        f"saving checkpoint {final!r} failed while {what} on rank {bad_rank}{cause}. The temporary "
+        f"directory {tmp!r} was removed; earlier checkpoints are untouched"
+    ) from failure
 
 
 def _replace_dir(tmp: str, final: str) -> None:
@@ -290,7 +376,7 @@ def prune(root: str, keep_last: int) -> list[str]:
     if not D.is_main():
         return removed
     found = complete_checkpoints(root)
-    for _, path in (found[:-keep_last] if keep_last and len(found) > keep_last else []):
+    for _, path in found[:-keep_last] if keep_last and len(found) > keep_last else []:
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
@@ -341,13 +427,15 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, tr
 
     rank_file = os.path.join(path, f"rank_{D.rank():05d}.pt")
     if not os.path.isfile(rank_file):
-        raise CheckpointError(f"checkpoint {path!r} has no {os.path.basename(rank_file)}: it was written by fewer ranks "
-                              "or is damaged")
+        raise CheckpointError(
+            f"checkpoint {path!r} has no {os.path.basename(rank_file)}: it was written by fewer ranks or is damaged"
+        )
     options = _options(trainable_only)
     model_sd, optim_sd = _state_dicts(model, optimizer, trainable_only)  # creates the optimizer state to load into
     state = {"model": model_sd, "optim": optim_sd}
     with quiet_single_process():
-        dcp_load(state, checkpoint_id=os.path.join(path, "state"), no_dist=not D.is_dist(),
-                 process_group=D.scope_group())
+        dcp_load(
+            state, checkpoint_id=os.path.join(path, "state"), no_dist=not D.is_dist(), process_group=D.scope_group()
+        )
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     return torch.load(rank_file, weights_only=True)

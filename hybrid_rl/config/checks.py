@@ -5,14 +5,13 @@ which YAML line or override to fix. A key whose value is one of a fixed set is a
 `Literal[...]` in the schema (config/schema.py) and `check_choices` reads the allowed values from
 that annotation: adding a choice is editing the annotation, no check changes.
 """
+
 from __future__ import annotations
 
 import functools
 import os
 import sys
-from dataclasses import fields
 from typing import Any, Callable, Literal, Optional, Sequence, Union, get_args, get_origin, get_type_hints
-
 
 
 def check(cond: bool, key: str, msg: str) -> None:
@@ -72,8 +71,9 @@ def clip_bound(value: Any, key: str) -> Union[float, str, None]:
     """A number >= 0 (as float), null (no bound) or "auto" (the loss's default, see clip_bounds)."""
     if value is None or value == "auto":
         return value
-    check(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0, key,
-          f"got {value!r}; expected a number >= 0, null (no bound on that side) or 'auto' (the loss's default)")
+    check(
+        isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
+        key,
+        f"got {value!r}; expected a number >= 0, null (no bound on that side) or 'auto' (the loss's default)",
+    )
     return float(value)
-
-

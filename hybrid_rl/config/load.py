@@ -4,6 +4,7 @@ OmegaConf is used only here, to merge those layers onto the dataclasses and to w
 resolved config back as YAML. Unknown keys and mistyped values fail in OmegaConf; its errors
 are turned into the schema's own `config key '...': ...` form.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,8 +15,8 @@ from typing import Any, Optional, Sequence, get_args, get_origin, get_type_hints
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from hybrid_rl.config.schema import Config
 from hybrid_rl.config.checks import literal_choices
+from hybrid_rl.config.schema import Config
 
 
 def _annotation_at(key: str) -> Any:
@@ -69,7 +70,9 @@ def _with_preset(layer: Any) -> list:
     return [OmegaConf.create({"algorithm": values}), layer]
 
 
-def load_config(yaml_path: Optional[str] = None, overrides: Sequence[str] = (), base: Optional[Config] = None) -> Config:
+def load_config(
+    yaml_path: Optional[str] = None, overrides: Sequence[str] = (), base: Optional[Config] = None
+) -> Config:
     """Build a validated `Config` from (base dataclass) <- YAML <- `key.sub=value` overrides.
 
     `algorithm.preset=NAME` in the YAML or the overrides expands, in that layer, to the
@@ -78,8 +81,10 @@ def load_config(yaml_path: Optional[str] = None, overrides: Sequence[str] = (), 
     not expanded again.
     """
     if isinstance(overrides, str):
-        raise TypeError(f"load_config: overrides is a list of 'key.sub=value' strings; got the string {overrides!r}: "
-                        f"pass [{overrides!r}]")
+        raise TypeError(
+            f"load_config: overrides is a list of 'key.sub=value' strings; got the string {overrides!r}: "
+            f"pass [{overrides!r}]"
+        )
     try:
         schema = OmegaConf.structured(base if base is not None else Config)
         layers = [schema]

@@ -6,6 +6,7 @@ set of strings is annotated `Literal[...]`, and `check_choices` reads the allowe
 from that annotation: adding a choice is editing the annotation, nothing else. Merging
 a YAML file, `key.sub=value` overrides and presets onto the schema is config/load.py.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,18 +33,28 @@ class LoraSettings:
     target_modules: Union[str, list[str]] = LORA_ALL_LINEAR
 
     def __post_init__(self) -> None:
-        check(isinstance(self.rank, int) and self.rank >= 0, "model.lora.rank",
-              f"must be an integer >= 0 (0 = off), got {self.rank!r}")
+        check(
+            isinstance(self.rank, int) and self.rank >= 0,
+            "model.lora.rank",
+            f"must be an integer >= 0 (0 = off), got {self.rank!r}",
+        )
         check(self.alpha > 0, "model.lora.alpha", f"must be > 0, got {self.alpha!r}")
         check(0.0 <= self.dropout < 1.0, "model.lora.dropout", f"must be in [0, 1), got {self.dropout!r}")
         tm = self.target_modules
         if isinstance(tm, str):
-            check(tm == LORA_ALL_LINEAR, "model.lora.target_modules", f"a string must be {LORA_ALL_LINEAR!r}; got "
-                  f"{tm!r} (give a list of module names, e.g. [q_proj, v_proj])")
+            check(
+                tm == LORA_ALL_LINEAR,
+                "model.lora.target_modules",
+                f"a string must be {LORA_ALL_LINEAR!r}; got "
+                f"{tm!r} (give a list of module names, e.g. [q_proj, v_proj])",
+            )
             return
         tm = list(tm)
-        check(len(tm) > 0 and all(isinstance(t, str) and t for t in tm), "model.lora.target_modules",
-              f"must be {LORA_ALL_LINEAR!r} or a non-empty list of module names, got {tm!r}")
+        check(
+            len(tm) > 0 and all(isinstance(t, str) and t for t in tm),
+            "model.lora.target_modules",
+            f"must be {LORA_ALL_LINEAR!r} or a non-empty list of module names, got {tm!r}",
+        )
         check(len(set(tm)) == len(tm), "model.lora.target_modules", f"lists a name twice: {tm!r}")
         self.target_modules = tm
 
@@ -98,16 +109,28 @@ class DataConfig:
     def __post_init__(self) -> None:
         check_choices(self, "data")
         check(self.batch_size > 0, "data.batch_size", f"must be > 0, got {self.batch_size}")
-        check(self.num_prompts is None or self.num_prompts > 0, "data.num_prompts",
-              f"must be > 0 (or null), got {self.num_prompts}")
+        check(
+            self.num_prompts is None or self.num_prompts > 0,
+            "data.num_prompts",
+            f"must be > 0 (or null), got {self.num_prompts}",
+        )
         if self.task in ("jsonl", "parquet"):
             check(bool(self.path), "data.path", f"is required when data.task={self.task}")
         check(bool(self.prompt_key), "data.prompt_key", "is empty; name the row key that holds the prompt")
-        check(self.max_prompt_tokens >= 0, "data.max_prompt_tokens", f"must be >= 0 (0 = no limit), got {self.max_prompt_tokens}")
+        check(
+            self.max_prompt_tokens >= 0,
+            "data.max_prompt_tokens",
+            f"must be >= 0 (0 = no limit), got {self.max_prompt_tokens}",
+        )
         check(0.0 <= self.val_split < 1.0, "data.val_split", f"must be in [0, 1), got {self.val_split}")
-        check(self.val_size is None or self.val_size > 0, "data.val_size", f"must be > 0 (or null), got {self.val_size}")
-        check(self.val_batch_size is None or self.val_batch_size > 0, "data.val_batch_size",
-              f"must be > 0 (or null: data.batch_size), got {self.val_batch_size}")
+        check(
+            self.val_size is None or self.val_size > 0, "data.val_size", f"must be > 0 (or null), got {self.val_size}"
+        )
+        check(
+            self.val_batch_size is None or self.val_batch_size > 0,
+            "data.val_batch_size",
+            f"must be > 0 (or null: data.batch_size), got {self.val_batch_size}",
+        )
 
 
 # tests/unit/config/test_config.py checks this against rollout/base.py's table of engine classes.
@@ -116,18 +139,24 @@ Engine = Literal["native", "sglang", "vllm"]
 
 @dataclass
 class RolloutConfig:
-    engine: Engine = "native"  # native (torch, the policy's own weights) | sglang (GPU extra) | vllm (extra [vllm]); own weights
+    engine: Engine = (
+        "native"  # native (torch, the policy's own weights) | sglang (GPU extra) | vllm (extra [vllm]); own weights
+    )
     n: int = 8  # samples per prompt (G)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1: off
     max_new_tokens: int = 16
-    min_new_tokens: int = 0  # no stop before this many tokens (vLLM min_tokens, SGLang min_new_tokens); not in validation
+    min_new_tokens: int = (
+        0  # no stop before this many tokens (vLLM min_tokens, SGLang min_new_tokens); not in validation
+    )
     # Extra stops: the tokenizer's EOS and every eos_token_id of the model's configs always stop.
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int = 0
     tp_size: int = 1  # sglang, vllm: ranks per inference engine (tensor parallel); divides the ranks of a node
-    mem_fraction: Optional[float] = None  # sglang: mem_fraction_static; vllm on CUDA: gpu_memory_utilization; null = default
+    mem_fraction: Optional[float] = (
+        None  # sglang: mem_fraction_static; vllm on CUDA: gpu_memory_utilization; null = default
+    )
     kv_cache_bytes: Optional[int] = None  # vllm: KV bytes per rank; null = one batch's need (planner's formula; README)
     enable_prefix_caching: bool = False  # vllm: reuse the KV of shared prompt prefixes (off: a sync would stale it)
     enforce_eager: Optional[bool] = None  # vllm: null = eager on CPU, graphs on CUDA; false compiles on CPU (README)
@@ -140,21 +169,35 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         check_choices(self, "rollout")
         check(self.max_turns >= 1, "rollout.max_turns", f"must be >= 1, got {self.max_turns}")
-        check(self.max_episode_tokens >= 2, "rollout.max_episode_tokens", f"must be >= 2, got {self.max_episode_tokens}")
+        check(
+            self.max_episode_tokens >= 2, "rollout.max_episode_tokens", f"must be >= 2, got {self.max_episode_tokens}"
+        )
         check(self.n >= 1, "rollout.n", f"must be >= 1, got {self.n}")  # >= 2 for group baselines: Config checks it
         check(self.temperature > 0, "rollout.temperature", f"must be > 0, got {self.temperature}")
         check(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
         check(self.top_k == -1 or self.top_k > 0, "rollout.top_k", f"must be -1 (off) or > 0, got {self.top_k}")
         check(self.max_new_tokens > 0, "rollout.max_new_tokens", f"must be > 0, got {self.max_new_tokens}")
-        check(0 <= self.min_new_tokens <= self.max_new_tokens, "rollout.min_new_tokens",
-              f"must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}")
+        check(
+            0 <= self.min_new_tokens <= self.max_new_tokens,
+            "rollout.min_new_tokens",
+            f"must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}",
+        )
         one_of(self.tp_size, "rollout.tp_size", [1, 2, 4, 8])
-        check(self.engine in ("sglang", "vllm") or self.tp_size == 1, "rollout.tp_size",
-              f"tensor-parallel inference needs rollout.engine=sglang or vllm (got {self.engine!r})")
-        check(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "rollout.kv_cache_bytes",
-              f"must be > 0 or null (sized from the batch), got {self.kv_cache_bytes}")
-        check(self.mem_fraction is None or 0 < self.mem_fraction < 1, "rollout.mem_fraction",
-              f"must be in (0, 1) or null, got {self.mem_fraction}")
+        check(
+            self.engine in ("sglang", "vllm") or self.tp_size == 1,
+            "rollout.tp_size",
+            f"tensor-parallel inference needs rollout.engine=sglang or vllm (got {self.engine!r})",
+        )
+        check(
+            self.kv_cache_bytes is None or self.kv_cache_bytes > 0,
+            "rollout.kv_cache_bytes",
+            f"must be > 0 or null (sized from the batch), got {self.kv_cache_bytes}",
+        )
+        check(
+            self.mem_fraction is None or 0 < self.mem_fraction < 1,
+            "rollout.mem_fraction",
+            f"must be in (0, 1) or null, got {self.mem_fraction}",
+        )
         check(self.bucket_mb > 0, "rollout.bucket_mb", f"must be > 0, got {self.bucket_mb}")
         check(self.engine_timeout_s > 0, "rollout.engine_timeout_s", f"must be > 0, got {self.engine_timeout_s}")
 
@@ -193,7 +236,9 @@ class AlgorithmConfig:
     kl_placement: Literal["loss", "reward", "none"] = "loss"  # loss: a term in the loss | reward: penalty on the reward
     kl_coef: float = 0.0  # KL to the reference model; 0 = no KL and no reference model
     kl_estimator: KLEstimator = "k3"
-    kl_controller: Literal["fixed", "adaptive"] = "fixed"  # adaptive: coef tracks target_kl (Ziegler 2019), either placement
+    kl_controller: Literal["fixed", "adaptive"] = (
+        "fixed"  # adaptive: coef tracks target_kl (Ziegler 2019), either placement
+    )
     target_kl: float = 0.1  # adaptive controller: the per-token KL to hold
     kl_horizon: int = 10000  # adaptive controller: horizon in sequences
     entropy_coef: float = 0.0  # entropy bonus in the loss
@@ -224,18 +269,30 @@ class AlgorithmConfig:
         check(self.kl_horizon > 0, "algorithm.kl_horizon", f"must be > 0 (sequences), got {self.kl_horizon}")
         check(self.entropy_coef >= 0, "algorithm.entropy_coef", "must be >= 0 (a bonus: the loss subtracts it)")
         check(self.correction_cap > 0, "algorithm.correction_cap", f"must be > 0, got {self.correction_cap}")
-        check(self.correction_lower is None or 0 < self.correction_lower < self.correction_cap,
-              "algorithm.correction_lower", f"must be in (0, correction_cap={self.correction_cap}) or null")
-        check(self.max_sampling_rounds >= 1, "algorithm.max_sampling_rounds",
-              f"must be >= 1 (1 = filter only, never sample again), got {self.max_sampling_rounds}")
+        check(
+            self.correction_lower is None or 0 < self.correction_lower < self.correction_cap,
+            "algorithm.correction_lower",
+            f"must be in (0, correction_cap={self.correction_cap}) or null",
+        )
+        check(
+            self.max_sampling_rounds >= 1,
+            "algorithm.max_sampling_rounds",
+            f"must be >= 1 (1 = filter only, never sample again), got {self.max_sampling_rounds}",
+        )
         check(self.overlong_penalty_factor >= 0, "algorithm.overlong_penalty_factor", "must be >= 0 (0 = off)")
-        check(self.overlong_buffer_len is None or self.overlong_buffer_len >= 0, "algorithm.overlong_buffer_len",
-              "must be >= 0 or null (a fifth of rollout.max_new_tokens)")
+        check(
+            self.overlong_buffer_len is None or self.overlong_buffer_len >= 0,
+            "algorithm.overlong_buffer_len",
+            "must be >= 0 or null (a fifth of rollout.max_new_tokens)",
+        )
         check(self.ppo_epochs >= 1, "algorithm.ppo_epochs", "must be >= 1")
         check(self.mini_batch_size >= 0, "algorithm.mini_batch_size", "must be >= 0 (0 = whole batch)")
         check(0 < self.gamma <= 1, "algorithm.gamma", f"must be in (0, 1], got {self.gamma}")
-        check(self.gamma == 1 or ADVANTAGE_ESTIMATORS[self.advantage].discounted, "algorithm.gamma",
-              f"a discount needs token-level returns: set algorithm.advantage=reinforce_pp (got {self.advantage!r})")
+        check(
+            self.gamma == 1 or ADVANTAGE_ESTIMATORS[self.advantage].discounted,
+            "algorithm.gamma",
+            f"a discount needs token-level returns: set algorithm.advantage=reinforce_pp (got {self.advantage!r})",
+        )
 
     def clip_bounds(self) -> tuple[Optional[float], Optional[float]]:
         """(low, high) clip ratios for the policy loss; "auto" is that loss's own default, None no bound."""
@@ -277,7 +334,8 @@ def check_preset_applied(algo: AlgorithmConfig) -> None:
             f"config key 'algorithm.preset': {algo.preset!r} is named but none of its values "
             f"({', '.join(f'{k}={v!r}' for k, v in sorted(distinctive.items()))}) is set: the constructor "
             f"records the name only. Use AlgorithmConfig.from_preset({algo.preset!r}, ...) in Python, or "
-            f"algorithm.preset={algo.preset} in a YAML or an override")
+            f"algorithm.preset={algo.preset} in a YAML or an override"
+        )
 
 
 @dataclass
@@ -297,7 +355,9 @@ class OptimConfig:
         check_choices(self, "optim")
         check(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
         check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
-        check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas", "must be two values in [0, 1)")
+        check(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas", "must be two values in [0, 1)"
+        )
         check(self.grad_clip > 0, "optim.grad_clip", "must be > 0")
         check(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
 
@@ -335,26 +395,55 @@ class RewardConfig:
 
     def __post_init__(self) -> None:
         check(bool(self.name) or bool(self.fn), "reward.name", "is empty (and reward.fn is not set)")
-        check(not self.fn or (":" in self.fn and all(self.fn.partition(":")[::2])), "reward.fn",
-              f"{self.fn!r} is not of the form package.module:function")
+        check(
+            not self.fn or (":" in self.fn and all(self.fn.partition(":")[::2])),
+            "reward.fn",
+            f"{self.fn!r} is not of the form package.module:function",
+        )
         unknown = sorted(set(self.weights) - {"rule", "model", "env"})
         check(not unknown, "reward.weights", f"unknown part(s) {unknown}; the parts are 'rule', 'model' and 'env'")
         for part, w in self.weights.items():
-            check(isinstance(w, (int, float)) and w == w and abs(w) != float("inf"), f"reward.weights.{part}",
-                  f"must be a finite number, got {w!r}")
-        check(not self.weights or any(w != 0 for w in self.weights.values()), "reward.weights",
-              f"every weight is 0 ({dict(self.weights)}); nothing would be trained on")
+            check(
+                isinstance(w, (int, float)) and w == w and abs(w) != float("inf"),
+                f"reward.weights.{part}",
+                f"must be a finite number, got {w!r}",
+            )
+        check(
+            not self.weights or any(w != 0 for w in self.weights.values()),
+            "reward.weights",
+            f"every weight is 0 ({dict(self.weights)}); nothing would be trained on",
+        )
         has_model = bool(self.model_path)
-        check(has_model or "model" not in self.weights, "reward.weights",
-              "has a 'model' weight but reward.model_path is empty; set reward.model_path to a reward model directory")
-        check(not has_model or not self.weights or "model" in self.weights, "reward.weights",
-              f"{dict(self.weights)} has no 'model' weight although reward.model_path is set; add reward.weights.model")
-        check(has_model or not self.normalize_model, "reward.normalize_model",
-              "normalises the reward model's score, but reward.model_path is empty")
-        check(self.max_tokens_per_micro_batch > 0, "reward.max_tokens_per_micro_batch",
-              f"must be > 0, got {self.max_tokens_per_micro_batch}")
-        check(self.score_index >= -1, "reward.score_index", f"must be >= 0 (or -1: the only label), got {self.score_index}")
-        check(self.score_token_id >= -1, "reward.score_token_id", f"must be >= 0 (or -1: unset), got {self.score_token_id}")
+        check(
+            has_model or "model" not in self.weights,
+            "reward.weights",
+            "has a 'model' weight but reward.model_path is empty; set reward.model_path to a reward model directory",
+        )
+        check(
+            not has_model or not self.weights or "model" in self.weights,
+            "reward.weights",
+            f"{dict(self.weights)} has no 'model' weight although reward.model_path is set; add reward.weights.model",
+        )
+        check(
+            has_model or not self.normalize_model,
+            "reward.normalize_model",
+            "normalises the reward model's score, but reward.model_path is empty",
+        )
+        check(
+            self.max_tokens_per_micro_batch > 0,
+            "reward.max_tokens_per_micro_batch",
+            f"must be > 0, got {self.max_tokens_per_micro_batch}",
+        )
+        check(
+            self.score_index >= -1,
+            "reward.score_index",
+            f"must be >= 0 (or -1: the only label), got {self.score_index}",
+        )
+        check(
+            self.score_token_id >= -1,
+            "reward.score_token_id",
+            f"must be >= 0 (or -1: unset), got {self.score_token_id}",
+        )
 
 
 LoggerName = Literal["console", "jsonl", "tensorboard", "wandb"]
@@ -399,12 +488,18 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         check_choices(self, "trainer")
-        check(self.rollout_ranks >= 1 and self.max_staleness >= 0, "trainer.rollout_ranks / trainer.max_staleness",
-              f"must be >= 1 / >= 0 (0 = on-policy), got {self.rollout_ranks} / {self.max_staleness}")
+        check(
+            self.rollout_ranks >= 1 and self.max_staleness >= 0,
+            "trainer.rollout_ranks / trainer.max_staleness",
+            f"must be >= 1 / >= 0 (0 = on-policy), got {self.rollout_ranks} / {self.max_staleness}",
+        )
         check(self.total_steps > 0, "trainer.total_steps", "must be > 0")
         check(self.micro_batch_size > 0, "trainer.micro_batch_size", "must be > 0")
-        check(self.max_tokens_per_micro_batch >= 0, "trainer.max_tokens_per_micro_batch",
-              f"must be >= 0 (0 = off: micro_batch_size rows), got {self.max_tokens_per_micro_batch}")
+        check(
+            self.max_tokens_per_micro_batch >= 0,
+            "trainer.max_tokens_per_micro_batch",
+            f"must be >= 0 (0 = off: micro_batch_size rows), got {self.max_tokens_per_micro_batch}",
+        )
         check(self.dist_timeout_s > 0, "trainer.dist_timeout_s", "must be > 0")
         check(self.log_every >= 0, "trainer.log_every", f"must be >= 0 (0 = no console lines), got {self.log_every}")
         check(len(set(self.loggers)) == len(self.loggers), "trainer.loggers", f"names a logger twice: {self.loggers}")
@@ -412,7 +507,11 @@ class TrainerConfig:
         check(self.val_n >= 0, "trainer.val_n", f"must be >= 0 (0 = greedy pass@1 only), got {self.val_n}")
         check(self.val_sample_rows >= 0, "trainer.val_sample_rows", f"must be >= 0, got {self.val_sample_rows}")
         check(self.log_rollouts >= 0, "trainer.log_rollouts", f"must be >= 0 (0 = off), got {self.log_rollouts}")
-        check(self.save_every >= 0, "trainer.save_every", f"must be >= 0 (0 = no periodic checkpoints), got {self.save_every}")
+        check(
+            self.save_every >= 0,
+            "trainer.save_every",
+            f"must be >= 0 (0 = no periodic checkpoints), got {self.save_every}",
+        )
         check(self.keep_last >= 0, "trainer.keep_last", f"must be >= 0 (0 = keep all), got {self.keep_last}")
         check(bool(self.resume), "trainer.resume", "is empty; use auto, none or a checkpoint directory")
 
@@ -439,11 +538,17 @@ class EnvConfig:
 
     def __post_init__(self) -> None:
         check(not (self.name and self.fn), "env.fn", f"and env.name ({self.name!r}) are both set; give one of them")
-        check(not self.fn or (":" in self.fn and all(self.fn.partition(":")[::2])), "env.fn",
-              f"{self.fn!r} is not of the form package.module:factory")
+        check(
+            not self.fn or (":" in self.fn and all(self.fn.partition(":")[::2])),
+            "env.fn",
+            f"{self.fn!r} is not of the form package.module:factory",
+        )
         check(self.timeout_s > 0, "env.timeout_s", f"must be > 0 seconds, got {self.timeout_s}")
-        check(isinstance(self.max_workers, int) and self.max_workers >= 1, "env.max_workers",
-              f"must be an integer >= 1, got {self.max_workers!r}")
+        check(
+            isinstance(self.max_workers, int) and self.max_workers >= 1,
+            "env.max_workers",
+            f"must be an integer >= 1, got {self.max_workers!r}",
+        )
 
 
 @dataclass
@@ -460,14 +565,20 @@ class Config:
 
     def __post_init__(self) -> None:
         """Checks across sections."""
-        check(self.env.enabled or "env" not in self.reward.weights, "reward.weights",
-              "has an 'env' weight but no environment is set; set env.name or env.fn")
+        check(
+            self.env.enabled or "env" not in self.reward.weights,
+            "reward.weights",
+            "has an 'env' weight but no environment is set; set env.name or env.fn",
+        )
         a, n = self.algorithm, self.rollout.n
         # An estimator without a group baseline (REINFORCE++ whitens over the whole batch) runs with one sample.
         from hybrid_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS
 
         group = ADVANTAGE_ESTIMATORS[a.advantage].group_baseline
         if group or a.dynamic_sampling:
-            why = "dynamic sampling keeps groups whose rewards differ" if not group else \
-                f"algorithm.advantage={a.advantage} takes its baseline from a prompt's group"
+            why = (
+                "dynamic sampling keeps groups whose rewards differ"
+                if not group
+                else f"algorithm.advantage={a.advantage} takes its baseline from a prompt's group"
+            )
             check(n >= 2, "rollout.n", f"needs at least 2 samples per prompt ({why}), got {n}")

@@ -2,6 +2,7 @@
 and prompts over `data.max_prompt_tokens`, or too long for the model's context with the answer, dropped
 and counted (never truncated).
 """
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,10 @@ def use_chat_template(tokenizer, setting: Optional[bool], model_path: str) -> bo
     """`data.chat_template`: null = when the tokenizer has one, true = it must, false = never."""
     has = bool(getattr(tokenizer, "chat_template", None))
     if setting is True and not has:
-        raise ValueError(f"config key 'data.chat_template': true, but the tokenizer in {model_path!r} has no chat "
-                         "template; set data.chat_template=false (raw prompts) or null (a template when there is one)")
+        raise ValueError(
+            f"config key 'data.chat_template': true, but the tokenizer in {model_path!r} has no chat "
+            "template; set data.chat_template=false (raw prompts) or null (a template when there is one)"
+        )
     return has if setting is None else setting
 
 
@@ -27,8 +30,10 @@ class PromptEncoder:
 
     def __init__(self, tokenizer, chat_template: bool, model_path: str = "", system_prompt: str = ""):
         if system_prompt and not chat_template:
-            raise ValueError("config key 'data.system_prompt' needs a chat template to place it in: set "
-                             "data.chat_template=null or true with a tokenizer that has one, or drop the system prompt")
+            raise ValueError(
+                "config key 'data.system_prompt' needs a chat template to place it in: set "
+                "data.chat_template=null or true with a tokenizer that has one, or drop the system prompt"
+            )
         self.tokenizer, self.chat_template, self.model_path = tokenizer, chat_template, model_path
         self.system_prompt = system_prompt
         self._ids: dict[str, list[int]] = {}
@@ -50,11 +55,14 @@ class PromptEncoder:
         """The text the model sees: the conversation plus the assistant header, or the prompt itself."""
         row = self._row(row)
         if self.chat_template:
-            return self.tokenizer.apply_chat_template(self.conversation(row), tokenize=False,
-                                                      add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(
+                self.conversation(row), tokenize=False, add_generation_prompt=True
+            )
         if row.get("messages") is not None:
-            raise ValueError("a row holds chat messages but data.chat_template=false: messages need the "
-                             "tokenizer's chat template (data.chat_template=null or true)")
+            raise ValueError(
+                "a row holds chat messages but data.chat_template=false: messages need the "
+                "tokenizer's chat template (data.chat_template=null or true)"
+            )
         return row["prompt"]
 
     def _key(self, row: dict | str) -> str:
@@ -82,9 +90,11 @@ class PromptEncoder:
             try:
                 texts.append(self.render(rows[i]))
             except Exception as err:  # jinja errors and whatever else a template raises
-                raise ValueError(f"the prompt of {source} row {i} cannot be rendered ({type(err).__name__}: {err}); "
-                                 f"fix the row or the chat template of the tokenizer in {self.model_path!r}, or set "
-                                 "data.chat_template=false (plain-text prompts only)") from err
+                raise ValueError(
+                    f"the prompt of {source} row {i} cannot be rendered ({type(err).__name__}: {err}); "
+                    f"fix the row or the chat template of the tokenizer in {self.model_path!r}, or set "
+                    "data.chat_template=false (plain-text prompts only)"
+                ) from err
         if texts:
             for key, ids in zip(todo, self.tokenizer(texts, add_special_tokens=False).input_ids):
                 self._ids[key] = ids
@@ -111,9 +121,14 @@ def prompt_limit(max_prompt_tokens: int, max_new_tokens: int, context: Optional[
         return by_config
     fit = context - T - 1
     if fit < 1:
-        raise ValueError(f"rollout.max_new_tokens={T} leaves no room for a prompt in the model's context of "
-                         f"{context} tokens (max_position_embeddings): lower rollout.max_new_tokens")
+        raise ValueError(
+            f"rollout.max_new_tokens={T} leaves no room for a prompt in the model's context of "
+            f"{context} tokens (max_position_embeddings): lower rollout.max_new_tokens"
+        )
     if limit and limit <= fit:
         return by_config
-    return (fit, f"{fit} tokens (the model's context of {context} less rollout.max_new_tokens={T} and one)",
-            "lower rollout.max_new_tokens")
+    return (
+        fit,
+        f"{fit} tokens (the model's context of {context} less rollout.max_new_tokens={T} and one)",
+        "lower rollout.max_new_tokens",
+    )

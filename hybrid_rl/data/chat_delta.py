@@ -20,6 +20,7 @@ checked to tokenize the same alone as inside `full`, so the ids appended are the
 template and tokenizer would give at that point. A turn cut before its <end> (max_new_tokens)
 gets the <end> as the first observation token (never trained: it was not sampled).
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
@@ -36,8 +37,10 @@ def has_chat_template(tokenizer: Any) -> bool:
 def require_chat_template(tokenizer: Any, what: str = "the environment's observations") -> None:
     """Raise before any episode runs when messages would need a template the tokenizer does not have."""
     if not has_chat_template(tokenizer):
-        raise ChatDeltaError(f"{what} are chat messages, but the tokenizer has no chat template to render them; "
-                             "use a tokenizer with one (set tokenizer.chat_template) or an environment for raw text")
+        raise ChatDeltaError(
+            f"{what} are chat messages, but the tokenizer has no chat template to render them; "
+            "use a tokenizer with one (set tokenizer.chat_template) or an environment for raw text"
+        )
 
 
 def render(tokenizer: Any, messages: Sequence[dict], generation_prompt: bool) -> str:
@@ -72,14 +75,18 @@ def _cut_after_turn(head: str, base: str, full: str, end: str) -> int:
     """The index in `full` just after the last assistant turn's end-of-turn text."""
     if not full.startswith(head) or not base.startswith(head):
         at = _first_difference(head, full if not full.startswith(head) else base)
-        raise ChatDeltaError("the chat template renders turns before the latest assistant turn differently once "
-                             f"more messages follow (first difference at character {at}: "
-                             f"{head[max(0, at - 30):at + 30]!r}); no observation can be appended without changing "
-                             "earlier tokens. Use a template that only appends")
+        raise ChatDeltaError(
+            "the chat template renders turns before the latest assistant turn differently once "
+            f"more messages follow (first difference at character {at}: "
+            f"{head[max(0, at - 30) : at + 30]!r}); no observation can be appended without changing "
+            "earlier tokens. Use a template that only appends"
+        )
     last = base.rfind(end)
     if last < len(head):
-        raise ChatDeltaError(f"the chat template does not close an assistant turn with {end!r} (the end-of-turn "
-                             "text); pass the text it does close turns with as end_text")
+        raise ChatDeltaError(
+            f"the chat template does not close an assistant turn with {end!r} (the end-of-turn "
+            "text); pass the text it does close turns with as end_text"
+        )
     cut = last + len(end)
     if full.startswith(base[:cut]):
         return cut
@@ -92,13 +99,20 @@ def _cut_after_turn(head: str, base: str, full: str, end: str) -> int:
         if at < 0:
             break
     if at < len(head):
-        raise ChatDeltaError("the chat template renders the latest assistant turn differently once more "
-                             f"messages follow and its end {end!r} cannot be found; cannot place the observation")
+        raise ChatDeltaError(
+            "the chat template renders the latest assistant turn differently once more "
+            f"messages follow and its end {end!r} cannot be found; cannot place the observation"
+        )
     return at + len(end)
 
 
-def observation_ids(tokenizer: Any, history: Sequence[dict], new: Sequence[dict], turn_closed: bool = True,
-                    end_text: Optional[str] = None) -> list[int]:
+def observation_ids(
+    tokenizer: Any,
+    history: Sequence[dict],
+    new: Sequence[dict],
+    turn_closed: bool = True,
+    end_text: Optional[str] = None,
+) -> list[int]:
     """Token ids to append after a generated turn so the sequence continues as the template would.
 
     history: the conversation so far, ending with the assistant turn just generated (its text).
@@ -118,8 +132,10 @@ def observation_ids(tokenizer: Any, history: Sequence[dict], new: Sequence[dict]
     ids = encode(tokenizer, delta)
     whole, before = encode(tokenizer, full), encode(tokenizer, full[:start])
     if whole != before + ids:
-        raise ChatDeltaError(f"the tokenizer joins text across the end of the assistant turn "
-                             f"({full[start:start + 40]!r} "
-                             "tokenizes differently alone than after the turn), so the observation's ids would not be "
-                             "the template's; end assistant turns with a special token")
+        raise ChatDeltaError(
+            f"the tokenizer joins text across the end of the assistant turn "
+            f"({full[start : start + 40]!r} "
+            "tokenizes differently alone than after the turn), so the observation's ids would not be "
+            "the template's; end assistant turns with a special token"
+        )
     return ids

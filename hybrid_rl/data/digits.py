@@ -2,6 +2,7 @@
 
 Its reward is rewards/toy.py; the tiny models are built over `DIGIT_WORDS` (the ten digits and `=`).
 """
+
 from __future__ import annotations
 
 import random

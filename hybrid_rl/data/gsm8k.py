@@ -11,6 +11,7 @@ Each row becomes {"prompt": question + " " + instruction, "question", "answer",
 the reward normalises it). The instruction is verl's GSM8K preprocessing prompt
 (examples/data_preprocess/gsm8k.py in volcengine/verl), so rewards match its format.
 """
+
 from __future__ import annotations
 
 import os
@@ -50,8 +51,10 @@ def _from_dir(directory: str) -> RawSplits:
 
     train, test = _split_file(directory, "train"), _split_file(directory, "test")
     if train is None:
-        raise FileNotFoundError(f"data.path {directory!r} holds no train.jsonl or train.parquet (GSM8K layout: "
-                                "train.jsonl and test.jsonl of {\"question\", \"answer\"} rows)")
+        raise FileNotFoundError(
+            f"data.path {directory!r} holds no train.jsonl or train.parquet (GSM8K layout: "
+            'train.jsonl and test.jsonl of {"question", "answer"} rows)'
+        )
     return RawSplits(read_rows(train), read_rows(test) if test else None, train, test or "")
 
 
@@ -59,8 +62,9 @@ def _from_hub() -> RawSplits:
     import datasets  # optional: only this path needs it
 
     ds = datasets.load_dataset(HUB_NAME, HUB_CONFIG)
-    return RawSplits([dict(r) for r in ds["train"]], [dict(r) for r in ds["test"]],
-                     f"{HUB_NAME}:train", f"{HUB_NAME}:test")
+    return RawSplits(
+        [dict(r) for r in ds["train"]], [dict(r) for r in ds["test"]], f"{HUB_NAME}:train", f"{HUB_NAME}:test"
+    )
 
 
 def load_splits(path: str = "") -> RawSplits:
@@ -78,9 +82,11 @@ def load_splits(path: str = "") -> RawSplits:
         return _from_hub()
     except Exception as err:  # ImportError (no `datasets`) or no network: say what was tried
         tried = ", ".join(default_dirs())
-        raise FileNotFoundError(f"GSM8K not found: no train.jsonl in {tried}, and {HUB_NAME} could not be loaded "
-                                f"through `datasets` ({type(err).__name__}: {err}). Set data.path to a directory "
-                                "holding train.jsonl and test.jsonl") from err
+        raise FileNotFoundError(
+            f"GSM8K not found: no train.jsonl in {tried}, and {HUB_NAME} could not be loaded "
+            f"through `datasets` ({type(err).__name__}: {err}). Set data.path to a directory "
+            "holding train.jsonl and test.jsonl"
+        ) from err
 
 
 def final_answer(answer: str) -> Optional[str]:
@@ -95,13 +101,17 @@ def make_row(raw: dict, i: int, instruction: str, source: str) -> dict:
     """A GSM8K row for training (module docstring); a row without question or `#### answer` is an error."""
     question, answer = (raw.get("question"), raw.get("answer")) if isinstance(raw, dict) else (None, None)
     if not isinstance(question, str) or not question.strip():
-        raise ValueError(f"{source}: row {i} has no non-empty string under 'question' (GSM8K rows are "
-                         f"{{\"question\", \"answer\"}}); row: {str(raw)[:120]}")
+        raise ValueError(
+            f"{source}: row {i} has no non-empty string under 'question' (GSM8K rows are "
+            f'{{"question", "answer"}}); row: {str(raw)[:120]}'
+        )
     if not isinstance(answer, str):
         raise ValueError(f"{source}: row {i} has no string under 'answer'; row: {str(raw)[:120]}")
     truth = final_answer(answer)
     if truth is None:
-        raise ValueError(f"{source}: row {i}: the answer does not end in '#### <number>' (GSM8K's final-answer "
-                         f"format, which the strict reward checks against); answer: {answer[-120:]!r}")
+        raise ValueError(
+            f"{source}: row {i}: the answer does not end in '#### <number>' (GSM8K's final-answer "
+            f"format, which the strict reward checks against); answer: {answer[-120:]!r}"
+        )
     prompt = f"{question} {instruction}" if instruction else question
     return {**raw, "prompt": prompt, "ground_truth": truth}

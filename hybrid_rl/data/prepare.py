@@ -2,17 +2,25 @@
 reward (`check_rows`), tokenized once (`PromptEncoder`), and without the prompts too long for
 data.max_prompt_tokens or for the model's context with rollout.max_new_tokens (dropped, counted
 and reported on rank 0)."""
+
 from __future__ import annotations
 
 from typing import Callable, Optional
 
-from hybrid_rl.runtime import distributed as D
 from hybrid_rl.config.schema import Config
 from hybrid_rl.data.chat import PromptEncoder, drop_long_prompts, prompt_limit
+from hybrid_rl.runtime import distributed as D
 
 
-def prepare_rows(rows: list[dict], source: str, what: str, cfg: Config, encode: PromptEncoder,
-                 check_rows: Optional[Callable[[list[dict], str], None]], max_positions: Optional[int]) -> list[dict]:
+def prepare_rows(
+    rows: list[dict],
+    source: str,
+    what: str,
+    cfg: Config,
+    encode: PromptEncoder,
+    check_rows: Optional[Callable[[list[dict], str], None]],
+    max_positions: Optional[int],
+) -> list[dict]:
     """The rows of `source` ("train" or "validation" rows: `what`) the run keeps.
 
     check_rows: the reward's row check (raises on a bad row), or None; max_positions: the model's
@@ -23,11 +31,15 @@ def prepare_rows(rows: list[dict], source: str, what: str, cfg: Config, encode: 
     limit, limit_why, fix = prompt_limit(cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens, max_positions)
     kept, dropped = drop_long_prompts(rows, lengths, limit)
     if not kept:
-        raise ValueError(f"every {what} prompt of {source} is longer than {limit_why} "
-                         f"(the shortest has {min(lengths)} tokens); {fix}")
+        raise ValueError(
+            f"every {what} prompt of {source} is longer than {limit_why} "
+            f"(the shortest has {min(lengths)} tokens); {fix}"
+        )
     if D.is_main():
         note = f", dropped {dropped} longer than {limit_why}" if dropped else ""
-        print(f"data: {len(kept)} {what} prompts from {source}{note} (longest kept "
-              f"{max(n for n in lengths if not limit or n <= limit)} tokens; chat template "
-              f"{'on' if encode.chat_template else 'off'})")
+        print(
+            f"data: {len(kept)} {what} prompts from {source}{note} (longest kept "
+            f"{max(n for n in lengths if not limit or n <= limit)} tokens; chat template "
+            f"{'on' if encode.chat_template else 'off'})"
+        )
     return kept

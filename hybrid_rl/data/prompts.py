@@ -12,15 +12,15 @@ validation rows come from `data.val_path`, the task's own split, or `data.val_sp
 of the training file. Every row is checked when the dataset is built, so a bad row
 fails before the first training step, named by file and row.
 """
+
 from __future__ import annotations
 
-import json
-import os
 import random
 from dataclasses import dataclass
 from typing import Optional
 
 from hybrid_rl.data.rows import read_rows
+
 
 @dataclass
 class Datasets:
@@ -44,22 +44,31 @@ def load_datasets(cfg) -> Datasets:
             val = [gsm8k.make_row(r, i, instruction, raw.test_source) for i, r in enumerate(raw.test)]
             val_source = raw.test_source
     else:
-        train = load_rows(cfg.task, cfg.path, cfg.prompt_key, None if cfg.task != "digits" else cfg.num_prompts,
-                          cfg.seed, cfg.answer_key, cfg.instruction)
+        train = load_rows(
+            cfg.task,
+            cfg.path,
+            cfg.prompt_key,
+            None if cfg.task != "digits" else cfg.num_prompts,
+            cfg.seed,
+            cfg.answer_key,
+            cfg.instruction,
+        )
         train_source = cfg.path or cfg.task
     if cfg.val_path:
         raw_val = read_rows(cfg.val_path, key="data.val_path")
         if cfg.task == "gsm8k":
             val = [gsm8k.make_row(r, i, instruction, cfg.val_path) for i, r in enumerate(raw_val)]
         else:
-            val = [_check_row(r, i, cfg.prompt_key, cfg.val_path, cfg.answer_key, cfg.instruction)
-                   for i, r in enumerate(raw_val)]
+            val = [
+                _check_row(r, i, cfg.prompt_key, cfg.val_path, cfg.answer_key, cfg.instruction)
+                for i, r in enumerate(raw_val)
+            ]
         val_source = cfg.val_path
     elif not val and cfg.val_split > 0:
         train, val = split_rows(train, cfg.val_split, cfg.seed)
         val_source = f"{train_source} (held-out {cfg.val_split:g})"
     if cfg.num_prompts is not None and cfg.task != "digits":
-        train = train[:cfg.num_prompts]
+        train = train[: cfg.num_prompts]
     return Datasets(train, val, train_source, val_source)  # data.val_size applies after long prompts are dropped
 
 
@@ -67,14 +76,23 @@ def split_rows(rows: list[dict], fraction: float, seed: int) -> tuple[list[dict]
     """(train, held-out) with round(fraction * len) held-out rows, chosen by `seed`; both keep file order."""
     n_val = round(fraction * len(rows))
     if n_val < 1 or n_val >= len(rows):
-        raise ValueError(f"data.val_split={fraction} of {len(rows)} rows leaves {n_val} to validate on and "
-                         f"{len(rows) - n_val} to train on; both need at least one")
+        raise ValueError(
+            f"data.val_split={fraction} of {len(rows)} rows leaves {n_val} to validate on and "
+            f"{len(rows) - n_val} to train on; both need at least one"
+        )
     held = set(random.Random(seed).sample(range(len(rows)), n_val))
     return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
 
 
-def load_rows(task: str, path: str = "", prompt_key: str = "prompt", num_prompts: Optional[int] = None, seed: int = 0,
-              answer_key: str = "", instruction: Optional[str] = None) -> list[dict]:
+def load_rows(
+    task: str,
+    path: str = "",
+    prompt_key: str = "prompt",
+    num_prompts: Optional[int] = None,
+    seed: int = 0,
+    answer_key: str = "",
+    instruction: Optional[str] = None,
+) -> list[dict]:
     """The checked rows of a generated task or a local file (no split)."""
     if task == "digits":
         from hybrid_rl.data.digits import digits_rows
@@ -83,8 +101,9 @@ def load_rows(task: str, path: str = "", prompt_key: str = "prompt", num_prompts
     elif task in ("jsonl", "parquet"):
         rows = read_rows(path, task)
     else:
-        raise ValueError(f"unknown data.task {task!r} for load_rows; valid: ['digits', 'jsonl', 'parquet'] "
-                         "(gsm8k: load_datasets)")
+        raise ValueError(
+            f"unknown data.task {task!r} for load_rows; valid: ['digits', 'jsonl', 'parquet'] (gsm8k: load_datasets)"
+        )
     return [_check_row(r, i, prompt_key, path or task, answer_key, instruction) for i, r in enumerate(rows)]
 
 
@@ -105,26 +124,35 @@ def _check_messages(messages: list, where: str) -> None:
     """A conversation to prompt with: chat messages ({"role", "content": str}) ending in a user turn."""
     for j, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise ValueError(f"{where}: message {j} is not a chat message with a role in {ROLES} and a string "
-                             f"content: {str(m)[:120]}")
+            raise ValueError(
+                f"{where}: message {j} is not a chat message with a role in {ROLES} and a string "
+                f"content: {str(m)[:120]}"
+            )
     if messages[-1]["role"] != "user":
-        raise ValueError(f"{where}: the last message is a {messages[-1]['role']!r} turn; a prompt ends with the user "
-                         "turn the model answers")
+        raise ValueError(
+            f"{where}: the last message is a {messages[-1]['role']!r} turn; a prompt ends with the user "
+            "turn the model answers"
+        )
 
 
-def _check_row(row: dict, i: int, key: str, source: str, answer_key: str = "", instruction: Optional[str] = None) -> dict:
+def _check_row(
+    row: dict, i: int, key: str, source: str, answer_key: str = "", instruction: Optional[str] = None
+) -> dict:
     """The row with "prompt" (text: what rewards and logs see), "messages" when the prompt is a conversation
     (then "prompt" is its last user turn), and "answer" when answer_key names one. Keys may be dotted."""
     value = lookup(row, key) if isinstance(row, dict) else None
     if isinstance(value, list) and value:
         _check_messages(value, f"{source}: row {i} ({key!r}, config key 'data.prompt_key')")
     elif not isinstance(value, str) or not value.strip():
-        raise ValueError(f"{source}: row {i} has neither a non-empty string nor a list of chat messages under {key!r} "
-                         f"(config key 'data.prompt_key'); row: {str(row)[:120]}")
+        raise ValueError(
+            f"{source}: row {i} has neither a non-empty string nor a list of chat messages under {key!r} "
+            f"(config key 'data.prompt_key'); row: {str(row)[:120]}"
+        )
     answer = lookup(row, answer_key) if answer_key else None
     if answer_key and answer in (None, ""):
-        raise ValueError(f"{source}: row {i} has no {answer_key!r} (config key 'data.answer_key'); "
-                         f"row: {str(row)[:120]}")
+        raise ValueError(
+            f"{source}: row {i} has no {answer_key!r} (config key 'data.answer_key'); row: {str(row)[:120]}"
+        )
     out = dict(row)
     if isinstance(value, list):
         messages = [dict(m) for m in value]
@@ -165,10 +193,10 @@ class PromptLoader:
         """This rank's rows of the next global batch (the tail of an epoch that cannot fill a batch is skipped)."""
         if self.cursor + self.batch_size > len(self.rows):
             self.epoch, self.cursor, self._order = self.epoch + 1, 0, None
-        idx = self._perm()[self.cursor:self.cursor + self.batch_size]
+        idx = self._perm()[self.cursor : self.cursor + self.batch_size]
         self.cursor += self.batch_size
         per = self.batch_size // self.world
-        return [self.rows[i] for i in idx[self.rank * per:(self.rank + 1) * per]]
+        return [self.rows[i] for i in idx[self.rank * per : (self.rank + 1) * per]]
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed}

@@ -1,4 +1,5 @@
 """Reading rows of a prompt file: .jsonl or .parquet, one dict a row (the prompt datasets and GSM8K read them)."""
+
 from __future__ import annotations
 
 import json
@@ -33,6 +34,7 @@ def _read_parquet(path: str) -> list[dict]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ImportError(f"reading the parquet file {path!r} needs pyarrow: pip install pyarrow "
-                          "(or convert it to .jsonl)") from None
+        raise ImportError(
+            f"reading the parquet file {path!r} needs pyarrow: pip install pyarrow (or convert it to .jsonl)"
+        ) from None
     return pq.read_table(path).to_pylist()

@@ -40,8 +40,29 @@ The pieces are self-contained; the trainer integration is meant to be a small st
 * Metrics: `rollout.episodes.episode_metrics(episodes)` (turns, tokens, tool calls, malformed
   calls, tool errors, observation tokens, how episodes ended) goes into the step's metrics.
 """
-from hybrid_rl.envs.base import (EnvError, EnvSpec, Environment, Step, as_step, get_env, load_env_factory, make_env,
-                                 register_env, resolve_env)
 
-__all__ = ["EnvError", "EnvSpec", "Environment", "Step", "as_step", "get_env", "load_env_factory", "make_env",
-           "register_env", "resolve_env"]
+from hybrid_rl.envs.base import (
+    EnvError,
+    Environment,
+    EnvSpec,
+    Step,
+    as_step,
+    get_env,
+    load_env_factory,
+    make_env,
+    register_env,
+    resolve_env,
+)
+
+__all__ = [
+    "EnvError",
+    "EnvSpec",
+    "Environment",
+    "Step",
+    "as_step",
+    "get_env",
+    "load_env_factory",
+    "make_env",
+    "register_env",
+    "resolve_env",
+]

@@ -12,6 +12,7 @@ themselves when `get_env` first imports them). A factory is called ONCE PER EPIS
 dataset row, so per-episode state (a hidden answer, a tool-call counter) lives on the object it
 returns, and episodes never share it.
 """
+
 from __future__ import annotations
 
 import math
@@ -70,10 +71,14 @@ def register_env(name: str) -> Callable[[EnvFactory], EnvFactory]:
     def deco(factory: EnvFactory) -> EnvFactory:
         old = _REGISTRY.get(name)
         key = (getattr(factory, "__module__", None), getattr(factory, "__qualname__", None))
-        if old is not None and key != (getattr(old.factory, "__module__", None),
-                                       getattr(old.factory, "__qualname__", None)):
-            raise ValueError(f"environment {name!r} is already registered (by {_describe(old.factory)}); "
-                             "pick another name, or pass the factory itself")
+        if old is not None and key != (
+            getattr(old.factory, "__module__", None),
+            getattr(old.factory, "__qualname__", None),
+        ):
+            raise ValueError(
+                f"environment {name!r} is already registered (by {_describe(old.factory)}); "
+                "pick another name, or pass the factory itself"
+            )
         _REGISTRY[name] = EnvSpec(factory)
         return factory
 
@@ -115,25 +120,32 @@ def make_env(factory: EnvFactory, row: dict, env_name: str, episode: str) -> Any
     try:
         env = factory(row)
     except Exception as err:
-        raise EnvError(f"environment {env_name!r}: factory {_describe(factory)} raised {type(err).__name__}: {err} "
-                       f"for {episode}") from err
+        raise EnvError(
+            f"environment {env_name!r}: factory {_describe(factory)} raised {type(err).__name__}: {err} for {episode}"
+        ) from err
     missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
     if missing:
-        raise EnvError(f"environment {env_name!r}: factory {_describe(factory)} returned a {type(env).__name__} "
-                       f"without {' and '.join(missing)}() (for {episode}); it must return an object with "
-                       "reset(row) -> list[dict] and step(completion: str) -> Step")
+        raise EnvError(
+            f"environment {env_name!r}: factory {_describe(factory)} returned a {type(env).__name__} "
+            f"without {' and '.join(missing)}() (for {episode}); it must return an object with "
+            "reset(row) -> list[dict] and step(completion: str) -> Step"
+        )
     return env
 
 
 def check_messages(messages: Any, what: str, env_name: str, episode: str) -> list[dict]:
     """`messages` as a list of {"role": str, "content": str} dicts, or an EnvError saying which part is wrong."""
     if not isinstance(messages, (list, tuple)):
-        raise EnvError(f"environment {env_name!r}: {what} must be a list of chat messages, got "
-                       f"{type(messages).__name__} {str(messages)[:80]!r} ({episode})")
+        raise EnvError(
+            f"environment {env_name!r}: {what} must be a list of chat messages, got "
+            f"{type(messages).__name__} {str(messages)[:80]!r} ({episode})"
+        )
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise EnvError(f"environment {env_name!r}: {what}[{i}] must be a dict with string 'role' and 'content', "
-                           f"got {str(m)[:120]!r} ({episode})")
+            raise EnvError(
+                f"environment {env_name!r}: {what}[{i}] must be a dict with string 'role' and 'content', "
+                f"got {str(m)[:120]!r} ({episode})"
+            )
     return list(messages)
 
 
@@ -141,12 +153,15 @@ def as_step(result: Any, env_name: str, episode: str) -> Step:
     """A step result as a `Step`: the library's own, or any object with observation, reward and done."""
     missing = [a for a in ("observation", "reward", "done") if not hasattr(result, a)]
     if missing:
-        raise EnvError(f"environment {env_name!r}: step() returned a {type(result).__name__} without "
-                       f"{', '.join(missing)} ({episode}); return hybrid_rl.envs.Step(observation, reward, done)")
+        raise EnvError(
+            f"environment {env_name!r}: step() returned a {type(result).__name__} without "
+            f"{', '.join(missing)} ({episode}); return hybrid_rl.envs.Step(observation, reward, done)"
+        )
     reward, done = result.reward, result.done
     if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
-        raise EnvError(f"environment {env_name!r}: step() reward must be a finite real number, got "
-                       f"{reward!r} ({episode})")
+        raise EnvError(
+            f"environment {env_name!r}: step() reward must be a finite real number, got {reward!r} ({episode})"
+        )
     if not isinstance(done, (bool, numbers.Integral)):
         raise EnvError(f"environment {env_name!r}: step() done must be a bool, got {done!r} ({episode})")
     observation = check_messages(result.observation, "step().observation", env_name, episode)

@@ -22,6 +22,7 @@ How an episode ends (`end`) and what the overlong rules read (`finish_reason`, a
 it from the loss; the soft penalty ramps on the room left before the max_episode_tokens cut
 (loop/reward_setup.py overlong_length), as a single completion's does before max_new_tokens.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,8 +32,8 @@ from typing import Any, Optional, Sequence
 
 from hybrid_rl.data.chat_delta import ChatDeltaError, observation_ids, prompt_ids
 from hybrid_rl.envs.base import EnvError, EnvFactory, as_step, check_messages, make_env
-from hybrid_rl.types import Completion, SamplingParams
 from hybrid_rl.envs.step_pool import TIMED_OUT, StepPool
+from hybrid_rl.types import Completion, SamplingParams
 
 ENDS = ("done", "max_turns", "max_episode_tokens", "timeout")
 _TURN_SEED_STRIDE = 1_000_003  # each turn's engine call gets its own seed, so turns do not replay one stream
@@ -78,8 +79,13 @@ class Episode:
 
     def as_completion(self) -> "EpisodeCompletion":
         """The episode in the single-turn batch's terms (RolloutBatch.build), carrying its `loss_mask`."""
-        return EpisodeCompletion(list(self.response_ids), list(self.logprobs), self.finish_reason,
-                                 loss_mask=list(self.loss_mask), episode=self)
+        return EpisodeCompletion(
+            list(self.response_ids),
+            list(self.logprobs),
+            self.finish_reason,
+            loss_mask=list(self.loss_mask),
+            episode=self,
+        )
 
     def where(self) -> str:
         return f"episode of row {self.row_index} (sample {self.sample}), turn {self.turns}"
@@ -102,8 +108,15 @@ class EpisodeCompletion(Completion):
 class EpisodeRunner:
     """Runs the G episodes of each row to their end; one object per run (it owns the step threads)."""
 
-    def __init__(self, engine: Any, tokenizer: Any, factory: EnvFactory, env_name: str,
-                 settings: EpisodeSettings, end_text: Optional[str] = None):
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: Any,
+        factory: EnvFactory,
+        env_name: str,
+        settings: EpisodeSettings,
+        end_text: Optional[str] = None,
+    ):
         self.engine, self.tokenizer, self.factory, self.env_name = engine, tokenizer, factory, env_name
         self.settings, self.end_text = settings, end_text
         self.pool = StepPool(settings.max_workers)
@@ -133,14 +146,17 @@ class EpisodeRunner:
                 try:
                     opening = env.reset(row)
                 except Exception as err:
-                    raise EnvError(f"environment {self.env_name!r}: reset() raised {type(err).__name__}: {err} "
-                                   f"({ep.where()})") from err
+                    raise EnvError(
+                        f"environment {self.env_name!r}: reset() raised {type(err).__name__}: {err} ({ep.where()})"
+                    ) from err
                 ep.messages = check_messages(opening, "reset()", self.env_name, ep.where())
                 ep.prompt_ids = prompt_ids(self.tokenizer, ep.messages)
                 if len(ep.prompt_ids) >= self.settings.max_episode_tokens:
-                    raise ValueError(f"config key 'rollout.max_episode_tokens': {self.settings.max_episode_tokens} "
-                                     f"leaves no room to generate after the {len(ep.prompt_ids)}-token prompt of "
-                                     f"row {r}; raise it above the longest prompt")
+                    raise ValueError(
+                        f"config key 'rollout.max_episode_tokens': {self.settings.max_episode_tokens} "
+                        f"leaves no room to generate after the {len(ep.prompt_ids)}-token prompt of "
+                        f"row {r}; raise it above the longest prompt"
+                    )
                 episodes.append(ep)
                 envs.append(env)
         return episodes, envs
@@ -148,8 +164,7 @@ class EpisodeRunner:
     def _generate(self, turn: int, params: SamplingParams, live: list[Episode]) -> None:
         """One engine call for every live episode's next turn; each keeps at most its own token budget."""
         budgets = [min(params.max_new_tokens, self.settings.max_episode_tokens - len(ep.token_ids)) for ep in live]
-        call = dataclasses.replace(params, max_new_tokens=max(budgets),
-                                   seed=params.seed + _TURN_SEED_STRIDE * turn)
+        call = dataclasses.replace(params, max_new_tokens=max(budgets), seed=params.seed + _TURN_SEED_STRIDE * turn)
         completions = self.engine.generate(prompt_ids=[ep.token_ids for ep in live], params=call)
         if len(completions) != len(live):
             raise RuntimeError(f"the engine returned {len(completions)} completions for {len(live)} episodes")
@@ -179,8 +194,9 @@ class EpisodeRunner:
         if result is TIMED_OUT:
             return self._finish(ep, "timeout", "length")
         if isinstance(result, BaseException):
-            raise EnvError(f"environment {self.env_name!r}: step() raised {type(result).__name__}: {result} "
-                           f"({ep.where()})") from result
+            raise EnvError(
+                f"environment {self.env_name!r}: step() raised {type(result).__name__}: {result} ({ep.where()})"
+            ) from result
         step = as_step(result, self.env_name, ep.where())
         ep.reward += step.reward
         if step.done:
@@ -208,11 +224,13 @@ class EpisodeRunner:
 def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     """Means per episode (turns, tokens, tool counts) and the fraction ending each way."""
     n = max(1, len(episodes))
-    out = {"episode/turns": sum(e.turns for e in episodes) / n,
-           "episode/tokens": sum(len(e.token_ids) for e in episodes) / n,
-           "episode/generated_tokens": sum(sum(e.loss_mask) for e in episodes) / n,
-           "episode/observation_tokens": sum(e.observation_tokens for e in episodes) / n,
-           "episode/reward": sum(e.reward for e in episodes) / n}
+    out = {
+        "episode/turns": sum(e.turns for e in episodes) / n,
+        "episode/tokens": sum(len(e.token_ids) for e in episodes) / n,
+        "episode/generated_tokens": sum(sum(e.loss_mask) for e in episodes) / n,
+        "episode/observation_tokens": sum(e.observation_tokens for e in episodes) / n,
+        "episode/reward": sum(e.reward for e in episodes) / n,
+    }
     keys = sorted({k for e in episodes for k in e.env_metrics})
     out.update({f"episode/{k}": sum(e.env_metrics.get(k, 0.0) for e in episodes) / n for k in keys})
     out.update({f"episode/end_{k}": sum(e.end == k for e in episodes) / n for k in ENDS})

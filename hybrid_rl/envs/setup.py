@@ -7,6 +7,7 @@ first dataset row (what it makes has reset and step; reset returns messages), an
 The rollout stage (loop/rollout_stage.py) asks `runner(engine, tokenizer)` for the episode runner; one runner,
 and so one pool of step threads, serves the whole run.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,10 @@ class EnvSetup:
         check its opening prompt fits `rollout.max_episode_tokens`, which must fit `context` (None: unknown)."""
         limit = self.settings.max_episode_tokens
         if context and limit > context:
-            raise ValueError(f"config key 'rollout.max_episode_tokens': {limit} is above the model's context of "
-                             f"{context} tokens (max_position_embeddings); lower it")
+            raise ValueError(
+                f"config key 'rollout.max_episode_tokens': {limit} is above the model's context of "
+                f"{context} tokens (max_position_embeddings); lower it"
+            )
         require_chat_template(tokenizer, f"environment {self.name!r}'s messages")
         for i, row in enumerate(rows[:PROBE_ROWS]):
             where = f"start-up probe, row {i}"
@@ -53,13 +56,16 @@ class EnvSetup:
             try:
                 opening = env.reset(row)
             except Exception as err:
-                raise EnvError(f"environment {self.name!r}: reset() raised {type(err).__name__}: {err} "
-                               f"({where})") from err
+                raise EnvError(
+                    f"environment {self.name!r}: reset() raised {type(err).__name__}: {err} ({where})"
+                ) from err
             n = len(prompt_ids(tokenizer, check_messages(opening, "reset()", self.name, where)))
             if n >= limit:
-                raise ValueError(f"config key 'rollout.max_episode_tokens': {limit} leaves no room to generate after "
-                                 f"the {n}-token opening prompt of row {i} (environment {self.name!r}); raise it "
-                                 "above the longest prompt")
+                raise ValueError(
+                    f"config key 'rollout.max_episode_tokens': {limit} leaves no room to generate after "
+                    f"the {n}-token opening prompt of row {i} (environment {self.name!r}); raise it "
+                    "above the longest prompt"
+                )
             self.longest_prompt = max(self.longest_prompt, n)
 
     def runner(self, engine: Any, tokenizer: Any) -> EpisodeRunner:

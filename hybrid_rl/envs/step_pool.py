@@ -6,6 +6,7 @@ Here the workers are daemon threads; a worker stuck past the timeout is written 
 fresh one takes its place, so capacity stays and the run always moves on. The timeout counts
 from when a step STARTS (a step waiting for a free worker is not late).
 """
+
 from __future__ import annotations
 
 import queue
@@ -88,8 +89,11 @@ class StepPool:
             if pending:
                 running = [starts[i][0] for i in pending if starts[i][0] is not None]
                 next_deadline = min(running) + timeout_s - now if running else 0.05
-                wait([futs[i] for i in pending], timeout=max(0.001, min(next_deadline, 0.05)),
-                     return_when=FIRST_COMPLETED)
+                wait(
+                    [futs[i] for i in pending],
+                    timeout=max(0.001, min(next_deadline, 0.05)),
+                    return_when=FIRST_COMPLETED,
+                )
         return out
 
     def _replace_stuck_worker(self) -> None:

@@ -29,6 +29,7 @@ whichever class loads it. (It decodes `ask 7` as "ask7", hence the parsing in `_
 
     env.name=tiny_ask    rows: ask_rows(n, seed)    model: build_ask_model_dir(path)
 """
+
 from __future__ import annotations
 
 import os
@@ -66,8 +67,9 @@ def build_ask_tokenizer():
     return tok
 
 
-def build_ask_model_dir(path: str, hidden_size: int = 64, num_layers: int = 2, seed: int = 0,
-                        overwrite: bool = False) -> str:
+def build_ask_model_dir(
+    path: str, hidden_size: int = 64, num_layers: int = 2, seed: int = 0, overwrite: bool = False
+) -> str:
     """A random-init tiny Qwen2 with the task's tokenizer, saved as a normal HF directory (atomically)."""
     from hybrid_rl.models.tiny import save_random_qwen2
 

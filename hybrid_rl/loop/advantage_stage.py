@@ -10,13 +10,13 @@
 Pure of the Trainer: a batch, its log-probs, the step's KL coefficient and the algorithm's
 config in; the train batch and its metrics out. Legend: N sequences on this rank, T response tokens.
 """
+
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
 
-from hybrid_rl.runtime import distributed as D
 from hybrid_rl.algorithms.advantages import compute_advantages, takes_token_kl
 from hybrid_rl.algorithms.correction import rollout_correction
 from hybrid_rl.algorithms.dapo import truncation_mask
@@ -24,10 +24,16 @@ from hybrid_rl.algorithms.kl import kl_estimate, kl_penalty_rewards
 from hybrid_rl.batch import RolloutBatch, TrainBatch
 from hybrid_rl.config.schema import AlgorithmConfig
 from hybrid_rl.observability.metrics import MeanAccumulator
+from hybrid_rl.runtime import distributed as D
 
 
-def advantage_stage(batch: RolloutBatch, old_logp_NT: Optional[torch.Tensor], ref_logp_NT: Optional[torch.Tensor],
-                    kl_coef: float, algo: AlgorithmConfig) -> tuple[TrainBatch, MeanAccumulator]:
+def advantage_stage(
+    batch: RolloutBatch,
+    old_logp_NT: Optional[torch.Tensor],
+    ref_logp_NT: Optional[torch.Tensor],
+    kl_coef: float,
+    algo: AlgorithmConfig,
+) -> tuple[TrainBatch, MeanAccumulator]:
     """Loss mask and correction weight, KL in the reward, advantages: the batch the update trains on, and the
     stage's metrics. old/ref_logp_NT: SCORE's (N, T) log-probs, None where SCORE did not compute them."""
     loss_mask_NT, weight_NT, acc = loss_mask(batch, old_logp_NT, algo)
@@ -40,20 +46,39 @@ def advantage_stage(batch: RolloutBatch, old_logp_NT: Optional[torch.Tensor], re
             # takes it per token (KL-to-go in its returns) below.
             scores_N, kl_NT = kl_penalty_rewards(scores_N, kl_NT, batch.resp_mask_NT, kl_coef), None
     # Token-level estimators whiten over the tokens the loss trains (stats_mask_NT), not the filtered ones.
-    adv_NT = compute_advantages(algo.advantage, scores_N, batch.group_ids_N, batch.resp_mask_NT, eps=algo.adv_eps,
-                                gamma=algo.gamma, kl_NT=kl_NT, kl_coef=kl_coef if kl_NT is not None else 0.0,
-                                reduce_sum=D.all_reduce_sum, stats_mask_NT=loss_mask_NT)
+    adv_NT = compute_advantages(
+        algo.advantage,
+        scores_N,
+        batch.group_ids_N,
+        batch.resp_mask_NT,
+        eps=algo.adv_eps,
+        gamma=algo.gamma,
+        kl_NT=kl_NT,
+        kl_coef=kl_coef if kl_NT is not None else 0.0,
+        reduce_sum=D.all_reduce_sum,
+        stats_mask_NT=loss_mask_NT,
+    )
     acc.add("reward/trained_mean", batch.rewards_N.sum(), len(batch))
     if algo.overlong_penalty_factor > 0:
         acc.add("reward/overlong_penalty", (batch.scores_N - batch.rewards_N).sum(), len(batch))
-    train_batch = TrainBatch(ids_NL=batch.ids_NL, attn_NL=batch.attn_NL, mask_NT=loss_mask_NT, P=batch.P,
-                             adv_NT=adv_NT, old_logp_NT=old_logp_NT, ref_logp_NT=ref_logp_NT, weight_NT=weight_NT,
-                             engine_logp_NT=batch.engine_logp_NT, group_size=batch.group_size)
+    train_batch = TrainBatch(
+        ids_NL=batch.ids_NL,
+        attn_NL=batch.attn_NL,
+        mask_NT=loss_mask_NT,
+        P=batch.P,
+        adv_NT=adv_NT,
+        old_logp_NT=old_logp_NT,
+        ref_logp_NT=ref_logp_NT,
+        weight_NT=weight_NT,
+        engine_logp_NT=batch.engine_logp_NT,
+        group_size=batch.group_size,
+    )
     return train_batch, acc
 
 
-def loss_mask(batch: RolloutBatch, old_logp_NT: Optional[torch.Tensor],
-              algo: AlgorithmConfig) -> tuple[torch.Tensor, Optional[torch.Tensor], MeanAccumulator]:
+def loss_mask(
+    batch: RolloutBatch, old_logp_NT: Optional[torch.Tensor], algo: AlgorithmConfig
+) -> tuple[torch.Tensor, Optional[torch.Tensor], MeanAccumulator]:
     """(loss mask, TIS weight or None, metrics): overlong filter, then rollout correction (MIS may mask more)."""
     acc, n = MeanAccumulator(), len(batch)
     loss_mask_NT = batch.resp_mask_NT
@@ -63,9 +88,14 @@ def loss_mask(batch: RolloutBatch, old_logp_NT: Optional[torch.Tensor],
     weight_NT = None
     if algo.rollout_correction != "none":
         n_tok = loss_mask_NT.sum()  # the correction's metrics are means over its input mask
-        weight_NT, loss_mask_NT, corr = rollout_correction(old_logp_NT, batch.engine_logp_NT, loss_mask_NT,
-                                                           algo.rollout_correction, algo.correction_cap,
-                                                           algo.correction_lower)
+        weight_NT, loss_mask_NT, corr = rollout_correction(
+            old_logp_NT,
+            batch.engine_logp_NT,
+            loss_mask_NT,
+            algo.rollout_correction,
+            algo.correction_cap,
+            algo.correction_lower,
+        )
         for k, v in sorted(corr.items()):
             if k.endswith("_max"):
                 acc.add_max(f"rollout/{k}", v)

@@ -29,6 +29,7 @@ parts (rewards/combine.py: rule, model, model_norm) logs each one as
 `reward/accuracy` is then the rule reward's (the part the success threshold is for), and
 a run on the reward model alone has none (a model's score has no threshold of "correct").
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,9 +37,9 @@ from typing import Mapping, Optional
 
 import torch
 
-from hybrid_rl.runtime import distributed as D
 from hybrid_rl.algorithms.dapo import filter_groups
 from hybrid_rl.observability.metrics import MeanAccumulator
+from hybrid_rl.runtime import distributed as D
 from hybrid_rl.types import Completion
 
 
@@ -67,9 +68,15 @@ class GroupCollector:
         self._kept: list[tuple[dict, list[int], list[Completion], torch.Tensor, torch.Tensor]] = []
         self._seen = MeanAccumulator()  # reward and length over every completion generated
 
-    def add(self, rows: list[dict], prompt_ids: list[list[int]], completions: list[Completion],
-            rewards_N: torch.Tensor, scores_N: torch.Tensor,
-            parts: Optional[Mapping[str, torch.Tensor]] = None) -> None:
+    def add(
+        self,
+        rows: list[dict],
+        prompt_ids: list[list[int]],
+        completions: list[Completion],
+        rewards_N: torch.Tensor,
+        scores_N: torch.Tensor,
+        parts: Optional[Mapping[str, torch.Tensor]] = None,
+    ) -> None:
         """One round: B rows, their prompt ids, B*G completions and their rewards and scores (host tensors);
         `parts`: the reward's named parts (each (N,)), logged separately; every rank passes the same names."""
         G, B = self.G, len(rows)
@@ -91,13 +98,17 @@ class GroupCollector:
             s = slice(b * G, (b + 1) * G)
             self._kept.append((rows[b], prompt_ids[b], completions[s], rewards_N[s], scores_N[s]))
 
-    def _record(self, rewards_N: torch.Tensor, completions: list[Completion], parts: Mapping[str, torch.Tensor]) -> None:
+    def _record(
+        self, rewards_N: torch.Tensor, completions: list[Completion], parts: Mapping[str, torch.Tensor]
+    ) -> None:
         n = len(completions)
         self._seen.add("reward/mean", rewards_N.sum(), n)
         self._seen.add("reward/sq", (rewards_N.double() ** 2).sum(), n)
         for name, part_N in parts.items():
             if part_N.shape != rewards_N.shape:
-                raise RuntimeError(f"reward part {name!r} has shape {tuple(part_N.shape)}, expected {tuple(rewards_N.shape)}")
+                raise RuntimeError(
+                    f"reward part {name!r} has shape {tuple(part_N.shape)}, expected {tuple(rewards_N.shape)}"
+                )
             self._seen.add(f"reward/{name}_mean", part_N.sum(), n)
             self._seen.add(f"reward/{name}_sq", (part_N.double() ** 2).sum(), n)
         if not parts or "rule" in parts:
@@ -121,17 +132,28 @@ class GroupCollector:
         K = -int(D.all_reduce_max(torch.tensor([-min(len(self._kept), self.want)], dtype=torch.int64)).item())
         surplus = len(self._kept) - K
         kept = self._kept[:K]
-        totals = D.all_reduce_sum(torch.tensor([self.generated, self.filtered, surplus, K, self.want],
-                                               dtype=torch.float64))
+        totals = D.all_reduce_sum(
+            torch.tensor([self.generated, self.filtered, surplus, K, self.want], dtype=torch.float64)
+        )
         m = self._seen.reduce()
         for sq in [k for k in m if k.startswith("reward/") and k.endswith("sq")]:
             base = sq[:-2]  # "reward/" or "reward/<part>_"
             m[base + "std"] = max(0.0, m.pop(sq) - m[base + "mean"] ** 2) ** 0.5
-        m.update({"sampling/rounds": float(self.rounds), "sampling/groups_generated": totals[0].item(),
-                  "sampling/groups_filtered": totals[1].item(), "sampling/groups_surplus": totals[2].item(),
-                  "sampling/groups_kept": totals[3].item(), "sampling/batch_fill": (totals[3] / totals[4]).item()})
+        m.update(
+            {
+                "sampling/rounds": float(self.rounds),
+                "sampling/groups_generated": totals[0].item(),
+                "sampling/groups_filtered": totals[1].item(),
+                "sampling/groups_surplus": totals[2].item(),
+                "sampling/groups_kept": totals[3].item(),
+                "sampling/batch_fill": (totals[3] / totals[4]).item(),
+            }
+        )
         groups = KeptGroups(
-            rows=[k[0] for k in kept], prompt_ids=[k[1] for k in kept], completions=[c for k in kept for c in k[2]],
+            rows=[k[0] for k in kept],
+            prompt_ids=[k[1] for k in kept],
+            completions=[c for k in kept for c in k[2]],
             rewards_N=torch.cat([k[3] for k in kept]) if kept else torch.zeros(0),
-            scores_N=torch.cat([k[4] for k in kept]) if kept else torch.zeros(0))
+            scores_N=torch.cat([k[4] for k in kept]) if kept else torch.zeros(0),
+        )
         return groups, m

@@ -8,6 +8,7 @@ A decaying schedule spans the run's length, so resuming with another `trainer.to
 is refused (checkpoint.check_compatible) unless `trainer.resume_ignore` lists it: the
 schedule is then re-planned over the new length and the lr jumps to it at the next step.
 """
+
 from __future__ import annotations
 
 import math

@@ -18,6 +18,7 @@ episode's turns as the environment saw them, one per line (never the observation
 
 Legend: N completions, row-major: `group_size` per dataset row.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -28,12 +29,12 @@ import torch
 
 from hybrid_rl.algorithms.dapo import overlong_penalty
 from hybrid_rl.config.schema import Config
+from hybrid_rl.envs.episodes import EpisodeCompletion
 from hybrid_rl.envs.setup import EnvSetup, model_context
 from hybrid_rl.rewards.base import RewardFn, compute_rewards, resolve_reward
 from hybrid_rl.rewards.combine import RunningNorm, combine, resolve_weights
-from hybrid_rl.types import Completion, response_bodies
-from hybrid_rl.envs.episodes import EpisodeCompletion
 from hybrid_rl.rewards.model import RewardModelScorer, inspect_reward_model, load_reward_model
+from hybrid_rl.types import Completion, response_bodies
 
 # Built-in rewards and the built-in task each one scores (a mismatch is almost always a config slip).
 BUILTIN_REWARDS = {"digits": "digits", "gsm8k": "gsm8k", "gsm8k_format": "gsm8k"}
@@ -61,24 +62,43 @@ class RewardSetup:
         env = EnvSetup.resolve(cfg)
         weights = resolve_weights(r.weights, bool(r.model_path), env is not None)
         if reward_fn is not None and "rule" not in weights:
-            raise ValueError(f"config key 'reward.weights': a reward_fn was passed to Trainer, but the reward's parts "
-                             f"are {weights} (no 'rule'); add reward.weights.rule to use it")
-        rm_spec, rm_tokenizer = (inspect_reward_model(r.model_path, r.score_index, r.score_token, r.score_token_id)
-                                 if r.model_path else (None, None))
-        if ("rule" in weights and reward_fn is None and not r.fn
-                and BUILTIN_REWARDS.get(r.name, cfg.data.task) != cfg.data.task):
-            warnings.warn(f"reward.name={r.name} is the reward of data.task={BUILTIN_REWARDS[r.name]}, but this run "
-                          f"trains on data.task={cfg.data.task}; set reward.name to the task's reward")
+            raise ValueError(
+                f"config key 'reward.weights': a reward_fn was passed to Trainer, but the reward's parts "
+                f"are {weights} (no 'rule'); add reward.weights.rule to use it"
+            )
+        rm_spec, rm_tokenizer = (
+            inspect_reward_model(r.model_path, r.score_index, r.score_token, r.score_token_id)
+            if r.model_path
+            else (None, None)
+        )
+        if (
+            "rule" in weights
+            and reward_fn is None
+            and not r.fn
+            and BUILTIN_REWARDS.get(r.name, cfg.data.task) != cfg.data.task
+        ):
+            warnings.warn(
+                f"reward.name={r.name} is the reward of data.task={BUILTIN_REWARDS[r.name]}, but this run "
+                f"trains on data.task={cfg.data.task}; set reward.name to the task's reward"
+            )
         a, max_new = cfg.algorithm, cfg.rollout.max_new_tokens
         # DAPO's buffer is a fifth of the maximum length (4096 of 20480); rounded down.
         buffer = a.overlong_buffer_len if a.overlong_buffer_len is not None else max_new // 5
-        return cls(name=name, rule=rule, weights=weights, rm_spec=rm_spec, rm_tokenizer=rm_tokenizer,
-                   norm=RunningNorm() if r.normalize_model else None,
-                   max_tokens_per_micro_batch=r.max_tokens_per_micro_batch,
-                   overlong=(max_new, buffer, a.overlong_penalty_factor), env=env)
+        return cls(
+            name=name,
+            rule=rule,
+            weights=weights,
+            rm_spec=rm_spec,
+            rm_tokenizer=rm_tokenizer,
+            norm=RunningNorm() if r.normalize_model else None,
+            max_tokens_per_micro_batch=r.max_tokens_per_micro_batch,
+            overlong=(max_new, buffer, a.overlong_penalty_factor),
+            env=env,
+        )
 
-    def rule_rewards(self, rows: Sequence[dict], completions: Sequence[Completion], group_size: int, tokenizer,
-                     stop_ids: set[int]) -> tuple[list[str], list[float]]:
+    def rule_rewards(
+        self, rows: Sequence[dict], completions: Sequence[Completion], group_size: int, tokenizer, stop_ids: set[int]
+    ) -> tuple[list[str], list[float]]:
         """(texts, rule reward per completion) of N = len(rows) * group_size completions, row-major.
 
         What the reward function sees: completion i belongs to rows[i // group_size]; its text is decoded
@@ -88,13 +108,21 @@ class RewardSetup:
         texts = tokenizer.batch_decode(bodies, skip_special_tokens=True) if completions else []
         texts = [c.text if isinstance(c, EpisodeCompletion) else t for c, t in zip(completions, texts)]
         prompts = [rows[i // group_size]["prompt"] for i in range(len(completions))]
-        meta = [{**rows[i // group_size], "finish_reason": c.finish_reason, "response_tokens": len(b)}
-                for i, (c, b) in enumerate(zip(completions, bodies))]
+        meta = [
+            {**rows[i // group_size], "finish_reason": c.finish_reason, "response_tokens": len(b)}
+            for i, (c, b) in enumerate(zip(completions, bodies))
+        ]
         return texts, compute_rewards(self.name, self.rule, prompts, texts, meta)
 
-    def score(self, rows: Sequence[dict], completions: Sequence[Completion], group_size: int, tokenizer,
-              stop_ids: set[int], model_phase: Callable[[], ContextManager] | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    def score(
+        self,
+        rows: Sequence[dict],
+        completions: Sequence[Completion],
+        group_size: int,
+        tokenizer,
+        stop_ids: set[int],
+        model_phase: Callable[[], ContextManager] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """(reward_N, score_N, logged parts) of a training step's completions.
 
         The rule reward (`rule_rewards`) and/or the reward model's score from the completions' text, with the
@@ -121,8 +149,9 @@ class RewardSetup:
         if self.env is None:
             lengths_N = torch.tensor([len(c.token_ids) for c in completions])
         else:
-            lengths_N = torch.tensor([overlong_length(c, max_new, self.env.settings.max_episode_tokens)
-                                      for c in completions])
+            lengths_N = torch.tensor(
+                [overlong_length(c, max_new, self.env.settings.max_episode_tokens) for c in completions]
+            )
         return rewards_N, rewards_N + overlong_penalty(lengths_N, max_new, buffer, factor), logged
 
     def probe(self, rows: list[dict], tokenizer, model_path: str = "") -> None:
@@ -136,8 +165,9 @@ class RewardSetup:
         rows = rows[:2]
         self.rule_rewards(rows, [Completion([], [], "length") for _ in rows], 1, tokenizer, set())
 
-    def build_model(self, probe_rows: list[dict], device: torch.device, mixed: bool, mesh=None,
-                    whole: bool = False) -> None:
+    def build_model(
+        self, probe_rows: list[dict], device: torch.device, mixed: bool, mesh=None, whole: bool = False
+    ) -> None:
         """Load reward.model_path (sharded, frozen) into `module` and its `scorer`, if the run has one; probed once
         on placeholder completions (every rank that holds a shard: the forward is a collective), so a model that
         scores NaN fails before training. mesh / whole: where a split run's rollout ranks hold it

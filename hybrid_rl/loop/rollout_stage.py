@@ -7,48 +7,60 @@ and run with the engine the ROLLOUT phase hands out, the run state's prompt load
 index. With an environment (`env.*`, envs/setup.py) each row's G samples are G multi-turn episodes
 (envs/episodes.py), run through the same engine instead of one generate call; an episode then
 reaches the batch as one completion whose loss mask is 0 on observation tokens. A second loop reuses
-it as it is: the split placement's rollout ranks run the same stage (their own loader slice) and send the batch's groups to the learner ranks.
+it as it is: the split placement's rollout ranks run the same stage (their own loader slice) and send the
+batch's groups to the learner ranks.
 """
+
 from __future__ import annotations
 
 import os
 from typing import Callable, Optional
 
-from hybrid_rl.runtime import distributed as D
 from hybrid_rl.batch import RolloutBatch
 from hybrid_rl.config.schema import Config
 from hybrid_rl.data.prompts import PromptLoader
-from hybrid_rl.observability.loggers import log_rollouts
-from hybrid_rl.observability.metrics import MeanAccumulator, StageTimer
-from hybrid_rl.loop.reward_setup import RewardSetup
-from hybrid_rl.types import Completion, SamplingParams, response_bodies
 from hybrid_rl.envs.episodes import EpisodeCompletion, episode_metrics
 from hybrid_rl.loop.dynamic_sampling import GroupCollector
+from hybrid_rl.loop.reward_setup import RewardSetup
+from hybrid_rl.observability.loggers import log_rollouts
+from hybrid_rl.observability.metrics import MeanAccumulator, StageTimer
+from hybrid_rl.runtime import distributed as D
+from hybrid_rl.types import Completion, SamplingParams, response_bodies
 
 
 class RolloutStage:
-    def __init__(self, cfg: Config, encode: Callable[[dict], list[int]], rewards: RewardSetup, tokenizer,
-                 stop_token_ids: tuple[int, ...], stop_set: set, device, out_dir: str):
+    def __init__(
+        self,
+        cfg: Config,
+        encode: Callable[[dict], list[int]],
+        rewards: RewardSetup,
+        tokenizer,
+        stop_token_ids: tuple[int, ...],
+        stop_set: set,
+        device,
+        out_dir: str,
+    ):
         """stop_token_ids: what every engine stops on; stop_set: a completion's last token that is cut
         from its text (trainer._build_data); out_dir: where `trainer.log_rollouts` writes rollouts.jsonl."""
         self.cfg, self.encode, self.rewards, self.tokenizer = cfg, encode, rewards, tokenizer
         self.stop_token_ids, self.stop_set, self.device, self.out_dir = stop_token_ids, stop_set, device, out_dir
         self.env = rewards.env  # envs/setup.py's EnvSetup, or None: single-turn completions
 
-    def run(self, engine, loader: PromptLoader, step: int, timer: StageTimer,
-            model_phase=None) -> tuple[Optional[RolloutBatch], dict]:
+    def run(
+        self, engine, loader: PromptLoader, step: int, timer: StageTimer, model_phase=None
+    ) -> tuple[Optional[RolloutBatch], dict]:
         """Sampling rounds until the collector has the step's groups; the kept groups as one batch (None if
         none) and the stage's metrics. step: finished steps (seeds the sampling); model_phase: the phase
         switch's reward() context, for a reward model (RewardSetup.score)."""
         algo, G = self.cfg.algorithm, self.cfg.rollout.n
-        groups = GroupCollector(G, algo.dynamic_sampling, algo.max_sampling_rounds,
-                                self.rewards.rule.success_threshold)
+        groups = GroupCollector(G, algo.dynamic_sampling, algo.max_sampling_rounds, self.rewards.rule.success_threshold)
         episodes = MeanAccumulator()
         while True:
             rows = loader.next_batch()
             with timer("rollout"):
-                prompt_ids, completions = self.generate(engine, rows, self.sampling_params(step, groups.rounds),
-                                                        episodes)
+                prompt_ids, completions = self.generate(
+                    engine, rows, self.sampling_params(step, groups.rounds), episodes
+                )
             with timer("reward"):
                 rewards_N, scores_N, parts = self.score(rows, completions, model_phase)
             groups.add(rows, prompt_ids, completions, rewards_N, scores_N, parts)
@@ -61,12 +73,22 @@ class RolloutStage:
         if not kept.rows:
             return None, metrics
         masks = [c.loss_mask for c in kept.completions] if self.env is not None else None
-        batch = RolloutBatch.build(kept.rows, kept.prompt_ids, kept.completions, G, kept.rewards_N, kept.scores_N,
-                                   self.tokenizer.pad_token_id, self.device, loss_masks=masks)
+        batch = RolloutBatch.build(
+            kept.rows,
+            kept.prompt_ids,
+            kept.completions,
+            G,
+            kept.rewards_N,
+            kept.scores_N,
+            self.tokenizer.pad_token_id,
+            self.device,
+            loss_masks=masks,
+        )
         return batch, metrics
 
-    def generate(self, engine, rows: list[dict], params: SamplingParams,
-                 episodes: Optional[MeanAccumulator] = None) -> tuple[list[list[int]], list[Completion]]:
+    def generate(
+        self, engine, rows: list[dict], params: SamplingParams, episodes: Optional[MeanAccumulator] = None
+    ) -> tuple[list[list[int]], list[Completion]]:
         """(B prompt ids, N = B*G completions, row-major): one generate call of the encoded prompts, or with an
         environment the rows' episodes (their metrics summed into `episodes`)."""
         G = self.cfg.rollout.n
@@ -81,18 +103,26 @@ class RolloutStage:
 
     def score(self, rows: list[dict], completions: list, model_phase=None):
         """(reward, score, logged parts) per completion (G per row, in order): the rule reward on the host and/or
-        the reward model's score in the REWARD stage, weighted, + DAPO's soft overlong penalty (loop/reward_setup.py)."""
-        return self.rewards.score(rows, completions, self.cfg.rollout.n, self.tokenizer, self.stop_set,
-                                  model_phase=model_phase)
+        the reward model's score in the REWARD stage, weighted, + DAPO's soft overlong penalty
+        (loop/reward_setup.py)."""
+        return self.rewards.score(
+            rows, completions, self.cfg.rollout.n, self.tokenizer, self.stop_set, model_phase=model_phase
+        )
 
     def sampling_params(self, step: int, round_idx: int) -> SamplingParams:
         """The engine's sampling settings, with a new seed per step, rank and sampling round (97 and 7919 are
         coprime: no two collide)."""
         r = self.cfg.rollout
         seed = r.seed + 1_000_003 * step + 7919 * D.rank() + 97 * round_idx
-        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                              top_k=r.top_k, stop_token_ids=self.stop_token_ids, seed=seed,
-                              min_new_tokens=r.min_new_tokens)
+        return SamplingParams(
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            stop_token_ids=self.stop_token_ids,
+            seed=seed,
+            min_new_tokens=r.min_new_tokens,
+        )
 
     def _log_rollouts(self, kept, step: int) -> None:
         """The first `trainer.log_rollouts` kept completions of the step, as text (rank 0)."""
@@ -100,10 +130,19 @@ class RolloutStage:
         if not (n_log and D.is_main() and kept.rows):
             return
         n = min(n_log, len(kept.completions))
-        texts = self.tokenizer.batch_decode(response_bodies(kept.completions[:n], self.stop_set),
-                                            skip_special_tokens=True)
-        log_rollouts(os.path.join(self.out_dir, "rollouts.jsonl"), step + 1, kept.rows, texts, kept.completions[:n],
-                     kept.rewards_N[:n].tolist(), kept.scores_N[:n].tolist(), self.cfg.rollout.n)
+        texts = self.tokenizer.batch_decode(
+            response_bodies(kept.completions[:n], self.stop_set), skip_special_tokens=True
+        )
+        log_rollouts(
+            os.path.join(self.out_dir, "rollouts.jsonl"),
+            step + 1,
+            kept.rows,
+            texts,
+            kept.completions[:n],
+            kept.rewards_N[:n].tolist(),
+            kept.scores_N[:n].tolist(),
+            self.cfg.rollout.n,
+        )
 
 
 def reduce_episode_metrics(acc: MeanAccumulator) -> dict[str, float]:
@@ -120,22 +159,32 @@ def reduce_episode_metrics(acc: MeanAccumulator) -> dict[str, float]:
     return acc.reduce()
 
 
-def group_prompts(completions: list[EpisodeCompletion], prompts: list[list[int]], G: int
-                  ) -> tuple[list[list[int]], list[EpisodeCompletion]]:
+def group_prompts(
+    completions: list[EpisodeCompletion], prompts: list[list[int]], G: int
+) -> tuple[list[list[int]], list[EpisodeCompletion]]:
     """One prompt per group, as the batch lays them out: the longest prefix the G episodes' opening prompts
     share. An environment whose reset differs between episodes of a row (a shuffled tool list) keeps the
     rest of each prompt, moved into its completion under loss mask 0 and log-prob 0.0 (never trained)."""
     out_prompts, out = [], []
     for b in range(len(prompts) // G):
-        group = prompts[b * G:(b + 1) * G]
+        group = prompts[b * G : (b + 1) * G]
         n = min(len(p) for p in group)
         n = next((i for i in range(n) if len({p[i] for p in group}) > 1), n)
         if n == 0:
-            raise ValueError(f"the {G} episodes of row {b} open with different first tokens; an environment's "
-                             "reset(row) must open every episode of a row with the same chat template prefix")
+            raise ValueError(
+                f"the {G} episodes of row {b} open with different first tokens; an environment's "
+                "reset(row) must open every episode of a row with the same chat template prefix"
+            )
         out_prompts.append(group[0][:n])
-        for p, c in zip(group, completions[b * G:(b + 1) * G]):
+        for p, c in zip(group, completions[b * G : (b + 1) * G]):
             extra = p[n:]
-            out.append(EpisodeCompletion(extra + c.token_ids, [0.0] * len(extra) + c.logprobs, c.finish_reason,
-                                         loss_mask=[0] * len(extra) + c.loss_mask, episode=c.episode))
+            out.append(
+                EpisodeCompletion(
+                    extra + c.token_ids,
+                    [0.0] * len(extra) + c.logprobs,
+                    c.finish_reason,
+                    loss_mask=[0] * len(extra) + c.loss_mask,
+                    episode=c.episode,
+                )
+            )
     return out_prompts, out

@@ -10,6 +10,7 @@ A rank file (`rank_00000.pt`) holds `RunState.state_dict()` plus the scheduler, 
 switch's rollout count and the RNG states: the layout checkpoints have always had, so those
 written before this module existed still load.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,9 +22,9 @@ from typing import Any, Optional
 import torch
 
 from hybrid_rl.checkpoint import sharded as ckpt
-from hybrid_rl.runtime import distributed as D
 from hybrid_rl.config.schema import Config
 from hybrid_rl.models.saving import declared_dtype, write_hf_metadata
+from hybrid_rl.runtime import distributed as D
 
 
 @dataclass
@@ -41,16 +42,23 @@ class RunState:
 
     def state_dict(self) -> dict:
         norm = self.reward_norm
-        return {"step": self.step, "loader": self.loader.state_dict(), "kl_coef": self.kl_ctl.value,
-                "ledger_rollout": self.ledger_rollout, "reward_norm": norm.state_dict() if norm is not None else None}
+        return {
+            "step": self.step,
+            "loader": self.loader.state_dict(),
+            "kl_coef": self.kl_ctl.value,
+            "ledger_rollout": self.ledger_rollout,
+            "reward_norm": norm.state_dict() if norm is not None else None,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Raises ValueError when the saved run had the reward normaliser on and this one off, or the reverse."""
         norm = self.reward_norm
         if (norm is None) != (state["reward_norm"] is None):
-            raise ValueError(f"was written with the reward normaliser "
-                             f"{'on' if state['reward_norm'] is not None else 'off'}; this run has it "
-                             f"{'on' if norm is not None else 'off'}")
+            raise ValueError(
+                f"was written with the reward normaliser "
+                f"{'on' if state['reward_norm'] is not None else 'off'}; this run has it "
+                f"{'on' if norm is not None else 'off'}"
+            )
         self.step = state["step"]
         self.loader.load_state_dict(state["loader"])
         self.kl_ctl.value = state["kl_coef"]
@@ -101,7 +109,8 @@ def _refuse_later_checkpoints(root: str, start: int) -> None:
             f"{root} holds checkpoints after step {start} (steps {steps}) that {what} would mix with its own: "
             f"keep_last would delete the new ones first and a later trainer.resume=auto would take the old "
             f"ones. Use another trainer.out_dir, resume the newest with trainer.resume=auto, or move those "
-            f"step_* directories out of {root}")
+            f"step_* directories out of {root}"
+        )
 
 
 class Checkpointer:
@@ -111,8 +120,17 @@ class Checkpointer:
     model_config: the policy's config.json (its fingerprint is recorded; the HF files keep its dtype);
     phases: the phase switch (a save or load runs with its state checkpointable; its rollout count is saved)."""
 
-    def __init__(self, cfg: Config, model_config: dict, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler, state: RunState, phases, tokenizer):
+    def __init__(
+        self,
+        cfg: Config,
+        model_config: dict,
+        policy: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler,
+        state: RunState,
+        phases,
+        tokenizer,
+    ):
         self.cfg, self.model_config = cfg, model_config
         self.policy, self.optimizer, self.scheduler = policy, optimizer, scheduler
         self.state, self.phases, self.tokenizer = state, phases, tokenizer
@@ -121,8 +139,12 @@ class Checkpointer:
 
     def rank_state(self) -> dict:
         """Everything this rank's next step reads besides weights and optimizer state."""
-        return {**self.state.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "switch_rollouts": self.phases.rollouts, "rng": ckpt.rng_state()}
+        return {
+            **self.state.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "switch_rollouts": self.phases.rollouts,
+            "rng": ckpt.rng_state(),
+        }
 
     def save(self) -> str:
         """Write a sharded checkpoint of this step (every rank calls it, between steps); returns its path."""
@@ -132,9 +154,16 @@ class Checkpointer:
         source_dtype = declared_dtype(self.model_config)  # the HF config records it, not the fp32 it trained in
         step = self.state.step
         with self.phases.checkpointable():
-            path = ckpt.save(t.checkpoint_root, step, self.policy, self.optimizer, self.rank_state(), meta,
-                             lambda d: write_hf_metadata(self.policy, self.tokenizer, d, source_dtype),
-                             trainable_only=self.cfg.model.lora.enabled)  # LoRA: adapters, not the frozen base
+            path = ckpt.save(
+                t.checkpoint_root,
+                step,
+                self.policy,
+                self.optimizer,
+                self.rank_state(),
+                meta,
+                lambda d: write_hf_metadata(self.policy, self.tokenizer, d, source_dtype),
+                trainable_only=self.cfg.model.lora.enabled,
+            )  # LoRA: adapters, not the frozen base
         ckpt.prune(t.checkpoint_root, t.keep_last)
         D.barrier()
         self.saved_step, self.path = step, path

@@ -21,6 +21,7 @@ The update runs the policy in train mode (`train_mode`) and puts it back in eval
 after: transformers recomputes checkpointed layers only in train mode, and the rollout
 and scoring forwards stay in eval mode (dropout is off in both, `models.fsdp.prepare_policy`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,16 +30,15 @@ from typing import Iterator
 
 import torch
 
-from hybrid_rl.runtime import distributed as D
 from hybrid_rl.algorithms.aggregation import aggregate_loss, masked_sum, normalizer_count
 from hybrid_rl.algorithms.kl import kl_estimate
 from hybrid_rl.algorithms.losses import compute_policy_loss
-from hybrid_rl.batch import TrainBatch
-from hybrid_rl.batch import micro_batches, response_ends, shuffled_rows, trimmed
+from hybrid_rl.batch import TrainBatch, micro_batches, response_ends, shuffled_rows, trimmed
 from hybrid_rl.config.schema import AlgorithmConfig, Config
-from hybrid_rl.observability.metrics import MeanAccumulator
 from hybrid_rl.models.logprobs import response_logprobs
 from hybrid_rl.models.packing import packed_response_logprobs
+from hybrid_rl.observability.metrics import MeanAccumulator
+from hybrid_rl.runtime import distributed as D
 
 
 def is_on_policy(algo: AlgorithmConfig, n_global: int) -> bool:
@@ -63,9 +63,17 @@ def logprob_function(packing: bool):
 
 
 @torch.no_grad()
-def score_logprobs(model: torch.nn.Module, ids_NL: torch.Tensor, attn_NL: torch.Tensor, P: int,
-                   temperature: float, micro_batch_size: int, max_tokens: int = 0, packing: bool = False,
-                   group_size: int = 1) -> torch.Tensor:
+def score_logprobs(
+    model: torch.nn.Module,
+    ids_NL: torch.Tensor,
+    attn_NL: torch.Tensor,
+    P: int,
+    temperature: float,
+    micro_batch_size: int,
+    max_tokens: int = 0,
+    packing: bool = False,
+    group_size: int = 1,
+) -> torch.Tensor:
     """logp_NT of the response tokens (0 on padding), no gradients, in the update's micro-batches.
 
     Same micro-batches and trimming as the update (`micro_batches`, `trimmed`): rows by length
@@ -79,7 +87,7 @@ def score_logprobs(model: torch.nn.Module, ids_NL: torch.Tensor, attn_NL: torch.
     for micro in micro_batches(list(range(N)), ends, P, micro_batch_size, max_tokens, packing, group_size):
         rows = torch.tensor(micro, device=ids_NL.device)
         Tm = max(1, max(ends[r] for r in micro))  # the micro-batch's longest response
-        logp, _ = forward(model, ids_NL[rows, :P + Tm], attn_NL[rows, :P + Tm], P, temperature)
+        logp, _ = forward(model, ids_NL[rows, : P + Tm], attn_NL[rows, : P + Tm], P, temperature)
         logp_NT[rows, :Tm] = logp * resp_mask_NT[rows, :Tm]
     return logp_NT
 
@@ -111,13 +119,27 @@ class UpdateSettings:
     @classmethod
     def from_config(cls, cfg: Config) -> "UpdateSettings":
         t = cfg.trainer
-        return cls(algo=cfg.algorithm, temperature=cfg.rollout.temperature, micro_batch_size=t.micro_batch_size,
-                   grad_clip=cfg.optim.grad_clip, norm_length=cfg.rollout.max_new_tokens,
-                   max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, packing=t.packing)
+        return cls(
+            algo=cfg.algorithm,
+            temperature=cfg.rollout.temperature,
+            micro_batch_size=t.micro_batch_size,
+            grad_clip=cfg.optim.grad_clip,
+            norm_length=cfg.rollout.max_new_tokens,
+            max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
+            packing=t.packing,
+        )
 
 
-def policy_update(*, policy: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, batch: TrainBatch,
-                  settings: UpdateSettings, seed: int, kl_coef: float | None = None) -> dict[str, float]:
+def policy_update(
+    *,
+    policy: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    batch: TrainBatch,
+    settings: UpdateSettings,
+    seed: int,
+    kl_coef: float | None = None,
+) -> dict[str, float]:
     """Epochs x mini-batches x micro-batches of `batch`; returns the update's metrics (reduced over ranks).
 
     seed: the mini-batch shuffle's (a new one per step); kl_coef: the KL coefficient for this step (a
@@ -132,8 +154,10 @@ def policy_update(*, policy: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     with train_mode(policy):
         kl_coef = algo.kl_coef if kl_coef is None else kl_coef
         if algo.kl_placement == "loss" and kl_coef > 0 and batch.ref_logp_NT is None:
-            raise ValueError("the KL is placed in the loss (algorithm.kl_placement=loss, kl_coef > 0) "
-                             "but the batch has no reference log-probs")
+            raise ValueError(
+                "the KL is placed in the loss (algorithm.kl_placement=loss, kl_coef > 0) "
+                "but the batch has no reference log-probs"
+            )
         mb_local = (algo.mini_batch_size or len(batch) * D.world_size()) // D.world_size()
         acc = MeanAccumulator()
         gen = torch.Generator().manual_seed(seed)
@@ -142,13 +166,33 @@ def policy_update(*, policy: torch.nn.Module, optimizer: torch.optim.Optimizer, 
             shuffle = algo.ppo_epochs > 1 or mb_local < len(batch)
             order = shuffled_rows(len(batch), batch.group_size, gen) if shuffle else torch.arange(len(batch))
             for m0 in range(0, len(batch), mb_local):
-                _mini_batch(policy, optimizer, scheduler, batch, order[m0:m0 + mb_local], ends, settings, kl_coef,
-                            epoch == 0, acc)
+                _mini_batch(
+                    policy,
+                    optimizer,
+                    scheduler,
+                    batch,
+                    order[m0 : m0 + mb_local],
+                    ends,
+                    settings,
+                    kl_coef,
+                    epoch == 0,
+                    acc,
+                )
         return acc.reduce()
 
 
-def _mini_batch(policy, optimizer, scheduler, batch: TrainBatch, rows_M: torch.Tensor, ends: list[int],
-                settings: UpdateSettings, kl_coef: float, first_epoch: bool, acc: MeanAccumulator) -> None:
+def _mini_batch(
+    policy,
+    optimizer,
+    scheduler,
+    batch: TrainBatch,
+    rows_M: torch.Tensor,
+    ends: list[int],
+    settings: UpdateSettings,
+    kl_coef: float,
+    first_epoch: bool,
+    acc: MeanAccumulator,
+) -> None:
     """One optimizer step over the mini-batch `rows_M` (gradients accumulated over its micro-batches)."""
     algo, W = settings.algo, D.world_size()
     # Host round trip: the normaliser is a count the ranks sum before any micro-batch runs.
@@ -158,10 +202,18 @@ def _mini_batch(policy, optimizer, scheduler, batch: TrainBatch, rows_M: torch.T
     # way to ROLLOUT, so the memory ledger sees them in TRAIN.
     optimizer.zero_grad(set_to_none=True)
     mini_loss = torch.zeros((), device=batch.ids_NL.device)
-    for micro in micro_batches(rows_M.tolist(), ends, batch.P, settings.micro_batch_size,
-                               settings.max_tokens_per_micro_batch, settings.packing, batch.group_size):
-        loss = _micro_batch_loss(policy, batch, torch.tensor(micro, device=batch.ids_NL.device), settings, kl_coef,
-                                 denom, first_epoch, acc)
+    for micro in micro_batches(
+        rows_M.tolist(),
+        ends,
+        batch.P,
+        settings.micro_batch_size,
+        settings.max_tokens_per_micro_batch,
+        settings.packing,
+        batch.group_size,
+    ):
+        loss = _micro_batch_loss(
+            policy, batch, torch.tensor(micro, device=batch.ids_NL.device), settings, kl_coef, denom, first_epoch, acc
+        )
         (loss * W).backward()
         mini_loss = mini_loss + loss.detach()
     # Each rank holds its share of the mini-batch loss; the shares sum to the total.
@@ -178,8 +230,16 @@ def _mini_batch(policy, optimizer, scheduler, batch: TrainBatch, rows_M: torch.T
     acc.add("actor/grad_norm", grad_norm)
 
 
-def _micro_batch_loss(policy, batch: TrainBatch, rows: torch.Tensor, settings: UpdateSettings, kl_coef: float,
-                      denom: float, first_epoch: bool, acc: MeanAccumulator) -> torch.Tensor:
+def _micro_batch_loss(
+    policy,
+    batch: TrainBatch,
+    rows: torch.Tensor,
+    settings: UpdateSettings,
+    kl_coef: float,
+    denom: float,
+    first_epoch: bool,
+    acc: MeanAccumulator,
+) -> torch.Tensor:
     """The micro-batch `rows`' share of the mini-batch loss (global normaliser `denom`); its metrics into acc."""
     algo = settings.algo
     ids, attn, mask, T = trimmed(batch, rows)
@@ -192,9 +252,17 @@ def _micro_batch_loss(policy, batch: TrainBatch, rows: torch.Tensor, settings: U
         acc |= _behaviour_metrics(old, ref, batch, rows, mask, T, algo.kl_estimator)
     weight = batch.weight_NT[rows, :T] if batch.weight_NT is not None else None
     clip_low, clip_high = algo.clip_bounds()
-    loss_NT, pm = compute_policy_loss(algo.policy_loss, logp, old, batch.adv_NT[rows, :T], mask,
-                                      clip_ratio_low=clip_low, clip_ratio_high=clip_high,
-                                      clip_ratio_c=algo.clip_ratio_c, weight_NT=weight)
+    loss_NT, pm = compute_policy_loss(
+        algo.policy_loss,
+        logp,
+        old,
+        batch.adv_NT[rows, :T],
+        mask,
+        clip_ratio_low=clip_low,
+        clip_ratio_high=clip_high,
+        clip_ratio_c=algo.clip_ratio_c,
+        weight_NT=weight,
+    )
     if algo.kl_placement == "loss" and kl_coef > 0:
         kl_NT = kl_estimate(logp, ref, algo.kl_estimator, mask_NT=mask)
         loss_NT = loss_NT + kl_coef * kl_NT

@@ -23,6 +23,7 @@ rewards to out_dir/val_samples.jsonl, one JSON object per prompt, tagged with th
 
 Legend: B prompts in this rank's slice of a validation batch, k samples per prompt.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,19 +33,21 @@ from typing import Callable, Sequence
 
 import torch
 
-from hybrid_rl.runtime import distributed as D
 from hybrid_rl.config.schema import Config
-from hybrid_rl.observability.metrics import MeanAccumulator
 from hybrid_rl.loop.reward_setup import RewardSetup
+from hybrid_rl.observability.metrics import MeanAccumulator
+from hybrid_rl.runtime import distributed as D
 from hybrid_rl.types import Completion, SamplingParams
 
 
 def check_val_set(rows: Sequence[dict], batch_size: int, source: str) -> None:
     """A validation set must fill at least one of its batches (raised before the first step)."""
     if len(rows) < batch_size:
-        raise ValueError(f"the validation set ({source}) has {len(rows)} prompts, fewer than its batch of "
-                         f"{batch_size} (config key 'data.val_batch_size', null = data.batch_size); use a larger "
-                         "validation set (data.val_size, data.val_split) or a smaller data.val_batch_size")
+        raise ValueError(
+            f"the validation set ({source}) has {len(rows)} prompts, fewer than its batch of "
+            f"{batch_size} (config key 'data.val_batch_size', null = data.batch_size); use a larger "
+            "validation set (data.val_size, data.val_split) or a smaller data.val_batch_size"
+        )
 
 
 class Validator:
@@ -55,8 +58,18 @@ class Validator:
     phase switch whose ROLLOUT it enters; stop_token_ids: what every generate call stops on, and stop_ids the
     tokens cut from a completion's end before it is scored (the trainer's own sets)."""
 
-    def __init__(self, cfg: Config, rows: list[dict], encode: Callable[[dict], list[int]], rewards: RewardSetup,
-                 tokenizer, phases, stop_token_ids: tuple[int, ...], stop_ids: set[int], out_dir: str):
+    def __init__(
+        self,
+        cfg: Config,
+        rows: list[dict],
+        encode: Callable[[dict], list[int]],
+        rewards: RewardSetup,
+        tokenizer,
+        phases,
+        stop_token_ids: tuple[int, ...],
+        stop_ids: set[int],
+        out_dir: str,
+    ):
         self.cfg, self.rows, self.encode, self.rewards = cfg, rows, encode, rewards
         self.tokenizer, self.phases, self.out_dir = tokenizer, phases, out_dir
         self.stop_token_ids, self.stop_ids = stop_token_ids, stop_ids
@@ -71,10 +84,15 @@ class Validator:
         """(texts, rewards_N) of N = len(rows) * k completions, row-major: the rule reward, as training sees it;
         with an environment, the episode's return (its `env` part) plus the rule reward where it is weighted."""
         w = self.rewards.weights
-        texts, rewards = self.rewards.rule_rewards(rows, completions, k, self.tokenizer, self.stop_ids) \
-            if "rule" in w or self.rewards.env is None else ([c.text for c in completions], [0.0] * len(completions))
+        texts, rewards = (
+            self.rewards.rule_rewards(rows, completions, k, self.tokenizer, self.stop_ids)
+            if "rule" in w or self.rewards.env is None
+            else ([c.text for c in completions], [0.0] * len(completions))
+        )
         if self.rewards.env is not None:
-            rewards = [w.get("rule", 0.0) * r + w.get("env", 0.0) * c.episode.reward for r, c in zip(rewards, completions)]
+            rewards = [
+                w.get("rule", 0.0) * r + w.get("env", 0.0) * c.episode.reward for r, c in zip(rewards, completions)
+            ]
         return texts, torch.tensor(rewards, dtype=torch.float64)
 
     def _generate(self, engine, rows: list[dict], ids: list[list[int]], params: SamplingParams, k: int) -> list:
@@ -93,10 +111,15 @@ class Validator:
         t0 = time.perf_counter()
         with self.phases.rollout() as engine:
             for start in range(0, len(rows), batch):
-                mine = rows[start:start + batch][D.rank()::D.world_size()]
+                mine = rows[start : start + batch][D.rank() :: D.world_size()]
                 ids = [self.encode(row) for row in mine]
-                greedy = self._generate(engine, mine, ids, SamplingParams(
-                    max_new_tokens=r.max_new_tokens, stop_token_ids=stop, greedy=True, seed=r.seed), 1)
+                greedy = self._generate(
+                    engine,
+                    mine,
+                    ids,
+                    SamplingParams(max_new_tokens=r.max_new_tokens, stop_token_ids=stop, greedy=True, seed=r.seed),
+                    1,
+                )
                 texts, rewards_B = self._score(mine, greedy, 1)
                 n = len(mine)
                 acc.add("val/pass@1", (rewards_B >= threshold).sum(), n)
@@ -106,23 +129,48 @@ class Validator:
                 s_texts, s_rewards = [], torch.zeros(0, dtype=torch.float64)
                 if k:
                     seed = r.seed + 1_000_003 * step + 7919 * D.rank() + start
-                    sampled = self._generate(engine, mine, ids, SamplingParams(
-                        max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                        stop_token_ids=stop, seed=seed), k)
+                    sampled = self._generate(
+                        engine,
+                        mine,
+                        ids,
+                        SamplingParams(
+                            max_new_tokens=r.max_new_tokens,
+                            temperature=r.temperature,
+                            top_p=r.top_p,
+                            top_k=r.top_k,
+                            stop_token_ids=stop,
+                            seed=seed,
+                        ),
+                        k,
+                    )
                     s_texts, s_rewards = self._score(mine, sampled, k)
                     right_Bk = (s_rewards >= threshold).view(n, k)
                     acc.add(f"val/mean@{k}", right_Bk.sum(), n * k)
                     acc.add(f"val/pass@{k}", right_Bk.any(dim=1).sum(), n)
                     acc.add(f"val/reward_mean@{k}", s_rewards.sum(), n * k)
                 for i in range(min(n, cfg.trainer.val_sample_rows - len(samples))):
-                    samples.append(_sample_record(step, mine[i], texts[i], greedy[i], rewards_B[i].item(),
-                                                  s_texts[i * k:(i + 1) * k], s_rewards[i * k:(i + 1) * k].tolist()))
+                    samples.append(
+                        _sample_record(
+                            step,
+                            mine[i],
+                            texts[i],
+                            greedy[i],
+                            rewards_B[i].item(),
+                            s_texts[i * k : (i + 1) * k],
+                            s_rewards[i * k : (i + 1) * k].tolist(),
+                        )
+                    )
         with self.phases.train():
             pass  # back round the cycle: TRAIN -> ROLLOUT -> TRAIN
         switch = self.phases.pop_stats()
         metrics = acc.reduce()
-        metrics.update({"val/prompts": float(len(rows)), "val/time_s": time.perf_counter() - t0,
-                        "val/switch_s": sum(switch.seconds.values())})
+        metrics.update(
+            {
+                "val/prompts": float(len(rows)),
+                "val/time_s": time.perf_counter() - t0,
+                "val/switch_s": sum(switch.seconds.values()),
+            }
+        )
         if D.is_main() and samples:
             with open(os.path.join(self.out_dir, "val_samples.jsonl"), "a") as f:
                 for record in samples:
@@ -130,10 +178,16 @@ class Validator:
         return metrics
 
 
-def _sample_record(step: int, row: dict, text: str, c: Completion, reward: float, sampled: list[str],
-                   sampled_rewards: list[float]) -> dict:
-    record = {"step": step, "prompt": row["prompt"], "completion": text, "reward": reward,
-              "finish_reason": c.finish_reason}
+def _sample_record(
+    step: int, row: dict, text: str, c: Completion, reward: float, sampled: list[str], sampled_rewards: list[float]
+) -> dict:
+    record = {
+        "step": step,
+        "prompt": row["prompt"],
+        "completion": text,
+        "reward": reward,
+        "finish_reason": c.finish_reason,
+    }
     for key in ("ground_truth", "answer"):
         if key in row:
             record[key] = str(row[key])

@@ -12,6 +12,7 @@ Every model comes out in eval mode. `prepare_policy` readies the policy for trai
 (dropout off, activation checkpointing switched on); the update (`update.policy_update`)
 puts it in train mode for its own duration, which is when the checkpointing acts.
 """
+
 from __future__ import annotations
 
 import copy
@@ -20,8 +21,8 @@ from typing import Callable, Optional
 
 import torch
 
-from hybrid_rl.runtime import distributed as D
 from hybrid_rl.models.loading import decoder_layers, load_causal_lm
+from hybrid_rl.runtime import distributed as D
 
 
 def shard_model(model: torch.nn.Module, device: torch.device, mixed_precision: bool, mesh=None) -> torch.nn.Module:
@@ -42,7 +43,11 @@ def shard_model(model: torch.nn.Module, device: torch.device, mixed_precision: b
 def _fully_shard(model: torch.nn.Module, mixed_precision: bool, mesh=None) -> torch.nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mixed_precision
+        else MixedPrecisionPolicy()
+    )
     for layer in decoder_layers(model):
         fully_shard(layer, mp_policy=mp, mesh=mesh)
     fully_shard(model, mp_policy=mp, mesh=mesh)
@@ -87,10 +92,18 @@ def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def load_sharded(path: str, device: torch.device, mixed_precision: bool, attn_implementation: str,
-                 prepare: list[Callable[[torch.nn.Module], object]], *,
-                 load: Optional[Callable[[], torch.nn.Module]] = None, model_class=None,
-                 dtype: torch.dtype = torch.float32, mesh=None) -> list[torch.nn.Module]:
+def load_sharded(
+    path: str,
+    device: torch.device,
+    mixed_precision: bool,
+    attn_implementation: str,
+    prepare: list[Callable[[torch.nn.Module], object]],
+    *,
+    load: Optional[Callable[[], torch.nn.Module]] = None,
+    model_class=None,
+    dtype: torch.dtype = torch.float32,
+    mesh=None,
+) -> list[torch.nn.Module]:
     """One sharded model per entry of `prepare` (e.g. the policy and its reference), each holding the
     weights of the Hugging Face directory `path` after `prepare[i]` ran on it (before sharding).
 
@@ -122,8 +135,9 @@ def load_sharded(path: str, device: torch.device, mixed_precision: bool, attn_im
     models = []
     for fn in prepare:
         with torch.device("meta"):
-            model = (model_class or AutoModelForCausalLM).from_config(config, dtype=dtype,
-                                                                      attn_implementation=attn_implementation)
+            model = (model_class or AutoModelForCausalLM).from_config(
+                config, dtype=dtype, attn_implementation=attn_implementation
+            )
         if generation is not None and hasattr(model, "generation_config"):
             model.generation_config = copy.deepcopy(generation)
         model.eval()  # as from_pretrained returns it
@@ -161,8 +175,9 @@ def _generation_config(path: str):
     return None
 
 
-def _receive_from_rank0(model: torch.nn.Module, device: torch.device, full_state: dict,
-                        full_buffers: Optional[dict]) -> None:
+def _receive_from_rank0(
+    model: torch.nn.Module, device: torch.device, full_state: dict, full_buffers: Optional[dict]
+) -> None:
     """Allocate the sharded meta `model`'s shards on `device` and fill them from rank 0's whole
     state dict (`full_state`, empty on the other ranks), then every buffer from rank 0's
     `full_buffers` (None on the other ranks) by broadcast."""
@@ -170,8 +185,9 @@ def _receive_from_rank0(model: torch.nn.Module, device: torch.device, full_state
 
     model.to_empty(device=device)
     # A copy of the dict each time: set_model_state_dict pops the entries it renames.
-    set_model_state_dict(model, dict(full_state),
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    set_model_state_dict(
+        model, dict(full_state), options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
     with torch.no_grad():
         for name, buf in model.named_buffers():
             if full_buffers is not None:

@@ -3,6 +3,7 @@
 Bad input is caught here, before any training step: a missing directory, a
 directory without weights, a tokenizer without an EOS or pad token.
 """
+
 from __future__ import annotations
 
 import glob
@@ -66,9 +67,11 @@ def load_tokenizer(path: str):
     if why is not None:
         # As TRL and verl do (Llama 3 and Mistral tokenizers have none): padding positions are always masked
         # here (attention masks and response lengths, never a comparison with the pad id), so EOS serves.
-        warnings.warn(f"tokenizer in {path!r} has no pad token{why}: padding with its EOS token {tok.eos_token!r} "
-                      "(padding is masked, so no result changes); set `pad_token` in its tokenizer_config.json "
-                      "to choose another")
+        warnings.warn(
+            f"tokenizer in {path!r} has no pad token{why}: padding with its EOS token {tok.eos_token!r} "
+            "(padding is masked, so no result changes); set `pad_token` in its tokenizer_config.json "
+            "to choose another"
+        )
         tok.pad_token = tok.eos_token
     return tok
 

@@ -6,6 +6,7 @@ L = P + T, V vocab, H hidden size.
 Layout shared by the rollout engine and the trainer, so both see the same
 positions and masks:  [pad .. pad prompt | response pad .. pad].
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,7 +17,9 @@ import torch
 from hybrid_rl.kernels import chunked_logprob_entropy
 
 
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(
+    prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompts right-aligned to the longest one: ids_NP and attn_NP (1 = real token)."""
     P = max(len(p) for p in prompts)
     # One tensor from padded Python lists: a torch.tensor per row costs more than the copy.
@@ -28,7 +31,10 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
 
 
 def build_sequences(
-    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int, device: torch.device | None = None
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    pad_id: int,
+    device: torch.device | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Returns ids_NL, attn_NL (1 = real token), resp_mask_NT (1 = response token), P."""
     if len(prompts) != len(responses):
@@ -89,8 +95,9 @@ def check_layout(ids_NL: torch.Tensor, attn_NL: torch.Tensor, P: int) -> tuple[i
     return N, L - P
 
 
-def scatter_responses(values_Q: Sequence[torch.Tensor], row_Q: torch.Tensor, col_Q: torch.Tensor, N: int,
-                      T: int) -> tuple[torch.Tensor, ...]:
+def scatter_responses(
+    values_Q: Sequence[torch.Tensor], row_Q: torch.Tensor, col_Q: torch.Tensor, N: int, T: int
+) -> tuple[torch.Tensor, ...]:
     """Each per-token vector (Q,) of the scored response tokens back in the padded (N, T) layout, 0 elsewhere."""
     return tuple(torch.zeros((N, T), dtype=v.dtype, device=v.device).index_put((row_Q, col_Q), v) for v in values_Q)
 
@@ -116,9 +123,17 @@ def response_logprobs(
         return hidden_NKH[:, :-1].reshape(N * T, hidden_NKH.shape[-1])
 
     # Only the last T+1 positions reach the head: prompt positions are never scored.
-    logp_R, ent_R = head_logprobs(model, select, ids_NL[:, P:].reshape(N * T), temperature, chunk_tokens,
-                                  input_ids=ids_NL, attention_mask=attn_NL, position_ids=position_ids(attn_NL),
-                                  logits_to_keep=T + 1)
+    logp_R, ent_R = head_logprobs(
+        model,
+        select,
+        ids_NL[:, P:].reshape(N * T),
+        temperature,
+        chunk_tokens,
+        input_ids=ids_NL,
+        attention_mask=attn_NL,
+        position_ids=position_ids(attn_NL),
+        logits_to_keep=T + 1,
+    )
     return logp_R.view(N, T).contiguous(), ent_R.view(N, T).contiguous()
 
 
@@ -155,9 +170,13 @@ def head_logprobs(
     def logp_and_entropy(hidden: torch.Tensor) -> torch.Tensor:
         weight_VH = head.weight
         if _is_dtensor(weight_VH):
-            raise RuntimeError("lm_head.weight is still sharded inside the model's forward: "
-                               "fully_shard the root module (models/fsdp.py), not the head on its own with another mesh")
-        logp_R, ent_R = chunked_logprob_entropy(select(hidden), weight_VH, head.bias, targets_R, temperature, chunk_tokens)
+            raise RuntimeError(
+                "lm_head.weight is still sharded inside the model's forward: "
+                "fully_shard the root module (models/fsdp.py), not the head on its own with another mesh"
+            )
+        logp_R, ent_R = chunked_logprob_entropy(
+            select(hidden), weight_VH, head.bias, targets_R, temperature, chunk_tokens
+        )
         # Stacked from (1, R) pieces, not stacked then unsqueezed: the model returns this tensor, and FSDP2 warns
         # about a root output that is a view (an in-place op on it would skip the pre-backward hook).
         return torch.stack([logp_R[None], ent_R[None]], dim=-1)

@@ -21,6 +21,7 @@ checkpoint/sharded.py saves the trainable parameters only;
 checkpoint/export.py writes the adapter directory or the merged model; the planner counts the adapters with
 plan.arch.lora_param_count.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,8 +43,13 @@ def peft_config(settings: LoraSettings):
     """peft's LoraConfig for `settings` (bias off: only lora_A / lora_B train)."""
     from peft import LoraConfig
 
-    return LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-                      target_modules=settings.target_modules, bias="none")
+    return LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=settings.target_modules,
+        bias="none",
+    )
 
 
 def _check(cond: bool, key: str, msg: str) -> None:
@@ -54,8 +60,11 @@ def _check(cond: bool, key: str, msg: str) -> None:
 # -- checks before (and while) a model is built ---------------------------------------------------
 def linear_layers(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
     """name -> (in_features, out_features) of every plain `nn.Linear` (a meta-device model will do)."""
-    return {n: (m.in_features, m.out_features) for n, m in model.named_modules()
-            if type(m) is torch.nn.Linear and not n.endswith(".base_layer")}
+    return {
+        n: (m.in_features, m.out_features)
+        for n, m in model.named_modules()
+        if type(m) is torch.nn.Linear and not n.endswith(".base_layer")
+    }
 
 
 def target_shapes(settings: LoraSettings, model: torch.nn.Module) -> dict[str, tuple[int, int]]:
@@ -72,14 +81,20 @@ def target_shapes(settings: LoraSettings, model: torch.nn.Module) -> dict[str, t
             hits = {n: s for n, s in linears.items() if n == entry or n.endswith("." + entry)}
             if not hits:
                 ends = sorted({n.rsplit(".", 1)[-1] for n in linears})
-                _check(False, "target_modules", f"{entry!r} matches no linear layer of the model; its linear layers "
-                       f"are named {ends}")
+                _check(
+                    False,
+                    "target_modules",
+                    f"{entry!r} matches no linear layer of the model; its linear layers are named {ends}",
+                )
             out.update(hits)
     _check(bool(out), "target_modules", "selects no linear layer of the model")
     for name, (fan_in, fan_out) in out.items():
-        _check(settings.rank <= min(fan_in, fan_out), "rank",
-               f"{settings.rank} is larger than the width of {name} (in {fan_in}, out {fan_out}): a rank above "
-               f"min(in, out) = {min(fan_in, fan_out)} adds parameters and no expressiveness; lower it")
+        _check(
+            settings.rank <= min(fan_in, fan_out),
+            "rank",
+            f"{settings.rank} is larger than the width of {name} (in {fan_in}, out {fan_out}): a rank above "
+            f"min(in, out) = {min(fan_in, fan_out)} adds parameters and no expressiveness; lower it",
+        )
     return out
 
 
@@ -95,13 +110,16 @@ def check_model_dir(settings: LoraSettings, path: str) -> Optional[dict[str, tup
             f"config key 'model.path': {path!r} is a peft adapter directory (adapter_config.json), not a model. "
             f"Set model.path to its base model ({base!r} by its adapter_config.json) and train a new adapter with "
             "model.lora.rank; to continue from this adapter, merge it into the base first (peft's "
-            "merge_and_unload, then save_pretrained) and point model.path there")
+            "merge_and_unload, then save_pretrained) and point model.path there"
+        )
     if not settings.enabled:
         return None
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise FileNotFoundError(f"{path!r} has no config.json: not a Hugging Face model directory (config key 'model.path')")
+        raise FileNotFoundError(
+            f"{path!r} has no config.json: not a Hugging Face model directory (config key 'model.path')"
+        )
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
     return target_shapes(settings, meta)
@@ -133,8 +151,9 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Modul
     return model
 
 
-def policy_loading(model_cfg, as_policy: Callable[[torch.nn.Module], object], mixed_precision: bool
-                   ) -> tuple[Optional[Callable[[], torch.nn.Module]], Callable[[torch.nn.Module], object], torch.dtype]:
+def policy_loading(
+    model_cfg, as_policy: Callable[[torch.nn.Module], object], mixed_precision: bool
+) -> tuple[Optional[Callable[[], torch.nn.Module]], Callable[[torch.nn.Module], object], torch.dtype]:
     """(load, prepare, dtype) for `models.fsdp.load_sharded` to build the policy of `model_cfg` (config.model).
 
     Without LoRA: the default load, `as_policy`, fp32 (the masters). With it: the base in the inference dtype
@@ -168,8 +187,9 @@ def adapters_disabled(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     clears the adapters' requires_grad while off; each flag is put back as it was."""
     layers = lora_layers(model)
     if not layers:
-        raise RuntimeError("adapters_disabled on a model without LoRA adapters: with model.lora.rank=0 the "
-                           "reference is its own model")
+        raise RuntimeError(
+            "adapters_disabled on a model without LoRA adapters: with model.lora.rank=0 the reference is its own model"
+        )
     was_off = [layer.disable_adapters for layer in layers]
     flags = [(p, p.requires_grad) for n, p in model.named_parameters() if _LORA_PARAM.match(n)]
     for layer in layers:
@@ -193,8 +213,9 @@ def peft_name(param_name: str) -> Optional[str]:
     return f"base_model.model.{m['module']}.lora_{m['ab']}.weight"
 
 
-def adapter_named_tensors(model: torch.nn.Module, dtype: Optional[torch.dtype] = None
-                          ) -> Iterator[tuple[str, torch.Tensor]]:
+def adapter_named_tensors(
+    model: torch.nn.Module, dtype: Optional[torch.dtype] = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(peft name, full tensor) of every adapter weight, each shard cast to `dtype` (None: as stored, fp32) before
     the all-gather, as models/weights.py does for full weights. A collective under FSDP2: every rank iterates to
     the end, in the same order. lora_A is (rank, in), lora_B is (out, rank)."""

@@ -26,6 +26,7 @@ which matrix shapes the model runs, not the loss.
 Legend: N sequences, P prompt columns (left-padded), T response columns, L = P + T,
 R packed rows of C slots, K real tokens, Q scored (response) tokens, H hidden size.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -94,8 +95,13 @@ def plan_rows(attn_NL: torch.Tensor, one_row: bool) -> tuple[list[int], int, lis
     return lengths, capacity, first_fit_decreasing(lengths, capacity)
 
 
-def pack(ids_NL: torch.Tensor, attn_NL: torch.Tensor, P: int, one_row: bool,
-         plan: tuple[list[int], int, list[list[int]]] | None = None) -> PackedLayout:
+def pack(
+    ids_NL: torch.Tensor,
+    attn_NL: torch.Tensor,
+    P: int,
+    one_row: bool,
+    plan: tuple[list[int], int, list[list[int]]] | None = None,
+) -> PackedLayout:
     """Lay the real tokens of each row end to end, in the rows of `plan` (default `plan_rows`).
 
     The prompt's real tokens must end at column P (left padding) and the response's start
@@ -125,9 +131,15 @@ def pack(ids_NL: torch.Tensor, attn_NL: torch.Tensor, P: int, one_row: bool,
     pos_flat = torch.zeros(R * C, dtype=torch.long, device=dev)
     pos_flat[slot_K] = j_K
     resp_K = j_K >= p_N[seq_K]
-    return PackedLayout(ids_RC=ids_RC.view(R, C), pos_RC=pos_flat.view(R, C), pred_Q=slot_K[resp_K] - 1,
-                        target_Q=ids_NL[seq_K[resp_K], col_K[resp_K]], row_Q=seq_K[resp_K], col_Q=col_K[resp_K] - P,
-                        real_tokens=sum(lengths))
+    return PackedLayout(
+        ids_RC=ids_RC.view(R, C),
+        pos_RC=pos_flat.view(R, C),
+        pred_Q=slot_K[resp_K] - 1,
+        target_Q=ids_NL[seq_K[resp_K], col_K[resp_K]],
+        row_Q=seq_K[resp_K],
+        col_Q=col_K[resp_K] - P,
+        real_tokens=sum(lengths),
+    )
 
 
 def packed_response_logprobs(
@@ -169,9 +181,17 @@ def packed_response_logprobs(
     def select(hidden_RCH: torch.Tensor) -> torch.Tensor:
         return hidden_RCH.reshape(-1, hidden_RCH.shape[-1])[layout.pred_Q]
 
-    logp_Q, ent_Q = head_logprobs(model, select, layout.target_Q, temperature, chunk_tokens,
-                                  input_ids=layout.ids_RC, position_ids=layout.pos_RC, attention_mask=None,
-                                  logits_to_keep=0)
+    logp_Q, ent_Q = head_logprobs(
+        model,
+        select,
+        layout.target_Q,
+        temperature,
+        chunk_tokens,
+        input_ids=layout.ids_RC,
+        position_ids=layout.pos_RC,
+        attention_mask=None,
+        logits_to_keep=0,
+    )
     return scatter_responses((logp_Q, ent_Q), layout.row_Q, layout.col_Q, N, T)
 
 

@@ -3,6 +3,7 @@
 A directory is written next to its target and renamed into place, so an interrupted
 save never leaves a half-written model where a finished one is expected.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -106,8 +107,11 @@ def write_hf_dir(model: torch.nn.Module, state: dict[str, torch.Tensor], tokeniz
     with atomic_dir(path) as tmp:
         save_weights_quietly(model, tmp, state_dict=state)
         tokenizer.save_pretrained(tmp)
-        _fix_config(os.path.join(tmp, "config.json"), _hf_class_name(model),
-                    str(written).replace("torch.", "") if written is not None else None)
+        _fix_config(
+            os.path.join(tmp, "config.json"),
+            _hf_class_name(model),
+            str(written).replace("torch.", "") if written is not None else None,
+        )
     return path
 
 

@@ -33,6 +33,7 @@ Legend: N sequences, P prompt columns (left-padded), T response columns, L = P +
 K distinct tokens (one row), U distinct prompts, Q scored response tokens, H query
 heads, KV key/value heads, D head dim.
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -41,9 +42,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hybrid_rl.models.loading import attention_implementation, model_config
+from hybrid_rl.models.loading import all_full_attention, attention_implementation, model_config
 from hybrid_rl.models.logprobs import head_logprobs, position_ids, scatter_responses
-from hybrid_rl.models.loading import all_full_attention
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 BASES = ("sdpa", "eager")
@@ -69,13 +69,14 @@ class AttentionPart:
     mask: torch.Tensor  # (R, 1, Lq, Lk) bool, True = may attend; a padding query sees every key (finite, discarded)
     _bias: torch.Tensor | None = None  # additive mask of the short-row attention, built at its first layer
 
-    def run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
-            dropout: float) -> torch.Tensor:
+    def run(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None, dropout: float
+    ) -> torch.Tensor:
         """(R * Lq, H, D): the attention output of every query slot, row-major."""
         q, k, v = _rows(query, self.gather_q), _rows(key, self.gather_k), _rows(value, self.gather_k)
         (R, H, Lq, D), KV, Lk = q.shape, k.shape[1], k.shape[2]
         if q.device.type == "cpu" and Lk <= SMALL_ATTENTION_MAX_LEN and dropout == 0.0:
-            out_RHQD = self._small_attention(q, k, v, D ** -0.5 if scaling is None else scaling)
+            out_RHQD = self._small_attention(q, k, v, D**-0.5 if scaling is None else scaling)
         else:
             if KV != H:  # query head h reads kv head h // (H / KV), transformers' repeat_kv order
                 k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
@@ -97,8 +98,9 @@ class AttentionPart:
             bias_R1QL = torch.zeros(self.mask.shape, dtype=q_RHQD.dtype, device=q_RHQD.device)
             bias_R1QL.masked_fill_(~self.mask, float("-inf"))
             self._bias = bias_R1QL.expand(R, H, Lq, Lk).reshape(R * KV, G * Lq, Lk)
-        scores = torch.baddbmm(self._bias, q_RHQD.reshape(R * KV, G * Lq, D), k_RKLD.reshape(R * KV, Lk, D).transpose(1, 2),
-                               alpha=scale)
+        scores = torch.baddbmm(
+            self._bias, q_RHQD.reshape(R * KV, G * Lq, D), k_RKLD.reshape(R * KV, Lk, D).transpose(1, 2), alpha=scale
+        )
         out = torch.bmm(scores.softmax(-1), v_RKLD.reshape(R * KV, Lk, D))
         return out.view(R, H, Lq, D)
 
@@ -129,21 +131,32 @@ class SharedPrefixLayout:
     def tokens(self) -> int:
         return self.ids_1K.shape[1]
 
-    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
-               dropout: float) -> torch.Tensor:
+    def attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None, dropout: float
+    ) -> torch.Tensor:
         """query (1, H, K, D), key and value (1, KV, K, D) of the distinct tokens -> (1, K, H, D)."""
         outs = [part.run(query, key, value, scaling, dropout) for part in (self.prompt, self.response)]
         return torch.cat(outs).index_select(0, self.owner_K)[None]
 
 
 def _attention(base: str):
-    def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
-                  shared_prefix: SharedPrefixLayout | None = None, **kwargs):
+    def attention(
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        shared_prefix: SharedPrefixLayout | None = None,
+        **kwargs,
+    ):
         if shared_prefix is None:
             from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-            return ALL_ATTENTION_FUNCTIONS[base](module, query, key, value, attention_mask, dropout=dropout,
-                                                scaling=scaling, **kwargs)
+            return ALL_ATTENTION_FUNCTIONS[base](
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+            )
         if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
             raise NotImplementedError("shared-prefix attention supports full attention without softcapping only")
         return shared_prefix.attend(query, key, value, scaling, dropout), None
@@ -158,6 +171,7 @@ _BUILDING_SHARED = contextvars.ContextVar("hybrid_rl_shared_prefix_forward", def
 
 def _mask(base: str):
     """The base implementation's mask builder, skipped in a shared-prefix forward (the layout has its own)."""
+
     def mask(*args, **kwargs):
         if _BUILDING_SHARED.get():
             return None
@@ -218,11 +232,13 @@ def build_layout(ids_NL: torch.Tensor, attn_NL: torch.Tensor, P: int) -> SharedP
     attn = attn_NL.bool()
     p_N, r_N = attn[:, :P].sum(1), attn[:, P:].sum(1)
     if bool((p_N == 0).any()):
-        raise ValueError("every row needs at least one real prompt token (its last one predicts the first response token)")
+        raise ValueError(
+            "every row needs at least one real prompt token (its last one predicts the first response token)"
+        )
     first: dict[tuple[int, ...], int] = {}
     src, rep = [], []
     for n, (row, p) in enumerate(zip(ids_NL[:, :P].tolist(), p_N.tolist())):
-        key = tuple(row[P - p:])
+        key = tuple(row[P - p :])
         if key not in first:
             first[key] = len(first)
             rep.append(n)
@@ -250,25 +266,48 @@ def build_layout(ids_NL: torch.Tensor, attn_NL: torch.Tensor, P: int) -> SharedP
     ids_1K = torch.cat([ids_NL[rep_U, :P][attn_UP], ids_NL[:, P:Li][fed_NT]])[None]
     pos_1K = torch.cat([pos_NL[rep_U, :P][attn_UP], pos_NL[:, P:Li][fed_NT]])[None]
     causal_PP = torch.ones((P, P), dtype=torch.bool, device=dev).tril()
-    prompt = AttentionPart(gather_q=gather_NL[rep_U, :P], gather_k=gather_NL[rep_U, :P],
-                           mask=((causal_PP[None] & attn_UP[:, None, :]) | ~attn_UP[:, :, None])[:, None])
+    prompt = AttentionPart(
+        gather_q=gather_NL[rep_U, :P],
+        gather_k=gather_NL[rep_U, :P],
+        mask=((causal_PP[None] & attn_UP[:, None, :]) | ~attn_UP[:, :, None])[:, None],
+    )
     sees_TL = col_L[None, :] <= P + torch.arange(Ti, device=dev)[:, None]  # response column t sees slots <= P + t
-    response = AttentionPart(gather_q=gather_NL[:, P:], gather_k=gather_NL,
-                             mask=((sees_TL[None] & attn_in[:, None, :]) | ~fed_NT[:, :, None])[:, None])
+    response = AttentionPart(
+        gather_q=gather_NL[:, P:],
+        gather_k=gather_NL,
+        mask=((sees_TL[None] & attn_in[:, None, :]) | ~fed_NT[:, :, None])[:, None],
+    )
     # The same order over the parts' query slots: the real slots of each part, row-major.
-    owner_K = torch.cat([attn_UP.reshape(-1).nonzero().squeeze(1),
-                         len(rep) * P + fed_NT.reshape(-1).nonzero().squeeze(1)])
+    owner_K = torch.cat(
+        [attn_UP.reshape(-1).nonzero().squeeze(1), len(rep) * P + fed_NT.reshape(-1).nonzero().squeeze(1)]
+    )
     # Response token t of row n is predicted at slot (n, P + t - 1): the prompt's last token for t = 0.
     row_Q, col_Q = attn[:, P:].nonzero(as_tuple=True)
     pred_Q = gather_NL[row_Q, P + col_Q - 1]
-    return SharedPrefixLayout(ids_1K=ids_1K, pos_1K=pos_1K, gather_NL=gather_NL, prompt=prompt, response=response,
-                              owner_K=owner_K, pred_Q=pred_Q, target_Q=ids_NL[row_Q, P + col_Q], row_Q=row_Q,
-                              col_Q=col_Q, prompts=len(rep))
+    return SharedPrefixLayout(
+        ids_1K=ids_1K,
+        pos_1K=pos_1K,
+        gather_NL=gather_NL,
+        prompt=prompt,
+        response=response,
+        owner_K=owner_K,
+        pred_Q=pred_Q,
+        target_Q=ids_NL[row_Q, P + col_Q],
+        row_Q=row_Q,
+        col_Q=col_Q,
+        prompts=len(rep),
+    )
 
 
-def shared_prefix_logprobs(model: torch.nn.Module, ids_NL: torch.Tensor, attn_NL: torch.Tensor, P: int,
-                           temperature: float = 1.0, chunk_tokens: int | None = None,
-                           layout: SharedPrefixLayout | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def shared_prefix_logprobs(
+    model: torch.nn.Module,
+    ids_NL: torch.Tensor,
+    attn_NL: torch.Tensor,
+    P: int,
+    temperature: float = 1.0,
+    chunk_tokens: int | None = None,
+    layout: SharedPrefixLayout | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, T) logp and entropy of the response tokens (0 at padding), each distinct prompt run once."""
     reason = unsupported_reason(model)
     if reason is not None:
@@ -281,9 +320,18 @@ def shared_prefix_logprobs(model: torch.nn.Module, ids_NL: torch.Tensor, attn_NL
 
     token = _BUILDING_SHARED.set(True)
     try:
-        logp_Q, ent_Q = head_logprobs(model, select, layout.target_Q, temperature, chunk_tokens,
-                                      input_ids=layout.ids_1K, position_ids=layout.pos_1K, attention_mask=None,
-                                      logits_to_keep=0, shared_prefix=layout)
+        logp_Q, ent_Q = head_logprobs(
+            model,
+            select,
+            layout.target_Q,
+            temperature,
+            chunk_tokens,
+            input_ids=layout.ids_1K,
+            position_ids=layout.pos_1K,
+            attention_mask=None,
+            logits_to_keep=0,
+            shared_prefix=layout,
+        )
     finally:
         _BUILDING_SHARED.reset(token)
     return scatter_responses((logp_Q, ent_Q), layout.row_Q, layout.col_Q, ids_NL.shape[0], ids_NL.shape[1] - P)

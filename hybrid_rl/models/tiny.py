@@ -5,6 +5,7 @@ model and a word-level tokenizer in code, then save both with `save_pretrained`.
 The trainer loads them back through the same `models.loading` path a real
 checkpoint takes: no special case for tiny models anywhere else.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,9 +27,7 @@ def build_word_tokenizer(words: Sequence[str]):
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token=PAD, eos_token=EOS, bos_token=BOS, unk_token="<unk>"
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, bos_token=BOS, unk_token="<unk>")
 
 
 def build_tiny_model_dir(
@@ -49,12 +48,30 @@ def build_tiny_model_dir(
     """
     if os.path.isfile(os.path.join(path, "config.json")) and not overwrite:
         return path
-    return save_random_qwen2(path, build_word_tokenizer(words), hidden_size, num_layers, num_heads, num_kv_heads,
-                             intermediate_size or 4 * hidden_size, max_positions, seed)
+    return save_random_qwen2(
+        path,
+        build_word_tokenizer(words),
+        hidden_size,
+        num_layers,
+        num_heads,
+        num_kv_heads,
+        intermediate_size or 4 * hidden_size,
+        max_positions,
+        seed,
+    )
 
 
-def save_random_qwen2(path: str, tokenizer, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
-                      intermediate_size: int, max_positions: int, seed: int) -> str:
+def save_random_qwen2(
+    path: str,
+    tokenizer,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate_size: int,
+    max_positions: int,
+    seed: int,
+) -> str:
     """A seeded random-init Qwen2 over `tokenizer`'s vocabulary and special tokens, saved with it (atomically)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 

@@ -8,6 +8,7 @@ Qwen2.5-Instruct checkpoint. Saved as a normal Hugging Face directory.
 
     python -m hybrid_rl.models.tiny_text runs/tiny_text    # build one from the command line
 """
+
 from __future__ import annotations
 
 import os
@@ -32,8 +33,13 @@ def build_text_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([PAD, EOS, IM_START])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS,
-                                   additional_special_tokens=[IM_START], chat_template=CHAT_TEMPLATE)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD,
+        eos_token=EOS,
+        additional_special_tokens=[IM_START],
+        chat_template=CHAT_TEMPLATE,
+    )
 
 
 def build_tiny_text_model_dir(
@@ -51,8 +57,17 @@ def build_tiny_text_model_dir(
 
     if os.path.isfile(os.path.join(path, "config.json")) and not overwrite:
         return path
-    return save_random_qwen2(path, build_text_tokenizer(), hidden_size, num_layers, num_heads, num_kv_heads,
-                             4 * hidden_size, max_positions, seed)
+    return save_random_qwen2(
+        path,
+        build_text_tokenizer(),
+        hidden_size,
+        num_layers,
+        num_heads,
+        num_kv_heads,
+        4 * hidden_size,
+        max_positions,
+        seed,
+    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ Each shard is cast to the engine's dtype before the all-gather, not after: gathe
 fp32 masters and casting the full tensor to bf16 moves (and briefly holds) twice the
 bytes of every sync. The cast is elementwise, so the result is the same to the bit.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Iterator, Optional
@@ -30,8 +31,12 @@ def engine_dtype(engine) -> Optional[torch.dtype]:
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
-def iter_weight_buckets(model: torch.nn.Module, bucket_bytes: int = 256 << 20, dtype: torch.dtype | None = None,
-                        named: Optional[Iterable[tuple[str, torch.Tensor]]] = None) -> Iterator[Bucket]:
+def iter_weight_buckets(
+    model: torch.nn.Module,
+    bucket_bytes: int = 256 << 20,
+    dtype: torch.dtype | None = None,
+    named: Optional[Iterable[tuple[str, torch.Tensor]]] = None,
+) -> Iterator[Bucket]:
     """Yield lists of (name, full tensor) whose total size stays under `bucket_bytes`
     (a single tensor larger than the bound forms a bucket of its own).
 
@@ -43,7 +48,7 @@ def iter_weight_buckets(model: torch.nn.Module, bucket_bytes: int = 256 << 20, d
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
     bucket: Bucket = []
     size = 0
-    for name, param in (model.named_parameters() if named is None else named):
+    for name, param in model.named_parameters() if named is None else named:
         t = param.detach()
         if dtype is not None and t.dtype != dtype:
             t = t.to(dtype)  # a DTensor casts its local shard and keeps its placements

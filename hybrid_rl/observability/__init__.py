@@ -1,2 +1,1 @@
-"""What a run reports: per-step metrics and their reduction over ranks, the loggers, the reward curve.
-"""
+"""What a run reports: per-step metrics and their reduction over ranks, the loggers, the reward curve."""

@@ -8,6 +8,7 @@ asking for one that is not installed fails at start-up with the pip command.
 W&B runs offline by default (`trainer.wandb_mode`): nothing needs a network, and
 `wandb sync out_dir/wandb/offline-run-*` uploads later.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,11 @@ class Logger(Protocol):
 
 
 def _numbers(metrics: dict) -> dict[str, float]:
-    return {k: float(v) for k, v in metrics.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and k != "step"}
+    return {
+        k: float(v)
+        for k, v in metrics.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and k != "step"
+    }
 
 
 def restart_jsonl(path: str, resume_step: Optional[int] = None) -> None:
@@ -93,8 +97,10 @@ class TensorBoardLogger:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise ImportError("trainer.loggers includes 'tensorboard' but the tensorboard package is not installed: "
-                              "pip install tensorboard (or drop it from trainer.loggers)") from None
+            raise ImportError(
+                "trainer.loggers includes 'tensorboard' but the tensorboard package is not installed: "
+                "pip install tensorboard (or drop it from trainer.loggers)"
+            ) from None
         self.log_dir = log_dir
         # purge_step: events past the resumed step (written before the interruption) are hidden.
         self.writer = SummaryWriter(log_dir=log_dir, purge_step=None if resume_step is None else resume_step + 1)
@@ -111,13 +117,22 @@ class TensorBoardLogger:
 class WandbLogger:
     """A W&B run; a resumed run continues the same W&B run (its id is kept in `<out_dir>/wandb_run_id`)."""
 
-    def __init__(self, project: str, name: str, out_dir: str, mode: str, config: Optional[dict] = None,
-                 resume_step: Optional[int] = None):
+    def __init__(
+        self,
+        project: str,
+        name: str,
+        out_dir: str,
+        mode: str,
+        config: Optional[dict] = None,
+        resume_step: Optional[int] = None,
+    ):
         try:
             import wandb
         except ImportError:
-            raise ImportError("trainer.loggers includes 'wandb' but wandb is not installed: pip install wandb "
-                              "(or drop it from trainer.loggers)") from None
+            raise ImportError(
+                "trainer.loggers includes 'wandb' but wandb is not installed: pip install wandb "
+                "(or drop it from trainer.loggers)"
+            ) from None
         self.wandb = wandb
         id_path = os.path.join(out_dir, "wandb_run_id")
         run_id = None
@@ -129,8 +144,9 @@ class WandbLogger:
             with open(id_path, "w") as f:
                 f.write(run_id + "\n")
         # resume="allow": the same id continues the run's charts; steps after the checkpoint are logged again.
-        self.run = wandb.init(project=project, name=name, dir=out_dir, mode=mode, config=config, id=run_id,
-                              resume="allow")
+        self.run = wandb.init(
+            project=project, name=name, dir=out_dir, mode=mode, config=config, id=run_id, resume="allow"
+        )
 
     def log(self, metrics: dict, step: int) -> None:
         self.run.log(_numbers(metrics), step=step)
@@ -171,8 +187,10 @@ def check_loggers(names) -> None:
 
     for name, module, pip in (("tensorboard", "tensorboard", "tensorboard"), ("wandb", "wandb", "wandb")):
         if name in names and importlib.util.find_spec(module) is None:
-            raise ImportError(f"config key 'trainer.loggers': {name!r} needs the {pip} package, which is not "
-                              f"installed: pip install {pip} (or drop {name!r} from trainer.loggers)")
+            raise ImportError(
+                f"config key 'trainer.loggers': {name!r} needs the {pip} package, which is not "
+                f"installed: pip install {pip} (or drop {name!r} from trainer.loggers)"
+            )
 
 
 def console_write(line: str) -> None:
@@ -189,16 +207,31 @@ def interactive() -> bool:
     return sys.stderr.isatty() or "ipykernel" in sys.modules
 
 
-def log_rollouts(path: str, step: int, rows: list[dict], texts: list[str], completions: list, rewards: list[float],
-                 scores: list[float], group_size: int) -> None:
+def log_rollouts(
+    path: str,
+    step: int,
+    rows: list[dict],
+    texts: list[str],
+    completions: list,
+    rewards: list[float],
+    scores: list[float],
+    group_size: int,
+) -> None:
     """Append one record per training completion (`trainer.log_rollouts` of them, rank 0's) to rollouts.jsonl:
     the step, its group, the prompt text, the completion text, the reward, the score the advantage sees."""
     with open(path, "a") as f:
         for i, (text, c, reward, score) in enumerate(zip(texts, completions, rewards, scores)):
             row = rows[i // group_size]
-            record = {"step": step, "group": i // group_size, "prompt": row["prompt"], "completion": text,
-                      "reward": reward, "score": score, "finish_reason": c.finish_reason,
-                      "tokens": len(c.token_ids)}
+            record = {
+                "step": step,
+                "group": i // group_size,
+                "prompt": row["prompt"],
+                "completion": text,
+                "reward": reward,
+                "score": score,
+                "finish_reason": c.finish_reason,
+                "tokens": len(c.token_ids),
+            }
             if "answer" in row:
                 record["answer"] = str(row["answer"])
             f.write(json.dumps(record) + "\n")

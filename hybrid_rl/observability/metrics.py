@@ -1,4 +1,5 @@
 """Per-step metrics: stage timing, reduction over ranks, the metrics.jsonl log, the reward curve."""
+
 from __future__ import annotations
 
 import contextlib
@@ -59,14 +60,14 @@ class MeanAccumulator:
         host = _to_host([v for values in series for v in values])
         folded, i = [], 0
         for k, values in enumerate(series):
-            part, i = host[i:i + len(values)], i + len(values)
+            part, i = host[i : i + len(values)], i + len(values)
             folded.append(max(part) if k >= 2 * len(means) else sum(part))
         out = {}
         if means:
-            sc = D.all_reduce_sum(torch.tensor(folded[:2 * len(means)], dtype=torch.float64).view(2, -1))
+            sc = D.all_reduce_sum(torch.tensor(folded[: 2 * len(means)], dtype=torch.float64).view(2, -1))
             out.update({n: (sc[0, j] / sc[1, j]).item() if sc[1, j] > 0 else 0.0 for j, n in enumerate(means)})
         if maxes:
-            top = D.all_reduce_max(torch.tensor(folded[2 * len(means):], dtype=torch.float64))
+            top = D.all_reduce_max(torch.tensor(folded[2 * len(means) :], dtype=torch.float64))
             out.update({n: -top[j].item() if n in self.minima else top[j].item() for j, n in enumerate(maxes)})
         return out
 
@@ -105,25 +106,41 @@ def append_jsonl(path: str, record: dict) -> None:
 
 def format_line(m: dict) -> str:
     """One console line of a step's main metrics (time/step shows as `time=`)."""
-    keys = [("step", "{:d}"), ("reward/mean", "{:.3f}"), ("reward/accuracy", "{:.2f}"), ("response/truncated", "{:.2f}"),
-            ("response/length", "{:.1f}"),
-            ("actor/kl_ref", "{:.4f}"), ("actor/entropy", "{:.3f}"), ("actor/clip_frac", "{:.3f}"),
-            ("actor/grad_norm", "{:.3f}"), ("time/step", "{:.2f}s"), ("bottleneck", "{}")]
+    keys = [
+        ("step", "{:d}"),
+        ("reward/mean", "{:.3f}"),
+        ("reward/accuracy", "{:.2f}"),
+        ("response/truncated", "{:.2f}"),
+        ("response/length", "{:.1f}"),
+        ("actor/kl_ref", "{:.4f}"),
+        ("actor/entropy", "{:.3f}"),
+        ("actor/clip_frac", "{:.3f}"),
+        ("actor/grad_norm", "{:.3f}"),
+        ("time/step", "{:.2f}s"),
+        ("bottleneck", "{}"),
+    ]
     label = {"time/step": "time"}
-    return "  ".join(f"{label.get(k, k.replace('/mean', '').split('/')[-1])}={fmt.format(m[k])}" for k, fmt in keys if k in m)
+    return "  ".join(
+        f"{label.get(k, k.replace('/mean', '').split('/')[-1])}={fmt.format(m[k])}" for k, fmt in keys if k in m
+    )
 
 
 def console_legend(success_threshold: float | None) -> str:
     """What the console columns mean (printed once, before the first step line; docs/metrics.md has them all).
     accuracy counts a sample only at the reward's "correct" threshold, so it can sit at 0 while partial credit
     (reward) climbs: the digits demo pays 1.0 only for three right digits AND stopping after them."""
-    thr = "reward.success_threshold" + (f" = {success_threshold:g}" if success_threshold is not None
-                                         else ", the reward's own: 1.0 unless it registered another")
-    return ("columns: reward = mean reward of the step's samples; accuracy = share of samples whose (rule) reward "
-            f"reaches {thr} (full marks only: partial credit moves reward, not accuracy); truncated = share cut off "
-            "at rollout.max_new_tokens (they never stopped); length = mean response tokens; kl_ref, entropy, "
-            "clip_frac, grad_norm: the update's; time = seconds per step; bottleneck = the phase that took most "
-            "of it (docs/metrics.md)")
+    thr = "reward.success_threshold" + (
+        f" = {success_threshold:g}"
+        if success_threshold is not None
+        else ", the reward's own: 1.0 unless it registered another"
+    )
+    return (
+        "columns: reward = mean reward of the step's samples; accuracy = share of samples whose (rule) reward "
+        f"reaches {thr} (full marks only: partial credit moves reward, not accuracy); truncated = share cut off "
+        "at rollout.max_new_tokens (they never stopped); length = mean response tokens; kl_ref, entropy, "
+        "clip_frac, grad_norm: the update's; time = seconds per step; bottleneck = the phase that took most "
+        "of it (docs/metrics.md)"
+    )
 
 
 def format_val_line(m: dict) -> str:
@@ -151,7 +168,9 @@ def plot_curve(history: Sequence[dict], path: str, key: str = "reward/mean") -> 
     ax.plot(steps, values, lw=1, alpha=0.5, label=key)
     w = max(1, len(values) // 20)
     if len(values) >= w:
-        smooth = [sum(values[max(0, i - w + 1):i + 1]) / len(values[max(0, i - w + 1):i + 1]) for i in range(len(values))]
+        smooth = [
+            sum(values[max(0, i - w + 1) : i + 1]) / len(values[max(0, i - w + 1) : i + 1]) for i in range(len(values))
+        ]
         ax.plot(steps, smooth, lw=2, label=f"{key} (running mean, {w})")
     ax.set_xlabel("step")
     ax.set_ylabel(key)
@@ -164,8 +183,12 @@ def plot_curve(history: Sequence[dict], path: str, key: str = "reward/mean") -> 
 
 
 # Wall-clock buckets of one step, in the order they happen.
-PHASE_TIMES = {"rollout": ("time/rollout", "time/reward"), "scoring": ("time/score", "time/advantage"), "training": ("time/train",),
-               "switching": ("time/switch",)}
+PHASE_TIMES = {
+    "rollout": ("time/rollout", "time/reward"),
+    "scoring": ("time/score", "time/advantage"),
+    "training": ("time/train",),
+    "switching": ("time/switch",),
+}
 
 
 def time_split(m: dict) -> dict[str, float]:
@@ -208,8 +231,10 @@ def reward_summary(records: Sequence[dict], this_time: int) -> tuple[dict, str]:
     first = sum(h["reward/mean"] for h in records[:k]) / k
     last = sum(h["reward/mean"] for h in records[-k:]) / k
     where = "" if this_time == len(records) else f" ({this_time} of them in this process; the rest from metrics.jsonl)"
-    return ({"steps": len(records), "reward_first10": first, "reward_last10": last},
-            f"reward: first 10% {first:.3f} -> last 10% {last:.3f} over {len(records)} steps{where}")
+    return (
+        {"steps": len(records), "reward_first10": first, "reward_last10": last},
+        f"reward: first 10% {first:.3f} -> last 10% {last:.3f} over {len(records)} steps{where}",
+    )
 
 
 def split_summary(history: Sequence[dict]) -> str:
@@ -230,5 +255,7 @@ def step_time_metrics(timer: StageTimer, switch) -> dict[str, float]:
     seconds["time/switch"] = sum(switch.seconds.values())
     names = sorted(seconds)
     slowest = D.all_reduce_max(torch.tensor([seconds[k] for k in names], dtype=torch.float64))
-    return {"switch/sync_bytes": switch.bytes.get("sync_weights", 0),
-            **{k: slowest[i].item() for i, k in enumerate(names)}}
+    return {
+        "switch/sync_bytes": switch.bytes.get("sync_weights", 0),
+        **{k: slowest[i].item() for i, k in enumerate(names)},
+    }

@@ -12,6 +12,7 @@ Parameter count N (``count_parameters``): exact, from the architecture:
   ``attention_bias``/``mlp_bias``.  ``ModelArch.num_params`` overrides the count
   (``--params 70e9``).
 """
+
 from __future__ import annotations
 
 import json
@@ -140,8 +141,10 @@ def builtin_arch(name: str) -> ModelArch:
     for k, a in BUILTIN_ARCHS.items():
         if k.lower() == key:
             return a
-    raise ValueError(f"unknown built-in model {name!r}; built-in names: {', '.join(BUILTIN_ARCHS)}"
-                     " (or pass a path to a HF config.json / model directory)")
+    raise ValueError(
+        f"unknown built-in model {name!r}; built-in names: {', '.join(BUILTIN_ARCHS)}"
+        " (or pass a path to a HF config.json / model directory)"
+    )
 
 
 def load_arch(spec: str) -> ModelArch:
@@ -183,8 +186,15 @@ def lora_param_count(arch: ModelArch, rank: int, target_modules: Any = "all-line
     Names other than the seven projections add nothing here (models/lora.py refuses those that match no layer)."""
     h, inter = arch.hidden_size, arch.intermediate_size
     q, kv = arch.num_attention_heads * arch.head_dim, arch.kv_heads * arch.head_dim
-    widths = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-              "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    widths = {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, inter),
+        "up_proj": (h, inter),
+        "down_proj": (inter, h),
+    }
     names = LORA_PROJECTIONS if target_modules == "all-linear" else [t for t in target_modules if t in widths]
     return arch.num_hidden_layers * sum(rank * sum(widths[t]) for t in names)
 

@@ -26,6 +26,7 @@ recipes/grpo_7b.py's flag too. The old --gpu-mem-gb read GiB under a GB name; it
 with the new name rather than kept as an alias, so that no command line goes on saying GB
 for GiB.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,11 +35,21 @@ import json
 import sys
 from typing import Sequence
 
-from hybrid_rl.plan.memory import BUILTIN_ARCHS, DTYPE_BYTES, GB, OFFLOAD_FLAGS, PHASES, RESIDENCY, ROLES, MemoryPlan, ModelArch, load_arch, plan_memory, suggest_offload
-from hybrid_rl.plan.arch import lora_param_count
 from hybrid_rl.plan import placement
+from hybrid_rl.plan.arch import lora_param_count
 from hybrid_rl.plan.fixes import Setting, search_fixes
-from hybrid_rl.plan.report import _gb, format_plan, native_rollout_lines, shown_phases
+from hybrid_rl.plan.memory import (
+    BUILTIN_ARCHS,
+    DTYPE_BYTES,
+    GB,
+    OFFLOAD_FLAGS,
+    MemoryPlan,
+    ModelArch,
+    load_arch,
+    plan_memory,
+    suggest_offload,
+)
+from hybrid_rl.plan.report import format_plan
 
 
 def _pos_int(s: str) -> int:
@@ -81,7 +92,8 @@ def _offload(s: str) -> dict[str, bool]:
     bad = [x for x in names if x not in OFFLOAD_FLAGS]
     if bad:
         raise argparse.ArgumentTypeError(
-            f"unknown offload flag(s) {', '.join(bad)}; choose from {', '.join(OFFLOAD_FLAGS)}, 'all' or 'none'")
+            f"unknown offload flag(s) {', '.join(bad)}; choose from {', '.join(OFFLOAD_FLAGS)}, 'all' or 'none'"
+        )
     return {x: True for x in names}
 
 
@@ -89,46 +101,91 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m hybrid_rl.plan",
         description="Per-GPU memory bill per role and phase for colocated GRPO training.",
-        epilog="built-in models: " + ", ".join(BUILTIN_ARCHS))
+        epilog="built-in models: " + ", ".join(BUILTIN_ARCHS),
+    )
     p.add_argument("--model", help="built-in name, path to a HF config.json, or a directory containing one")
-    p.add_argument("--params", type=_param_count,
-                   help="parameter count (e.g. 70e9); overrides the count of --model if both are given")
+    p.add_argument(
+        "--params",
+        type=_param_count,
+        help="parameter count (e.g. 70e9); overrides the count of --model if both are given",
+    )
     p.add_argument("--layers", type=_pos_int, help="layers (for the KV cache with --params)")
     p.add_argument("--kv-heads", type=_pos_int, help="KV heads (for the KV cache with --params)")
     p.add_argument("--head-dim", type=_pos_int, help="head dim (for the KV cache with --params)")
     p.add_argument("--gpus", type=_pos_int, required=True, help="number of GPUs (FSDP shards over all)")
     p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
-    p.add_argument("--batch", type=_pos_int, required=True, help="sequences resident in the KV cache at once (all GPUs)")
+    p.add_argument(
+        "--batch", type=_pos_int, required=True, help="sequences resident in the KV cache at once (all GPUs)"
+    )
     p.add_argument("--context", type=_pos_int, required=True, help="prompt + response tokens per sequence")
     p.add_argument("--gpu-mem-gib", type=_pos_float, default=80.0, help="GPU memory in GiB (default 80)")
     p.add_argument("--gpu-mem-gb", dest="old_gpu_mem_gb", help=argparse.SUPPRESS)
-    p.add_argument("--lora-rank", type=_nonneg_int, default=0,
-                   help="LoRA rank on every linear layer (model.lora.rank; 0: the whole policy trains)")
+    p.add_argument(
+        "--lora-rank",
+        type=_nonneg_int,
+        default=0,
+        help="LoRA rank on every linear layer (model.lora.rank; 0: the whole policy trains)",
+    )
     p.add_argument("--tp", type=_pos_int, default=1, help="rollout tensor-parallel size (default 1)")
-    p.add_argument("--offload", type=_offload, default={},
-                   help=f"comma list of {','.join(OFFLOAD_FLAGS)} (or 'all' / 'none')")
+    p.add_argument(
+        "--offload", type=_offload, default={}, help=f"comma list of {','.join(OFFLOAD_FLAGS)} (or 'all' / 'none')"
+    )
     p.add_argument("--reward-model", help="reward model: built-in name or HF config path")
-    p.add_argument("--reward-params", type=_param_count, help="reward model parameter count (instead of --reward-model)")
-    p.add_argument("--train-micro-batch", type=_nonneg_int, default=0,
-                   help="sequences per GPU per training micro-step; adds an activation ESTIMATE to train (0: off)")
-    p.add_argument("--engine", choices=["native", "sglang", "vllm"], default="sglang",
-                   help="rollout engine with its own weight copy (sglang, vllm) or the policy's (native, with "
-                        "--native-prompt-tokens for its decode batch); default sglang")
-    p.add_argument("--kv-cache-gb", type=_pos_float, default=None,
-                   help="vllm: the KV cache per GPU in GB (rollout.kv_cache_bytes / 1e9); default: from --mem-fraction, "
-                        "else one batch of --context tokens")
-    p.add_argument("--mem-fraction", type=_pos_float, default=None,
-                   help="rollout.mem_fraction: sglang's mem_fraction_static (its KV pool is sized from it), or vllm's "
-                        "gpu_memory_utilization when --kv-cache-gb is not given")
-    p.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false",
-                   help="estimate activations without gradient checkpointing (model.gradient_checkpointing=false)")
-    p.add_argument("--native-prompt-tokens", type=_nonneg_int, default=0,
-                   help="plan the native engine's rollout for prompts of this many tokens (0: off): its decode batch "
-                        "is capped by the free memory, and its prefill, sampling and graph pools are billed")
-    p.add_argument("--native-sampler", choices=["top_p", "plain"], default="top_p",
-                   help="the native engine's sampler (top_p sorts the vocabulary: more temporaries)")
-    p.add_argument("--samples-per-prompt", type=_pos_int, default=1,
-                   help="native engine: samples per prompt, which share one prefill (rollout.n)")
+    p.add_argument(
+        "--reward-params", type=_param_count, help="reward model parameter count (instead of --reward-model)"
+    )
+    p.add_argument(
+        "--train-micro-batch",
+        type=_nonneg_int,
+        default=0,
+        help="sequences per GPU per training micro-step; adds an activation ESTIMATE to train (0: off)",
+    )
+    p.add_argument(
+        "--engine",
+        choices=["native", "sglang", "vllm"],
+        default="sglang",
+        help="rollout engine with its own weight copy (sglang, vllm) or the policy's (native, with "
+        "--native-prompt-tokens for its decode batch); default sglang",
+    )
+    p.add_argument(
+        "--kv-cache-gb",
+        type=_pos_float,
+        default=None,
+        help="vllm: the KV cache per GPU in GB (rollout.kv_cache_bytes / 1e9); default: from --mem-fraction, "
+        "else one batch of --context tokens",
+    )
+    p.add_argument(
+        "--mem-fraction",
+        type=_pos_float,
+        default=None,
+        help="rollout.mem_fraction: sglang's mem_fraction_static (its KV pool is sized from it), or vllm's "
+        "gpu_memory_utilization when --kv-cache-gb is not given",
+    )
+    p.add_argument(
+        "--no-gradient-checkpointing",
+        dest="gradient_checkpointing",
+        action="store_false",
+        help="estimate activations without gradient checkpointing (model.gradient_checkpointing=false)",
+    )
+    p.add_argument(
+        "--native-prompt-tokens",
+        type=_nonneg_int,
+        default=0,
+        help="plan the native engine's rollout for prompts of this many tokens (0: off): its decode batch "
+        "is capped by the free memory, and its prefill, sampling and graph pools are billed",
+    )
+    p.add_argument(
+        "--native-sampler",
+        choices=["top_p", "plain"],
+        default="top_p",
+        help="the native engine's sampler (top_p sorts the vocabulary: more temporaries)",
+    )
+    p.add_argument(
+        "--samples-per-prompt",
+        type=_pos_int,
+        default=1,
+        help="native engine: samples per prompt, which share one prefill (rollout.n)",
+    )
     return p
 
 
@@ -163,20 +220,37 @@ def _engine_kw(args) -> dict:
     if engine == "native" and args.mem_fraction is not None:
         raise ValueError("--mem-fraction sizes SGLang's or vLLM's KV cache; the native engine decodes what fits")
     kv = None if args.kv_cache_gb is None else int(args.kv_cache_gb * GB)
-    return dict(engine=engine, kv_cache_budget=kv, mem_fraction=args.mem_fraction) if engine == "vllm" else \
-        dict(engine=engine, mem_fraction=args.mem_fraction) if engine == "sglang" else dict(engine=engine)
+    return (
+        dict(engine=engine, kv_cache_budget=kv, mem_fraction=args.mem_fraction)
+        if engine == "vllm"
+        else dict(engine=engine, mem_fraction=args.mem_fraction)
+        if engine == "sglang"
+        else dict(engine=engine)
+    )
 
 
-_CLI_NAMES = {"batch": lambda s: f"--batch {s.prompts}", "tp": lambda s: f"--tp {s.tp_size}",
-              "gpus": lambda s: f"--gpus {s.n_gpus}", "lora": lambda s: f"--lora-rank {s.lora_rank}"}
+_CLI_NAMES = {
+    "batch": lambda s: f"--batch {s.prompts}",
+    "tp": lambda s: f"--tp {s.tp_size}",
+    "gpus": lambda s: f"--gpus {s.n_gpus}",
+    "lora": lambda s: f"--lora-rank {s.lora_rank}",
+}
 
 
 def _cli_fixes(args, arch: ModelArch, kw: dict) -> list:
     """The ranked changes to the command line that make every phase fit (plan/fixes.py)."""
+
     def plan_fn(s: Setting) -> MemoryPlan:
         lora = lora_param_count(arch, s.lora_rank) if s.lora_rank else 0
-        return plan_memory(arch, s.n_gpus, args.dtype, s.prompts, args.context, s.offload,
-                           **{**kw, "tp_size": s.tp_size, "lora_params": lora})
+        return plan_memory(
+            arch,
+            s.n_gpus,
+            args.dtype,
+            s.prompts,
+            args.context,
+            s.offload,
+            **{**kw, "tp_size": s.tp_size, "lora_params": lora},
+        )
 
     def namer(knob: str, old: Setting, new: Setting) -> str:
         if knob == "offload":
@@ -184,8 +258,7 @@ def _cli_fixes(args, arch: ModelArch, kw: dict) -> list:
         return _CLI_NAMES[knob](new)
 
     start = Setting(args.gpus, args.batch, 1, args.tp, args.lora_rank, dict(args.offload))
-    return search_fixes(plan_fn, start, namer, tp_ok=kw["engine"] != "native", n_ok=False,
-                        max_tp=arch.kv_heads or 8)
+    return search_fixes(plan_fn, start, namer, tp_ok=kw["engine"] != "native", n_ok=False, max_tp=arch.kv_heads or 8)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -199,18 +272,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         arch, rm = _arch_from_args(args, parser)
         lora = lora_param_count(arch, args.lora_rank) if args.lora_rank else 0
-        kw = dict(tp_size=args.tp, reward_arch=rm, gpu_mem_gib=args.gpu_mem_gib, lora_params=lora,
-                  train_micro_batch=args.train_micro_batch, native_prompt_tokens=args.native_prompt_tokens,
-                  gradient_checkpointing=args.gradient_checkpointing, **_engine_kw(args),
-                  native_top_p=args.native_sampler == "top_p", native_samples_per_prompt=args.samples_per_prompt)
+        kw = dict(
+            tp_size=args.tp,
+            reward_arch=rm,
+            gpu_mem_gib=args.gpu_mem_gib,
+            lora_params=lora,
+            train_micro_batch=args.train_micro_batch,
+            native_prompt_tokens=args.native_prompt_tokens,
+            gradient_checkpointing=args.gradient_checkpointing,
+            **_engine_kw(args),
+            native_top_p=args.native_sampler == "top_p",
+            native_samples_per_prompt=args.samples_per_prompt,
+        )
         plan = plan_memory(arch, args.gpus, args.dtype, args.batch, args.context, args.offload, **kw)
         suggestion = suggest_offload(arch, args.gpus, args.dtype, args.batch, args.context, args.offload, **kw)
         fixes = _cli_fixes(args, arch, kw) if not plan.fits_all else []
     except ValueError as e:
         parser.error(str(e))
     print(format_plan(plan, suggestion, fixes))
-    print(json.dumps({**plan.to_dict(), "suggestion": suggestion,
-                      "fixes": [{"knob": f.knob, "change": f.change} for f in fixes]}, sort_keys=True))
+    print(
+        json.dumps(
+            {
+                **plan.to_dict(),
+                "suggestion": suggestion,
+                "fixes": [{"knob": f.knob, "change": f.change} for f in fixes],
+            },
+            sort_keys=True,
+        )
+    )
     return 0
 
 

@@ -13,9 +13,11 @@ to the run first:
 
 Each knob but offload is changed alone, plus the fewest offload flags it then still needs; a knob is
 listed once, at its first value that fits (the smallest change), and not at all where it fits only by
-the flags that fit alone (it would add nothing). No fix names a flag or value already configured. The caller says how it plans (`plan_fn`) and how it names a change (`namer`): the
-CLI's flags or the config's keys.
+the flags that fit alone (it would add nothing). No fix names a flag or value already configured. The
+caller says how it plans (`plan_fn`) and how it names a change (`namer`): the CLI's flags or the config's
+keys.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,7 +25,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from hybrid_rl.plan.memory import GB, OFFLOAD_FLAGS, MemoryPlan
+from hybrid_rl.plan.memory import OFFLOAD_FLAGS, MemoryPlan
 
 KNOBS = ("offload", "batch", "n", "tp", "gpus", "lora")
 MAX_GPUS = 64
@@ -94,8 +96,16 @@ def _values(knob: str, s: Setting, tp_ok: bool, n_ok: bool, max_tp: int) -> Iter
         yield from (r(s, lora_rank=k) for k in LORA_RANKS)
 
 
-def search_fixes(plan_fn: PlanFn, start: Setting, namer: Namer, *, tp_ok: bool = True, n_ok: bool = True,
-                 max_tp: int = 8, limit: int = 5) -> list[Fix]:
+def search_fixes(
+    plan_fn: PlanFn,
+    start: Setting,
+    namer: Namer,
+    *,
+    tp_ok: bool = True,
+    n_ok: bool = True,
+    max_tp: int = 8,
+    limit: int = 5,
+) -> list[Fix]:
     """The first `limit` fixes in KNOBS order (module docstring); [] when `start` already fits or nothing does."""
     if plan_fn(start).fits_all:
         return []
@@ -118,5 +128,3 @@ def search_fixes(plan_fn: PlanFn, start: Setting, namer: Namer, *, tp_ok: bool =
             fixes.append(Fix(knob, " ".join(parts), t, plan))
             break
     return fixes[:limit]
-
-

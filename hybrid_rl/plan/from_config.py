@@ -9,6 +9,7 @@ length (`prompt_tokens_for_plan` measures it as the trainer does when it can, an
 
 Torch-free: the dry run imports it without building a model.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,9 +17,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from hybrid_rl.plan.memory import OFFLOAD_FLAGS, MemoryPlan, ModelArch, builtin_arch, plan_memory, suggest_offload
 from hybrid_rl.plan.arch import lora_param_count
 from hybrid_rl.plan.fixes import Fix, Setting, search_fixes
+from hybrid_rl.plan.memory import OFFLOAD_FLAGS, MemoryPlan, ModelArch, builtin_arch, plan_memory, suggest_offload
 
 __all__ = ["PROMPT_SAMPLE", "PromptTokens", "config_arch", "config_fixes", "plan_from_config", "prompt_tokens_for_plan"]
 
@@ -36,8 +37,10 @@ def config_arch(path: str, key: str) -> ModelArch:
     try:
         return builtin_arch(os.path.basename(os.path.normpath(path)))
     except ValueError as err:
-        raise ValueError(f"config key '{key}': {path!r} has no config.json, and {err}; point {key} at a local "
-                         "Hugging Face directory (its config.json is enough to plan)") from None
+        raise ValueError(
+            f"config key '{key}': {path!r} has no config.json, and {err}; point {key} at a local "
+            "Hugging Face directory (its config.json is enough to plan)"
+        ) from None
 
 
 def plan_context(cfg, prompt_tokens: int) -> tuple[int, int]:
@@ -52,8 +55,9 @@ def plan_context(cfg, prompt_tokens: int) -> tuple[int, int]:
     return context, max(prompt_tokens, context - ro.max_new_tokens)
 
 
-def plan_from_config(cfg, n_gpus: int, gpu_mem_gib: float, *, prompt_tokens: int,
-                     mixed_precision: Optional[bool] = None) -> tuple[MemoryPlan, dict[str, Any]]:
+def plan_from_config(
+    cfg, n_gpus: int, gpu_mem_gib: float, *, prompt_tokens: int, mixed_precision: Optional[bool] = None
+) -> tuple[MemoryPlan, dict[str, Any]]:
     """(plan, suggestion) for `cfg` on `n_gpus` GPUs of `gpu_mem_gib` GiB each.
 
     prompt_tokens: the longest prompt in tokens (context: plan_context, prompt_tokens + rollout.max_new_tokens
@@ -82,13 +86,21 @@ def _plan_args(cfg, n_gpus: int, gpu_mem_gib: float, prompt_tokens: int, mixed_p
     if mixed_precision is None:
         mixed_precision = cfg.model.dtype in ("auto", "bfloat16")
     ro = cfg.rollout
-    kw: dict[str, Any] = dict(tp_size=ro.tp_size, gpu_mem_gib=gpu_mem_gib, reward_arch=reward_arch,
-                              train_micro_batch=cfg.trainer.micro_batch_size,
-                              gradient_checkpointing=cfg.model.gradient_checkpointing, engine=ro.engine,
-                              lora_params=lora_param_count(arch, lora.rank, lora.target_modules) if lora.enabled else 0)
+    kw: dict[str, Any] = dict(
+        tp_size=ro.tp_size,
+        gpu_mem_gib=gpu_mem_gib,
+        reward_arch=reward_arch,
+        train_micro_batch=cfg.trainer.micro_batch_size,
+        gradient_checkpointing=cfg.model.gradient_checkpointing,
+        engine=ro.engine,
+        lora_params=lora_param_count(arch, lora.rank, lora.target_modules) if lora.enabled else 0,
+    )
     if ro.engine == "native":  # it decodes what fits: its prefill, sampler and graph pools are billed too
-        kw.update(native_prompt_tokens=plan_context(cfg, prompt_tokens)[1], native_top_p=ro.top_p < 1.0,
-                  native_samples_per_prompt=ro.n)
+        kw.update(
+            native_prompt_tokens=plan_context(cfg, prompt_tokens)[1],
+            native_top_p=ro.top_p < 1.0,
+            native_samples_per_prompt=ro.n,
+        )
     if ro.engine == "vllm":  # the KV cache vLLM allocates at start, as rollout/vllm/setup.py sizes it
         kw.update(kv_cache_budget=ro.kv_cache_bytes, mem_fraction=ro.mem_fraction)
     if ro.engine == "sglang":  # the KV pool SGLang sizes at start from mem_fraction_static (plan/memory.py)
@@ -98,28 +110,43 @@ def _plan_args(cfg, n_gpus: int, gpu_mem_gib: float, prompt_tokens: int, mixed_p
     return arch, dtype, cfg.data.batch_size * ro.n, plan_context(cfg, prompt_tokens)[0], absent, kw
 
 
-def config_fixes(cfg, n_gpus: int, gpu_mem_gib: float, *, prompt_tokens: int,
-                 mixed_precision: Optional[bool] = None) -> list[Fix]:
+def config_fixes(
+    cfg, n_gpus: int, gpu_mem_gib: float, *, prompt_tokens: int, mixed_precision: Optional[bool] = None
+) -> list[Fix]:
     """The ranked config changes that make a plan that does not fit fit (plan.fixes.search_fixes), named as
     command-line overrides; [] when it fits."""
+
     def with_setting(s: Setting):
         r = dataclasses.replace
-        return r(cfg, data=r(cfg.data, batch_size=s.prompts), rollout=r(cfg.rollout, n=s.n, tp_size=s.tp_size),
-                 model=r(cfg.model, lora=r(cfg.model.lora, rank=s.lora_rank)), offload=r(cfg.offload, auto=False))
+        return r(
+            cfg,
+            data=r(cfg.data, batch_size=s.prompts),
+            rollout=r(cfg.rollout, n=s.n, tp_size=s.tp_size),
+            model=r(cfg.model, lora=r(cfg.model.lora, rank=s.lora_rank)),
+            offload=r(cfg.offload, auto=False),
+        )
 
     def plan_fn(s: Setting) -> MemoryPlan:
-        arch, dtype, seqs, context, absent, kw = _plan_args(with_setting(s), s.n_gpus, gpu_mem_gib, prompt_tokens,
-                                                            mixed_precision)
+        arch, dtype, seqs, context, absent, kw = _plan_args(
+            with_setting(s), s.n_gpus, gpu_mem_gib, prompt_tokens, mixed_precision
+        )
         flags = {f: s.offload.get(f, False) or absent[f] for f in OFFLOAD_FLAGS}
         return plan_memory(arch, s.n_gpus, dtype, seqs, context, flags, **kw)
 
-    plan, suggestion = plan_from_config(cfg, n_gpus, gpu_mem_gib, prompt_tokens=prompt_tokens,
-                                        mixed_precision=mixed_precision)
-    start = Setting(n_gpus, cfg.data.batch_size, cfg.rollout.n, cfg.rollout.tp_size, cfg.model.lora.rank,
-                    dict(plan.offload))
+    plan, suggestion = plan_from_config(
+        cfg, n_gpus, gpu_mem_gib, prompt_tokens=prompt_tokens, mixed_precision=mixed_precision
+    )
+    start = Setting(
+        n_gpus, cfg.data.batch_size, cfg.rollout.n, cfg.rollout.tp_size, cfg.model.lora.rank, dict(plan.offload)
+    )
     arch = config_arch(cfg.model.path, "model.path")
-    return search_fixes(plan_fn, start, lambda knob, old, new: _override(cfg, knob, old, new),
-                        tp_ok=cfg.rollout.engine != "native", max_tp=arch.kv_heads or 8)
+    return search_fixes(
+        plan_fn,
+        start,
+        lambda knob, old, new: _override(cfg, knob, old, new),
+        tp_ok=cfg.rollout.engine != "native",
+        max_tp=arch.kv_heads or 8,
+    )
 
 
 def _override(cfg, knob: str, old: Setting, new: Setting) -> str:
@@ -134,7 +161,8 @@ def _override(cfg, knob: str, old: Setting, new: Setting) -> str:
         return f"rollout.n={new.n}" + (" algorithm.mini_batch_size=0" if mb and (seqs % mb or mb % new.n) else "")
     if knob == "gpus":
         return f"--gpus {new.n_gpus} (torchrun --nproc_per_node={min(new.n_gpus, 8)}" + (
-            f" --nnodes={new.n_gpus // 8})" if new.n_gpus > 8 else ")")
+            f" --nnodes={new.n_gpus // 8})" if new.n_gpus > 8 else ")"
+        )
     return f"rollout.tp_size={new.tp_size}" if knob == "tp" else f"model.lora.rank={new.lora_rank}"
 
 
@@ -166,11 +194,14 @@ def _not_local(cfg) -> str:
     from hybrid_rl.data import gsm8k
 
     path, d = cfg.model.path, cfg.data
-    if not (os.path.isfile(os.path.join(path, "config.json"))
-            and any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))):
+    if not (
+        os.path.isfile(os.path.join(path, "config.json"))
+        and any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+    ):
         return f"no tokenizer at model.path {path!r}"
-    local_gsm8k = any(os.path.isfile(os.path.join(p, "train" + ext)) for p in gsm8k.default_dirs()
-                      for ext in (".jsonl", ".parquet"))
+    local_gsm8k = any(
+        os.path.isfile(os.path.join(p, "train" + ext)) for p in gsm8k.default_dirs() for ext in (".jsonl", ".parquet")
+    )
     if d.task == "gsm8k" and not (d.path or local_gsm8k):
         return "GSM8K is not local (a run would download it)"
     if d.task in ("jsonl", "parquet") and not os.path.isfile(d.path):
@@ -200,7 +231,10 @@ def _measured(cfg) -> PromptTokens:
             if len(kept) == PROMPT_SAMPLE:
                 break
     if not kept:
-        raise ValueError(f"every training prompt of {data.train_source} is longer than {limit} tokens; "
-                         "raise data.max_prompt_tokens")
-    return PromptTokens(max(kept), f"the longest of the first {len(kept)} training prompts of {data.train_source}, "
-                                   f"tokenized as the trainer does")
+        raise ValueError(
+            f"every training prompt of {data.train_source} is longer than {limit} tokens; raise data.max_prompt_tokens"
+        )
+    return PromptTokens(
+        max(kept),
+        f"the longest of the first {len(kept)} training prompts of {data.train_source}, tokenized as the trainer does",
+    )

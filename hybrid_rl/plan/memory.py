@@ -75,16 +75,24 @@ allocated at start-up, whole: ``rollout_memory.vllm_kv_budget`` (the configured 
 ``mem_fraction`` of the device leaves beside its weights, or one batch of ``context`` tokens in
 whole blocks of 128); the adapter sizes it with the same function.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
-from hybrid_rl.plan.rollout_memory import HEADROOM, bill_native_rollout, bill_sglang_kv, bill_vllm_kv
 # The architecture half of the planner; callers name these through plan.memory as well.
-from hybrid_rl.plan.arch import (BUILTIN_ARCHS, DTYPE_BYTES, ModelArch, builtin_arch, count_parameters,  # noqa: F401
-                                 dtype_bytes, load_arch)
+from hybrid_rl.plan.arch import (  # noqa: F401
+    BUILTIN_ARCHS,
+    DTYPE_BYTES,
+    ModelArch,
+    builtin_arch,
+    count_parameters,
+    dtype_bytes,
+    load_arch,
+)
+from hybrid_rl.plan.rollout_memory import HEADROOM, bill_native_rollout, bill_sglang_kv, bill_vllm_kv
 
 # The one definition of the memory roles: the runtime ledger (switch/memory.py) imports it
 # from here, because this module is torch-free and the ledger is not.
@@ -101,6 +109,7 @@ def margin_bytes(cap: int) -> int:
     """Bytes of a GPU of `cap` bytes that no plan uses (module docstring: why these numbers)."""
     return int(MARGIN_FIXED_GIB * GIB + MARGIN_FRACTION * cap)
 
+
 # role -> (phases that use it, offload flag that parks it on CPU otherwise; None = freed)
 RESIDENCY: dict[str, tuple[frozenset, str | None]] = {
     "policy_weights": (frozenset({"train", "score"}), "params"),
@@ -111,6 +120,7 @@ RESIDENCY: dict[str, tuple[frozenset, str | None]] = {
     "ref": (frozenset({"score"}), "ref"),
     "reward_model": (frozenset({"reward"}), "reward_model"),
 }
+
 
 def kv_cache_bytes(arch: ModelArch, dtype: str, batch: int, context: int, n_gpus: int = 1, tp_size: int = 1) -> int:
     """KV-cache bytes per GPU: 2*L*K*d*b per token, ceil(batch/R)*context tokens per
@@ -129,8 +139,9 @@ _HEAD_ONE_CHUNK_BYTES = 32 * 2**20  # below this, all rows in one chunk
 _HEAD_MIN_CHUNKS = 4
 
 
-def activation_parts(arch: ModelArch, dtype: str, micro_batch: int, context: int,
-                     checkpointing: bool = True) -> dict[str, int]:
+def activation_parts(
+    arch: ModelArch, dtype: str, micro_batch: int, context: int, checkpointing: bool = True
+) -> dict[str, int]:
     """ESTIMATE of training activations per GPU for `micro_batch` sequences of `context` tokens, by part.
 
     saved: what the forward keeps for the backward. Per token, without checkpointing each
@@ -153,12 +164,10 @@ def activation_parts(arch: ModelArch, dtype: str, micro_batch: int, context: int
     per_token = n_layers * (b * h if checkpointing else layer) + (4 + 2 * b) * h
     logits = 4 * arch.vocab_size * tokens
     chunk = logits if logits <= _HEAD_ONE_CHUNK_BYTES else min(_HEAD_CHUNK_BYTES, logits // _HEAD_MIN_CHUNKS)
-    return {"saved": tokens * per_token, "recompute": tokens * layer if checkpointing else 0,
-            "head": 9 * chunk // 4}
+    return {"saved": tokens * per_token, "recompute": tokens * layer if checkpointing else 0, "head": 9 * chunk // 4}
 
 
-def activation_estimate(arch: ModelArch, dtype: str, micro_batch: int, context: int,
-                        checkpointing: bool = True) -> int:
+def activation_estimate(arch: ModelArch, dtype: str, micro_batch: int, context: int, checkpointing: bool = True) -> int:
     """ESTIMATE of the peak training activations per GPU (gradient checkpointing assumed unless
     told otherwise): the sum of `activation_parts`. 0 when micro_batch is 0 or dims are unknown."""
     return sum(activation_parts(arch, dtype, micro_batch, context, checkpointing).values())
@@ -237,13 +246,27 @@ class MemoryPlan:
         return d
 
 
-def plan_memory(arch: ModelArch, n_gpus: int, dtype: str, batch: int, context: int,
-                offload: Mapping[str, bool] | None = None, tp_size: int = 1,
-                reward_arch: ModelArch | None = None, gpu_mem_gib: float = 80.0,
-                train_micro_batch: int = 0, native_prompt_tokens: int = 0, native_top_p: bool = True,
-                native_graphs: bool = True, native_samples_per_prompt: int = 1,
-                gradient_checkpointing: bool = True, engine: str = "native", kv_cache_budget: int | None = None,
-                mem_fraction: float | None = None, lora_params: int = 0) -> MemoryPlan:
+def plan_memory(
+    arch: ModelArch,
+    n_gpus: int,
+    dtype: str,
+    batch: int,
+    context: int,
+    offload: Mapping[str, bool] | None = None,
+    tp_size: int = 1,
+    reward_arch: ModelArch | None = None,
+    gpu_mem_gib: float = 80.0,
+    train_micro_batch: int = 0,
+    native_prompt_tokens: int = 0,
+    native_top_p: bool = True,
+    native_graphs: bool = True,
+    native_samples_per_prompt: int = 1,
+    gradient_checkpointing: bool = True,
+    engine: str = "native",
+    kv_cache_budget: int | None = None,
+    mem_fraction: float | None = None,
+    lora_params: int = 0,
+) -> MemoryPlan:
     """Per-role bytes per GPU, per-phase residency and fit flags (module docstring). native_*: the
     native engine's rollout: prompt tokens, sampler, decode path, samples sharing a prefill (`rollout_memory.py`).
     gradient_checkpointing: model.gradient_checkpointing (the activation estimate without it is several times larger).
@@ -251,17 +274,27 @@ def plan_memory(arch: ModelArch, n_gpus: int, dtype: str, batch: int, context: i
     per GPU) or mem_fraction (rollout.mem_fraction, its gpu_memory_utilization), else from batch and context;
     "sglang" with mem_fraction bills the pool SGLang sizes at start-up (module docstring).
     lora_params: the adapter parameters of a LoRA run (plan.arch.lora_param_count; 0 = the whole policy trains)."""
-    _check_plan_args(n_gpus=n_gpus, batch=batch, context=context, gpu_mem_gib=gpu_mem_gib, tp_size=tp_size,
-                     train_micro_batch=train_micro_batch, engine=engine, kv_cache_budget=kv_cache_budget,
-                     mem_fraction=mem_fraction, native_prompt_tokens=native_prompt_tokens)
+    _check_plan_args(
+        n_gpus=n_gpus,
+        batch=batch,
+        context=context,
+        gpu_mem_gib=gpu_mem_gib,
+        tp_size=tp_size,
+        train_micro_batch=train_micro_batch,
+        engine=engine,
+        kv_cache_budget=kv_cache_budget,
+        mem_fraction=mem_fraction,
+        native_prompt_tokens=native_prompt_tokens,
+    )
     off = normalize_offload(offload)
     b = dtype_bytes(dtype)
     n = count_parameters(arch)
     n_rm = count_parameters(reward_arch) if reward_arch is not None else 0
     cap = int(gpu_mem_gib * GIB)
     margin = margin_bytes(cap)
-    per_gpu, notes = _role_bytes_per_gpu(arch, dtype, n, n_rm, batch, context, n_gpus, tp_size, cap,
-                                         engine, kv_cache_budget, mem_fraction, lora_params)
+    per_gpu, notes = _role_bytes_per_gpu(
+        arch, dtype, n, n_rm, batch, context, n_gpus, tp_size, cap, engine, kv_cache_budget, mem_fraction, lora_params
+    )
     phases = phase_residency(per_gpu, off)
     if reward_arch is None:
         phases["reward"] = {}  # rule rewards: the run never enters the REWARD stage
@@ -272,29 +305,69 @@ def plan_memory(arch: ModelArch, n_gpus: int, dtype: str, batch: int, context: i
         phases["train"]["activations_estimate"] = act
     native = {}
     if native_prompt_tokens:
-        native = bill_native_rollout(arch, dtype, math.ceil(batch * tp_size / n_gpus), native_prompt_tokens,
-                                      context - native_prompt_tokens, phases["rollout"], cap - margin, native_top_p,
-                                      native_graphs, native_samples_per_prompt)
+        native = bill_native_rollout(
+            arch,
+            dtype,
+            math.ceil(batch * tp_size / n_gpus),
+            native_prompt_tokens,
+            context - native_prompt_tokens,
+            phases["rollout"],
+            cap - margin,
+            native_top_p,
+            native_graphs,
+            native_samples_per_prompt,
+        )
         per_gpu["kv_cache"] = native["kv_cache"]
     totals = {p: sum(phases[p].values()) for p in PHASES}
     notes += _arch_notes(arch, context, tp_size)
     return MemoryPlan(
-        model=arch.name, n_params=n, reward_params=n_rm, n_gpus=n_gpus, tp_size=tp_size, dtype=dtype,
-        batch=batch, context=context, gpu_mem_bytes=cap, offload=off, per_gpu=per_gpu,
+        model=arch.name,
+        n_params=n,
+        reward_params=n_rm,
+        n_gpus=n_gpus,
+        tp_size=tp_size,
+        dtype=dtype,
+        batch=batch,
+        context=context,
+        gpu_mem_bytes=cap,
+        offload=off,
+        per_gpu=per_gpu,
         gradient_checkpointing=gradient_checkpointing,
-        total={r: v * n_gpus for r, v in per_gpu.items()}, phases=phases, phase_totals=totals,
+        total={r: v * n_gpus for r, v in per_gpu.items()},
+        phases=phases,
+        phase_totals=totals,
         fits={p: totals[p] <= cap - margin for p in PHASES},
         shortfall={p: max(0, totals[p] - (cap - margin)) for p in PHASES},
-        bill={"learner": b * n + 16 * lora_params if lora_params else 16 * n, "ref": 0 if lora_params else b * n,
-              "engine_copy": b * (n + lora_params), "reward_model": b * n_rm,
-              "engine_replicas": n_gpus // tp_size},
-        activations_estimate=act, notes=notes, native_rollout=native, lora_params=lora_params, margin_bytes=margin,
-        engine=engine, mem_fraction=mem_fraction)
+        bill={
+            "learner": b * n + 16 * lora_params if lora_params else 16 * n,
+            "ref": 0 if lora_params else b * n,
+            "engine_copy": b * (n + lora_params),
+            "reward_model": b * n_rm,
+            "engine_replicas": n_gpus // tp_size,
+        },
+        activations_estimate=act,
+        notes=notes,
+        native_rollout=native,
+        lora_params=lora_params,
+        margin_bytes=margin,
+        engine=engine,
+        mem_fraction=mem_fraction,
+    )
 
 
-def _check_plan_args(*, n_gpus: int, batch: int, context: int, gpu_mem_gib: float, tp_size: int,
-                     train_micro_batch: int, engine: str, kv_cache_budget: int | None, mem_fraction: float | None,
-                     native_prompt_tokens: int) -> None:
+def _check_plan_args(
+    *,
+    n_gpus: int,
+    batch: int,
+    context: int,
+    gpu_mem_gib: float,
+    tp_size: int,
+    train_micro_batch: int,
+    engine: str,
+    kv_cache_budget: int | None,
+    mem_fraction: float | None,
+    native_prompt_tokens: int,
+) -> None:
     """Raise ValueError naming the first `plan_memory` argument out of range or at odds with `engine`."""
     _positive(n_gpus=n_gpus, batch=batch, context=context, gpu_mem_gib=gpu_mem_gib, tp_size=tp_size)
     for k, v in (("n_gpus", n_gpus), ("batch", batch), ("context", context), ("tp_size", tp_size)):
@@ -314,9 +387,21 @@ def _check_plan_args(*, n_gpus: int, batch: int, context: int, gpu_mem_gib: floa
         raise ValueError(f"native_prompt_tokens bills the native engine's rollout, not engine={engine!r}")
 
 
-def _role_bytes_per_gpu(arch: ModelArch, dtype: str, n: int, n_rm: int, batch: int, context: int, n_gpus: int,
-                        tp_size: int, cap: int, engine: str, kv_cache_budget: int | None,
-                        mem_fraction: float | None, lora_params: int = 0) -> tuple[dict[str, int], list[str]]:
+def _role_bytes_per_gpu(
+    arch: ModelArch,
+    dtype: str,
+    n: int,
+    n_rm: int,
+    batch: int,
+    context: int,
+    n_gpus: int,
+    tp_size: int,
+    cap: int,
+    engine: str,
+    kv_cache_budget: int | None,
+    mem_fraction: float | None,
+    lora_params: int = 0,
+) -> tuple[dict[str, int], list[str]]:
     """Bytes per GPU of each role in ROLES order (the module docstring's table), for a policy of n and
     a reward model of n_rm parameters; and vLLM's note on how its KV cache was sized, if any.
 
@@ -339,8 +424,9 @@ def _role_bytes_per_gpu(arch: ModelArch, dtype: str, n: int, n_rm: int, batch: i
     per_gpu["kv_cache"] = kv_cache_bytes(arch, dtype, batch, context, n_gpus, tp_size)
     notes = []
     if engine == "vllm" and arch.has_kv_dims:
-        per_gpu["kv_cache"], note = bill_vllm_kv(arch, dtype, batch, context, n_gpus, tp_size, kv_cache_budget,
-                                                 mem_fraction, cap, per_gpu["engine_weights"])
+        per_gpu["kv_cache"], note = bill_vllm_kv(
+            arch, dtype, batch, context, n_gpus, tp_size, kv_cache_budget, mem_fraction, cap, per_gpu["engine_weights"]
+        )
         notes += [note] if note else []
     return {r: per_gpu[r] for r in ROLES}, notes
 
@@ -349,7 +435,9 @@ def _arch_notes(arch: ModelArch, context: int, tp_size: int) -> list[str]:
     """Warnings about the architecture: KV dims unknown, context past its positions, more TP ranks than KV heads."""
     notes = []
     if not arch.has_kv_dims:
-        notes.append("kv_cache not computed: give the layer count, KV heads and head_dim (--layers --kv-heads --head-dim)")
+        notes.append(
+            "kv_cache not computed: give the layer count, KV heads and head_dim (--layers --kv-heads --head-dim)"
+        )
     if arch.max_position_embeddings and context > arch.max_position_embeddings:
         notes.append(f"context {context} exceeds max_position_embeddings {arch.max_position_embeddings}")
     if tp_size > arch.kv_heads > 0:
@@ -357,8 +445,15 @@ def _arch_notes(arch: ModelArch, context: int, tp_size: int) -> list[str]:
     return notes
 
 
-def suggest_offload(arch: ModelArch, n_gpus: int, dtype: str, batch: int, context: int,
-                    offload: Mapping[str, bool] | None = None, **kw: Any) -> dict[str, Any]:
+def suggest_offload(
+    arch: ModelArch,
+    n_gpus: int,
+    dtype: str,
+    batch: int,
+    context: int,
+    offload: Mapping[str, bool] | None = None,
+    **kw: Any,
+) -> dict[str, Any]:
     """Smallest set of extra offload flags (ties broken in the order optimizer, ref,
     reward_model, params) on top of `offload` that makes every phase fit.
 
@@ -368,20 +463,37 @@ def suggest_offload(arch: ModelArch, n_gpus: int, dtype: str, batch: int, contex
     base = normalize_offload(offload)
     has_rm = kw.get("reward_arch") is not None
     cands = [f for f in OFFLOAD_FLAGS if not base[f] and (f != "reward_model" or has_rm)]
-    subsets = sorted((tuple(f for j, f in enumerate(cands) if m >> j & 1) for m in range(1 << len(cands))),
-                     key=lambda s: (len(s), [OFFLOAD_FLAGS.index(f) for f in s]))
+    subsets = sorted(
+        (tuple(f for j, f in enumerate(cands) if m >> j & 1) for m in range(1 << len(cands))),
+        key=lambda s: (len(s), [OFFLOAD_FLAGS.index(f) for f in s]),
+    )
     plan = None
     for s in subsets:
         flags = {**base, **{f: True for f in s}}
         plan = plan_memory(arch, n_gpus, dtype, batch, context, flags, **kw)
         if plan.fits_all:
-            msg = "no offload needed" if not s and not any(base.values()) else (
-                "offload " + ", ".join(f for f in OFFLOAD_FLAGS if flags[f]))
-            return {"fits": True, "offload": flags, "added": list(s), "phase": None,
-                    "shortfall_bytes": 0, "message": msg}
+            msg = (
+                "no offload needed"
+                if not s and not any(base.values())
+                else ("offload " + ", ".join(f for f in OFFLOAD_FLAGS if flags[f]))
+            )
+            return {
+                "fits": True,
+                "offload": flags,
+                "added": list(s),
+                "phase": None,
+                "shortfall_bytes": 0,
+                "message": msg,
+            }
     assert plan is not None  # the last subset sets every flag
     phase = plan.worst_phase()
     short = plan.shortfall[phase]
-    return {"fits": False, "offload": plan.offload, "added": [], "phase": phase, "shortfall_bytes": short,
-            "message": f"nothing fits: {phase} is short by {short / GB:.2f} GB per GPU even with every "
-                       "offload flag set; use more GPUs, a larger tp_size, a smaller batch or context"}
+    return {
+        "fits": False,
+        "offload": plan.offload,
+        "added": [],
+        "phase": phase,
+        "shortfall_bytes": short,
+        "message": f"nothing fits: {phase} is short by {short / GB:.2f} GB per GPU even with every "
+        "offload flag set; use more GPUs, a larger tp_size, a smaller batch or context",
+    }

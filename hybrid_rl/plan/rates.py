@@ -28,6 +28,7 @@ stages (switch/sync_weights_s for an engine with its own copy, switch/resume_wei
 engine's gather). A split run records split/rollout_ranks and split/world_size; a colocated run's
 world size is given by the caller.
 """
+
 from __future__ import annotations
 
 import json
@@ -115,9 +116,14 @@ def predict_split(rates: Rates, world: int, rollout_ranks: int, k: int) -> Predi
     return Prediction("split", rollout_ranks, k, r, t, rates.sync_s, step, idle_fraction(r, t), _bottleneck(r, t))
 
 
-def predict_all(rates: Rates, world: int, ks: Sequence[int] = (0, 1, 2), tp_size: int = 1,
-                placements: Sequence[str] = ("colocated", "split"), split_rates: Optional[Rates] = None
-                ) -> list[Prediction]:
+def predict_all(
+    rates: Rates,
+    world: int,
+    ks: Sequence[int] = (0, 1, 2),
+    tp_size: int = 1,
+    placements: Sequence[str] = ("colocated", "split"),
+    split_rates: Optional[Rates] = None,
+) -> list[Prediction]:
     """Colocated, and split at every R in 1..W-1 that `tp_size` divides, for each k in `ks`; split from
     `split_rates` where given (`fit_placements`: measured in split runs), else from `rates`."""
     out = [predict_colocated(rates, world)] if "colocated" in placements else []
@@ -131,8 +137,9 @@ def recommend(predictions: Sequence[Prediction]) -> Prediction:
     """The fastest; among equal times the least off-policy (colocated, then smaller k), then fewer rollout ranks."""
     if not predictions:
         raise ValueError("nothing to recommend: no placement was predicted")
-    return min(predictions, key=lambda p: (round(p.step_s, 9), p.placement != "colocated", p.max_staleness,
-                                           p.rollout_ranks))
+    return min(
+        predictions, key=lambda p: (round(p.step_s, 9), p.placement != "colocated", p.max_staleness, p.rollout_ranks)
+    )
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -163,16 +170,21 @@ def rates_from_records(records: Sequence[dict], world: Optional[int] = None, ski
     R = int(recs[0].get("split/rollout_ranks", 0))
     W = int(recs[0].get("split/world_size", world or 0))
     if W < 1:
-        raise ValueError("the run's world size is unknown: a colocated run's metrics do not record it; pass it "
-                         "(--run-gpus)")
+        raise ValueError(
+            "the run's world size is unknown: a colocated run's metrics do not record it; pass it (--run-gpus)"
+        )
     rollout = _median(recs, lambda r: sum(float(r.get(k, 0.0)) for k in ROLLOUT_KEYS))
     train = _median(recs, lambda r: sum(float(r.get(k, 0.0)) for k in TRAIN_KEYS))
     switch = _median(recs, lambda r: float(r.get("time/switch", 0.0)))
     sync = _median(recs, _sync_seconds)
     if R == 0:
         # The step's rest (logging, reductions) runs once per step: bill it to the half that stays.
-        rest = _median(recs, lambda r: float(r["time/step"]) - sum(float(r.get(k, 0.0)) for k in
-                                                                   ROLLOUT_KEYS + TRAIN_KEYS + ("time/switch",)))
+        rest = _median(
+            recs,
+            lambda r: (
+                float(r["time/step"]) - sum(float(r.get(k, 0.0)) for k in ROLLOUT_KEYS + TRAIN_KEYS + ("time/switch",))
+            ),
+        )
         rates = Rates(rollout * W, (train + max(0.0, rest)) * W, switch, sync)
     else:
         rates = Rates(rollout * R, train * (W - R), switch, sync)

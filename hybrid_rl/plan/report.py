@@ -1,6 +1,7 @@
 """The printed plan: the run's header, the roles x phases table, each phase's fit, the native engine's decode
 batch, the notes and the suggested offload (torch-free; `python -m hybrid_rl.plan`, the recipes' --dry-run and
 the trainer's start-up print it)."""
+
 from __future__ import annotations
 
 from hybrid_rl.plan.arch import DTYPE_BYTES
@@ -97,13 +98,18 @@ def _phase_cell(plan: MemoryPlan, role: str, phase: str) -> str:
 def _fit_lines(plan: MemoryPlan, phases: tuple[str, ...]) -> list[str]:
     """Per phase: bytes used per GPU against the usable memory (the capacity less the margin), and the
     spare or missing GB."""
-    lines = [f"margin: {_gb(plan.margin_bytes)} GB of the {_gb(plan.gpu_mem_bytes)} GB per GPU kept for the CUDA "
-             f"context, NCCL buffers and fragmentation (hybrid_rl/plan/memory.py); a phase fits within "
-             f"{_gb(plan.usable_bytes)} GB"]
+    lines = [
+        f"margin: {_gb(plan.margin_bytes)} GB of the {_gb(plan.gpu_mem_bytes)} GB per GPU kept for the CUDA "
+        f"context, NCCL buffers and fragmentation (hybrid_rl/plan/memory.py); a phase fits within "
+        f"{_gb(plan.usable_bytes)} GB"
+    ]
     for p in phases:
         used = plan.phase_totals[p]
-        verdict = (f"fits ({_gb(plan.usable_bytes - used)} GB spare)" if plan.fits[p]
-                   else f"does NOT fit (short by {_gb(plan.shortfall[p])} GB)")
+        verdict = (
+            f"fits ({_gb(plan.usable_bytes - used)} GB spare)"
+            if plan.fits[p]
+            else f"does NOT fit (short by {_gb(plan.shortfall[p])} GB)"
+        )
         lines.append(f"{p:<8} {_gb(used):>8} / {_gb(plan.usable_bytes)} GB usable per GPU: {verdict}")
     return lines
 
@@ -140,15 +146,18 @@ def native_rollout_lines(plan: MemoryPlan) -> list[str]:
         return []
     margin = plan.usable_bytes - plan.phase_totals["rollout"]
     if not n["fits_one_row"]:
-        return [f"native rollout: not even one sequence fits ({_gb(n['free'])} GB free within the margin); "
-                "offload more, or shorten the prompts / max_new_tokens"]
+        return [
+            f"native rollout: not even one sequence fits ({_gb(n['free'])} GB free within the margin); "
+            "offload more, or shorten the prompts / max_new_tokens"
+        ]
     batches = -(-n["rows_wanted"] // n["rows"])
-    return [f"native rollout: {n['rows']} of {n['rows_wanted']} rows per GPU per decode batch ({batches} "
-            f"batch{'es' if batches > 1 else ''}), prefill in chunks of {n['prefill_rows']} prompts; working set "
-            f"{_gb(n['working'])} GB = max(prefill {_gb(n['prefill'])}, sampling {_gb(n['sampling'])} + decode step "
-            f"{_gb(n['decode_step'])} + graph pools {_gb(n['graph_pools'])} + bookkeeping {_gb(n['bookkeeping'])})",
-            f"native rollout spare: {_gb(margin)} GB per GPU at the peak, beyond the {_gb(plan.margin_bytes)} GB "
-            "margin"]
+    return [
+        f"native rollout: {n['rows']} of {n['rows_wanted']} rows per GPU per decode batch ({batches} "
+        f"batch{'es' if batches > 1 else ''}), prefill in chunks of {n['prefill_rows']} prompts; working set "
+        f"{_gb(n['working'])} GB = max(prefill {_gb(n['prefill'])}, sampling {_gb(n['sampling'])} + decode step "
+        f"{_gb(n['decode_step'])} + graph pools {_gb(n['graph_pools'])} + bookkeeping {_gb(n['bookkeeping'])})",
+        f"native rollout spare: {_gb(margin)} GB per GPU at the peak, beyond the {_gb(plan.margin_bytes)} GB margin",
+    ]
 
 
 def _learner(plan) -> str:

@@ -29,6 +29,7 @@ where decode = sampling + step + pools + bookkeeping (summed: an upper bound, si
 eager mode the step's temporaries are freed before sampling). `HEADROOM` of the device
 is left unplanned for the allocator's fragmentation, the CUDA context and NCCL buffers.
 """
+
 from __future__ import annotations
 
 import math
@@ -53,8 +54,15 @@ class RolloutShape:
 
     @classmethod
     def of(cls, arch) -> "RolloutShape":
-        return cls(arch.hidden_size, arch.intermediate_size, arch.num_hidden_layers, arch.num_attention_heads,
-                   arch.kv_heads, arch.head_dim, arch.vocab_size)
+        return cls(
+            arch.hidden_size,
+            arch.intermediate_size,
+            arch.num_hidden_layers,
+            arch.num_attention_heads,
+            arch.kv_heads,
+            arch.head_dim,
+            arch.vocab_size,
+        )
 
 
 @dataclass(frozen=True)
@@ -93,7 +101,9 @@ def kv_row_bytes(m: RolloutShape, b: int, slots: int) -> int:
 
 def prefill_prompt_bytes(m: RolloutShape, b: int, prompt_tokens: int, eager_attention: bool = False) -> int:
     """One prompt's prefill working set (module docstring)."""
-    per_token = b * (3 * m.intermediate_size + 6 * m.hidden_size + (m.num_attention_heads + 2 * m.kv_heads) * m.head_dim)
+    per_token = b * (
+        3 * m.intermediate_size + 6 * m.hidden_size + (m.num_attention_heads + 2 * m.kv_heads) * m.head_dim
+    )
     per_token += 8 * m.hidden_size
     scores = m.num_attention_heads * prompt_tokens * prompt_tokens * (8 + 2 * b) if eager_attention else 0
     return prompt_tokens * per_token + scores + m.vocab_size * b
@@ -102,25 +112,57 @@ def prefill_prompt_bytes(m: RolloutShape, b: int, prompt_tokens: int, eager_atte
 def decode_row_bytes(m: RolloutShape, b: int, slots: int, new_tokens: int, top_p: bool, graphs: bool) -> dict[str, int]:
     """One decode row's sampling, step, graph-pool and bookkeeping bytes (module docstring)."""
     V = m.vocab_size
-    step = (m.num_attention_heads * slots * (12 + b) + V * b + 8 * m.hidden_size
-            + b * (3 * m.intermediate_size + 6 * m.hidden_size + (m.num_attention_heads + 2 * m.kv_heads) * m.head_dim))
-    return {"sampling": V * (b + (32 if top_p else 8)), "decode_step": step, "graph_pools": 2 * V * b if graphs else 0,
-            "bookkeeping": m.kv_heads * slots * m.head_dim * b + 12 * new_tokens + slots}
+    step = (
+        m.num_attention_heads * slots * (12 + b)
+        + V * b
+        + 8 * m.hidden_size
+        + b * (3 * m.intermediate_size + 6 * m.hidden_size + (m.num_attention_heads + 2 * m.kv_heads) * m.head_dim)
+    )
+    return {
+        "sampling": V * (b + (32 if top_p else 8)),
+        "decode_step": step,
+        "graph_pools": 2 * V * b if graphs else 0,
+        "bookkeeping": m.kv_heads * slots * m.head_dim * b + 12 * new_tokens + slots,
+    }
 
 
-def budget_for(m: RolloutShape, dtype: str | int, rows: int, prefill_rows: int, prompt_tokens: int, new_tokens: int,
-               top_p: bool = True, graphs: bool = True, eager_attention: bool = False, free: int = 0) -> RolloutBudget:
+def budget_for(
+    m: RolloutShape,
+    dtype: str | int,
+    rows: int,
+    prefill_rows: int,
+    prompt_tokens: int,
+    new_tokens: int,
+    top_p: bool = True,
+    graphs: bool = True,
+    eager_attention: bool = False,
+    free: int = 0,
+) -> RolloutBudget:
     """The bill of decoding `rows` rows with prefill chunks of `prefill_rows` prompts."""
     b, S = _b(dtype), prompt_tokens + new_tokens - 1
     per_row = decode_row_bytes(m, b, S, new_tokens, top_p, graphs)
-    return RolloutBudget(rows=rows, prefill_rows=prefill_rows, kv_cache=rows * kv_row_bytes(m, b, S),
-                         prefill=prefill_rows * prefill_prompt_bytes(m, b, prompt_tokens, eager_attention),
-                         free=free, **{k: rows * v for k, v in per_row.items()})
+    return RolloutBudget(
+        rows=rows,
+        prefill_rows=prefill_rows,
+        kv_cache=rows * kv_row_bytes(m, b, S),
+        prefill=prefill_rows * prefill_prompt_bytes(m, b, prompt_tokens, eager_attention),
+        free=free,
+        **{k: rows * v for k, v in per_row.items()},
+    )
 
 
-def native_budget(m: RolloutShape, dtype: str | int, free: int, rows_wanted: int, prompt_tokens: int,
-                  new_tokens: int, top_p: bool = True, graphs: bool = True, eager_attention: bool = False,
-                  samples_per_prompt: int = 1) -> RolloutBudget:
+def native_budget(
+    m: RolloutShape,
+    dtype: str | int,
+    free: int,
+    rows_wanted: int,
+    prompt_tokens: int,
+    new_tokens: int,
+    top_p: bool = True,
+    graphs: bool = True,
+    eager_attention: bool = False,
+    samples_per_prompt: int = 1,
+) -> RolloutBudget:
     """The largest decode batch (<= rows_wanted) whose KV cache and working set fit in `free`
     bytes, then the largest prefill chunk that fits beside that KV cache (at most the batch's
     distinct prompts, rows / samples_per_prompt: a prompt's samples share one prefill).
@@ -143,48 +185,87 @@ def native_budget(m: RolloutShape, dtype: str | int, free: int, rows_wanted: int
     return budget_for(m, b, rows, u, prompt_tokens, new_tokens, top_p, graphs, eager_attention, free)
 
 
-def bill_native_rollout(arch, dtype: str, rows_wanted: int, prompt_tokens: int, new_tokens: int,
-                        rollout: dict[str, int], usable: int, top_p: bool, graphs: bool,
-                        samples_per_prompt: int = 1) -> dict[str, int]:
+def bill_native_rollout(
+    arch,
+    dtype: str,
+    rows_wanted: int,
+    prompt_tokens: int,
+    new_tokens: int,
+    rollout: dict[str, int],
+    usable: int,
+    top_p: bool,
+    graphs: bool,
+    samples_per_prompt: int = 1,
+) -> dict[str, int]:
     """Size the native engine's decode batch by what the rollout phase leaves of `usable` (the GPU
     less the planner's margin, plan.memory.margin_bytes: it covers the HEADROOM the engine keeps at
     run time), and bill it into `rollout` (kv_cache, rollout_working). Nothing fits: one row is
     billed, so the phase shows its shortfall."""
     if new_tokens < 1:
-        raise ValueError(f"native_prompt_tokens={prompt_tokens} leaves no new tokens in context "
-                         f"{prompt_tokens + new_tokens}")
+        raise ValueError(
+            f"native_prompt_tokens={prompt_tokens} leaves no new tokens in context {prompt_tokens + new_tokens}"
+        )
     if not (arch.has_kv_dims and arch.hidden_size and arch.intermediate_size and arch.vocab_size):
         raise ValueError("the native engine's rollout bill needs the full architecture (--model), not --params")
     shape = RolloutShape.of(arch)
     free = usable - sum(v for k, v in rollout.items() if k != "kv_cache")
-    budget = native_budget(shape, dtype, max(0, free), rows_wanted, prompt_tokens, new_tokens, top_p, graphs,
-                           samples_per_prompt=samples_per_prompt)
+    budget = native_budget(
+        shape,
+        dtype,
+        max(0, free),
+        rows_wanted,
+        prompt_tokens,
+        new_tokens,
+        top_p,
+        graphs,
+        samples_per_prompt=samples_per_prompt,
+    )
     if budget.rows == 0:
         budget = budget_for(shape, dtype, 1, 1, prompt_tokens, new_tokens, top_p, graphs, free=max(0, free))
     rollout["kv_cache"] = budget.kv_cache
     rollout["rollout_working"] = budget.working
-    out = {k: getattr(budget, k) for k in ("rows", "prefill_rows", "kv_cache", "prefill", "sampling", "decode_step",
-                                           "graph_pools", "bookkeeping", "free", "working")}
+    out = {
+        k: getattr(budget, k)
+        for k in (
+            "rows",
+            "prefill_rows",
+            "kv_cache",
+            "prefill",
+            "sampling",
+            "decode_step",
+            "graph_pools",
+            "bookkeeping",
+            "free",
+            "working",
+        )
+    }
     return {**out, "rows_wanted": rows_wanted, "fits_one_row": int(free >= budget.peak)}
 
 
-def bill_sglang_kv(batch_need: int, usable: int, mem_fraction: float | None, per_gpu: dict[str, int],
-                   rollout: dict[str, int]) -> list[str]:
+def bill_sglang_kv(
+    batch_need: int, usable: int, mem_fraction: float | None, per_gpu: dict[str, int], rollout: dict[str, int]
+) -> list[str]:
     """SGLang's KV pool per GPU, billed into per_gpu and `rollout` (plan/memory.py's docstring: how SGLang sizes
     it at start-up); batch_need: one batch's KV bytes per GPU, billed as is when mem_fraction is None. The notes."""
     gb = 1e9
     if mem_fraction is None:
-        return [f"sglang picks its own KV pool (rollout.mem_fraction=null); the kv_cache row bills one batch "
-                f"({batch_need / gb:.2f} GB per GPU): set rollout.mem_fraction to plan the pool it allocates"]
+        return [
+            f"sglang picks its own KV pool (rollout.mem_fraction=null); the kv_cache row bills one batch "
+            f"({batch_need / gb:.2f} GB per GPU): set rollout.mem_fraction to plan the pool it allocates"
+        ]
     at_start = sum(v for k, v in rollout.items() if k not in ("engine_weights", "kv_cache", "optimizer"))
     pool = max(0, int(mem_fraction * (usable - at_start)) - per_gpu["engine_weights"])
     per_gpu["kv_cache"] = rollout["kv_cache"] = pool
     if pool == 0:
-        return [f"rollout.mem_fraction={mem_fraction} leaves SGLang no KV pool beside its weights: it will not "
-                "start; raise rollout.mem_fraction or offload more"]
+        return [
+            f"rollout.mem_fraction={mem_fraction} leaves SGLang no KV pool beside its weights: it will not "
+            "start; raise rollout.mem_fraction or offload more"
+        ]
     if pool < batch_need:
-        return [f"SGLang's KV pool ({pool / gb:.2f} GB per GPU, rollout.mem_fraction={mem_fraction}) holds less "
-                f"than one batch ({batch_need / gb:.2f} GB): it decodes the batch in rounds"]
+        return [
+            f"SGLang's KV pool ({pool / gb:.2f} GB per GPU, rollout.mem_fraction={mem_fraction}) holds less "
+            f"than one batch ({batch_need / gb:.2f} GB): it decodes the batch in rounds"
+        ]
     return []
 
 
@@ -198,17 +279,26 @@ VLLM_BLOCK_TOKENS = 128  # vLLM's CPU attention pages its KV cache in blocks of 
 VLLM_SPARE_BYTES = 4 << 20  # a few spare blocks: vLLM keeps one block aside (the null block)
 
 
-def vllm_kv_need(arch, dtype: str | int, sequences: int, max_model_len: int, tp_size: int,
-                 block_tokens: int = VLLM_BLOCK_TOKENS) -> int:
+def vllm_kv_need(
+    arch, dtype: str | int, sequences: int, max_model_len: int, tp_size: int, block_tokens: int = VLLM_BLOCK_TOKENS
+) -> int:
     """KV-cache bytes on one rank of a vLLM engine for `sequences` sequences (the whole engine's, all its
     TP ranks') of up to `max_model_len` tokens, each in whole blocks; the KV heads are split over tp."""
     b, slots = _b(dtype), math.ceil(max_model_len / block_tokens) * block_tokens
     return 2 * arch.num_hidden_layers * math.ceil(arch.kv_heads / tp_size) * arch.head_dim * b * slots * sequences
 
 
-def vllm_kv_budget(arch, dtype: str | int, sequences: int, max_model_len: int, tp_size: int,
-                   configured: int | None = None, mem_fraction: float | None = None, device_bytes: int = 0,
-                   engine_weights: int = 0) -> int:
+def vllm_kv_budget(
+    arch,
+    dtype: str | int,
+    sequences: int,
+    max_model_len: int,
+    tp_size: int,
+    configured: int | None = None,
+    mem_fraction: float | None = None,
+    device_bytes: int = 0,
+    engine_weights: int = 0,
+) -> int:
     """The KV-cache bytes one rank of a vLLM engine holds: `configured` (rollout.kv_cache_bytes, vLLM's
     kv_cache_memory_bytes, per GPU); else with `mem_fraction` (CUDA) what vLLM's share of the device
     leaves beside this rank's `engine_weights` (an upper bound: vLLM also subtracts its profiled
@@ -220,17 +310,33 @@ def vllm_kv_budget(arch, dtype: str | int, sequences: int, max_model_len: int, t
     return vllm_kv_need(arch, dtype, sequences, max_model_len, tp_size) + VLLM_SPARE_BYTES
 
 
-def bill_vllm_kv(arch, dtype: str, batch: int, context: int, n_gpus: int, tp_size: int, configured: int | None,
-                 mem_fraction: float | None, device_bytes: int, engine_weights: int) -> tuple[int, str]:
+def bill_vllm_kv(
+    arch,
+    dtype: str,
+    batch: int,
+    context: int,
+    n_gpus: int,
+    tp_size: int,
+    configured: int | None,
+    mem_fraction: float | None,
+    device_bytes: int,
+    engine_weights: int,
+) -> tuple[int, str]:
     """The planner's kv_cache for vLLM, per GPU (`vllm_kv_budget` for the batch's share of one engine, the
     sequences of its tp ranks), and a note ("" if none) when it cannot hold one batch."""
     engine_batch = math.ceil(batch * tp_size / n_gpus)
-    kv = vllm_kv_budget(arch, dtype, engine_batch, context, tp_size, configured, mem_fraction, device_bytes,
-                        engine_weights)
+    kv = vllm_kv_budget(
+        arch, dtype, engine_batch, context, tp_size, configured, mem_fraction, device_bytes, engine_weights
+    )
     need = vllm_kv_need(arch, dtype, engine_batch, context, tp_size)
     if kv >= need:
         return kv, ""
-    why = ("refuses to start (rollout.kv_cache_bytes)" if configured is not None
-           else "decodes the batch in rounds (rollout.mem_fraction)")
-    return kv, (f"vLLM's KV cache ({kv / 1e9:.2f} GB per GPU) is below one batch's need ({need / 1e9:.2f} GB): "
-                f"the engine {why}; raise it, or set it to null to size it from the batch")
+    why = (
+        "refuses to start (rollout.kv_cache_bytes)"
+        if configured is not None
+        else "decodes the batch in rounds (rollout.mem_fraction)"
+    )
+    return kv, (
+        f"vLLM's KV cache ({kv / 1e9:.2f} GB per GPU) is below one batch's need ({need / 1e9:.2f} GB): "
+        f"the engine {why}; raise it, or set it to null to size it from the batch"
+    )

@@ -32,6 +32,7 @@ Without the registry: `Trainer(cfg, reward_fn=my_fn)` takes a callable, and
 the same checks: its signature is bound before the model loads, it is probed once on
 placeholder completions, and a reward that raises or is NaN names the sample.
 """
+
 from __future__ import annotations
 
 import functools
@@ -60,24 +61,29 @@ _REGISTRY: dict[str, RewardSpec] = {}
 def _register_builtin_rewards() -> None:
     """Import the built-in reward modules; their @register_reward decorators fill the registry."""
     # Inside a function, not at the top: toy imports this module for register_reward.
-    import hybrid_rl.rewards.math  # noqa: F401  (imported for their side effect; Python imports each once)
     import hybrid_rl.rewards.latex_math  # noqa: F401  (`math`: LaTeX answers through math-verify)
+    import hybrid_rl.rewards.math  # noqa: F401  (imported for their side effect; Python imports each once)
     import hybrid_rl.rewards.toy  # noqa: F401
 
 
-def register_reward(name: str, success_threshold: float = 1.0,
-                    check_rows: Optional[RowCheck] = None) -> Callable[[RewardFn], RewardFn]:
+def register_reward(
+    name: str, success_threshold: float = 1.0, check_rows: Optional[RowCheck] = None
+) -> Callable[[RewardFn], RewardFn]:
     """Decorator: register `fn` as reward `name` (selected by `reward.name=name`)."""
 
     def deco(fn: RewardFn) -> RewardFn:
         old = _REGISTRY.get(name)
         # A notebook cell run again defines the same function anew: the new definition replaces it.
-        redefined = old is not None and (getattr(old.fn, "__module__", None), getattr(old.fn, "__qualname__", None)) == \
-            (getattr(fn, "__module__", None), getattr(fn, "__qualname__", None))
+        redefined = old is not None and (
+            getattr(old.fn, "__module__", None),
+            getattr(old.fn, "__qualname__", None),
+        ) == (getattr(fn, "__module__", None), getattr(fn, "__qualname__", None))
         if old is not None and not redefined:
             where = f"{getattr(old.fn, '__module__', '?')}.{getattr(old.fn, '__qualname__', '?')}"
-            raise ValueError(f"reward function {name!r} is already registered (by {where}); pick another name, "
-                             "or pass the function itself: Trainer(cfg, reward_fn=fn)")
+            raise ValueError(
+                f"reward function {name!r} is already registered (by {where}); pick another name, "
+                "or pass the function itself: Trainer(cfg, reward_fn=fn)"
+            )
         _REGISTRY[name] = RewardSpec(fn, success_threshold, check_rows)
         return fn
 
@@ -88,7 +94,9 @@ def get_reward(name: str) -> RewardSpec:
     """The registered reward `name`; the built-in rewards are registered here, on first use."""
     _register_builtin_rewards()
     if name not in _REGISTRY:
-        raise ValueError(f"unknown reward function {name!r} (config key 'reward.name'); registered: {sorted(_REGISTRY)}")
+        raise ValueError(
+            f"unknown reward function {name!r} (config key 'reward.name'); registered: {sorted(_REGISTRY)}"
+        )
     return _REGISTRY[name]
 
 
@@ -97,17 +105,22 @@ def load_reward_fn(path: str) -> RewardFn:
     return import_object(path, "reward.fn", "function")
 
 
-def resolve_reward(name: str, fn_path: str = "", kwargs: Optional[Mapping[str, Any]] = None,
-                   success_threshold: Optional[float] = None,
-                   reward_fn: Optional[RewardFn] = None) -> tuple[str, RewardSpec]:
+def resolve_reward(
+    name: str,
+    fn_path: str = "",
+    kwargs: Optional[Mapping[str, Any]] = None,
+    success_threshold: Optional[float] = None,
+    reward_fn: Optional[RewardFn] = None,
+) -> tuple[str, RewardSpec]:
     """(display name, spec) of the run's reward: `reward_fn`, else `reward.fn`, else the registry's `name`.
 
     Keyword arguments are bound now and the call signature is checked, so a function that
     cannot take (prompts, completions, metadata, **kwargs) fails before any model loads.
     """
     if reward_fn is not None and fn_path:
-        raise ValueError(f"config key 'reward.fn': set to {fn_path!r} and a reward_fn was passed to Trainer; "
-                         "give one of them")
+        raise ValueError(
+            f"config key 'reward.fn': set to {fn_path!r} and a reward_fn was passed to Trainer; give one of them"
+        )
     if reward_fn is not None:
         shown, spec = getattr(reward_fn, "__qualname__", None) or repr(reward_fn), RewardSpec(reward_fn)
     elif fn_path:
@@ -126,8 +139,10 @@ def resolve_reward(name: str, fn_path: str = "", kwargs: Optional[Mapping[str, A
             signature.bind([], [], [], **kwargs)
         except TypeError as err:
             extra = f" with keyword arguments {sorted(kwargs)} (config key 'reward.kwargs')" if kwargs else ""
-            raise ValueError(f"reward function {shown!r} cannot be called as fn(prompts, completions, metadata)"
-                             f"{extra}: {err}; its signature is {shown}{signature}") from None
+            raise ValueError(
+                f"reward function {shown!r} cannot be called as fn(prompts, completions, metadata)"
+                f"{extra}: {err}; its signature is {shown}{signature}"
+            ) from None
     if kwargs:
         spec = replace(spec, fn=functools.partial(spec.fn, **kwargs))
     if success_threshold is not None:
@@ -135,7 +150,9 @@ def resolve_reward(name: str, fn_path: str = "", kwargs: Optional[Mapping[str, A
     return shown, spec
 
 
-def _first_failing(fn: RewardFn, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[dict]) -> Optional[int]:
+def _first_failing(
+    fn: RewardFn, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[dict]
+) -> Optional[int]:
     """The index of the first sample that makes `fn` raise on its own (None if none does alone)."""
     for i in range(len(completions)):
         try:
@@ -149,15 +166,19 @@ def _sample(i: int, prompts: Sequence[str], completions: Sequence[str]) -> str:
     return f"completion {i} ({completions[i][:120]!r}, of prompt {prompts[i][:80]!r})"
 
 
-def compute_rewards(name: str, spec: RewardSpec, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[dict]) -> list[float]:
+def compute_rewards(
+    name: str, spec: RewardSpec, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[dict]
+) -> list[float]:
     """Call a reward function and check what it returns; never silently drops a sample."""
     try:
         out = spec.fn(prompts, completions, metadata)
     except Exception as err:
         i = _first_failing(spec.fn, prompts, completions, metadata)
         where = f" on {_sample(i, prompts, completions)}" if i is not None else ""
-        raise RuntimeError(f"reward function {name!r} raised {type(err).__name__}: {err}{where}; fix the function "
-                           "(it must return one float per completion)") from err
+        raise RuntimeError(
+            f"reward function {name!r} raised {type(err).__name__}: {err}{where}; fix the function "
+            "(it must return one float per completion)"
+        ) from err
     out = list(out)
     if len(out) != len(completions):
         raise ValueError(f"reward function {name!r} returned {len(out)} rewards for {len(completions)} completions")
@@ -165,8 +186,10 @@ def compute_rewards(name: str, spec: RewardSpec, prompts: Sequence[str], complet
     for i, r in enumerate(out):
         value = _real(r)
         if value is None or not math.isfinite(value):
-            raise ValueError(f"reward function {name!r} returned {r!r} for {_sample(i, prompts, completions)}; "
-                             "rewards must be finite real numbers (a Python, numpy or one-element torch number)")
+            raise ValueError(
+                f"reward function {name!r} returned {r!r} for {_sample(i, prompts, completions)}; "
+                "rewards must be finite real numbers (a Python, numpy or one-element torch number)"
+            )
         rewards.append(value)
     return rewards
 

@@ -12,6 +12,7 @@ The normaliser's state is small and JSON-safe, so a checkpoint can carry it.
 
 Legend: N completions on this rank.
 """
+
 from __future__ import annotations
 
 import math
@@ -76,8 +77,9 @@ class RunningNorm:
         self.eps = float(state.get("eps", self.eps))
 
 
-def combine(parts: Mapping[str, torch.Tensor], weights: Mapping[str, float],
-            norm: Optional[RunningNorm] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def combine(
+    parts: Mapping[str, torch.Tensor], weights: Mapping[str, float], norm: Optional[RunningNorm] = None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(reward_N, logged parts): sum over parts of weight x part, the model part normalised first if `norm`.
 
     parts: {"rule": rule_N, "model": score_N, "env": return_N} (the parts in `weights`, all of shape (N,)).

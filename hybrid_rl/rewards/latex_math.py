@@ -14,6 +14,7 @@ any other trailing expression may have been cut short (`12` of `125`).
 math-verify bounds its parsing with SIGALRM, which only the main thread may set; off the main
 thread (an environment's step thread) it runs without that bound.
 """
+
 from __future__ import annotations
 
 import threading
@@ -28,8 +29,9 @@ def _math_verify():
     try:
         import math_verify
     except ImportError as err:
-        raise ImportError("reward 'math' needs math-verify: pip install 'hybrid_rl[math]' "
-                          "(or pip install math-verify)") from err
+        raise ImportError(
+            "reward 'math' needs math-verify: pip install 'hybrid_rl[math]' (or pip install math-verify)"
+        ) from err
     return math_verify
 
 
@@ -78,5 +80,7 @@ def check_latex_rows(rows: Sequence[dict], source: str) -> None:
 @register_reward("math", check_rows=check_latex_rows)
 def math_reward(prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[dict]) -> list[float]:
     """MATH-style LaTeX answers, verified symbolically by math-verify (module docstring)."""
-    return [score(c, parse_reference(reference_text(m)), truncated=m.get("finish_reason") == "length")
-            for c, m in zip(completions, metadata)]
+    return [
+        score(c, parse_reference(reference_text(m)), truncated=m.get("finish_reason") == "length")
+        for c, m in zip(completions, metadata)
+    ]

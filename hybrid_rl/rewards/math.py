@@ -20,6 +20,7 @@ no answer 0. The match itself is more lenient than verl's text comparison (`####
 `#### $18` and `####18` are right against 18 here, wrong or absent there); mode `verl`
 reproduces verl's match exactly, for curves comparable with verl's.
 """
+
 from __future__ import annotations
 
 import re
@@ -84,8 +85,9 @@ def reference_answer(answer: str) -> Optional[Fraction]:
     return parse_number(m.group(1) + m.group(2)) if m is not None else None
 
 
-def score_answer(completion: str, reference: Fraction, mode: str = "strict", format_score: float = 0.0,
-                 truncated: bool = False) -> float:
+def score_answer(
+    completion: str, reference: Fraction, mode: str = "strict", format_score: float = 0.0, truncated: bool = False
+) -> float:
     """1.0 if the completion's final answer equals `reference`, `format_score` if it has one that
     does not, 0.0 if it has none (or only one that a truncation may have cut short)."""
     found = extract_answer(completion, mode)
@@ -115,12 +117,16 @@ def check_math_rows(rows: Sequence[dict], source: str) -> None:
     """Every row must carry a reference answer the verifier can read; names the first that does not."""
     for i, row in enumerate(rows):
         if "answer" not in row and "ground_truth" not in row:
-            raise ValueError(f"{source}: row {i} has no 'answer' (config key 'data.answer_key'); the math reward "
-                             f"checks completions against it; row: {str(row)[:120]}")
+            raise ValueError(
+                f"{source}: row {i} has no 'answer' (config key 'data.answer_key'); the math reward "
+                f"checks completions against it; row: {str(row)[:120]}"
+            )
         text = _answer_text(row)
         if reference_answer(text) is None:
-            raise ValueError(f"{source}: row {i}: answer {text[-80:]!r} has no final number "
-                             "(expected '#### <number>' or a bare number)")
+            raise ValueError(
+                f"{source}: row {i}: answer {text[-80:]!r} has no final number "
+                "(expected '#### <number>' or a bare number)"
+            )
 
 
 # verl's strict GSM8K match: "#### " (one space), then a run of digits, dots and commas with an optional minus.
@@ -145,8 +151,13 @@ def verl_reference(meta: dict) -> str:
 
 
 @register_reward("gsm8k", check_rows=check_math_rows)
-def gsm8k_reward(prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[dict],
-                 mode: str = "strict", format_score: float = 0.0) -> list[float]:
+def gsm8k_reward(
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    metadata: Sequence[dict],
+    mode: str = "strict",
+    format_score: float = 0.0,
+) -> list[float]:
     """GSM8K-style numeric answer reward; `reward.kwargs.mode` / `reward.kwargs.format_score` set the options.
 
     mode: strict / flexible (this module's verifier: numbers compared exactly as numbers, a cut-off
@@ -155,8 +166,10 @@ def gsm8k_reward(prompts: Sequence[str], completions: Sequence[str], metadata: S
         return [verl_score(c, verl_reference(m), format_score) for c, m in zip(completions, metadata)]
     if mode not in MODES:
         raise ValueError(f"reward.kwargs.mode must be one of {[*MODES, 'verl']}, got {mode!r}")
-    return [score_answer(c, _reference(m), mode, format_score, truncated=m.get("finish_reason") == "length")
-            for c, m in zip(completions, metadata)]
+    return [
+        score_answer(c, _reference(m), mode, format_score, truncated=m.get("finish_reason") == "length")
+        for c, m in zip(completions, metadata)
+    ]
 
 
 @register_reward("gsm8k_format")
@@ -169,10 +182,12 @@ def gsm8k_format_reward(prompts: Sequence[str], completions: Sequence[str], meta
     for c, m in zip(completions, metadata):
         truncated = m.get("finish_reason") == "length"
         found = extract_answer(c, "strict")
-        if found is not None and not (truncated and _CUT_TAIL_RE.fullmatch(c[found[1]:])):
+        if found is not None and not (truncated and _CUT_TAIL_RE.fullmatch(c[found[1] :])):
             out.append(1.0)
             continue
         at = c.find("####")
-        later = extract_answer(c[at + 4:], "flexible") if at >= 0 else None
-        out.append(0.5 if later is not None and not (truncated and _CUT_TAIL_RE.fullmatch(c[at + 4 + later[1]:])) else 0.0)
+        later = extract_answer(c[at + 4 :], "flexible") if at >= 0 else None
+        out.append(
+            0.5 if later is not None and not (truncated and _CUT_TAIL_RE.fullmatch(c[at + 4 + later[1] :])) else 0.0
+        )
     return out

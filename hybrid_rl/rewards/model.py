@@ -25,6 +25,7 @@ business (switch/phases.py, the REWARD stage); this module only scores.
 
 Legend: N completions, L tokens (left-padded), C labels.
 """
+
 from __future__ import annotations
 
 import glob
@@ -37,6 +38,7 @@ import torch
 
 from hybrid_rl.batch import micro_batches
 from hybrid_rl.models.logprobs import left_pad, position_ids
+
 
 @dataclass(frozen=True)
 class RewardModelSpec:
@@ -56,13 +58,18 @@ def _fail(key: str, msg: str) -> NoReturn:
 
 def _read_config(path: str) -> dict:
     if not path or not os.path.isdir(path):
-        _fail("reward.model_path", f"directory {path!r} does not exist; give a local Hugging Face reward model directory")
+        _fail(
+            "reward.model_path", f"directory {path!r} does not exist; give a local Hugging Face reward model directory"
+        )
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         _fail("reward.model_path", f"{path!r} has no config.json; is it a Hugging Face model directory?")
     if not glob.glob(os.path.join(path, "*.safetensors")):
-        _fail("reward.model_path", f"{path!r} has no *.safetensors weights; save the reward model with "
-                                   "`model.save_pretrained(path, safe_serialization=True)`")
+        _fail(
+            "reward.model_path",
+            f"{path!r} has no *.safetensors weights; save the reward model with "
+            "`model.save_pretrained(path, safe_serialization=True)`",
+        )
     with open(cfg_path) as f:
         try:
             return json.load(f)
@@ -82,18 +89,29 @@ def load_reward_tokenizer(path: str, vocab_size: Optional[int] = None):
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except Exception as err:  # a directory without tokenizer files, or broken ones
-        _fail("reward.model_path", f"cannot load the reward model's tokenizer from {path!r} "
-                                   f"({type(err).__name__}: {err}); save its tokenizer next to the weights")
+        _fail(
+            "reward.model_path",
+            f"cannot load the reward model's tokenizer from {path!r} "
+            f"({type(err).__name__}: {err}); save its tokenizer next to the weights",
+        )
     pad = tok.pad_token_id
     if pad is None or (vocab_size is not None and pad >= vocab_size):
-        why = "" if pad is None else f" (only a class default {tok.pad_token!r}, id {pad}, outside vocab_size {vocab_size})"
-        _fail("reward.model_path", f"the tokenizer in {path!r} has no pad token{why}: completions cannot be batched. "
-                                   "Set `pad_token` in its tokenizer_config.json (an unused special token will do)")
+        why = (
+            ""
+            if pad is None
+            else f" (only a class default {tok.pad_token!r}, id {pad}, outside vocab_size {vocab_size})"
+        )
+        _fail(
+            "reward.model_path",
+            f"the tokenizer in {path!r} has no pad token{why}: completions cannot be batched. "
+            "Set `pad_token` in its tokenizer_config.json (an unused special token will do)",
+        )
     return tok
 
 
-def inspect_reward_model(path: str, score_index: int = -1, score_token: str = "",
-                         score_token_id: int = -1) -> tuple[RewardModelSpec, object]:
+def inspect_reward_model(
+    path: str, score_index: int = -1, score_token: str = "", score_token_id: int = -1
+) -> tuple[RewardModelSpec, object]:
     """(spec, tokenizer) of the reward model in `path`; every check that needs no weights loaded.
 
     Raises naming the key to fix: a missing directory or weights, a model that is neither a
@@ -108,12 +126,18 @@ def inspect_reward_model(path: str, score_index: int = -1, score_token: str = ""
     token_given = bool(score_token) or score_token_id >= 0
     if arch.endswith("ForSequenceClassification"):
         if token_given:
-            _fail("reward.score_token", f"{path!r} is a sequence classifier ({arch}); a score token is for a causal "
-                                        "LM reward model. Unset reward.score_token / reward.score_token_id")
+            _fail(
+                "reward.score_token",
+                f"{path!r} is a sequence classifier ({arch}); a score token is for a causal "
+                "LM reward model. Unset reward.score_token / reward.score_token_id",
+            )
         labels = num_labels(cfg)
         if labels > 1 and score_index < 0:
-            _fail("reward.score_index", f"the reward model in {path!r} has {labels} labels; say which label's logit "
-                                        f"is the reward (reward.score_index=0..{labels - 1})")
+            _fail(
+                "reward.score_index",
+                f"the reward model in {path!r} has {labels} labels; say which label's logit "
+                f"is the reward (reward.score_index=0..{labels - 1})",
+            )
         index = score_index if score_index >= 0 else 0
         if index >= labels:
             _fail("reward.score_index", f"{score_index} is out of range: {path!r} has {labels} label(s)")
@@ -121,13 +145,19 @@ def inspect_reward_model(path: str, score_index: int = -1, score_token: str = ""
     elif arch.endswith("ForCausalLM") and token_given:
         kind, index = "causal_lm", -1
     elif arch.endswith("ForCausalLM"):
-        _fail("reward.model_path", f"{path!r} is a causal LM ({arch}), not a sequence-classification reward model; to "
-                                   "score it by the logit of one token at the last position, set reward.score_token "
-                                   "(or reward.score_token_id)")
+        _fail(
+            "reward.model_path",
+            f"{path!r} is a causal LM ({arch}), not a sequence-classification reward model; to "
+            "score it by the logit of one token at the last position, set reward.score_token "
+            "(or reward.score_token_id)",
+        )
     else:
-        _fail("reward.model_path", f"{path!r} is a {arch}, not a sequence-classification model "
-                                   "(AutoModelForSequenceClassification, architectures '*ForSequenceClassification') "
-                                   "or a causal LM with reward.score_token")
+        _fail(
+            "reward.model_path",
+            f"{path!r} is a {arch}, not a sequence-classification model "
+            "(AutoModelForSequenceClassification, architectures '*ForSequenceClassification') "
+            "or a causal LM with reward.score_token",
+        )
     tok = load_reward_tokenizer(path, vocab)
     if kind == "causal_lm":
         if score_token and score_token_id >= 0:
@@ -135,21 +165,31 @@ def inspect_reward_model(path: str, score_index: int = -1, score_token: str = ""
         if score_token:
             ids = tok(score_token, add_special_tokens=False).input_ids
             if len(ids) != 1 or ids[0] == tok.unk_token_id:
-                _fail("reward.score_token", f"{score_token!r} is {len(ids)} token(s) {ids} for the tokenizer in "
-                                            f"{path!r}; it must be exactly one known token (or give reward.score_token_id)")
+                _fail(
+                    "reward.score_token",
+                    f"{score_token!r} is {len(ids)} token(s) {ids} for the tokenizer in "
+                    f"{path!r}; it must be exactly one known token (or give reward.score_token_id)",
+                )
             index = ids[0]
         else:
             index = score_token_id
         if vocab is not None and index >= vocab:
             _fail("reward.score_token_id", f"{index} is outside the reward model's vocab_size {vocab}")
     max_positions = cfg.get("max_position_embeddings") or (cfg.get("text_config") or {}).get("max_position_embeddings")
-    spec = RewardModelSpec(path=path, kind=kind, index=index, architecture=arch,
-                           chat_template=bool(getattr(tok, "chat_template", None)), max_positions=max_positions)
+    spec = RewardModelSpec(
+        path=path,
+        kind=kind,
+        index=index,
+        architecture=arch,
+        chat_template=bool(getattr(tok, "chat_template", None)),
+        max_positions=max_positions,
+    )
     return spec, tok
 
 
-def load_reward_model(spec: RewardModelSpec, device: torch.device, bf16: bool, mesh=None,
-                      whole: bool = False) -> torch.nn.Module:
+def load_reward_model(
+    spec: RewardModelSpec, device: torch.device, bf16: bool, mesh=None, whole: bool = False
+) -> torch.nn.Module:
     """The frozen module (bf16 weights when `bf16`, else fp32), FSDP2-sharded over every rank, of which only
     rank 0 reads the weights (`models.fsdp.load_sharded`); or over `mesh` only (the split placement's rollout
     ranks, each of which reads them); or, `whole`, one unsharded copy on this rank (a split run's only rollout
@@ -185,8 +225,9 @@ def load_reward_model(spec: RewardModelSpec, device: torch.device, bf16: bool, m
         frozen(model)
         return model.to(device)
     # Already in its final dtype: no mixed-precision policy (nothing of it is trained).
-    return load_sharded(spec.path, device, False, "sdpa", [frozen], load=load, model_class=cls, dtype=dtype,
-                        mesh=mesh)[0]
+    return load_sharded(spec.path, device, False, "sdpa", [frozen], load=load, model_class=cls, dtype=dtype, mesh=mesh)[
+        0
+    ]
 
 
 def encode_texts(tokenizer, prompts: Sequence[str], completions: Sequence[str]) -> list[list[int]]:
@@ -197,26 +238,35 @@ def encode_texts(tokenizer, prompts: Sequence[str], completions: Sequence[str]) 
         texts = []
         for i, (p, c) in enumerate(zip(prompts, completions)):
             try:
-                texts.append(tokenizer.apply_chat_template(
-                    [{"role": "user", "content": p}, {"role": "assistant", "content": c}], tokenize=False))
+                texts.append(
+                    tokenizer.apply_chat_template(
+                        [{"role": "user", "content": p}, {"role": "assistant", "content": c}], tokenize=False
+                    )
+                )
             except Exception as err:  # jinja errors and whatever else a template raises
-                raise ValueError(f"the reward model's chat template failed on completion {i} ({c[:80]!r}): "
-                                 f"{type(err).__name__}: {err}") from err
+                raise ValueError(
+                    f"the reward model's chat template failed on completion {i} ({c[:80]!r}): "
+                    f"{type(err).__name__}: {err}"
+                ) from err
         return tokenizer(texts, add_special_tokens=False).input_ids
     # No template: the text as the policy wrote it, with the tokenizer's own special tokens.
     return tokenizer([p + c for p, c in zip(prompts, completions)]).input_ids
 
 
-def left_pad_batch(ids: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad_batch(
+    ids: Sequence[Sequence[int]], pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """ids_NL, attn_NL: right-aligned, so every sequence's last token is at position L - 1."""
     if any(len(x) == 0 for x in ids):
         raise ValueError("a reward model input has no tokens; the prompt and completion are both empty")
     return left_pad(ids, pad_id, device)
 
 
-def score_forward(model: torch.nn.Module, ids_NL: torch.Tensor, attn_NL: torch.Tensor, kind: str,
-                  index: int) -> torch.Tensor:
-    """score_N (fp32) of left-padded sequences: label `index`'s logit, or token `index`'s logit, at the last position."""
+def score_forward(
+    model: torch.nn.Module, ids_NL: torch.Tensor, attn_NL: torch.Tensor, kind: str, index: int
+) -> torch.Tensor:
+    """score_N (fp32) of left-padded sequences: label `index`'s logit, or token `index`'s logit, at the last
+    position."""
     if ids_NL.shape != attn_NL.shape or ids_NL.dim() != 2:
         raise ValueError(f"ids_NL {tuple(ids_NL.shape)} and attn_NL {tuple(attn_NL.shape)} must be the same 2-d shape")
     pos_NL = position_ids(attn_NL)
@@ -253,17 +303,20 @@ class RewardModelScorer:
         return score_N
 
 
-def check_lengths(lengths: Sequence[int], spec: RewardModelSpec, prompts: Sequence[str],
-                  completions: Sequence[str]) -> None:
+def check_lengths(
+    lengths: Sequence[int], spec: RewardModelSpec, prompts: Sequence[str], completions: Sequence[str]
+) -> None:
     """An input longer than the reward model's positions would be scored from positions it never saw
     (rotary embeddings extrapolate without an error): stop with the sample named instead."""
     if spec.max_positions is None or not lengths or max(lengths) <= spec.max_positions:
         return
     i = max(range(len(lengths)), key=lambda k: lengths[k])
-    raise ValueError(f"completion {i} ({completions[i][:80]!r}, of prompt {prompts[i][:80]!r}) is {lengths[i]} tokens "
-                     f"for the reward model in {spec.path!r}, longer than its max_position_embeddings "
-                     f"{spec.max_positions}; lower rollout.max_new_tokens or data.max_prompt_tokens, or use a reward "
-                     "model with a longer context")
+    raise ValueError(
+        f"completion {i} ({completions[i][:80]!r}, of prompt {prompts[i][:80]!r}) is {lengths[i]} tokens "
+        f"for the reward model in {spec.path!r}, longer than its max_position_embeddings "
+        f"{spec.max_positions}; lower rollout.max_new_tokens or data.max_prompt_tokens, or use a reward "
+        "model with a longer context"
+    )
 
 
 def check_scores(score_N: torch.Tensor, prompts: Sequence[str], completions: Sequence[str], path: str) -> None:
@@ -271,8 +324,8 @@ def check_scores(score_N: torch.Tensor, prompts: Sequence[str], completions: Seq
     bad = (~torch.isfinite(score_N)).nonzero().flatten().tolist()
     if bad:
         i = bad[0]
-        raise ValueError(f"the reward model in {path!r} scored {score_N[i].item()} for completion {i} "
-                         f"({completions[i][:120]!r}, of prompt {prompts[i][:80]!r}) and {len(bad) - 1} more; "
-                         "scores must be finite: check the reward model's weights and dtype")
-
-
+        raise ValueError(
+            f"the reward model in {path!r} scored {score_N[i].item()} for completion {i} "
+            f"({completions[i][:120]!r}, of prompt {prompts[i][:80]!r}) and {len(bad) - 1} more; "
+            "scores must be finite: check the reward model's weights and dtype"
+        )

@@ -15,6 +15,7 @@ pre-tokenizer, which loses every word that is not a digit).
 
     python -m hybrid_rl.rewards.tiny_model runs/tiny_rm [--steps 500]   # the demo's reward model
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,12 +46,13 @@ def build_reward_tokenizer(words: Sequence[str] = DIGIT_WORDS, chat_template: bo
     specials = [UNK, PAD, USER, ASSISTANT, END]
     vocab = {tok: i for i, tok in enumerate([*specials, *reversed(list(words)), SCORE_TOKEN, "no"])}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
-                                                 pre_tokenizers.Digits(individual_digits=True),
-                                                 pre_tokenizers.Punctuation()])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.Punctuation()]
+    )
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, unk_token=UNK,
-                                  additional_special_tokens=[USER, ASSISTANT, END])
+    out = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, unk_token=UNK, additional_special_tokens=[USER, ASSISTANT, END]
+    )
     if chat_template:
         out.chat_template = CHAT_TEMPLATE
     return out
@@ -61,10 +63,18 @@ def _build(kind: str, tokenizer, hidden_size: int, num_layers: int, num_labels: 
 
     if kind not in ("classifier", "causal_lm"):
         raise ValueError(f"kind must be 'classifier' or 'causal_lm', got {kind!r}")
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=4 * hidden_size,
-                      num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=128, tie_word_embeddings=kind == "causal_lm",
-                      pad_token_id=tokenizer.pad_token_id, num_labels=num_labels)
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=kind == "causal_lm",
+        pad_token_id=tokenizer.pad_token_id,
+        num_labels=num_labels,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         cls = AutoModelForSequenceClassification if kind == "classifier" else AutoModelForCausalLM
@@ -72,7 +82,7 @@ def _build(kind: str, tokenizer, hidden_size: int, num_layers: int, num_labels: 
         if kind == "classifier":
             # HF initialises the head with std 0.02: scores of ~1e-3 everywhere. A unit-scale head
             # gives a random model scores that differ between completions, which the tests need.
-            torch.nn.init.normal_(model.score.weight, std=1.0 / hidden_size ** 0.5)
+            torch.nn.init.normal_(model.score.weight, std=1.0 / hidden_size**0.5)
     return model
 
 
@@ -85,9 +95,16 @@ def _save(model, tokenizer, path: str) -> str:
     return path
 
 
-def random_reward_model_dir(path: str, kind: str = "classifier", hidden_size: int = 32, num_layers: int = 2,
-                            num_labels: int = 1, seed: int = 0, chat_template: bool = True,
-                            overwrite: bool = False) -> str:
+def random_reward_model_dir(
+    path: str,
+    kind: str = "classifier",
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    num_labels: int = 1,
+    seed: int = 0,
+    chat_template: bool = True,
+    overwrite: bool = False,
+) -> str:
     """Save a seeded random-init reward model (`kind`: classifier | causal_lm) with its tokenizer; return `path`."""
     if os.path.isfile(os.path.join(path, "config.json")) and not overwrite:
         return path
@@ -117,8 +134,9 @@ def _digits_example(rng: random.Random) -> tuple[str, str, float]:
     return prompt, " ".join(words), 0.9 * right / 3 + 0.1 * (length == 3)
 
 
-def digits_reward_model_dir(path: str, steps: int = 500, batch_size: int = 128, hidden_size: int = 64,
-                            seed: int = 0, overwrite: bool = False) -> str:
+def digits_reward_model_dir(
+    path: str, steps: int = 500, batch_size: int = 128, hidden_size: int = 64, seed: int = 0, overwrite: bool = False
+) -> str:
     """Train the classifier to regress the digits reward from (prompt, completion) text; save it; return `path`.
 
     A few hundred Adam steps on CPU (tens of seconds): its score then tracks the task's reward,
@@ -153,8 +171,10 @@ def digits_reward_model_dir(path: str, steps: int = 500, batch_size: int = 128, 
 
 
 def main(argv: Sequence[str]) -> None:
-    p = argparse.ArgumentParser(prog="python -m hybrid_rl.rewards.tiny_model",
-                                description="Build the digits-task reward model for recipes/grpo_tiny.py.")
+    p = argparse.ArgumentParser(
+        prog="python -m hybrid_rl.rewards.tiny_model",
+        description="Build the digits-task reward model for recipes/grpo_tiny.py.",
+    )
     p.add_argument("path")
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--random", action="store_true", help="an untrained (random) classifier instead")

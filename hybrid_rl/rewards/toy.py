@@ -5,11 +5,13 @@ then EOS (its rows and vocabulary: data/digits.py). A uniform-random policy over
 
 Importing this module registers its rewards; `rewards.base.get_reward` does that import.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
 
 from hybrid_rl.rewards.base import register_reward
+
 
 @register_reward("digits")
 def digits_reward(prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[dict]) -> list[float]:

@@ -7,6 +7,7 @@ name and imported lazily, so a GPU-only engine costs nothing where it is absent.
 SGLang engine that receives the weights as CUDA IPC handles (rollout/sglang/engine.py); `vllm`
 runs vLLM in the trainer's own processes, weights reloaded in place (rollout/vllm/engine.py).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -65,8 +66,10 @@ def engine_class(name: str) -> type:
         return getattr(importlib.import_module(module), cls)
     except ImportError as err:
         # Both modules import with the core install (sglang.py imports SGLang itself lazily); this is a guard.
-        raise ImportError(f"rollout engine {name!r} is not available here ({err}); install its dependencies "
-                          "(GPU engines: pip install 'hybrid_rl[gpu]')") from err
+        raise ImportError(
+            f"rollout engine {name!r} is not available here ({err}); install its dependencies "
+            "(GPU engines: pip install 'hybrid_rl[gpu]')"
+        ) from err
 
 
 def check_tags(tags: Sequence[str]) -> None:

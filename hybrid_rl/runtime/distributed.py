@@ -20,6 +20,7 @@ wraps a recipe's `main` so that each failing rank prints one line saying which r
 is and where it was, and a rank whose collective lost its peer names the ranks that
 failed first or never answered (the only way node 0's log can name a rank on node 1).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -106,9 +107,11 @@ def _served() -> set[str]:
 def _check_served(x: torch.Tensor) -> None:
     served = _served()
     if x.device.type not in served:
-        raise RuntimeError(f"a collective got a {x.device.type} tensor but the process group "
-                           f"({dist.get_backend_config()}) serves only {sorted(served)}; initialise it with "
-                           f"hybrid_rl.runtime.distributed.init (backend {backend_for(torch.device('cuda'))!r} on GPUs)")
+        raise RuntimeError(
+            f"a collective got a {x.device.type} tensor but the process group "
+            f"({dist.get_backend_config()}) serves only {sorted(served)}; initialise it with "
+            f"hybrid_rl.runtime.distributed.init (backend {backend_for(torch.device('cuda'))!r} on GPUs)"
+        )
 
 
 def init(device: str = "auto", timeout_s: int = 300) -> torch.device:
@@ -124,8 +127,13 @@ def init(device: str = "auto", timeout_s: int = 300) -> torch.device:
         # A single GPU process (a notebook) still gets a 1-rank group, so bf16 mixed
         # precision goes through the same FSDP2 path as a multi-GPU run.
         torch.cuda.set_device(dev)
-        dist.init_process_group(backend=backend_for(dev), init_method=f"tcp://127.0.0.1:{free_port()}",
-                                rank=0, world_size=1, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend=backend_for(dev),
+            init_method=f"tcp://127.0.0.1:{free_port()}",
+            rank=0,
+            world_size=1,
+            timeout=timedelta(seconds=timeout_s),
+        )
     if dev.type == "cpu" and is_dist():
         # torchrun sets OMP_NUM_THREADS=1; several ranks share the cores anyway.
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
@@ -252,6 +260,7 @@ def report_failures(main: _F) -> _F:
     died or hung) appends what the other ranks reported, or names those that reported
     nothing. Under torchrun the traceback goes into the agent's error summary too (`record`).
     On one rank (a notebook, a test calling `main`) it only calls `main`."""
+
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         call = main
@@ -273,8 +282,10 @@ def failure_line(err: BaseException) -> str:
     """The one-line report of `err` on this rank (module docstring); tells the store as a side effect."""
     me, world = int(os.environ.get("RANK", rank())), env_world_size()
     message = (str(err).strip().splitlines() or [""])[0][:400]
-    line = (f"hybrid_rl: rank {me}/{world} ({socket.gethostname()}, pid {os.getpid()}) failed"
-            f"{_where(err)}: {type(err).__name__}: {message}")
+    line = (
+        f"hybrid_rl: rank {me}/{world} ({socket.gethostname()}, pid {os.getpid()}) failed"
+        f"{_where(err)}: {type(err).__name__}: {message}"
+    )
     return line + _exchange_reports(me, world, line, lost_peer=_in_collective(err.__traceback__))
 
 
@@ -298,8 +309,11 @@ def _where(err: BaseException) -> str:
     """' at step S, last phase P, in A > B > C': the tag of `failure_context` and the library frames of the
     traceback."""
     pkg = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    chain = [getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
-             for frame, _ in traceback.walk_tb(err.__traceback__) if frame.f_code.co_filename.startswith(pkg)]
+    chain = [
+        getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
+        for frame, _ in traceback.walk_tb(err.__traceback__)
+        if frame.f_code.co_filename.startswith(pkg)
+    ]
     out = ""
     step, phase = getattr(err, "hybrid_rl_where", (None, None))
     if step is not None:
@@ -335,12 +349,16 @@ def _exchange_reports(me: int, world: int, line: str, lost_peer: bool) -> str:
     except Exception as err:  # noqa: BLE001 - the report must not hide the error being reported
         if not lost_peer:
             return ""
-        return (f" | the launcher's store at {addr}:{port} is unreachable too ({type(err).__name__}): the node "
-                "that hosts it (node 0) is gone or hangs")
+        return (
+            f" | the launcher's store at {addr}:{port} is unreachable too ({type(err).__name__}): the node "
+            "that hosts it (node 0) is gone or hangs"
+        )
     silent = [r for r in others if r not in reported]
     parts = [f"rank {r} reported: {reported[r].removeprefix('hybrid_rl: ')}" for r in sorted(reported)]
     if silent:
         names = ", ".join(str(r) for r in silent)
-        parts.append(f"rank{'s' if len(silent) > 1 else ''} {names} reported no failure (yet): killed, hung, "
-                     "or on a node that is gone (see its launcher's log)")
+        parts.append(
+            f"rank{'s' if len(silent) > 1 else ''} {names} reported no failure (yet): killed, hung, "
+            "or on a node that is gone (see its launcher's log)"
+        )
     return " | " + " | ".join(parts)

@@ -15,6 +15,7 @@ It is what PyTorch's CPU tuning guides get from jemalloc or tcmalloc, without pr
 a library. The trainer applies it on CPU devices (`trainer.keep_host_memory`); on CUDA
 the activations are not host memory and nothing is changed.
 """
+
 from __future__ import annotations
 
 import ctypes

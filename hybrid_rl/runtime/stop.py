@@ -1,6 +1,7 @@
 """Stopping a run on a signal: SIGTERM (a scheduler's preemption, torchrun forwarding it) or
 SIGINT (Ctrl-C) sets a flag; `Trainer.fit` reads it between steps, writes a checkpoint and
 raises `TrainingInterrupted`."""
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,10 @@ class TrainingInterrupted(SystemExit):
     def __init__(self, signum: int, step: int, checkpoint: str):
         name = signal.Signals(signum).name
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
-        self.message = (f"interrupted by {name} after step {step}; checkpoint {checkpoint} written. "
-                        "Run the same command again to resume (trainer.resume=auto)") + under_torchrun_note()
+        self.message = (
+            f"interrupted by {name} after step {step}; checkpoint {checkpoint} written. "
+            "Run the same command again to resume (trainer.resume=auto)"
+        ) + under_torchrun_note()
         super().__init__(128 + signum)
 
     def announce(self) -> None:
@@ -43,10 +46,12 @@ def under_torchrun_note() -> str:
     say to signal torchrun (or the whole job), not the workers (docs/checkpoints.md)."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return ""
-    return (". torchrun got the signal too and will print 'SignalException: Process ... got signal' with a "
-            "traceback after this: that is torchrun reporting the signal, not a failure; this checkpoint is "
-            "complete (if a step and checkpoint take over 30 s, raise TORCH_ELASTIC_SHUTDOWN_TIMEOUT or "
-            "torchrun kills the workers first)")
+    return (
+        ". torchrun got the signal too and will print 'SignalException: Process ... got signal' with a "
+        "traceback after this: that is torchrun reporting the signal, not a failure; this checkpoint is "
+        "complete (if a step and checkpoint take over 30 s, raise TORCH_ELASTIC_SHUTDOWN_TIMEOUT or "
+        "torchrun kills the workers first)"
+    )
 
 
 class StopSignal:
@@ -71,8 +76,11 @@ class StopSignal:
             signal.raise_signal(signum)
             return
         self.signum = signum
-        print(f"rank {D.rank()}: {signal.Signals(signum).name} received; stopping after this step "
-              "(a checkpoint follows; send it again to stop at once)", flush=True)
+        print(
+            f"rank {D.rank()}: {signal.Signals(signum).name} received; stopping after this step "
+            "(a checkpoint follows; send it again to stop at once)",
+            flush=True,
+        )
 
     def agreed(self) -> int:
         """The signal any rank received since the run started (0 if none); a collective."""

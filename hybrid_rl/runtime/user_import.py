@@ -4,6 +4,7 @@ A module beside the user's command imports without PYTHONPATH: when its top-leve
 sys.path entry, the working directory and the running script's directory are tried (appended to
 sys.path, so they never shadow an installed module). Errors name the config key and what failed.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -49,9 +50,11 @@ def import_object(path: str, key: str, what: str) -> Any:
         obj = import_user_module(module_name)
     except Exception as err:  # an ImportError, or whatever the module raised while importing
         where = ", ".join(user_dirs())
-        raise ValueError(f"config key '{key}': cannot import module {module_name!r} "
-                         f"({type(err).__name__}: {err}); looked on sys.path and in {where}: put the module in "
-                         f"one of those, or add its directory to PYTHONPATH (PYTHONPATH=/its/dir python ...)") from err
+        raise ValueError(
+            f"config key '{key}': cannot import module {module_name!r} "
+            f"({type(err).__name__}: {err}); looked on sys.path and in {where}: put the module in "
+            f"one of those, or add its directory to PYTHONPATH (PYTHONPATH=/its/dir python ...)"
+        ) from err
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ValueError(f"config key '{key}': module {module_name!r} has no attribute {attr!r}")

@@ -9,6 +9,7 @@ split/roles.py says why it lives there). Then `distributed.use_group` scopes thi
 rank's library collectives to its own pool, so the colocated code runs on each pool as it would on a world
 of that pool's size (a rollout rank's prompt slice and sampling seeds are those of rank r - (W - R) of R).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,8 +45,10 @@ def setup_split(rollout_ranks: int, device: torch.device, timeout_s: float, rewa
     from torch.distributed.device_mesh import DeviceMesh
 
     if not D.is_dist():
-        raise ValueError("config key 'trainer.placement': split needs several processes; launch with torchrun "
-                         "(--nproc-per-node >= trainer.rollout_ranks + 1) or use trainer.placement=colocated")
+        raise ValueError(
+            "config key 'trainer.placement': split needs several processes; launch with torchrun "
+            "(--nproc-per-node >= trainer.rollout_ranks + 1) or use trainer.placement=colocated"
+        )
     me = torch.distributed.get_rank()
     layout = Layout(torch.distributed.get_world_size(), rollout_ranks)
     mesh = DeviceMesh(device.type, torch.tensor(layout.learners))  # every rank builds it; learners are in it
@@ -54,15 +57,17 @@ def setup_split(rollout_ranks: int, device: torch.device, timeout_s: float, rewa
     rollout_group = D.new_group(layout.rollouts, int(timeout_s), backend=backend)
     sync_group = D.new_group([0, *layout.rollouts], int(timeout_s))
     # Made after the other groups, so a run without a reward model creates exactly the groups it did before.
-    rollout_mesh = (DeviceMesh(device.type, torch.tensor(layout.rollouts))
-                    if reward_model and len(layout.rollouts) > 1 else None)
+    rollout_mesh = (
+        DeviceMesh(device.type, torch.tensor(layout.rollouts)) if reward_model and len(layout.rollouts) > 1 else None
+    )
     rollout = layout.is_rollout(me)
     if rollout:
         D.use_group(rollout_group, layout.rollouts)
     else:
         D.use_group(learner_group, layout.learners)
-    return SplitComm(layout, rollout, None if rollout else mesh, sync_group, timeout_s,
-                     rollout_mesh if rollout else None)
+    return SplitComm(
+        layout, rollout, None if rollout else mesh, sync_group, timeout_s, rollout_mesh if rollout else None
+    )
 
 
 def start_message(comm: SplitComm, first_batch: int, last_batch: int, loader_state: Optional[dict]) -> dict:

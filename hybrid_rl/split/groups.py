@@ -5,6 +5,7 @@ that code reads a RolloutBatch. The batch's `engine_logp_NT` is built from the c
 which in split mode are the generating engine's, token by token, under the version that made each
 token: the behaviour policy `stale_samples=correct` hands to the rollout correction.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -15,20 +16,31 @@ from hybrid_rl.batch import RolloutBatch
 from hybrid_rl.split.staleness import VersionedGroup
 
 
-def to_rollout_batch(groups: Sequence[VersionedGroup], rows: Sequence[dict], pad_id: int,
-                     device: torch.device) -> RolloutBatch:
+def to_rollout_batch(
+    groups: Sequence[VersionedGroup], rows: Sequence[dict], pad_id: int, device: torch.device
+) -> RolloutBatch:
     """One batch of `groups` (each of the same G) in order; rows: the dataset, indexed by a group's row_index."""
     if not groups:
         raise ValueError("no groups to batch")
     G = len(groups[0].completions)
     if any(len(g.completions) != G for g in groups):
-        raise ValueError(f"groups of different sizes {sorted({len(g.completions) for g in groups})}: rollout.n "
-                         "must be the same on every rollout rank")
+        raise ValueError(
+            f"groups of different sizes {sorted({len(g.completions) for g in groups})}: rollout.n "
+            "must be the same on every rollout rank"
+        )
     completions = [c for g in groups for c in g.completions]
     rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
     scores = torch.tensor([s for g in groups for s in g.scores], dtype=torch.float32)
-    return RolloutBatch.build([rows[g.row_index] for g in groups], [g.prompt_ids for g in groups], completions, G,
-                              rewards, scores, pad_id, device)
+    return RolloutBatch.build(
+        [rows[g.row_index] for g in groups],
+        [g.prompt_ids for g in groups],
+        completions,
+        G,
+        rewards,
+        scores,
+        pad_id,
+        device,
+    )
 
 
 def token_versions_NT(groups: Sequence[VersionedGroup], T: int) -> torch.Tensor:

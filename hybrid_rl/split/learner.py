@@ -15,6 +15,7 @@ batch trained now (the same on every learner rank: it travels with the scattered
 checkpoint `stop` receives the batches the rollout ranks can still make with the weights they hold, so
 none is left blocked in a send, and sends STOP where they wait for the next weights.
 """
+
 from __future__ import annotations
 
 import time
@@ -22,12 +23,12 @@ from typing import Optional, Sequence
 
 import torch
 
-from hybrid_rl.runtime import distributed as D
 from hybrid_rl.batch import RolloutBatch
 from hybrid_rl.observability.metrics import StageTimer
+from hybrid_rl.plan.rates import idle_fraction
+from hybrid_rl.runtime import distributed as D
 from hybrid_rl.split.comm import SplitComm, start_message
 from hybrid_rl.split.groups import to_rollout_batch
-from hybrid_rl.plan.rates import idle_fraction
 from hybrid_rl.split.staleness import LearnerQueue, StalenessRule, Taken, staleness_metrics
 from hybrid_rl.split.transport import recv_groups, recv_json
 from hybrid_rl.split.weight_sync import send_stop, send_weights
@@ -36,8 +37,18 @@ ROLLOUT_TIMES = ("time/rollout", "time/reward")
 
 
 class LearnerSide:
-    def __init__(self, comm: SplitComm, rule: StalenessRule, prompts_per_step: int, rows: Sequence[dict],
-                 pad_id: int, device: torch.device, sync_dtype: torch.dtype, bucket_bytes: int, loader):
+    def __init__(
+        self,
+        comm: SplitComm,
+        rule: StalenessRule,
+        prompts_per_step: int,
+        rows: Sequence[dict],
+        pad_id: int,
+        device: torch.device,
+        sync_dtype: torch.dtype,
+        bucket_bytes: int,
+        loader,
+    ):
         """prompts_per_step: data.batch_size (the queue holds k + 1 steps of groups); rows: the dataset the
         rollout ranks draw from (a group carries its row's index); loader: the run state's PromptLoader, kept at
         the rollout ranks' position after the batch last trained (what a checkpoint saves)."""
@@ -71,9 +82,9 @@ class LearnerSide:
         if D.rank() == 0:
             wait = self._receive_through(b)
             taken = self.queue.take(self.sizes.pop(b), b, self.rule)
-            kept = taken.kept[:len(taken.kept) - len(taken.kept) % self.comm.n_learners]  # equal shares
+            kept = taken.kept[: len(taken.kept) - len(taken.kept) % self.comm.n_learners]  # equal shares
             per = len(kept) // self.comm.n_learners
-            shares = [kept[i * per:(i + 1) * per] for i in range(self.comm.n_learners)]
+            shares = [kept[i * per : (i + 1) * per] for i in range(self.comm.n_learners)]
             info = self._metrics(b, taken, wait)
             shares = [(s, info) for s in shares]
         groups, info = D.scatter_object_from(shares, 0)
@@ -90,7 +101,9 @@ class LearnerSide:
         learner rank calls it: the gathers are collectives of the learner mesh)."""
         tokens = torch.tensor([float(batch.resp_mask_NT.sum()) if batch is not None else 0.0], dtype=torch.float64)
         self._trained_tokens = D.all_reduce_sum(tokens).item()
-        wait = self._receive_through(min(version + self.rule.max_staleness - 1, self.last_batch)) if D.rank() == 0 else 0.0
+        wait = (
+            self._receive_through(min(version + self.rule.max_staleness - 1, self.last_batch)) if D.rank() == 0 else 0.0
+        )
         out = {"split/learner_wait_s": wait, "split/sync_s": 0.0, "split/sync_bytes": 0.0}
         if version + self.rule.max_staleness <= self.last_batch:  # a batch of this fit() is made with it
             stats = self._send(policy, version)
@@ -110,8 +123,15 @@ class LearnerSide:
         self.queue.clear()
 
     def _send(self, policy: torch.nn.Module, version: int):
-        return send_weights(policy, version, src=0, group=self.comm.sync_group, dtype=self.sync_dtype,
-                            bucket_bytes=self.bucket_bytes, timeout_s=self.comm.timeout_s)
+        return send_weights(
+            policy,
+            version,
+            src=0,
+            group=self.comm.sync_group,
+            dtype=self.sync_dtype,
+            bucket_bytes=self.bucket_bytes,
+            timeout_s=self.comm.timeout_s,
+        )
 
     def _receive_through(self, last: int) -> float:
         """On learner rank 0: receive every batch up to `last` not received yet, each from every rollout rank in
@@ -124,8 +144,10 @@ class LearnerSide:
                 groups, _ = recv_groups(src, self.comm.timeout_s, peer=peer)
                 reports.append(recv_json(src, self.comm.timeout_s, peer=peer))
                 if reports[-1]["batch"] != b:
-                    raise RuntimeError(f"{peer} sent batch {reports[-1]['batch']}, expected batch {b}: the ranks "
-                                       "disagree on the schedule")
+                    raise RuntimeError(
+                        f"{peer} sent batch {reports[-1]['batch']}, expected batch {b}: the ranks "
+                        "disagree on the schedule"
+                    )
                 self.queue.put(groups)
                 n += len(groups)
             self.meta[b], self.sizes[b] = _merge(reports), n
@@ -139,11 +161,17 @@ class LearnerSide:
         out = dict(meta["metrics"])
         out.update(staleness_metrics(taken, len(self.queue)))
         out.update({k: meta[k] for k in ROLLOUT_TIMES})
-        out.update({"split/rollout_wait_s": meta["wait_s"], "split/batch_wait_s": wait,
-                    "split/generated_tokens": float(meta["tokens"]),
-                    "split/tokens_generated_per_s": meta["tokens"] / max(meta["time/rollout"], 1e-9),
-                    "split/weights_version": float(meta["version"]), "split/loader": meta["loader"],
-                    "split/signal": meta["signal"]})
+        out.update(
+            {
+                "split/rollout_wait_s": meta["wait_s"],
+                "split/batch_wait_s": wait,
+                "split/generated_tokens": float(meta["tokens"]),
+                "split/tokens_generated_per_s": meta["tokens"] / max(meta["time/rollout"], 1e-9),
+                "split/weights_version": float(meta["version"]),
+                "split/loader": meta["loader"],
+                "split/signal": meta["signal"],
+            }
+        )
         return out
 
     def rates(self, metrics: dict) -> dict:
@@ -170,9 +198,12 @@ def finish_metrics(metrics: dict, trained_tokens: float, world: int, rollout_ran
     train_s = sum(metrics.get(k, 0.0) for k in ("time/score", "time/advantage", "time/train"))
     slower = "rollout" if gen_s >= train_s else "learner"
     other = "learners" if slower == "rollout" else "rollout ranks"
-    return {"split/tokens_trained_per_s": trained_tokens / max(train_s, 1e-9),
-            "split/rollout_ranks": float(rollout_ranks), "split/world_size": float(world),
-            "split/bottleneck": f"{slower}-bound: {other} idle {100 * idle_fraction(gen_s, train_s):.0f}%"}
+    return {
+        "split/tokens_trained_per_s": trained_tokens / max(train_s, 1e-9),
+        "split/rollout_ranks": float(rollout_ranks),
+        "split/world_size": float(world),
+        "split/bottleneck": f"{slower}-bound: {other} idle {100 * idle_fraction(gen_s, train_s):.0f}%",
+    }
 
 
 class NoEngine:
@@ -192,5 +223,7 @@ class NoEngine:
         return {}
 
     def generate(self, prompt_ids, params):
-        raise RuntimeError("a split learner rank does not generate (trainer.placement=split): validation and "
-                           "rollouts run on the rollout ranks; set trainer.val_every=0 or use placement=colocated")
+        raise RuntimeError(
+            "a split learner rank does not generate (trainer.placement=split): validation and "
+            "rollouts run on the rollout ranks; set trainer.val_every=0 or use placement=colocated"
+        )

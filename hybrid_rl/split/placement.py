@@ -4,6 +4,7 @@ Pure functions of plain values, so the config's runtime validation (loop/preflig
 can call `check_placement` with what it knows, and a test can name every refusal without a process
 group. Every refusal is a ValueError reading `config key '<key>': ...`, the format of config/checks.py.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,9 +40,19 @@ class Layout:
         return f"{'rollout' if self.is_rollout(rank) else 'learner'} rank {rank}"
 
 
-def check_placement(world_size: int, rollout_ranks: int, max_staleness: int, stale_samples: str, *,
-                    tp_size: int = 1, batch_size: int = 1, group_size: int = 1, mini_batch_size: int = 0,
-                    rollout_correction: str = "none", engine: str = "native") -> Layout:
+def check_placement(
+    world_size: int,
+    rollout_ranks: int,
+    max_staleness: int,
+    stale_samples: str,
+    *,
+    tp_size: int = 1,
+    batch_size: int = 1,
+    group_size: int = 1,
+    mini_batch_size: int = 0,
+    rollout_correction: str = "none",
+    engine: str = "native",
+) -> Layout:
     """Refuse a split placement that cannot run; return its layout.
 
     batch_size: prompts per step (data.batch_size); group_size: samples per prompt (rollout.n);
@@ -52,14 +63,23 @@ def check_placement(world_size: int, rollout_ranks: int, max_staleness: int, sta
     if not isinstance(rollout_ranks, int) or rollout_ranks < 1:
         _refuse("trainer.rollout_ranks", f"split needs at least 1 rollout rank, got {rollout_ranks!r}")
     if rollout_ranks >= world_size:
-        _refuse("trainer.rollout_ranks", f"{rollout_ranks} rollout ranks leave no learner in a world of {world_size} "
-                f"ranks; use at most {world_size - 1} (or trainer.placement=colocated)")
+        _refuse(
+            "trainer.rollout_ranks",
+            f"{rollout_ranks} rollout ranks leave no learner in a world of {world_size} "
+            f"ranks; use at most {world_size - 1} (or trainer.placement=colocated)",
+        )
     if rollout_ranks % tp_size:
-        _refuse("rollout.tp_size", f"{tp_size} does not divide trainer.rollout_ranks={rollout_ranks}: every "
-                "inference engine needs tp_size whole rollout ranks")
+        _refuse(
+            "rollout.tp_size",
+            f"{tp_size} does not divide trainer.rollout_ranks={rollout_ranks}: every "
+            "inference engine needs tp_size whole rollout ranks",
+        )
     if stale_samples == "correct" and rollout_correction == "none":
-        _refuse("trainer.stale_samples", "'correct' reweights stale samples through the rollout correction, and "
-                "algorithm.rollout_correction is 'none'; set it (e.g. tis_token) or use trainer.stale_samples=drop")
+        _refuse(
+            "trainer.stale_samples",
+            "'correct' reweights stale samples through the rollout correction, and "
+            "algorithm.rollout_correction is 'none'; set it (e.g. tis_token) or use trainer.stale_samples=drop",
+        )
     layout = Layout(world_size, rollout_ranks)
     _check_batches(layout, tp_size, batch_size, group_size, mini_batch_size)
     return layout
@@ -71,13 +91,18 @@ def _check_batches(layout: Layout, tp_size: int, batch_size: int, group_size: in
     engines = layout.rollout_ranks // tp_size
     learners = len(layout.learners)
     if batch_size % engines:
-        _refuse("data.batch_size", f"{batch_size} prompts do not divide over the {engines} rollout engines "
-                f"(trainer.rollout_ranks={layout.rollout_ranks} / rollout.tp_size={tp_size}); use a multiple of "
-                f"{engines}")
+        _refuse(
+            "data.batch_size",
+            f"{batch_size} prompts do not divide over the {engines} rollout engines "
+            f"(trainer.rollout_ranks={layout.rollout_ranks} / rollout.tp_size={tp_size}); use a multiple of "
+            f"{engines}",
+        )
     n_seq = batch_size * group_size
     mb = mini_batch_size or n_seq
     if mb % learners:
-        _refuse("algorithm.mini_batch_size" if mini_batch_size else "data.batch_size",
-                f"{mb} sequences per optimizer step do not divide over the {learners} learner ranks "
-                f"(world size {layout.world_size} - trainer.rollout_ranks={layout.rollout_ranks}); change it or "
-                "trainer.rollout_ranks")
+        _refuse(
+            "algorithm.mini_batch_size" if mini_batch_size else "data.batch_size",
+            f"{mb} sequences per optimizer step do not divide over the {learners} learner ranks "
+            f"(world size {layout.world_size} - trainer.rollout_ranks={layout.rollout_ranks}); change it or "
+            "trainer.rollout_ranks",
+        )

@@ -1,6 +1,7 @@
 """What the Trainer builds and calls for `trainer.placement=split`, by role (split/__init__.py), from the parts
 it hands over: the Trainer dispatches, these build (the Trainer itself is never passed).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,35 +22,52 @@ def setup(cfg, device: torch.device) -> Optional[SplitComm]:
     if t.placement != "split":
         return None
     if cfg.reward.model_path and cfg.reward.normalize_model:
-        raise ValueError("config key 'reward.normalize_model': the running normaliser of the reward model's scores "
-                         "lives on the rollout ranks in the split placement, and a checkpoint (written by the "
-                         "learners) does not carry it yet, so a resumed run would restart it; set it false (weight "
-                         "the model part with reward.weights.model instead) or use trainer.placement=colocated")
+        raise ValueError(
+            "config key 'reward.normalize_model': the running normaliser of the reward model's scores "
+            "lives on the rollout ranks in the split placement, and a checkpoint (written by the "
+            "learners) does not carry it yet, so a resumed run would restart it; set it false (weight "
+            "the model part with reward.weights.model instead) or use trainer.placement=colocated"
+        )
     if cfg.model.lora.enabled:
-        raise ValueError("config key 'model.lora.enabled': LoRA is not wired into the split placement yet (the sync "
-                         "would send the adapters only); use trainer.placement=colocated")
+        raise ValueError(
+            "config key 'model.lora.enabled': LoRA is not wired into the split placement yet (the sync "
+            "would send the adapters only); use trainer.placement=colocated"
+        )
     if t.val_every or t.val_before_train:
-        raise ValueError("config key 'trainer.val_every' / 'trainer.val_before_train': validation is not wired into "
-                         "the split placement yet (the learners hold no engine); set both off or use colocated")
+        raise ValueError(
+            "config key 'trainer.val_every' / 'trainer.val_before_train': validation is not wired into "
+            "the split placement yet (the learners hold no engine); set both off or use colocated"
+        )
     return setup_split(t.rollout_ranks, device, t.dist_timeout_s, reward_model=bool(cfg.reward.model_path))
 
 
-def learner_side(cfg, comm: Optional[SplitComm], loader, rows: list[dict], pad_id: int, device: torch.device,
-                 mixed: bool) -> Optional[LearnerSide]:
+def learner_side(
+    cfg, comm: Optional[SplitComm], loader, rows: list[dict], pad_id: int, device: torch.device, mixed: bool
+) -> Optional[LearnerSide]:
     """The learner's side of the loop (None when colocated); weights sync in the inference dtype."""
     if comm is None:
         return None
     t = cfg.trainer
-    return LearnerSide(comm, StalenessRule(t.max_staleness, t.stale_samples), cfg.data.batch_size, rows, pad_id,
-                       device, torch.bfloat16 if mixed else torch.float32, cfg.rollout.bucket_mb << 20, loader)
+    return LearnerSide(
+        comm,
+        StalenessRule(t.max_staleness, t.stale_samples),
+        cfg.data.batch_size,
+        rows,
+        pad_id,
+        device,
+        torch.bfloat16 if mixed else torch.float32,
+        cfg.rollout.bucket_mb << 20,
+        loader,
+    )
 
 
 def rollout_side(cfg, comm: SplitComm, stage, engine, loader, rows: list[dict]) -> RolloutSide:
     """The loop; the stage scores with the reward model (if any) simply resident: nothing switches here."""
     module = stage.rewards.module
     phase = None if module is None else (lambda: contextlib.nullcontext(module))
-    return RolloutSide(comm, stage, engine, loader, rows, cfg.trainer.max_staleness, cfg.trainer.seed,
-                       model_phase=phase)
+    return RolloutSide(
+        comm, stage, engine, loader, rows, cfg.trainer.max_staleness, cfg.trainer.seed, model_phase=phase
+    )
 
 
 def load_rollout_models(cfg, comm: SplitComm, device: torch.device, rewards, rows: list[dict]) -> torch.nn.Module:

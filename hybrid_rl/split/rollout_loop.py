@@ -15,24 +15,34 @@ which ends this loop at once. A second signal stops at once. Python's, NumPy's a
 are reseeded per batch from (trainer.seed, batch, rank): a reward that draws from them gives the same values
 for batch b in a resumed run as in an uninterrupted one, with nothing of the rollout rank's to checkpoint.
 """
+
 from __future__ import annotations
 
 import time
 
-from hybrid_rl.runtime import distributed as D
 from hybrid_rl.checkpoint.sharded import seed_all
 from hybrid_rl.observability.metrics import StageTimer
+from hybrid_rl.runtime import distributed as D
+from hybrid_rl.runtime.stop import StopSignal
 from hybrid_rl.split.comm import SplitComm, start_message
 from hybrid_rl.split.schedule import syncs_before
 from hybrid_rl.split.staleness import VersionedGroup
 from hybrid_rl.split.transport import send_groups, send_json
 from hybrid_rl.split.weight_sync import SyncStopped, receive_weights
-from hybrid_rl.runtime.stop import StopSignal
 
 
 class RolloutSide:
-    def __init__(self, comm: SplitComm, stage, engine, loader, rows: list[dict], max_staleness: int, seed: int = 0,
-                 model_phase=None):
+    def __init__(
+        self,
+        comm: SplitComm,
+        stage,
+        engine,
+        loader,
+        rows: list[dict],
+        max_staleness: int,
+        seed: int = 0,
+        model_phase=None,
+    ):
         """stage: the RolloutStage; loader: this rank's PromptLoader (rank r - (W - R) of R); rows: the dataset
         (a group travels with its row's index); seed: trainer.seed (the per-batch reseed); model_phase: the
         reward model's context for the stage (None without one): it yields the resident module."""
@@ -62,8 +72,7 @@ class RolloutSide:
         return sent
 
     def _receive(self, version: int) -> float:
-        stats = receive_weights(self.engine, version, src=0, group=self.comm.sync_group,
-                                timeout_s=self.comm.timeout_s)
+        stats = receive_weights(self.engine, version, src=0, group=self.comm.sync_group, timeout_s=self.comm.timeout_s)
         self.version = version
         return stats.seconds
 
@@ -78,11 +87,18 @@ class RolloutSide:
         groups = self.versioned(batch)
         dst, peer = 0, "learner rank 0"
         send_groups(groups, dst, self.comm.timeout_s, peer=peer)
-        report = {"batch": b, "version": self.version, "metrics": metrics, "wait_s": wait, "sync_s": synced,
-                  "tokens": sum(len(c.token_ids) for g in groups for c in g.completions),
-                  "time/rollout": timer.seconds.get("time/rollout", 0.0),
-                  "time/reward": timer.seconds.get("time/reward", 0.0), "loader": self.loader.state_dict(),
-                  "signal": self.signal.signum if self.signal else 0}
+        report = {
+            "batch": b,
+            "version": self.version,
+            "metrics": metrics,
+            "wait_s": wait,
+            "sync_s": synced,
+            "tokens": sum(len(c.token_ids) for g in groups for c in g.completions),
+            "time/rollout": timer.seconds.get("time/rollout", 0.0),
+            "time/reward": timer.seconds.get("time/reward", 0.0),
+            "loader": self.loader.state_dict(),
+            "signal": self.signal.signum if self.signal else 0,
+        }
         send_json(report, dst, self.comm.timeout_s, peer=peer)
 
     def versioned(self, batch) -> list[VersionedGroup]:
@@ -90,7 +106,14 @@ class RolloutSide:
         if batch is None:
             return []
         G = batch.group_size
-        return [VersionedGroup(self.row_index[id(row)], batch.prompt_ids[i], batch.completions[i * G:(i + 1) * G],
-                               batch.rewards_N[i * G:(i + 1) * G].tolist(), batch.scores_N[i * G:(i + 1) * G].tolist(),
-                               self.version)
-                for i, row in enumerate(batch.rows)]
+        return [
+            VersionedGroup(
+                self.row_index[id(row)],
+                batch.prompt_ids[i],
+                batch.completions[i * G : (i + 1) * G],
+                batch.rewards_N[i * G : (i + 1) * G].tolist(),
+                batch.scores_N[i * G : (i + 1) * G].tolist(),
+                self.version,
+            )
+            for i, row in enumerate(batch.rows)
+        ]

@@ -14,13 +14,14 @@ Protocol (one rollout pool, one learner pool; times are per batch for the whole 
       reaches the point where it receives version s (before batch s + k) and costs `sync_s`
       on both sides.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable, Sequence, Union
 
-from hybrid_rl.types import Completion
 from hybrid_rl.split.staleness import LearnerQueue, StalenessRule, VersionedGroup, may_start
+from hybrid_rl.types import Completion
 
 Seconds = Union[float, Callable[[int], float]]
 
@@ -32,8 +33,10 @@ def syncs_before(batch_index: int, weights_version: int, k: int) -> list[int]:
     while not may_start(batch_index, v, k):
         v += 1
         if v > batch_index:  # version b needs batch b trained first: waiting for it would deadlock
-            raise RuntimeError(f"admission asks for version {v} before batch {batch_index}, which only exists after "
-                               "that batch is trained: the admission rule is broken")
+            raise RuntimeError(
+                f"admission asks for version {v} before batch {batch_index}, which only exists after "
+                "that batch is trained: the admission rule is broken"
+            )
         out.append(v)
     return out
 
@@ -56,8 +59,14 @@ def _at(t: Seconds, i: int) -> float:
 
 
 def _group(batch: int, j: int, version: int) -> VersionedGroup:
-    return VersionedGroup(row_index=batch * 1000 + j, prompt_ids=[1], completions=[Completion([2], [0.0], "stop")],
-                          rewards=[0.0], scores=[0.0], version=version)
+    return VersionedGroup(
+        row_index=batch * 1000 + j,
+        prompt_ids=[1],
+        completions=[Completion([2], [0.0], "stop")],
+        rewards=[0.0],
+        scores=[0.0],
+        version=version,
+    )
 
 
 class _Run:
@@ -94,8 +103,10 @@ class _Run:
         if s < len(self.learn_end):
             return
         if s in self.stepping:
-            raise RuntimeError(f"version {s} is needed to make the batch that step {s} trains: deadlock (the "
-                               "admission rule asks for weights that do not exist yet)")
+            raise RuntimeError(
+                f"version {s} is needed to make the batch that step {s} trains: deadlock (the "
+                "admission rule asks for weights that do not exist yet)"
+            )
         self.stepping.add(s)
         while len(self.gen_end) < s:  # batch s - 1 must exist
             self.batch(len(self.gen_end))
@@ -119,8 +130,15 @@ class _Run:
         return self.gen_end[s + self.k - 1]
 
 
-def simulate(k: int, steps: int, gen_s: Seconds, train_s: Seconds, sync_s: float = 0.0, groups_per_step: int = 4,
-             rule: StalenessRule | None = None) -> Simulated:
+def simulate(
+    k: int,
+    steps: int,
+    gen_s: Seconds,
+    train_s: Seconds,
+    sync_s: float = 0.0,
+    groups_per_step: int = 4,
+    rule: StalenessRule | None = None,
+) -> Simulated:
     """Run `steps` learner steps of the split loop with max staleness k; gen_s / train_s are seconds per
     batch (a number, or a function of the batch index for uneven batches). The queue and the rule are the
     library's own, so a broken admission or rejection shows in the returned lags and drops."""

@@ -27,6 +27,7 @@ engine's per-token log-probs as the behaviour policy (placement.check_placement 
 `correct` with `rollout_correction=none`). The batch the learner builds (groups.py) carries
 those log-probs either way; `correct` only guarantees that they are used.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -82,8 +83,10 @@ class VersionedGroup:
     def __post_init__(self) -> None:
         G = len(self.completions)
         if G == 0 or len(self.rewards) != G or len(self.scores) != G:
-            raise ValueError(f"a group needs >= 1 completion and one reward and score each: got {G} completions, "
-                             f"{len(self.rewards)} rewards, {len(self.scores)} scores")
+            raise ValueError(
+                f"a group needs >= 1 completion and one reward and score each: got {G} completions, "
+                f"{len(self.rewards)} rewards, {len(self.scores)} scores"
+            )
         if self.token_versions is not None:
             self._check_token_versions()
 
@@ -91,13 +94,17 @@ class VersionedGroup:
         """Per-token versions: one per token, never older than `version`, never decreasing along a sequence
         (weights only move forward while a sequence is decoded)."""
         if len(self.token_versions) != len(self.completions):
-            raise ValueError(f"token_versions has {len(self.token_versions)} rows for {len(self.completions)} completions")
+            raise ValueError(
+                f"token_versions has {len(self.token_versions)} rows for {len(self.completions)} completions"
+            )
         for i, (c, vs) in enumerate(zip(self.completions, self.token_versions)):
             if len(vs) != len(c.token_ids):
                 raise ValueError(f"completion {i}: {len(c.token_ids)} tokens but {len(vs)} versions")
             if any(v < self.version for v in vs) or any(b < a for a, b in zip(vs, vs[1:])):
-                raise ValueError(f"completion {i}: token versions {vs} must be >= the group's start version "
-                                 f"{self.version} and non-decreasing")
+                raise ValueError(
+                    f"completion {i}: token versions {vs} must be >= the group's start version "
+                    f"{self.version} and non-decreasing"
+                )
 
     def versions_of(self, i: int) -> list[int]:
         """The version of each token of completion i."""
@@ -126,8 +133,9 @@ class StalenessRule:
     def __post_init__(self) -> None:
         check_k(self.max_staleness)
         if self.stale_samples not in STALE_SAMPLES:
-            raise ValueError(f"config key 'trainer.stale_samples': got {self.stale_samples!r}, expected one of "
-                             f"{list(STALE_SAMPLES)}")
+            raise ValueError(
+                f"config key 'trainer.stale_samples': got {self.stale_samples!r}, expected one of {list(STALE_SAMPLES)}"
+            )
 
     def trainable(self, group: VersionedGroup, learner_version: int) -> bool:
         """Whether `group` may be trained at `learner_version`: its oldest token is at most k versions old."""
@@ -166,8 +174,10 @@ class LearnerQueue:
     def put(self, groups: Iterable[VersionedGroup]) -> None:
         for g in groups:
             if len(self._groups) >= self.capacity:
-                raise QueueFull(f"learner queue full ({self.capacity} groups): a rollout rank ran more than "
-                                "trainer.max_staleness versions ahead")
+                raise QueueFull(
+                    f"learner queue full ({self.capacity} groups): a rollout rank ran more than "
+                    "trainer.max_staleness versions ahead"
+                )
             self._groups.append(g)
 
     def take(self, n: int, learner_version: int, rule: StalenessRule) -> Taken:
@@ -192,7 +202,9 @@ class LearnerQueue:
 def staleness_metrics(taken: Taken, queue_depth: int) -> dict[str, float]:
     """Per-step metrics of the trained samples' staleness (split/__init__.py lists the names)."""
     lags: Sequence[int] = taken.lags
-    return {"split/staleness_mean": sum(lags) / len(lags) if lags else 0.0,
-            "split/staleness_max": float(max(lags, default=0)),
-            "split/dropped": float(len(taken.dropped)),
-            "split/queue_depth": float(queue_depth)}
+    return {
+        "split/staleness_mean": sum(lags) / len(lags) if lags else 0.0,
+        "split/staleness_max": float(max(lags, default=0)),
+        "split/dropped": float(len(taken.dropped)),
+        "split/queue_depth": float(queue_depth),
+    }

@@ -16,6 +16,7 @@ Layout (all int64):
 A peer that died fails the wait at once ("Connection closed by peer"); one that hangs fails it after
 `timeout_s`. Either way the error names the peer's role and global rank.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from hybrid_rl.types import Completion
 from hybrid_rl.split.staleness import VersionedGroup
+from hybrid_rl.types import Completion
 
 MAGIC = 0x5EED_6A0B
 FORMAT = 1
@@ -56,8 +57,10 @@ def pack_groups(groups: Sequence[VersionedGroup]) -> torch.Tensor:
         prompts += g.prompt_ids
         for i, c in enumerate(g.completions):
             if len(c.logprobs) != len(c.token_ids):
-                raise ValueError(f"group of row {g.row_index}, completion {i}: {len(c.token_ids)} tokens but "
-                                 f"{len(c.logprobs)} log-probs")
+                raise ValueError(
+                    f"group of row {g.row_index}, completion {i}: {len(c.token_ids)} tokens but "
+                    f"{len(c.logprobs)} log-probs"
+                )
             seqs += [len(c.token_ids), _finish_code(c.finish_reason)]
             comps += c.token_ids
             versions += g.versions_of(i)
@@ -75,7 +78,7 @@ class _Reader:
         self.data, self.pos = payload, 0
 
     def ints(self, n: int) -> list[int]:
-        out = self.data[self.pos:self.pos + n]
+        out = self.data[self.pos : self.pos + n]
         if out.numel() != n:
             raise ValueError(f"payload ends at {self.data.numel()} elements, {n} more expected at {self.pos}: corrupt")
         self.pos += n
@@ -84,7 +87,7 @@ class _Reader:
     def floats(self, n: int) -> list[float]:
         start = self.pos
         self.ints(n)
-        return self.data[start:self.pos].view(torch.float64).tolist()
+        return self.data[start : self.pos].view(torch.float64).tolist()
 
 
 def unpack_groups(payload: torch.Tensor, n_groups: int) -> list[VersionedGroup]:
@@ -101,13 +104,22 @@ def unpack_groups(payload: torch.Tensor, n_groups: int) -> list[VersionedGroup]:
     out, p, s, t = [], 0, 0, 0
     for row, version, plen, n in table:
         completions, tv = [], []
-        for length, code in seqs[s:s + n]:
-            completions.append(Completion(comps[t:t + length], logps[t:t + length], FINISH_REASONS[code]))
-            tv.append(versions[t:t + length])
+        for length, code in seqs[s : s + n]:
+            completions.append(Completion(comps[t : t + length], logps[t : t + length], FINISH_REASONS[code]))
+            tv.append(versions[t : t + length])
             t += length
         partial = any(v != version for vs in tv for v in vs)
-        out.append(VersionedGroup(row, prompts[p:p + plen], completions, rewards[s:s + n], scores[s:s + n],
-                                  version, tv if partial else None))
+        out.append(
+            VersionedGroup(
+                row,
+                prompts[p : p + plen],
+                completions,
+                rewards[s : s + n],
+                scores[s : s + n],
+                version,
+                tv if partial else None,
+            )
+        )
         p, s = p + plen, s + n
     return out
 
@@ -116,12 +128,13 @@ def _wait(work, timeout_s: float, what: str) -> None:
     try:
         work.wait(timedelta(seconds=timeout_s))
     except Exception as err:  # noqa: BLE001 - gloo raises RuntimeError, NCCL DistBackendError
-        raise PeerError(f"split transport: {what} failed within {timeout_s:g} s: the peer died or hangs "
-                        f"({type(err).__name__}: {str(err).strip().splitlines()[0][:200]})") from err
+        raise PeerError(
+            f"split transport: {what} failed within {timeout_s:g} s: the peer died or hangs "
+            f"({type(err).__name__}: {str(err).strip().splitlines()[0][:200]})"
+        ) from err
 
 
-def send_groups(groups: Sequence[VersionedGroup], dst: int, timeout_s: float, group=None,
-                peer: str = "") -> int:
+def send_groups(groups: Sequence[VersionedGroup], dst: int, timeout_s: float, group=None, peer: str = "") -> int:
     """Send `groups` to global rank `dst`; returns the bytes sent (header + payload)."""
     payload = pack_groups(groups)
     _send(MAGIC, payload, len(groups), dst, timeout_s, group, f"{len(groups)} groups to {peer or f'rank {dst}'}")
@@ -146,8 +159,9 @@ def send_json(obj, dst: int, timeout_s: float, group=None, peer: str = "") -> No
 
 def recv_json(src: int, timeout_s: float, group=None, peer: str = ""):
     """Receive one `send_json` from global rank `src`."""
-    payload, _ = _recv(JSON_MAGIC, "a metrics message", src, timeout_s, group,
-                       f"a batch's metrics from {peer or f'rank {src}'}")
+    payload, _ = _recv(
+        JSON_MAGIC, "a metrics message", src, timeout_s, group, f"a batch's metrics from {peer or f'rank {src}'}"
+    )
     return json.loads(payload.to(torch.uint8).numpy().tobytes().decode())
 
 
@@ -164,8 +178,10 @@ def _recv(magic: int, kind: str, src: int, timeout_s: float, group, what: str) -
     _wait(dist.irecv(header, src=src, group=group), timeout_s, f"receiving {what}")
     got_magic, fmt, length, count = header.tolist()
     if got_magic != magic or fmt != FORMAT:
-        raise PeerError(f"split transport: the header {header.tolist()} received ({what}) is not {kind} "
-                        f"(format {FORMAT}): the ranks disagree on the protocol")
+        raise PeerError(
+            f"split transport: the header {header.tolist()} received ({what}) is not {kind} "
+            f"(format {FORMAT}): the ranks disagree on the protocol"
+        )
     payload = torch.empty(length, dtype=torch.int64)
     _wait(dist.irecv(payload, src=src, group=group), timeout_s, f"receiving {what}")
     return payload, count

@@ -16,6 +16,7 @@ a sync it did not expect instead of decoding with stale weights. A header with v
 the expected one (`send_stop`) tells the rollout ranks that the learners stopped early (a signal): the
 receiver raises SyncStopped and its loop ends at once instead of waiting out the timeout.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hybrid_rl.runtime import distributed as D
 from hybrid_rl.models.weights import iter_weight_buckets
+from hybrid_rl.runtime import distributed as D
 from hybrid_rl.split.transport import PeerError
 
 MAGIC = 0x5EED_3E16
@@ -52,16 +53,19 @@ def _bcast(t: torch.Tensor, src: int, group, timeout_s: float, what: str) -> Non
     try:
         D.broadcast_tensor_(t, src, group=group, timeout_s=timeout_s)
     except Exception as err:  # noqa: BLE001 - gloo raises RuntimeError, NCCL DistBackendError
-        raise PeerError(f"split weight sync: {what} failed within {timeout_s:g} s: a peer died or hangs "
-                        f"({type(err).__name__}: {str(err).strip().splitlines()[0][:200]})") from err
+        raise PeerError(
+            f"split weight sync: {what} failed within {timeout_s:g} s: a peer died or hangs "
+            f"({type(err).__name__}: {str(err).strip().splitlines()[0][:200]})"
+        ) from err
 
 
 def _header(version: int, dtype: torch.dtype, manifest: bytes, numel: int) -> torch.Tensor:
     return torch.tensor([MAGIC, version, DTYPES.index(dtype), len(manifest), numel], dtype=torch.int64)
 
 
-def send_weights(model: torch.nn.Module, version: int, *, src: int, group, dtype: torch.dtype,
-                 bucket_bytes: int, timeout_s: float) -> SyncStats:
+def send_weights(
+    model: torch.nn.Module, version: int, *, src: int, group, dtype: torch.dtype, bucket_bytes: int, timeout_s: float
+) -> SyncStats:
     """On every learner rank (the gathers are collectives of the learner group); global rank `src` broadcasts
     each gathered bucket in `dtype` to `group` (src + the rollout ranks)."""
     if dtype not in DTYPES:
@@ -89,8 +93,9 @@ def send_stop(*, src: int, group, timeout_s: float) -> None:
     _bcast(_header(STOP, DTYPES[0], b"", 0), src, group, timeout_s, "telling the rollout ranks to stop")
 
 
-def _receive_bucket(src: int, group, timeout_s: float, expect_version: int,
-                    device: Optional[torch.device]) -> Optional[list[tuple[str, torch.Tensor]]]:
+def _receive_bucket(
+    src: int, group, timeout_s: float, expect_version: int, device: Optional[torch.device]
+) -> Optional[list[tuple[str, torch.Tensor]]]:
     """One bucket as (name, tensor) views of one flat buffer; None at the end of the sync."""
     who = f"learner rank {src}"
     header = torch.empty(HEADER_LEN, dtype=torch.int64)
@@ -99,8 +104,10 @@ def _receive_bucket(src: int, group, timeout_s: float, expect_version: int,
     if magic == MAGIC and version == STOP:
         raise SyncStopped(f"{who} stopped the run before version {expect_version}")
     if magic != MAGIC or version != expect_version:
-        raise PeerError(f"split weight sync: {who} sent {header.tolist()}, expected weights of version "
-                        f"{expect_version}: the ranks disagree on which version is synced")
+        raise PeerError(
+            f"split weight sync: {who} sent {header.tolist()}, expected weights of version "
+            f"{expect_version}: the ranks disagree on which version is synced"
+        )
     if manifest_len == 0:
         return None
     raw = torch.empty(manifest_len, dtype=torch.uint8)
@@ -114,15 +121,16 @@ def _receive_bucket(src: int, group, timeout_s: float, expect_version: int,
         n = 1
         for d in shape:
             n *= d
-        out.append((name, flat[pos:pos + n].view(shape)))
+        out.append((name, flat[pos : pos + n].view(shape)))
         pos += n
     if pos != numel:
         raise PeerError(f"split weight sync: a bucket from {who} holds {numel} elements, its manifest {pos}")
     return out
 
 
-def receive_weights(engine, version: int, *, src: int, group, timeout_s: float,
-                    device: Optional[torch.device] = None) -> SyncStats:
+def receive_weights(
+    engine, version: int, *, src: int, group, timeout_s: float, device: Optional[torch.device] = None
+) -> SyncStats:
     """On a rollout rank: apply the sync of `version` from global rank `src` through the engine's weight-update
     API. An interrupted sync is aborted on the engine, which then expects every weight again."""
     t0, got, buckets = time.perf_counter(), 0, 0

@@ -6,6 +6,7 @@ since the previous boundary). `ROLES` is imported from `hybrid_rl.plan.memory`, 
 definition: the ledger and the plan cannot drift apart, and the planner stays
 torch-free for `python -m hybrid_rl.plan`.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,8 +15,8 @@ from typing import Optional
 
 import torch
 
-from hybrid_rl.switch.offload import local_bytes, optimizer_tensors
 from hybrid_rl.plan.memory import ROLES
+from hybrid_rl.switch.offload import local_bytes, optimizer_tensors
 
 __all__ = ["ROLES", "MemoryLedger", "Snapshot", "grad_bytes", "module_bytes", "optimizer_bytes"]
 
@@ -92,7 +93,9 @@ class MemoryLedger:
         head = f"{'boundary':<22}" + "".join(f"{r:>16}" for r in ROLES) + f"{'total':>12}   (MB)"
         rows = [head]
         for s in snaps:
-            rows.append(f"{s.label:<22}" + "".join(f"{s.roles[r] / 1e6:>16.2f}" for r in ROLES) + f"{s.total / 1e6:>12.2f}")
+            rows.append(
+                f"{s.label:<22}" + "".join(f"{s.roles[r] / 1e6:>16.2f}" for r in ROLES) + f"{s.total / 1e6:>12.2f}"
+            )
         return "\n".join(rows)
 
     def write_report(self, rollout: int, out_dir: str, header: str) -> None:
@@ -126,7 +129,9 @@ class MemoryLedger:
         ax.set_xlim(0, len(snaps))
         ax.set_ylim(-0.6, len(ROLES) - 0.4)
         ax.set_yticks(range(len(ROLES)), ROLES)
-        ax.set_xticks([x + 0.5 for x in range(len(snaps))], [s.label for s in snaps], rotation=30, ha="right", fontsize=8)
+        ax.set_xticks(
+            [x + 0.5 for x in range(len(snaps))], [s.label for s in snaps], rotation=30, ha="right", fontsize=8
+        )
         ax.invert_yaxis()
         ax.set_title(f"device memory per role at each phase boundary, rollout {rollout} (MB; bar height ~ bytes)")
         fig.tight_layout()

@@ -13,6 +13,7 @@ Optimizer state of FSDP2 is DTensors; on the host we keep only each shard's loca
 tensor plus the DTensor layout, and rebuild the DTensor on the way back, so the
 round trip is bit-exact and uses public APIs only.
 """
+
 from __future__ import annotations
 
 import types
@@ -47,7 +48,9 @@ class _Layout:
     def rebuild(self, local: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 
-        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride)
+        return DTensor.from_local(
+            local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
+        )
 
 
 class OptimizerOffloader:
@@ -133,8 +136,9 @@ class ModuleOffloader:
 
     _ALIGN = 512  # bytes between the start of two storages in the host buffer (DMA-friendly)
 
-    def __init__(self, module: torch.nn.Module, device: torch.device, always_copy: bool = False,
-                 free_storage: bool | None = None):
+    def __init__(
+        self, module: torch.nn.Module, device: torch.device, always_copy: bool = False, free_storage: bool | None = None
+    ):
         self.module, self.device, self.always_copy = module, torch.device(device), always_copy
         self.pin = self.device.type == "cuda"
         self.free_storage = self.device.type != "cpu" if free_storage is None else free_storage
@@ -173,7 +177,7 @@ class ModuleOffloader:
             if self._host is None or self._host.numel() != total:
                 self._host = torch.empty(total, dtype=torch.uint8, device="cpu", pin_memory=self.pin)
             for st, offset, nbytes in layout:
-                self._host[offset:offset + nbytes].copy_(_bytes_of(st), non_blocking=self.pin)
+                self._host[offset : offset + nbytes].copy_(_bytes_of(st), non_blocking=self.pin)
             # Free only after the copies landed (the one wait of this move): work on another stream
             # (an FSDP2 all-gather) could still read a block the allocator would hand out again.
             _sync(self.device)
@@ -187,17 +191,20 @@ class ModuleOffloader:
                     kept += nbytes
             if kept and self.device.type != "cpu" and not self._warned:
                 self._warned = True
-                warnings.warn(f"offload: {kept / 2**20:.1f} MiB of {type(self.module).__name__}'s tensors live in "
-                              "memory torch cannot resize (imported or memory-mapped) and stay on the device; "
-                              "give the module tensors that torch allocated (e.g. clone them) to free it")
+                warnings.warn(
+                    f"offload: {kept / 2**20:.1f} MiB of {type(self.module).__name__}'s tensors live in "
+                    "memory torch cannot resize (imported or memory-mapped) and stay on the device; "
+                    "give the module tensors that torch allocated (e.g. clone them) to free it"
+                )
             # prepend: before FSDP2's pre-forward, whose all-gather would fail on the empty shards first
             hooks = [self.module.register_forward_pre_hook(_refuse_offloaded, prepend=True)]
             modules = list(self.module.modules())
             for m in modules:
                 hooks.append(m.register_load_state_dict_pre_hook(_refuse_load))
                 m._apply = types.MethodType(_refuse_apply, m)  # shadows the class's until the onload
-            _PARKED[self.module] = _Parked(self._host, layout, hooks, [weakref.ref(m) for m in modules],
-                                           self.device, self.pin)
+            _PARKED[self.module] = _Parked(
+                self._host, layout, hooks, [weakref.ref(m) for m in modules], self.device, self.pin
+            )
             # Counted as the planner and the ledger count (each tensor's own bytes); the few bytes of
             # FSDP2's padding at the end of an uneven shard are copied too.
             moved = sum(local_bytes(t) for t in [*self.module.parameters(), *self.module.buffers()])
@@ -233,7 +240,7 @@ class _Parked:
         for st, offset, nbytes in self.layout:
             if st.nbytes() != nbytes:  # freed at offload (a storage that is not resizable kept its bytes)
                 st.resize_(nbytes)
-            _bytes_of(st).copy_(self.host[offset:offset + nbytes], non_blocking=self.pin)
+            _bytes_of(st).copy_(self.host[offset : offset + nbytes], non_blocking=self.pin)
         _sync(self.device)  # the host buffer is written again at the next offload
         for hook in self.hooks:
             hook.remove()
@@ -247,21 +254,27 @@ _PARKED: "weakref.WeakKeyDictionary[torch.nn.Module, _Parked]" = weakref.WeakKey
 
 
 def _refuse_offloaded(module: torch.nn.Module, args) -> None:
-    raise RuntimeError(f"{type(module).__name__} is offloaded to host memory by the phase switch: run it inside the "
-                       "phase that holds it (the reference model in `with phases.score()`, the reward model in "
-                       "`phases.reward()`), or onload it first")
+    raise RuntimeError(
+        f"{type(module).__name__} is offloaded to host memory by the phase switch: run it inside the "
+        "phase that holds it (the reference model in `with phases.score()`, the reward model in "
+        "`phases.reward()`), or onload it first"
+    )
 
 
 def _refuse_load(module: torch.nn.Module, *args) -> None:
-    raise RuntimeError(f"load_state_dict on {type(module).__name__}, which is offloaded to host memory by the phase "
-                       "switch (its device storage is freed, and FSDP2 would re-pad its shards from it): load inside "
-                       "the phase that holds it (`with phases.train()` for the policy), or onload it first")
+    raise RuntimeError(
+        f"load_state_dict on {type(module).__name__}, which is offloaded to host memory by the phase "
+        "switch (its device storage is freed, and FSDP2 would re-pad its shards from it): load inside "
+        "the phase that holds it (`with phases.train()` for the policy), or onload it first"
+    )
 
 
 def _refuse_apply(module: torch.nn.Module, *args, **kwargs) -> None:
-    raise RuntimeError(f"{type(module).__name__} is offloaded to host memory by the phase switch, so it cannot be "
-                       "moved or cast (.to(), .cuda(), .float(), to_empty: FSDP2 would re-pad its shards from freed "
-                       "storage); do it inside the phase that holds it, or onload it first")
+    raise RuntimeError(
+        f"{type(module).__name__} is offloaded to host memory by the phase switch, so it cannot be "
+        "moved or cast (.to(), .cuda(), .float(), to_empty: FSDP2 would re-pad its shards from freed "
+        "storage); do it inside the phase that holds it, or onload it first"
+    )
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:

@@ -30,6 +30,7 @@ Every stage is timed and its bytes counted into `self.stats` (drained per step),
 the memory ledger records the bytes per role at each boundary:
 rollout:ready, [reward:ready per round,] rollout:generated, score:ready, train:ready, train:end.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -41,11 +42,11 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from hybrid_rl.models.fsdp import reshard
+from hybrid_rl.models.weights import engine_dtype, iter_weight_buckets
 from hybrid_rl.switch import memory
 from hybrid_rl.switch import offload as O
 from hybrid_rl.switch.memory import MemoryLedger
-from hybrid_rl.models.weights import engine_dtype, iter_weight_buckets
-from hybrid_rl.models.fsdp import reshard
 
 
 class Phase(enum.Enum):
@@ -117,8 +118,11 @@ class PhaseManager:
         self.opt_offload = O.OptimizerOffloader(optimizer, device, always_copy) if offload_optimizer else None
         self.param_offload = O.ModuleOffloader(policy, device, always_copy) if offload_params else None
         self.ref_offload = O.ModuleOffloader(ref, device, always_copy) if ref is not None and offload_ref else None
-        self.rm_offload = (O.ModuleOffloader(reward_model, device, always_copy)
-                           if reward_model is not None and offload_reward_model else None)
+        self.rm_offload = (
+            O.ModuleOffloader(reward_model, device, always_copy)
+            if reward_model is not None and offload_reward_model
+            else None
+        )
         self._policy_bytes = memory.module_bytes(policy, device)  # sharded: 1/world of the weights
         self._kv_peak = 0  # KV cache of this rollout's earlier rounds (released for each REWARD stage)
         if self.ref_offload is not None:
@@ -133,7 +137,9 @@ class PhaseManager:
             raise PhaseError(f"cannot enter {target.value} while inside {self.inside.value}; leave it first")
         if target not in ALLOWED[self.phase]:
             legal = sorted(p.value for p in ALLOWED[self.phase])
-            raise PhaseError(f"cannot go from {self.phase.value} to {target.value}; from {self.phase.value} go to {legal}")
+            raise PhaseError(
+                f"cannot go from {self.phase.value} to {target.value}; from {self.phase.value} go to {legal}"
+            )
 
     @contextlib.contextmanager
     def _stage(self, name: str) -> Iterator[list[int]]:
@@ -162,6 +168,7 @@ class PhaseManager:
         An offloaded role counts as absent even on CPU, where host and device are the
         same memory: the ledger shows what the switch decided, the planner's view.
         """
+
         def here(offloader) -> bool:
             return offloader is None or offloader.on_device
 
@@ -230,8 +237,10 @@ class PhaseManager:
         dtype, sent = engine_dtype(self.engine), 0
         adapters = self.lora  # an engine with its own copy serves the adapter: vLLM and SGLang (update_adapter)
         if adapters and not hasattr(self.engine, "update_adapter"):
-            raise PhaseError(f"{type(self.engine).__name__} has no adapter sync (update_adapter); model.lora.rank > 0 "
-                             "needs rollout.engine native, vllm or sglang")
+            raise PhaseError(
+                f"{type(self.engine).__name__} has no adapter sync (update_adapter); model.lora.rank > 0 "
+                "needs rollout.engine native, vllm or sglang"
+            )
         if not (adapters and self.engine.base_synced):
             named = L.base_named_parameters(self.policy) if adapters else None
             self.engine.begin_weight_update()
@@ -241,8 +250,9 @@ class PhaseManager:
                 del bucket  # peak extra memory: one bucket
             self.engine.end_weight_update()
         if adapters:
-            sent += self.engine.update_adapter(named_tensors=L.adapter_named_tensors(self.policy, dtype),
-                                               config=L.adapter_config(self.policy))
+            sent += self.engine.update_adapter(
+                named_tensors=L.adapter_named_tensors(self.policy, dtype), config=L.adapter_config(self.policy)
+            )
         return sent
 
     @contextlib.contextmanager
@@ -255,8 +265,9 @@ class PhaseManager:
             raise PhaseError("no reward model was given to the phase manager; rule rewards need no REWARD stage")
         if self.inside is not Phase.ROLLOUT:
             where = self.inside.value if self.inside is not None else f"between phases (last: {self.phase.value})"
-            raise PhaseError(f"the reward stage runs inside the rollout phase, after a round is generated; "
-                             f"called {where}")
+            raise PhaseError(
+                f"the reward stage runs inside the rollout phase, after a round is generated; called {where}"
+            )
         # The ledger's rollout:generated reports this rollout's KV peak, which this release would hide.
         self._kv_peak = max(self._kv_peak, self._engine_bytes().get("kv_cache", 0))
         with self._stage("release_kv_for_reward"):
@@ -344,8 +355,9 @@ class PhaseManager:
                 self.recover()
                 undo()
             except Exception as err:
-                warnings.warn(f"could not return to TRAIN after the failure ({type(err).__name__}: {err}); "
-                              "build a new Trainer")
+                warnings.warn(
+                    f"could not return to TRAIN after the failure ({type(err).__name__}: {err}); build a new Trainer"
+                )
             raise
 
     @contextlib.contextmanager

@@ -16,6 +16,7 @@ knows when the fault happened and which process to kill.
 
 The start-up probe (placeholder completions, response_tokens=0) is not counted as a step.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,15 @@ def _is_probe(metadata: Sequence[dict]) -> bool:
     return all(m["finish_reason"] == "length" and m["response_tokens"] == 0 for m in metadata)
 
 
-def digits_or_fail(prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[dict],
-                   fail_rank: int = 1, fail_step: int = 2, how: str = "raise", fault_file: str = "") -> list[float]:
+def digits_or_fail(
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    metadata: Sequence[dict],
+    fail_rank: int = 1,
+    fail_step: int = 2,
+    how: str = "raise",
+    fault_file: str = "",
+) -> list[float]:
     rank = int(os.environ.get("RANK", "0"))
     if _calls["failed"]:
         raise RuntimeError(f"injected failure on rank {rank}")

@@ -4,6 +4,7 @@ Each rank gets the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT), so
 library's own `distributed.init()` is what joins the group. A rank that dies or
 hangs fails the test instead of hanging CI.
 """
+
 from __future__ import annotations
 
 import io
@@ -18,8 +19,16 @@ from hybrid_rl.runtime.distributed import free_port
 
 
 def _entry(fn: Callable, rank: int, world: int, port: int, out_q, args: tuple) -> None:
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+    )
     try:
         # Tensors go back as torch.save bytes: a queue would pass them as shared-memory
         # handles that die with this process.

@@ -6,6 +6,7 @@ schedulers as child processes, which a daemonic worker cannot have.
 Each rank samples its own prompts through the group's engine and writes what it got, plus
 the native engine's greedy output on the same (gathered) weights, to <out_dir>/rank<r>.json.
 """
+
 from __future__ import annotations
 
 import copy
@@ -15,14 +16,14 @@ import sys
 
 import torch
 
-from hybrid_rl.runtime import distributed as D
 from hybrid_rl.models.fsdp import shard_model
 from hybrid_rl.models.loading import load_causal_lm, load_tokenizer
-from hybrid_rl.types import SamplingParams
+from hybrid_rl.models.weights import full_tensor
 from hybrid_rl.rollout.native.engine import NativeEngine
 from hybrid_rl.rollout.sglang.engine import SGLangEngine
+from hybrid_rl.runtime import distributed as D
 from hybrid_rl.switch.phases import PhaseManager
-from hybrid_rl.models.weights import full_tensor
+from hybrid_rl.types import SamplingParams
 
 PROMPTS = [[5, 6, 7, 14], [8, 14], [11, 12, 13, 4, 5, 6, 14], [9, 9, 14]]
 

@@ -1,6 +1,7 @@
 """Checkpoints on 2 real gloo ranks: resume is bit-exact (at an epoch boundary with optimizer
 offload, and with dynamic sampling), each rank writes its own shards, and the export (one
 process, no group) of the last checkpoint gives the full model."""
+
 from __future__ import annotations
 
 import os
@@ -21,9 +22,14 @@ def _resume_on_rank(rank: int, model_dir: str, out: str, extra: tuple):
 
 # 16 prompts = 2 batches of 8: the resume point (step 2) is exactly an epoch boundary; the optimizer
 # state goes through the offload copies every step.
-@pytest.mark.parametrize("extra", [("data.num_prompts=16", "offload.optimizer=true"),
-                                   ("algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=3")],
-                         ids=["epoch_boundary_offload", "dynamic_sampling"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ("data.num_prompts=16", "offload.optimizer=true"),
+        ("algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=3"),
+    ],
+    ids=["epoch_boundary_offload", "dynamic_sampling"],
+)
 def test_two_rank_resume_is_bit_exact(tiny_model_dir, tmp_path, extra):
     from tests.checkpoint_helpers import assert_same_run
 
@@ -39,8 +45,10 @@ def test_two_rank_resume_is_bit_exact(tiny_model_dir, tmp_path, extra):
     newest = sorted(os.listdir(ckpt_dir))[-1]
     shards = sorted(f for f in os.listdir(os.path.join(ckpt_dir, newest, "state")) if f.endswith(".distcp"))
     assert shards == ["__0_0.distcp", "__1_0.distcp"], f"each rank writes its own shard file: {shards}"
-    assert sorted(f for f in os.listdir(os.path.join(ckpt_dir, newest)) if f.startswith("rank_")) == \
-        ["rank_00000.pt", "rank_00001.pt"]
+    assert sorted(f for f in os.listdir(os.path.join(ckpt_dir, newest)) if f.startswith("rank_")) == [
+        "rank_00000.pt",
+        "rank_00001.pt",
+    ]
     # The export (one process, no group) of the 2-rank checkpoint is the full model the ranks hold.
     from hybrid_rl.checkpoint.export import export_checkpoint
     from hybrid_rl.models.loading import load_causal_lm

@@ -11,6 +11,7 @@ in fp32) to bf16 rounding.
 
 Legend: N sequences, P prompt tokens, T response tokens, L = P + T, V vocab.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -45,10 +46,10 @@ def _loss(lp: torch.Tensor, ent: torch.Tensor, a: torch.Tensor, b: torch.Tensor)
 
 
 def _rank_fn(rank: int, model_dirs: dict[str, str]):
-    from hybrid_rl.runtime import distributed as D
     from hybrid_rl.models.fsdp import shard_model
     from hybrid_rl.models.loading import load_causal_lm
     from hybrid_rl.models.logprobs import response_logprobs
+    from hybrid_rl.runtime import distributed as D
 
     dev = D.init("cpu", timeout_s=60)
     torch.manual_seed(0)
@@ -78,14 +79,22 @@ def _reference(path: str):
     ids, attn, P, a, b = _batch(model.config.vocab_size)
     N, L = ids.shape
     T = L - P
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids(attn), use_cache=False,
-                   logits_to_keep=T + 1).logits[:, :-1].float() / 0.7
+    logits = (
+        model(
+            input_ids=ids, attention_mask=attn, position_ids=position_ids(attn), use_cache=False, logits_to_keep=T + 1
+        )
+        .logits[:, :-1]
+        .float()
+        / 0.7
+    )
     logp_all = torch.log_softmax(logits, dim=-1)
     lp = logp_all.gather(-1, ids[:, P:, None]).squeeze(-1)
     ent = -(logp_all.exp() * logp_all).sum(-1)
     # FSDP2 averages gradients over ranks: the global loss is the mean of the rank losses.
     half = ROWS // 2
-    (0.5 * (_loss(lp[:half], ent[:half], a[:half], b[:half]) + _loss(lp[half:], ent[half:], a[half:], b[half:]))).backward()
+    (
+        0.5 * (_loss(lp[:half], ent[:half], a[:half], b[:half]) + _loss(lp[half:], ent[half:], a[half:], b[half:]))
+    ).backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     return lp.detach(), ent.detach(), grads, tied
@@ -94,9 +103,19 @@ def _reference(path: str):
 def _untied_model_dir(path: str) -> str:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    cfg = Qwen2Config(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    cfg = Qwen2Config(
+        vocab_size=1000,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -106,7 +125,9 @@ def _untied_model_dir(path: str) -> str:
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, prec: str, grad: bool = False) -> None:
     if prec == "fp32":
-        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-4 if grad else 1e-5, msg=lambda m: f"{what}: {m}")
+        torch.testing.assert_close(
+            actual, expected, atol=1e-5, rtol=1e-4 if grad else 1e-5, msg=lambda m: f"{what}: {m}"
+        )
         return
     # bf16 weights and activations: a few parts in a thousand per element; gradients
     # compared as a whole (relative norm) since single small entries carry bf16 noise.

@@ -9,6 +9,7 @@ still open) is only noticed by the process-group timeout, so that test sets it s
 bounds are hang detectors, not speed targets: each is well above what the run needs and well
 below what a hang costs.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,10 +31,18 @@ MARGIN_S = 20  # after that timeout: the error, the store exchange, the launcher
 
 
 def _overrides(tmp_path, model_dir: str, how: str, timeout_s: int) -> list[str]:
-    return [f"model.path={model_dir}", f"trainer.out_dir={tmp_path / 'run'}", "trainer.total_steps=4",
-            f"trainer.dist_timeout_s={timeout_s}", *SMALL,
-            "reward.fn=tests.distributed.faulty_reward:digits_or_fail", f"reward.kwargs.how={how}",
-            "reward.kwargs.fail_rank=1", "reward.kwargs.fail_step=2", f"reward.kwargs.fault_file={tmp_path / 'fault'}"]
+    return [
+        f"model.path={model_dir}",
+        f"trainer.out_dir={tmp_path / 'run'}",
+        "trainer.total_steps=4",
+        f"trainer.dist_timeout_s={timeout_s}",
+        *SMALL,
+        "reward.fn=tests.distributed.faulty_reward:digits_or_fail",
+        f"reward.kwargs.how={how}",
+        "reward.kwargs.fail_rank=1",
+        "reward.kwargs.fail_step=2",
+        f"reward.kwargs.fault_file={tmp_path / 'fault'}",
+    ]
 
 
 def _root_cause(output: str) -> str:
@@ -92,8 +101,10 @@ def test_frozen_node_is_timed_out_by_the_other(tmp_path, tiny_model_dir):
         [rc0] = job.wait(SHORT_TIMEOUT_S + MARGIN_S, which=[0])
         took = time.monotonic() - t_fault
         out = job.output(0)
-    assert rc0 is not None, (f"node 0 still running {SHORT_TIMEOUT_S + MARGIN_S} s after node 1 froze "
-                             f"(trainer.dist_timeout_s={SHORT_TIMEOUT_S}):\n{out[-3000:]}")
+    assert rc0 is not None, (
+        f"node 0 still running {SHORT_TIMEOUT_S + MARGIN_S} s after node 1 froze "
+        f"(trainer.dist_timeout_s={SHORT_TIMEOUT_S}):\n{out[-3000:]}"
+    )
     assert rc0 != 0, out[-3000:]
     line = re.search(r"^hybrid_rl: rank 0/2 .*$", out, re.M)
     assert line, f"no failure line from rank 0:\n{out[-3000:]}"

@@ -5,6 +5,7 @@ episode/* metrics left per rank, and a reduction that needs every rank's environ
 metric names (here only rank 0's environments report `hint`: reducing the names each rank happens to have
 mismatches the collective, or averages over one rank's episodes only).
 """
+
 from __future__ import annotations
 
 import json
@@ -36,10 +37,10 @@ def rank_ask(row: dict) -> _RankAsk:
 
 
 def _step_on_rank(rank: int, overrides: list[str]):
-    from hybrid_rl.runtime import distributed as D
+    import hybrid_rl.envs.episodes as episodes_mod
     from hybrid_rl import trainer as trainer_mod
     from hybrid_rl.config.load import load_config
-    import hybrid_rl.envs.episodes as episodes_mod
+    from hybrid_rl.runtime import distributed as D
 
     D.init("cpu", timeout_s=60)
     uids, run = [], episodes_mod.EpisodeRunner.run
@@ -63,11 +64,22 @@ def two_ranks(tmp_path_factory):
     build_ask_model_dir(str(root / "model"))
     rows = [{**r, "uid": i} for i, r in enumerate(ask_rows(32, seed=0))]
     (root / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    overrides = [f"model.path={root / 'model'}", "data.task=jsonl", f"data.path={root / 'rows.jsonl'}",
-                 f"env.fn={__name__}:rank_ask", "rollout.max_turns=2", "rollout.max_new_tokens=2",
-                 "rollout.max_episode_tokens=32", "rollout.n=2", "data.batch_size=8", "trainer.total_steps=1",
-                 f"trainer.out_dir={root / 'out'}", "trainer.progress_bar=false", "trainer.log_every=0",
-                 "trainer.device=cpu"]
+    overrides = [
+        f"model.path={root / 'model'}",
+        "data.task=jsonl",
+        f"data.path={root / 'rows.jsonl'}",
+        f"env.fn={__name__}:rank_ask",
+        "rollout.max_turns=2",
+        "rollout.max_new_tokens=2",
+        "rollout.max_episode_tokens=32",
+        "rollout.n=2",
+        "data.batch_size=8",
+        "trainer.total_steps=1",
+        f"trainer.out_dir={root / 'out'}",
+        "trainer.progress_bar=false",
+        "trainer.log_every=0",
+        "trainer.device=cpu",
+    ]
     return run_ranks(_step_on_rank, world=2, args=(overrides,), timeout=180)
 
 

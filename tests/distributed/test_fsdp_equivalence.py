@@ -3,6 +3,7 @@
 Compared at every step: the loss, the gradient norm before clipping (AdamW's update is
 nearly blind to a gradient's scale, so a lost world-size factor or a skipped normaliser
 all-reduce shows in the norm, not in the weights), and the weights."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,14 +26,21 @@ def _batch(model_dir: str):
     return ids, attn, mask.float(), P, adv
 
 
-def _train(model_dir: str, rows: slice, steps: int, loss_agg: str, keep_model: str = "", max_tokens: int = 0,
-           packing: bool = False):
-    from hybrid_rl.runtime import distributed as D
+def _train(
+    model_dir: str,
+    rows: slice,
+    steps: int,
+    loss_agg: str,
+    keep_model: str = "",
+    max_tokens: int = 0,
+    packing: bool = False,
+):
+    from hybrid_rl.batch import TrainBatch
     from hybrid_rl.config.schema import AlgorithmConfig
+    from hybrid_rl.loop.update import UpdateSettings, policy_update, score_logprobs
     from hybrid_rl.models.fsdp import shard_model
     from hybrid_rl.models.loading import load_causal_lm
-    from hybrid_rl.batch import TrainBatch
-    from hybrid_rl.loop.update import UpdateSettings, policy_update, score_logprobs
+    from hybrid_rl.runtime import distributed as D
 
     dev = D.init("cpu", timeout_s=60)
     if packing:  # every micro-batch packed, even one where packing would save little
@@ -50,11 +58,26 @@ def _train(model_dir: str, rows: slice, steps: int, loss_agg: str, keep_model: s
     algo = AlgorithmConfig(loss_agg=loss_agg, kl_coef=0.0)
     losses = []
     for step in range(steps):
-        old = score_logprobs(model, ids, attn, P, 1.0, micro_batch_size=3, max_tokens=max_tokens, packing=packing) + shift
+        old = (
+            score_logprobs(model, ids, attn, P, 1.0, micro_batch_size=3, max_tokens=max_tokens, packing=packing) + shift
+        )
         batch = TrainBatch(ids_NL=ids, attn_NL=attn, mask_NT=mask, P=P, adv_NT=adv[:, None] * mask, old_logp_NT=old)
-        m = policy_update(policy=model, optimizer=opt, scheduler=sched, batch=batch, seed=step, settings=UpdateSettings(
-            algo=algo, temperature=1.0, micro_batch_size=3, grad_clip=1.0, norm_length=6,
-            max_tokens_per_micro_batch=max_tokens, packing=packing))
+        m = policy_update(
+            policy=model,
+            optimizer=opt,
+            scheduler=sched,
+            batch=batch,
+            seed=step,
+            settings=UpdateSettings(
+                algo=algo,
+                temperature=1.0,
+                micro_batch_size=3,
+                grad_clip=1.0,
+                norm_length=6,
+                max_tokens_per_micro_batch=max_tokens,
+                packing=packing,
+            ),
+        )
         # The gradient of the step just taken (clipped in place; kept until the next zero_grad).
         grads = {n: _full(p.grad) for n, p in model.named_parameters()}
         losses.append((m["actor/loss"], m["actor/grad_norm"], grads))
@@ -81,8 +104,14 @@ def _all_configs_fn(rank: int, model_dir: str, configs: list) -> dict:
     default, out = packing_mod.MIN_SAVING, {}
     for loss_agg, max_tokens, packing in configs:
         try:
-            out[(loss_agg, max_tokens, packing)] = _train(model_dir, slice(rank * 4, rank * 4 + 4), steps=3,
-                                                          loss_agg=loss_agg, max_tokens=max_tokens, packing=packing)
+            out[(loss_agg, max_tokens, packing)] = _train(
+                model_dir,
+                slice(rank * 4, rank * 4 + 4),
+                steps=3,
+                loss_agg=loss_agg,
+                max_tokens=max_tokens,
+                packing=packing,
+            )
         except Exception:  # noqa: BLE001 - reported by the config's own test
             out[(loss_agg, max_tokens, packing)] = traceback.format_exc()
         packing_mod.MIN_SAVING = default
@@ -102,15 +131,23 @@ def test_two_rank_save_writes_the_full_trained_model(tiny_model_dir, tmp_path):
     out = str(tmp_path / "saved")
     w0, _ = run_ranks(_save_fn, world=2, args=(tiny_model_dir, out))
     with open(f"{out}/config.json") as f:
-        assert json.load(f)["architectures"] == ["Qwen2ForCausalLM"], "FSDP's class name must not leak into the checkpoint"
+        assert json.load(f)["architectures"] == ["Qwen2ForCausalLM"], (
+            "FSDP's class name must not leak into the checkpoint"
+        )
     loaded = dict(load_causal_lm(out).named_parameters())
     for name, ref in w0.items():
         assert torch.equal(loaded[name].detach(), ref), name
 
 
-CONFIGS = [("token-mean", 0, False), ("seq-mean-token-sum", 0, False), ("seq-mean-token-mean", 0, False),
-           ("seq-mean-token-sum-norm", 0, False), ("seq-mean-token-mean", 16, False),
-           ("token-mean", 0, True), ("seq-mean-token-sum-norm", 16, True)]
+CONFIGS = [
+    ("token-mean", 0, False),
+    ("seq-mean-token-sum", 0, False),
+    ("seq-mean-token-mean", 0, False),
+    ("seq-mean-token-sum-norm", 0, False),
+    ("seq-mean-token-mean", 16, False),
+    ("token-mean", 0, True),
+    ("seq-mean-token-sum-norm", 16, True),
+]
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +173,9 @@ def test_two_rank_fsdp_matches_one_process(tiny_model_dir, two_rank_runs, loss_a
         assert norm == pytest.approx(ref_norm, rel=1e-4), f"step {step}: gradient norm before clipping"
         assert ref_norm > 1e-3, "a vanishing gradient would make the comparison meaningless"
         for name, g in ref_grads.items():
-            torch.testing.assert_close(grads[name], g, rtol=1e-3, atol=1e-6, msg=lambda m: f"step {step} grad {name}: {m}")
+            torch.testing.assert_close(
+                grads[name], g, rtol=1e-3, atol=1e-6, msg=lambda m: f"step {step} grad {name}: {m}"
+            )
     moved = 0.0
     for name, ref in ref_w.items():
         torch.testing.assert_close(w1[name], w0[name], rtol=0, atol=0)

@@ -15,6 +15,7 @@ fails with the log of the failing rank.
 
 Legend: N rows, T response tokens, D features; _NT per token.
 """
+
 import argparse
 import os
 import socket
@@ -62,8 +63,9 @@ def _forward_backward(rows, mode, loss_name, normalizer, data):
     w_D = w0_D.clone().requires_grad_(True)
     logp_NT = base_NT + feats_NTD @ w_D
     logp_NT.retain_grad()
-    loss_NT, _ = compute_policy_loss(loss_name, logp_NT[rows], old_NT[rows], adv_N[rows], mask_NT[rows],
-                                     **LOSSES[loss_name])
+    loss_NT, _ = compute_policy_loss(
+        loss_name, logp_NT[rows], old_NT[rows], adv_N[rows], mask_NT[rows], **LOSSES[loss_name]
+    )
     loss = aggregate_loss(loss_NT, mask_NT[rows], mode, normalizer, norm_length=NORM_LEN)
     loss.backward()
     return loss.detach(), logp_NT.grad.detach(), w_D.grad.detach()
@@ -89,8 +91,9 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
                 loss, g_logp, g_w = _forward_backward(rows, mode, loss_name, float(global_count), data)
                 for t in (loss, g_logp, g_w):
                     dist.all_reduce(t)
-                results[(mode, loss_name)] = dict(local_count=float(local), global_count=float(global_count),
-                                                  loss=loss, grad_logp=g_logp, grad_w=g_w)
+                results[(mode, loss_name)] = dict(
+                    local_count=float(local), global_count=float(global_count), loss=loss, grad_logp=g_logp, grad_w=g_w
+                )
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
         dist.barrier()
     finally:
@@ -128,10 +131,14 @@ def _launch_once(tmp_path: Path) -> list[dict]:
     for rank in range(WORLD):
         log = open(tmp_path / f"rank{rank}.log", "w")
         logs.append(log)
-        procs.append(subprocess.Popen(
-            [sys.executable, __file__, "--rank", str(rank), "--port", str(port), "--out", str(tmp_path)],
-            stdout=log, stderr=subprocess.STDOUT, env=env,
-        ))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, "--rank", str(rank), "--port", str(port), "--out", str(tmp_path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+        )
     deadline = time.monotonic() + RANK_TIMEOUT_S
     try:
         # Poll rather than wait on one rank: if a rank dies, its peer would

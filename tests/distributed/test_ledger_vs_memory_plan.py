@@ -1,4 +1,5 @@
 """On the tiny model the planner's byte counts equal what the ledger measures (2 gloo ranks, fp32)."""
+
 from __future__ import annotations
 
 import os
@@ -16,12 +17,12 @@ N_LOCAL, PROMPT, NEW = 3, 5, 4  # sequences per rank, prompt tokens, generated t
 def _rank_fn(rank: int, model_dir: str) -> dict:
     import copy
 
-    from hybrid_rl.runtime import distributed as D
-    from hybrid_rl.switch.phases import PhaseManager
     from hybrid_rl.models.fsdp import shard_model
     from hybrid_rl.models.loading import load_causal_lm
-    from hybrid_rl.types import SamplingParams
     from hybrid_rl.rollout.native.engine import NativeEngine
+    from hybrid_rl.runtime import distributed as D
+    from hybrid_rl.switch.phases import PhaseManager
+    from hybrid_rl.types import SamplingParams
 
     dev = D.init("cpu", timeout_s=60)
     base = load_causal_lm(model_dir)
@@ -48,12 +49,22 @@ def test_planner_matches_ledger_on_tiny_model(tiny_model_dir):
     ranks = run_ranks(_rank_fn, world=2, args=(tiny_model_dir,))
     arch = memory_plan.ModelArch.from_hf_config(os.path.join(tiny_model_dir, "config.json"))
     # The KV cache holds the prompt and every fed-back token: PROMPT + NEW - 1 positions.
-    plan = memory_plan.plan_memory(arch, n_gpus=2, dtype="fp32", batch=2 * N_LOCAL, context=PROMPT + NEW - 1,
-                               offload={"optimizer": False, "ref": False, "params": False, "reward_model": False},
-                               gpu_mem_gib=1.0)
+    plan = memory_plan.plan_memory(
+        arch,
+        n_gpus=2,
+        dtype="fp32",
+        batch=2 * N_LOCAL,
+        context=PROMPT + NEW - 1,
+        offload={"optimizer": False, "ref": False, "params": False, "reward_model": False},
+        gpu_mem_gib=1.0,
+    )
     # Sharded roles: the shards of the two ranks add up to the planner's total.
-    for role, label in [("policy_weights", "train:end"), ("grads", "train:end"), ("optimizer", "train:end"),
-                        ("ref", "score:ready")]:
+    for role, label in [
+        ("policy_weights", "train:end"),
+        ("grads", "train:end"),
+        ("optimizer", "train:end"),
+        ("ref", "score:ready"),
+    ]:
         measured = sum(r[label][role] for r in ranks)
         assert measured == plan.total[role], f"{role}: ledger {measured} != planner {plan.total[role]}"
         assert measured > 0
@@ -66,4 +77,6 @@ def test_planner_matches_ledger_on_tiny_model(tiny_model_dir):
     # Phase totals agree too (nothing offloaded: the planner keeps every role resident).
     for phase, label in [("train", "train:end"), ("score", "score:ready"), ("rollout", "rollout:generated")]:
         measured = sum(sum(r[label].values()) for r in ranks)
-        assert measured == 2 * plan.phase_totals[phase], f"{phase}: ledger {measured} != planner {2 * plan.phase_totals[phase]}"
+        assert measured == 2 * plan.phase_totals[phase], (
+            f"{phase}: ledger {measured} != planner {2 * plan.phase_totals[phase]}"
+        )

@@ -1,6 +1,7 @@
 """`models.fsdp.load_sharded` on 2 real gloo ranks: only rank 0 reads the weights; every rank ends with
 the same whole model as a plain load (parameters, the non-persistent rotary buffer, the generation
 config, tied embeddings), the policy trainable with gradient checkpointing, the reference frozen."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,15 +13,20 @@ pytestmark = pytest.mark.slow
 
 
 def _load_on_rank(rank: int, model_dir: str):
-    from hybrid_rl.runtime import distributed as D
     from hybrid_rl.models import fsdp
+    from hybrid_rl.runtime import distributed as D
 
     D.init("cpu", timeout_s=60)
     reads = []
     real = fsdp.load_causal_lm
     fsdp.load_causal_lm = lambda *a, **k: reads.append(a[0]) or real(*a, **k)
-    policy, ref = fsdp.load_sharded(model_dir, torch.device("cpu"), False, "sdpa",
-                                    [lambda m: m.gradient_checkpointing_enable(), lambda m: m.requires_grad_(False)])
+    policy, ref = fsdp.load_sharded(
+        model_dir,
+        torch.device("cpu"),
+        False,
+        "sdpa",
+        [lambda m: m.gradient_checkpointing_enable(), lambda m: m.requires_grad_(False)],
+    )
     out = {"reads": len(reads)}
     for name, model in (("policy", policy), ("ref", ref)):
         out[name] = {
@@ -59,8 +65,8 @@ def test_only_rank_0_reads_and_every_rank_holds_the_model(tiny_model_dir):
 
 
 def _load_broken_on_rank(rank: int, model_dir: str):
-    from hybrid_rl.runtime import distributed as D
     from hybrid_rl.models import fsdp
+    from hybrid_rl.runtime import distributed as D
 
     D.init("cpu", timeout_s=60)
     try:

@@ -5,6 +5,7 @@ perturbs the adapters, the other rank injects them on the meta device and receiv
 one AdamW step on a fixed batch split over the ranks. Compared with one process: the loss, every adapter's
 gradient, the adapter state gathered in bf16 after the step, the reference (adapters off) log-probs against the
 plain base model, and the optimizer's state (adapters only)."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,17 +20,28 @@ N = 6
 
 
 def _lora_step(rank: int, model_dir: str, world: int) -> dict:
-    from hybrid_rl.runtime import distributed as D
     from hybrid_rl.models.fsdp import load_sharded
     from hybrid_rl.models.loading import load_causal_lm
     from hybrid_rl.models.logprobs import response_logprobs
-    from hybrid_rl.models.lora import (LoraSettings, adapter_named_tensors, adapters_disabled, apply_lora,
-                                       trainable_parameters)
+    from hybrid_rl.models.lora import (
+        LoraSettings,
+        adapter_named_tensors,
+        adapters_disabled,
+        apply_lora,
+        trainable_parameters,
+    )
+    from hybrid_rl.runtime import distributed as D
 
     dev = D.init("cpu", timeout_s=60)
     settings = LoraSettings(rank=4, alpha=8.0)
-    (policy,) = load_sharded(model_dir, dev, False, "sdpa", [lambda m: apply_lora(m, settings)],
-                             load=lambda: perturb_adapters(apply_lora(load_causal_lm(model_dir), settings), 1))
+    (policy,) = load_sharded(
+        model_dir,
+        dev,
+        False,
+        "sdpa",
+        [lambda m: apply_lora(m, settings)],
+        load=lambda: perturb_adapters(apply_lora(load_causal_lm(model_dir), settings), 1),
+    )
     ids, attn, mask, P = batch(n=N)
     rows = slice(rank * N // world, (rank + 1) * N // world)
     ids, attn, mask = ids[rows], attn[rows], mask[rows].float()
@@ -40,20 +52,26 @@ def _lora_step(rank: int, model_dir: str, world: int) -> dict:
     # The global token-mean loss; FSDP2 averages gradients over ranks, so each rank's share is scaled by world.
     loss = -(logp * adv * mask).sum() / mask.new_tensor(float(batch(n=N)[2].sum())) * world
     loss.backward()
-    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-             for n, p in policy.named_parameters() if p.grad is not None}
+    grads = {
+        n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+        for n, p in policy.named_parameters()
+        if p.grad is not None
+    }
     opt.step()
     policy.eval()
     with torch.no_grad(), adapters_disabled(policy):
         ref = response_logprobs(policy, ids, attn, P, 1.0)[0]
         base = response_logprobs(load_causal_lm(model_dir).eval(), ids, attn, P, 1.0)[0]
     adapters = {id(p) for p in trainable_parameters(policy)}
-    return {"loss": float(D.all_reduce_sum(loss.detach()) / world),
-            "grads": grads, "state": dict(adapter_named_tensors(policy, torch.bfloat16)),
-            "ref_equals_base": torch.equal(ref, base),
-            "opt_state_is_adapters": bool(opt.state) and set(map(id, opt.state)) == adapters,
-            "opt_state_params": len(opt.state),
-            "lora_params": sum(1 for n, _ in policy.named_parameters() if ".lora_" in n)}
+    return {
+        "loss": float(D.all_reduce_sum(loss.detach()) / world),
+        "grads": grads,
+        "state": dict(adapter_named_tensors(policy, torch.bfloat16)),
+        "ref_equals_base": torch.equal(ref, base),
+        "opt_state_is_adapters": bool(opt.state) and set(map(id, opt.state)) == adapters,
+        "opt_state_params": len(opt.state),
+        "lora_params": sum(1 for n, _ in policy.named_parameters() if ".lora_" in n),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +83,9 @@ def runs(tiny_model_dir):
 def test_two_ranks_train_the_adapters_like_one_process(runs):
     one, (r0, r1) = runs
     assert r0["loss"] == r1["loss"] == pytest.approx(one["loss"], rel=1e-5)
-    assert set(r0["grads"]) == set(one["grads"]) and all(".lora_" in n for n in one["grads"]), "a base parameter got a grad"
+    assert set(r0["grads"]) == set(one["grads"]) and all(".lora_" in n for n in one["grads"]), (
+        "a base parameter got a grad"
+    )
     for name, g in one["grads"].items():
         torch.testing.assert_close(r0["grads"][name], g, rtol=1e-4, atol=1e-7, msg=lambda m: f"grad {name}: {m}")
     assert max(g.abs().max() for g in one["grads"].values()) > 1e-4

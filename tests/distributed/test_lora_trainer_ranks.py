@@ -7,6 +7,7 @@ loss, FSDP gradient all-reduce, clipping and AdamW step are then the library's, 
 replayed. One mini-batch per step (algorithm.mini_batch_size=0): a shuffle over 2 x 16 rows is not the shuffle
 over 32. Compared every step: the global metrics the ranks report, then the adapters at the end.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,21 +23,49 @@ pytestmark = pytest.mark.slow
 STEPS = 3
 # What the step computes from the batch; the rollout metrics (reward/*, response/*) describe the replaying
 # process's own discarded sampling, so they are not compared.
-COMPARED = ("actor/loss", "actor/grad_norm", "actor/kl_ref", "actor/entropy", "actor/approx_kl",
-            "rollout/logp_mismatch")
+COMPARED = (
+    "actor/loss",
+    "actor/grad_norm",
+    "actor/kl_ref",
+    "actor/entropy",
+    "actor/approx_kl",
+    "rollout/logp_mismatch",
+)
 
 
 def _overrides(model_dir: str, out: str) -> list[str]:
-    return [f"model.path={model_dir}", f"trainer.out_dir={out}", "model.lora.rank=4", "model.lora.alpha=8",
-            "data.batch_size=8", "rollout.n=4", "rollout.max_new_tokens=4", "algorithm.mini_batch_size=0",
-            "algorithm.kl_coef=0.05", "algorithm.kl_placement=loss", "algorithm.kl_estimator=k3", "optim.lr=2e-2",
-            "optim.lr_schedule=constant", "optim.min_lr_ratio=0.0", "trainer.micro_batch_size=8",
-            "trainer.progress_bar=false", "trainer.device=cpu", "trainer.log_every=0", "trainer.val_every=0"]
+    return [
+        f"model.path={model_dir}",
+        f"trainer.out_dir={out}",
+        "model.lora.rank=4",
+        "model.lora.alpha=8",
+        "data.batch_size=8",
+        "rollout.n=4",
+        "rollout.max_new_tokens=4",
+        "algorithm.mini_batch_size=0",
+        "algorithm.kl_coef=0.05",
+        "algorithm.kl_placement=loss",
+        "algorithm.kl_estimator=k3",
+        "optim.lr=2e-2",
+        "optim.lr_schedule=constant",
+        "optim.min_lr_ratio=0.0",
+        "trainer.micro_batch_size=8",
+        "trainer.progress_bar=false",
+        "trainer.device=cpu",
+        "trainer.log_every=0",
+        "trainer.val_every=0",
+    ]
 
 
 def _record(b) -> dict:
-    return {"rows": b.rows, "prompt_ids": b.prompt_ids, "completions": b.completions, "G": b.group_size,
-            "rewards_N": b.rewards_N, "scores_N": b.scores_N}
+    return {
+        "rows": b.rows,
+        "prompt_ids": b.prompt_ids,
+        "completions": b.completions,
+        "G": b.group_size,
+        "rewards_N": b.rewards_N,
+        "scores_N": b.scores_N,
+    }
 
 
 def _adapters(trainer) -> dict:
@@ -47,8 +76,8 @@ def _adapters(trainer) -> dict:
 
 def _rank_run(rank: int, model_dir: str, out: str) -> dict:
     from hybrid_rl import Trainer
-    from hybrid_rl.runtime import distributed as D
     from hybrid_rl.config.load import load_config
+    from hybrid_rl.runtime import distributed as D
 
     D.init("cpu", timeout_s=60)
     tr = Trainer(load_config(os.path.join(ROOT, "recipes", "grpo_tiny.yaml"), _overrides(model_dir, out)))
@@ -75,11 +104,12 @@ def _interleaved(r0: dict, r1: dict):
         for r in (r0, r1):
             rows.append(r["rows"][k])
             prompts.append(r["prompt_ids"][k])
-            comps.extend(r["completions"][k * G:(k + 1) * G])
-            rewards.append(r["rewards_N"][k * G:(k + 1) * G])
-            scores.append(r["scores_N"][k * G:(k + 1) * G])
-    return RolloutBatch.build(rows, prompts, comps, G, torch.cat(rewards), torch.cat(scores), pad_id=0,
-                              device=torch.device("cpu"))
+            comps.extend(r["completions"][k * G : (k + 1) * G])
+            rewards.append(r["rewards_N"][k * G : (k + 1) * G])
+            scores.append(r["scores_N"][k * G : (k + 1) * G])
+    return RolloutBatch.build(
+        rows, prompts, comps, G, torch.cat(rewards), torch.cat(scores), pad_id=0, device=torch.device("cpu")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +119,9 @@ def runs(tiny_model_dir, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("lora_ranks")
     r0, r1 = run_ranks(_rank_run, world=2, args=(tiny_model_dir, str(out / "two")), timeout=300)
-    one = Trainer(load_config(os.path.join(ROOT, "recipes", "grpo_tiny.yaml"),
-                              _overrides(tiny_model_dir, str(out / "one"))))
+    one = Trainer(
+        load_config(os.path.join(ROOT, "recipes", "grpo_tiny.yaml"), _overrides(tiny_model_dir, str(out / "one")))
+    )
     real, step = one.rollout_stage.run, {"k": 0}
 
     def replay(*args, **kwargs):

@@ -4,6 +4,7 @@ offload freed (torch/distributed/fsdp/_fully_shard/_fsdp_param.py: its `data_ptr
 for a freed storage). Real 2-rank gloo FSDP2 with free_storage=True (the device's path on CPU); a
 Linear(3, 5) shards its 5 rows 3 + 2, so rank 1's shard is uneven. After the refusal the module
 onloads bit-exact, and then both calls work."""
+
 from __future__ import annotations
 
 import torch
@@ -25,10 +26,12 @@ def _guarded(rank: int) -> dict:
     saved = {k: v.detach().clone() for k, v in model.state_dict().items()}  # DTensors, as a checkpoint loads them
     local = {k: v.to_local().clone() for k, v in model.state_dict().items()}
     refused = {}
-    for what, call in [("load", lambda: model.load_state_dict(saved)), ("to", lambda: model.to("cpu")),
-                       ("load_layer", lambda: model[0].load_state_dict({k[2:]: v for k, v in saved.items()
-                                                                       if k.startswith("0.")})),
-                       ("float_layer", lambda: model[0].float())]:
+    for what, call in [
+        ("load", lambda: model.load_state_dict(saved)),
+        ("to", lambda: model.to("cpu")),
+        ("load_layer", lambda: model[0].load_state_dict({k[2:]: v for k, v in saved.items() if k.startswith("0.")})),
+        ("float_layer", lambda: model[0].float()),
+    ]:
         off = ModuleOffloader(model, dev, always_copy=True, free_storage=True)
         off.offload()
         try:

@@ -1,5 +1,6 @@
 """The phase switch: legal order only, a full round trip changes nothing, and the policy holds only
 its shards between phases."""
+
 from __future__ import annotations
 
 import pytest
@@ -21,11 +22,11 @@ def _snapshot(model, opt) -> tuple[dict, list]:
 def _setup(model_dir: str, offload_optimizer: bool, with_ref: bool):
     import copy
 
-    from hybrid_rl.runtime import distributed as D
-    from hybrid_rl.switch.phases import PhaseManager
     from hybrid_rl.models.fsdp import shard_model
     from hybrid_rl.models.loading import load_causal_lm
     from hybrid_rl.rollout.native.engine import NativeEngine
+    from hybrid_rl.runtime import distributed as D
+    from hybrid_rl.switch.phases import PhaseManager
 
     dev = D.init("cpu", timeout_s=60)
     base = load_causal_lm(model_dir)
@@ -39,8 +40,9 @@ def _setup(model_dir: str, offload_optimizer: bool, with_ref: bool):
     model(input_ids=ids).logits.square().mean().backward()  # leave grads behind: the switch must drop them
     engine = NativeEngine(model, pad_id=0, eos_id=1)
     # always_copy: on CPU the offload copies really run (into host buffers and back).
-    pm = PhaseManager(model, opt, engine, dev, ref=ref, offload_optimizer=offload_optimizer, offload_ref=True,
-                      always_copy=True)
+    pm = PhaseManager(
+        model, opt, engine, dev, ref=ref, offload_optimizer=offload_optimizer, offload_ref=True, always_copy=True
+    )
     return model, opt, pm
 
 
@@ -131,14 +133,14 @@ def _residency_through_the_phases(rank: int, model_dir: str, own_weights: bool):
 
     import torch
 
-    from hybrid_rl.runtime import distributed as D
+    from hybrid_rl.loop.update import score_logprobs
     from hybrid_rl.models.fsdp import shard_model
     from hybrid_rl.models.loading import load_causal_lm
     from hybrid_rl.models.logprobs import build_sequences
-    from hybrid_rl.types import SamplingParams
     from hybrid_rl.rollout.native.engine import NativeEngine
+    from hybrid_rl.runtime import distributed as D
     from hybrid_rl.switch.phases import PhaseManager
-    from hybrid_rl.loop.update import score_logprobs
+    from hybrid_rl.types import SamplingParams
 
     dev = D.init("cpu", timeout_s=60)
     base = load_causal_lm(model_dir)

@@ -8,6 +8,7 @@ with no rows, which would otherwise leave its peer waiting).
 
 Legend: N sequences, T response tokens; _N per sequence, _NT per token.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -42,8 +43,9 @@ def _estimates(rows, reduce_sum):
         "rpp": lambda rs: reinforce_pp_advantages(s, m, reduce_sum=rs),
         "rpp_gamma_kl": lambda rs: reinforce_pp_advantages(s, m, gamma=0.9, kl_NT=k, kl_coef=0.2, reduce_sum=rs),
         "baseline": lambda rs: reinforce_pp_baseline_advantages(s, g, m, reduce_sum=rs),
-        "dispatch": lambda rs: compute_advantages("reinforce_pp", s, g, m, gamma=0.95, kl_NT=k, kl_coef=0.1,
-                                                  reduce_sum=rs),
+        "dispatch": lambda rs: compute_advantages(
+            "reinforce_pp", s, g, m, gamma=0.95, kl_NT=k, kl_coef=0.1, reduce_sum=rs
+        ),
     }
     for name, fn in variants.items():
         n = [0]

@@ -2,6 +2,7 @@
 offload (bit-identical scores), the planner's bill for the `reward_model` role equal to the ledger to
 the byte, and a `Trainer` step with a reward model on both ranks.
 """
+
 from __future__ import annotations
 
 import os
@@ -50,11 +51,11 @@ def _rank_fn(rank: int, model_dir: str, rm_dir: str, overrides: list[str]) -> di
 
     from transformers import AutoModelForSequenceClassification
 
-    from hybrid_rl.runtime import distributed as D
     from hybrid_rl.models.fsdp import shard_model
     from hybrid_rl.models.loading import load_causal_lm
     from hybrid_rl.rewards.model import RewardModelScorer, encode_texts, inspect_reward_model, load_reward_model
     from hybrid_rl.rollout.native.engine import NativeEngine
+    from hybrid_rl.runtime import distributed as D
     from hybrid_rl.switch.phases import PhaseManager
 
     dev = D.init("cpu", timeout_s=60)
@@ -73,21 +74,32 @@ def _rank_fn(rank: int, model_dir: str, rm_dir: str, overrides: list[str]) -> di
     for offload in (False, True):
         rm = load_reward_model(spec, dev, bf16=False)
         # eos_id -1 never matches: every row decodes all NEW tokens, so the KV cache is full-length.
-        pm = PhaseManager(model, opt, NativeEngine(model, pad_id=0, eos_id=-1), dev, ref=ref, offload_ref=offload,
-                          reward_model=rm, offload_reward_model=offload, always_copy=offload)
-        out[offload] = {"scores": [_cycle(pm, engine_prompts, scorer, prompts, texts, rank, scribble=offload)
-                                   for _ in range(2)],
-                        "ledger": {s.label: s.roles for s in pm.ledger.rollout_snapshots(pm.rollouts)},
-                        "micro_batches": scorer.last_micro_batches,
-                        "moved": pm.pop_stats().bytes.get("onload_reward_model", 0),
-                        "shard_bytes": sum(p.to_local().numel() * p.element_size() for p in rm.parameters()),
-                        "buffer_bytes": sum(b.numel() * b.element_size() for b in rm.buffers()),
-                        "sharded": all(hasattr(p, "to_local") for p in rm.parameters()),
-                        "frozen": all(not p.requires_grad for p in rm.parameters()) and not rm.training}
+        pm = PhaseManager(
+            model,
+            opt,
+            NativeEngine(model, pad_id=0, eos_id=-1),
+            dev,
+            ref=ref,
+            offload_ref=offload,
+            reward_model=rm,
+            offload_reward_model=offload,
+            always_copy=offload,
+        )
+        out[offload] = {
+            "scores": [_cycle(pm, engine_prompts, scorer, prompts, texts, rank, scribble=offload) for _ in range(2)],
+            "ledger": {s.label: s.roles for s in pm.ledger.rollout_snapshots(pm.rollouts)},
+            "micro_batches": scorer.last_micro_batches,
+            "moved": pm.pop_stats().bytes.get("onload_reward_model", 0),
+            "shard_bytes": sum(p.to_local().numel() * p.element_size() for p in rm.parameters()),
+            "buffer_bytes": sum(b.numel() * b.element_size() for b in rm.buffers()),
+            "sharded": all(hasattr(p, "to_local") for p in rm.parameters()),
+            "frozen": all(not p.requires_grad for p in rm.parameters()) and not rm.training,
+        }
     plain = AutoModelForSequenceClassification.from_pretrained(rm_dir, dtype=torch.float32, pad_token_id=None).eval()
     with torch.no_grad():
-        out["reference"] = torch.stack([plain(input_ids=torch.tensor([x])).logits[0, 0]
-                                        for x in encode_texts(tok, prompts, texts)])
+        out["reference"] = torch.stack(
+            [plain(input_ids=torch.tensor([x])).logits[0, 0] for x in encode_texts(tok, prompts, texts)]
+        )
 
     # The trainer on both ranks: rule + model reward, the model offloaded outside its stage.
     from hybrid_rl.config.load import load_config
@@ -95,8 +107,11 @@ def _rank_fn(rank: int, model_dir: str, rm_dir: str, overrides: list[str]) -> di
 
     tr = Trainer(load_config(None, overrides))
     m = tr.step()
-    out["trainer"] = {"metrics": m, "ledger": {s.label: s.roles for s in tr.phases.ledger.rollout_snapshots(tr.phases.rollouts)},
-                      "norm": tr.rewards.norm.state_dict()}
+    out["trainer"] = {
+        "metrics": m,
+        "ledger": {s.label: s.roles for s in tr.phases.ledger.rollout_snapshots(tr.phases.rollouts)},
+        "norm": tr.rewards.norm.state_dict(),
+    }
     return out
 
 
@@ -106,10 +121,21 @@ def ranks(tiny_model_dir, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("rm_ranks")
     rm_dir = random_reward_model_dir(str(root / "rm"))
-    overrides = [f"model.path={tiny_model_dir}", "data.batch_size=4", "rollout.n=2", "rollout.max_new_tokens=4",
-                 f"trainer.out_dir={root / 'run'}", "trainer.progress_bar=false", "trainer.device=cpu",
-                 f"reward.model_path={rm_dir}", "reward.weights.rule=1", "reward.weights.model=0.5",
-                 "reward.normalize_model=true", "offload.reward_model=true", "reward.max_tokens_per_micro_batch=16"]
+    overrides = [
+        f"model.path={tiny_model_dir}",
+        "data.batch_size=4",
+        "rollout.n=2",
+        "rollout.max_new_tokens=4",
+        f"trainer.out_dir={root / 'run'}",
+        "trainer.progress_bar=false",
+        "trainer.device=cpu",
+        f"reward.model_path={rm_dir}",
+        "reward.weights.rule=1",
+        "reward.weights.model=0.5",
+        "reward.normalize_model=true",
+        "offload.reward_model=true",
+        "reward.max_tokens_per_micro_batch=16",
+    ]
     return rm_dir, run_ranks(_rank_fn, world=2, args=(tiny_model_dir, rm_dir, overrides), timeout=240)
 
 
@@ -123,8 +149,9 @@ def test_sharded_scores_equal_the_unsharded_model_and_offload_changes_no_bit(ran
                 assert torch.equal(scores, r[False]["scores"][0]), "offload must not change a bit of any score"
         # Two onloads (one per cycle) of this rank's shards and the (replicated) buffers.
         assert r[True]["moved"] == 2 * (r[True]["shard_bytes"] + r[True]["buffer_bytes"]) and r[False]["moved"] == 0
-    assert results[0][False]["micro_batches"] == results[1][False]["micro_batches"] >= 3, \
+    assert results[0][False]["micro_batches"] == results[1][False]["micro_batches"] >= 3, (
         "the ranks agree on the number of micro-batch forwards (each is a collective)"
+    )
 
 
 def _plan(rm_dir: str, model_dir: str, offload: bool):
@@ -134,8 +161,16 @@ def _plan(rm_dir: str, model_dir: str, offload: bool):
     rm_arch = memory_plan.ModelArch.from_hf_config(os.path.join(rm_dir, "config.json"))
     flags = {"optimizer": False, "params": False, "ref": offload, "reward_model": offload}
     # The KV cache holds the prompt and every fed-back token: PROMPT + NEW - 1 positions.
-    return memory_plan.plan_memory(arch, n_gpus=2, dtype="fp32", batch=2 * N_LOCAL, context=PROMPT + NEW - 1,
-                                   offload=flags, reward_arch=rm_arch, gpu_mem_gib=1.0)
+    return memory_plan.plan_memory(
+        arch,
+        n_gpus=2,
+        dtype="fp32",
+        batch=2 * N_LOCAL,
+        context=PROMPT + NEW - 1,
+        offload=flags,
+        reward_arch=rm_arch,
+        gpu_mem_gib=1.0,
+    )
 
 
 @pytest.mark.parametrize("offload", [False, True])
@@ -144,15 +179,20 @@ def test_planner_bill_equals_the_ledger_for_every_role_and_phase(ranks, tiny_mod
     plan = _plan(rm_dir, tiny_model_dir, offload)
     ledgers = [r[offload]["ledger"] for r in results]
     measured = sum(led["reward:ready"]["reward_model"] for led in ledgers)
-    assert measured == plan.total["reward_model"] == plan.bill["reward_model"] > 0, \
+    assert measured == plan.total["reward_model"] == plan.bill["reward_model"] > 0, (
         f"reward_model: ledger {measured} != planner {plan.total['reward_model']}"
+    )
     for led, r in zip(ledgers, results):
         assert led["reward:ready"]["reward_model"] == r[offload]["shard_bytes"] > 0
         assert led["reward:ready"]["kv_cache"] == 0 and led["rollout:generated"]["kv_cache"] > 0
         for label in ("rollout:ready", "rollout:generated", "score:ready", "train:ready", "train:end"):
             assert (led[label]["reward_model"] == 0) == offload, label
-    for phase, label in [("train", "train:end"), ("rollout", "rollout:generated"), ("reward", "reward:ready"),
-                         ("score", "score:ready")]:
+    for phase, label in [
+        ("train", "train:end"),
+        ("rollout", "rollout:generated"),
+        ("reward", "reward:ready"),
+        ("score", "score:ready"),
+    ]:
         got = sum(sum(led[label].values()) for led in ledgers)
         assert got == 2 * plan.phase_totals[phase], f"{phase}: ledger {got} != planner {2 * plan.phase_totals[phase]}"
 
@@ -160,8 +200,15 @@ def test_planner_bill_equals_the_ledger_for_every_role_and_phase(ranks, tiny_mod
 def test_trainer_step_with_a_reward_model_on_two_ranks(ranks, tiny_model_dir):
     rm_dir, results = ranks
     m0, m1 = (r["trainer"]["metrics"] for r in results)
-    for key in ("reward/mean", "reward/rule_mean", "reward/model_mean", "reward/model_std", "reward/model_norm_mean",
-                "actor/loss", "actor/grad_norm"):
+    for key in (
+        "reward/mean",
+        "reward/rule_mean",
+        "reward/model_mean",
+        "reward/model_std",
+        "reward/model_norm_mean",
+        "actor/loss",
+        "actor/grad_norm",
+    ):
         assert m0[key] == pytest.approx(m1[key], rel=1e-9, abs=1e-12), key
     assert m0["reward/model_std"] > 0
     assert m0["reward/mean"] == pytest.approx(m0["reward/rule_mean"] + 0.5 * m0["reward/model_norm_mean"], abs=1e-6)

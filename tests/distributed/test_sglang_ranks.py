@@ -1,6 +1,7 @@
 """The SGLang adapter on 2 real torchrun ranks against the CPU stand-in, tp_size 1 and 2:
 every rank gets exactly its own completions, equal to the native engine's on the same
 weights; every SGLang TP rank opens exactly its own payloads; the sync re-sends everything."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,17 @@ def test_each_rank_gets_its_own_completions_from_the_group_engine(tiny_model_dir
     from hybrid_rl.runtime.distributed import free_port
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "tests", "fake_sglang"), ROOT])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           os.path.join(HERE, "sglang_ranks_main.py"), tiny_model_dir, str(tp_size), str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        os.path.join(HERE, "sglang_ranks_main.py"),
+        tiny_model_dir,
+        str(tp_size),
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]

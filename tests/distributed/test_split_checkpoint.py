@@ -6,6 +6,7 @@ generates. One launch runs every config in order (each returns its result or its
   stop_rollout  k=1, 6 steps: SIGINT on the rollout rank inside its reward (the learners hear of it with the
                 batch's report).
 """
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,10 @@ def _resume(model_dir: str, out: str) -> dict:
     from tests.checkpoint_helpers import ROOT, comparable, overrides, weights
 
     def make(out_dir: str, *more: str):
-        cfg = load_config(os.path.join(ROOT, "recipes", "grpo_tiny.yaml"),
-                          overrides(model_dir, out_dir, *SPLIT, "trainer.max_staleness=0", *more))
+        cfg = load_config(
+            os.path.join(ROOT, "recipes", "grpo_tiny.yaml"),
+            overrides(model_dir, out_dir, *SPLIT, "trainer.max_staleness=0", *more),
+        )
         return Trainer(cfg)
 
     straight = make(os.path.join(out, "straight"), "trainer.total_steps=4")
@@ -39,25 +42,30 @@ def _resume(model_dir: str, out: str) -> dict:
     rest = second.fit()
     if second.is_rollout:
         return {}
-    return {"straight": [comparable(m) for m in full[2:]], "resumed": [comparable(m) for m in rest],
-            "straight_weights": weights(straight), "resumed_weights": weights(second),
-            "loader": (straight.state.loader.state_dict(), second.state.loader.state_dict())}
+    return {
+        "straight": [comparable(m) for m in full[2:]],
+        "resumed": [comparable(m) for m in rest],
+        "straight_weights": weights(straight),
+        "resumed_weights": weights(second),
+        "loader": (straight.state.loader.state_dict(), second.state.loader.state_dict()),
+    }
 
 
 def _stop(model_dir: str, out: str, where: str) -> dict:
     """fit(6) with a SIGINT raised on `where`'s rank; what each rank saw."""
     from hybrid_rl import Trainer, load_config
+    from hybrid_rl.runtime.stop import TrainingInterrupted
     from hybrid_rl.split import learner as learner_mod
     from hybrid_rl.split import rollout_loop
-    from hybrid_rl.runtime.stop import TrainingInterrupted
     from tests import checkpoint_helpers as helpers
 
     extra = ["trainer.max_staleness=1", "trainer.total_steps=6"]
     if where == "rollout":
         extra.append("reward.fn=tests.checkpoint_helpers:interrupting_digits")
         helpers.CALLS.update(n=0, signal_at=3)  # call 1 is the start-up probe: the signal comes in batch 1
-    cfg = load_config(os.path.join(helpers.ROOT, "recipes", "grpo_tiny.yaml"),
-                      helpers.overrides(model_dir, out, *SPLIT, *extra))
+    cfg = load_config(
+        os.path.join(helpers.ROOT, "recipes", "grpo_tiny.yaml"), helpers.overrides(model_dir, out, *SPLIT, *extra)
+    )
     made, real_batch, real_after = [], rollout_loop.RolloutSide.batch, learner_mod.LearnerSide.after_update
 
     def batch(self, b):
@@ -87,9 +95,11 @@ def _rank(rank: int, model_dir: str, out: str) -> dict:
 
     D.init("cpu", timeout_s=60)
     results = {}
-    for name, fn in (("resume", lambda: _resume(model_dir, os.path.join(out, "resume"))),
-                     ("stop_learner", lambda: _stop(model_dir, os.path.join(out, "stop_learner"), "learner")),
-                     ("stop_rollout", lambda: _stop(model_dir, os.path.join(out, "stop_rollout"), "rollout"))):
+    for name, fn in (
+        ("resume", lambda: _resume(model_dir, os.path.join(out, "resume"))),
+        ("stop_learner", lambda: _stop(model_dir, os.path.join(out, "stop_learner"), "learner")),
+        ("stop_rollout", lambda: _stop(model_dir, os.path.join(out, "stop_rollout"), "rollout")),
+    ):
         try:
             results[name] = fn()
         except BaseException:  # noqa: BLE001 - this config's test reports it
@@ -117,8 +127,10 @@ def test_k0_resume_is_bit_exact(runs):
 
     r = dict(_result(runs, "resume", 0))
     for key in ("straight", "resumed"):  # the split pools' wall-clock metrics are noise too
-        r[key] = [{k: v for k, v in m.items() if not (k.startswith("split/") and (k.endswith("_s") or k in CLOCK))}
-                  for m in r[key]]
+        r[key] = [
+            {k: v for k, v in m.items() if not (k.startswith("split/") and (k.endswith("_s") or k in CLOCK))}
+            for m in r[key]
+        ]
     assert r["straight"][0]["split/weights_version"] == 2.0
     assert_same_run(r)
     _result(runs, "resume", 1)

@@ -13,6 +13,7 @@ A second 2-rank launch kills the other side: the learner leaves while the rollou
 whose receive fails at once naming learner rank 0, and the engine is left expecting a whole sync again.
 A 3-rank launch syncs from 2 learner ranks (the gathers span both shards) to 1 rollout rank.
 """
+
 from __future__ import annotations
 
 import time
@@ -28,15 +29,17 @@ BUCKET = 4 << 10  # small buckets: the tiny model's sync takes many
 
 
 def _groups():
-    from hybrid_rl.types import Completion
     from hybrid_rl.split.staleness import VersionedGroup
+    from hybrid_rl.types import Completion
 
     g = torch.Generator().manual_seed(0)
     lp = [torch.randn(3, generator=g, dtype=torch.float64).tolist() for _ in range(4)]
     comps = [Completion([4, 5, 1], lp[0], "stop"), Completion([6, 7, 8], lp[1], "length")]
     partial = [Completion([9], lp[2][:1], "abort"), Completion([], [], "stop")]
-    return [VersionedGroup(7, [2, 3, 4], comps, [1.0, 1 / 3], [0.5, -2.0 / 7], 4),
-            VersionedGroup(11, [2], partial, [0.0, 0.1], [0.0, 0.2], 5, [[6], []])]
+    return [
+        VersionedGroup(7, [2, 3, 4], comps, [1.0, 1 / 3], [0.5, -2.0 / 7], 4),
+        VersionedGroup(11, [2], partial, [0.0, 0.1], [0.0, 0.2], 5, [[6], []]),
+    ]
 
 
 def _learner_model(model_dir: str, learners: list[int]):
@@ -61,18 +64,19 @@ def _learner_model(model_dir: str, learners: list[int]):
 
 def _weights(rank: int, model_dir: str, world: int) -> dict:
     from hybrid_rl.models.loading import load_causal_lm
+    from hybrid_rl.models.weights import full_tensor
     from hybrid_rl.rollout.native.engine import NativeEngine
     from hybrid_rl.split.placement import Layout
     from hybrid_rl.split.weight_sync import receive_weights, send_weights
-    from hybrid_rl.models.weights import full_tensor
 
     lay = Layout(world, 1)
     model = _learner_model(model_dir, lay.learners)
     sync_group = torch.distributed.new_group([0, *lay.rollouts], backend="gloo")  # learner rank 0 + rollout ranks
     if not lay.is_rollout(rank):
         expected = {n: full_tensor(p.detach()).to(torch.bfloat16) for n, p in model.named_parameters()}
-        stats = send_weights(model, 1, src=0, group=sync_group, dtype=torch.bfloat16, bucket_bytes=BUCKET,
-                             timeout_s=TIMEOUT_S)
+        stats = send_weights(
+            model, 1, src=0, group=sync_group, dtype=torch.bfloat16, bucket_bytes=BUCKET, timeout_s=TIMEOUT_S
+        )
         return {"expected": expected, "stats": stats}
     engine_model = load_causal_lm(model_dir, dtype=torch.bfloat16)  # the rollout rank's own copy, unchanged
     before = {n: p.detach().clone() for n, p in engine_model.named_parameters()}

@@ -9,20 +9,30 @@ load it. Two launches:
                    mesh of the two rollout ranks, and the run trains.
 Every rank reports what it built: how often it loaded the reward model, and how the module is placed.
 """
+
 from __future__ import annotations
 
 import traceback
 
 import pytest
-import torch
 
 from tests.distributed.launch import run_ranks
 
 pytestmark = pytest.mark.slow
 
-BASE = ["data.batch_size=4", "rollout.n=2", "rollout.max_new_tokens=4", "trainer.progress_bar=false",
-        "trainer.device=cpu", "trainer.log_every=0", "optim.lr=1e-2", "algorithm.kl_coef=0.01",
-        "reward.weights.rule=1", "reward.weights.model=0.5", "reward.max_tokens_per_micro_batch=16"]
+BASE = [
+    "data.batch_size=4",
+    "rollout.n=2",
+    "rollout.max_new_tokens=4",
+    "trainer.progress_bar=false",
+    "trainer.device=cpu",
+    "trainer.log_every=0",
+    "optim.lr=1e-2",
+    "algorithm.kl_coef=0.01",
+    "reward.weights.rule=1",
+    "reward.weights.model=0.5",
+    "reward.max_tokens_per_micro_batch=16",
+]
 REWARD_KEYS = ("reward/mean", "reward/rule_mean", "reward/model_mean", "reward/model_std")
 TRAIN_KEYS = ("actor/loss", "actor/kl_ref", "actor/grad_norm", "response/length")
 
@@ -42,8 +52,13 @@ def _placement(module) -> dict:
     local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
     total = sum(p.numel() for p in params)
     ranks = sorted(dt[0].device_mesh.mesh.flatten().tolist()) if dt else []
-    return {"module": True, "sharded": len(dt) == len(params) > 0, "mesh_ranks": ranks, "local_fraction": local / total,
-            "frozen": not any(p.requires_grad for p in params)}
+    return {
+        "module": True,
+        "sharded": len(dt) == len(params) > 0,
+        "mesh_ranks": ranks,
+        "local_fraction": local / total,
+        "frozen": not any(p.requires_grad for p in params),
+    }
 
 
 def _fit(overrides: list[str], steps: int) -> dict:
@@ -73,8 +88,15 @@ def _rank(rank: int, model_dir: str, rm_dir: str, out: str, rollout_ranks: int, 
     from hybrid_rl.runtime import distributed as D
 
     D.init("cpu", timeout_s=60)
-    overrides = [f"model.path={model_dir}", f"reward.model_path={rm_dir}", f"trainer.out_dir={out}", *BASE,
-                 "trainer.placement=split", f"trainer.rollout_ranks={rollout_ranks}", f"trainer.max_staleness={k}"]
+    overrides = [
+        f"model.path={model_dir}",
+        f"reward.model_path={rm_dir}",
+        f"trainer.out_dir={out}",
+        *BASE,
+        "trainer.placement=split",
+        f"trainer.rollout_ranks={rollout_ranks}",
+        f"trainer.max_staleness={k}",
+    ]
     try:
         return _fit(overrides, steps)
     except Exception:  # noqa: BLE001 - reported by the test that reads this rank
@@ -110,8 +132,16 @@ def test_k0_split_with_a_reward_model_scores_and_trains_as_colocated(one_plus_on
     """Catches: the rollout rank scoring without the reward model (no model part, another reward/mean), scoring
     it with other inputs or another copy than colocated, the model part lost on the way to the learner."""
     learner, rollout = (_ok(r) for r in one_plus_one)
-    colocated = _fit([f"model.path={tiny_model_dir}", f"reward.model_path={rm_dir}", f"trainer.out_dir={tmp_path}",
-                      *BASE, "trainer.max_staleness=0"], 3)
+    colocated = _fit(
+        [
+            f"model.path={tiny_model_dir}",
+            f"reward.model_path={rm_dir}",
+            f"trainer.out_dir={tmp_path}",
+            *BASE,
+            "trainer.max_staleness=0",
+        ],
+        3,
+    )
     assert len(learner["history"]) == len(colocated["history"]) == 3
     for s, (a, b) in enumerate(zip(learner["history"], colocated["history"])):
         for key in REWARD_KEYS + TRAIN_KEYS:

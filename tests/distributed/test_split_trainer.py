@@ -11,6 +11,7 @@ fails); the colocated reference runs in this process (one rank, no process group
   correct   k=1 with stale_samples=correct and tis_token: the correction gets the generating engine's
             log-probs (those the rollout rank sent), which differ from the learner's recomputed pi_old.
 """
+
 from __future__ import annotations
 
 import traceback
@@ -22,22 +23,32 @@ from tests.distributed.launch import run_ranks
 
 pytestmark = pytest.mark.slow
 
-BASE = ["data.batch_size=4", "rollout.n=2", "rollout.max_new_tokens=4", "trainer.progress_bar=false",
-        "trainer.device=cpu", "trainer.log_every=0", "optim.lr=1e-2", "algorithm.kl_coef=0.01"]
+BASE = [
+    "data.batch_size=4",
+    "rollout.n=2",
+    "rollout.max_new_tokens=4",
+    "trainer.progress_bar=false",
+    "trainer.device=cpu",
+    "trainer.log_every=0",
+    "optim.lr=1e-2",
+    "algorithm.kl_coef=0.01",
+]
 CONFIGS = {
     "k0": (3, ["trainer.max_staleness=0"]),
     "k1": (50, ["trainer.max_staleness=1", "rollout.max_new_tokens=2"]),
     "k2": (50, ["trainer.max_staleness=2", "rollout.max_new_tokens=2"]),
-    "correct": (4, ["trainer.max_staleness=1", "trainer.stale_samples=correct",
-                    "algorithm.rollout_correction=tis_token"]),
+    "correct": (
+        4,
+        ["trainer.max_staleness=1", "trainer.stale_samples=correct", "algorithm.rollout_correction=tis_token"],
+    ),
 }
 
 
 def _fit(overrides: list[str], steps: int) -> dict:
     """fit(steps) with spies on what the update trains and what the correction gets (this rank only)."""
-    from hybrid_rl.loop import advantage_stage as adv_mod
     from hybrid_rl import trainer as trainer_mod
     from hybrid_rl.config.load import load_config
+    from hybrid_rl.loop import advantage_stage as adv_mod
 
     seen = {"ids": [], "corr": []}
     real_update, real_corr = trainer_mod.policy_update, adv_mod.rollout_correction
@@ -67,8 +78,14 @@ def _split_rank(rank: int, model_dir: str, out_root: str) -> dict:
     D.init("cpu", timeout_s=60)
     results = {}
     for name, (steps, extra) in CONFIGS.items():
-        overrides = [f"model.path={model_dir}", f"trainer.out_dir={out_root}/{name}", *BASE,
-                     "trainer.placement=split", "trainer.rollout_ranks=1", *extra]
+        overrides = [
+            f"model.path={model_dir}",
+            f"trainer.out_dir={out_root}/{name}",
+            *BASE,
+            "trainer.placement=split",
+            "trainer.rollout_ranks=1",
+            *extra,
+        ]
         try:
             results[name] = _fit(overrides, steps)
         except Exception:  # noqa: BLE001 - this config's test reports it

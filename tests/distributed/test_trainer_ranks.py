@@ -1,6 +1,7 @@
 """A real 2-rank `Trainer.step`: each rank trains on its own groups, samples with its own seed and
 takes its share of a global mini-batch, and every collective the loop runs would also be served by
 the process group a GPU run uses."""
+
 from __future__ import annotations
 
 import json
@@ -25,9 +26,9 @@ def _step_on_rank(rank: int, overrides: list[str], gpu_backend: bool):
 
 
 def _step_watched(overrides: list[str], gpu_backend: bool):
-    from hybrid_rl.runtime import distributed as D
     from hybrid_rl import trainer as trainer_mod
     from hybrid_rl.config.load import load_config
+    from hybrid_rl.runtime import distributed as D
 
     D.init("cpu", timeout_s=60)
     if gpu_backend:
@@ -51,16 +52,29 @@ def _step_watched(overrides: list[str], gpu_backend: bool):
     tr.rollout_stage.run = rollout
     trainer_mod.policy_update = update
     m = tr.step()
-    return {"scores": seen["rollout"].scores_N, "completions": [c.token_ids for c in seen["rollout"].completions],
-            "adv_NT": seen["train"].adv_NT, "mask_NT": seen["train"].mask_NT, "metrics": m}
+    return {
+        "scores": seen["rollout"].scores_N,
+        "completions": [c.token_ids for c in seen["rollout"].completions],
+        "adv_NT": seen["train"].adv_NT,
+        "mask_NT": seen["train"].mask_NT,
+        "metrics": m,
+    }
 
 
 @pytest.fixture(scope="module")
 def two_rank_step(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
-    overrides = [f"model.path={tiny_model_dir}", "data.batch_size=8", "rollout.n=4", "rollout.max_new_tokens=4",
-                 f"trainer.out_dir={out}", "trainer.progress_bar=false", "trainer.device=cpu",
-                 "algorithm.kl_coef=0.01", "optim.lr=1e-3"]
+    overrides = [
+        f"model.path={tiny_model_dir}",
+        "data.batch_size=8",
+        "rollout.n=4",
+        "rollout.max_new_tokens=4",
+        f"trainer.out_dir={out}",
+        "trainer.progress_bar=false",
+        "trainer.device=cpu",
+        "algorithm.kl_coef=0.01",
+        "optim.lr=1e-3",
+    ]
     return run_ranks(_step_on_rank, world=2, args=(overrides, True), timeout=180)
 
 
@@ -87,16 +101,23 @@ def test_a_two_rank_step_raises_no_warning(two_rank_step):
 
 def test_ranks_report_the_same_global_metrics(two_rank_step):
     m0, m1 = two_rank_step[0]["metrics"], two_rank_step[1]["metrics"]
-    for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/kl_ref", "actor/entropy",
-                "rollout/logp_mismatch", "time/step"):
+    for key in (
+        "reward/mean",
+        "actor/loss",
+        "actor/grad_norm",
+        "actor/kl_ref",
+        "actor/entropy",
+        "rollout/logp_mismatch",
+        "time/step",
+    ):
         assert m0[key] == pytest.approx(m1[key], rel=1e-9, abs=1e-12), key
     assert m0["rollout/logp_mismatch"] < 1e-5, "engine and trainer logprobs agree in fp32"
 
 
 def _same_prompt_step(rank: int, overrides: list[str]):
-    from hybrid_rl.runtime import distributed as D
     from hybrid_rl import trainer as trainer_mod
     from hybrid_rl.config.load import load_config
+    from hybrid_rl.runtime import distributed as D
 
     D.init("cpu", timeout_s=60)
     tr = trainer_mod.Trainer(load_config(None, overrides))
@@ -121,9 +142,20 @@ def same_prompt_step(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("same_prompt")
     data = out / "rows.jsonl"
     data.write_text("".join(json.dumps({"prompt": "1 2 3 =", "answer": "234"}) + "\n" for _ in range(8)))
-    overrides = [f"model.path={tiny_model_dir}", "data.task=jsonl", f"data.path={data}", "data.batch_size=4",
-                 "rollout.n=2", "rollout.max_new_tokens=4", "algorithm.mini_batch_size=4", f"trainer.out_dir={out / 'run'}",
-                 "trainer.progress_bar=false", "trainer.device=cpu", "trainer.dist_timeout_s=60", "optim.lr=1e-3"]
+    overrides = [
+        f"model.path={tiny_model_dir}",
+        "data.task=jsonl",
+        f"data.path={data}",
+        "data.batch_size=4",
+        "rollout.n=2",
+        "rollout.max_new_tokens=4",
+        "algorithm.mini_batch_size=4",
+        f"trainer.out_dir={out / 'run'}",
+        "trainer.progress_bar=false",
+        "trainer.device=cpu",
+        "trainer.dist_timeout_s=60",
+        "optim.lr=1e-3",
+    ]
     return run_ranks(_same_prompt_step, world=2, args=(overrides,), timeout=120)
 
 
@@ -158,6 +190,9 @@ def test_no_module_calls_a_collective_around_the_checked_helpers():
 
     root = pathlib.Path(__file__).resolve().parents[2] / "hybrid_rl"
     pattern = re.compile(r"\bdist\.(all_reduce|all_gather|broadcast|reduce_scatter|gather|scatter)\w*\(")
-    offenders = [str(p.relative_to(root)) for p in root.rglob("*.py")
-                 if p.name != "runtime/distributed.py" and pattern.search(p.read_text())]
+    offenders = [
+        str(p.relative_to(root))
+        for p in root.rglob("*.py")
+        if p.name != "runtime/distributed.py" and pattern.search(p.read_text())
+    ]
     assert offenders == []

@@ -1,6 +1,7 @@
 """The vLLM adapter on 2 real torchrun ranks (external_launcher), tp_size 1 and 2: every rank gets exactly
 its own completions, in order, equal to the native engine's greedy output on the same weights; the
 trainer's LOCAL_WORLD_SIZE and process group survive the engine. Skipped only where vllm is not importable."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -13,8 +14,10 @@ import pytest
 
 from tests.engine_helpers import vllm_model_dir
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not importable")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not importable"),
+]
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
@@ -29,8 +32,17 @@ def test_each_rank_gets_its_own_completions(wide_model_dir, tmp_path, tp_size):
     from hybrid_rl.runtime.distributed import free_port
 
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           os.path.join(HERE, "vllm_ranks_main.py"), wide_model_dir, str(tp_size), str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        os.path.join(HERE, "vllm_ranks_main.py"),
+        wide_model_dir,
+        str(tp_size),
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]

@@ -2,6 +2,7 @@
 each shard is cast to the engine's dtype before the all-gather (bf16: half the bytes of the
 fp32 masters), the engine gets exactly full_tensor().to(bf16), and the policy's shards, offloaded
 for the rollout (offload.params), come back in place and compute the same."""
+
 from __future__ import annotations
 
 import math
@@ -60,11 +61,11 @@ def _padded_numel(model, world: int) -> int:
 
 
 def _sync_in_bf16(rank: int, model_dir: str) -> dict:
-    from hybrid_rl.runtime import distributed as D
     from hybrid_rl.models.fsdp import reshard, shard_model
     from hybrid_rl.models.loading import load_causal_lm
-    from hybrid_rl.switch.phases import PhaseManager
     from hybrid_rl.models.weights import full_tensor, iter_weight_buckets
+    from hybrid_rl.runtime import distributed as D
+    from hybrid_rl.switch.phases import PhaseManager
 
     dev = D.init("cpu", timeout_s=60)
     model = shard_model(load_causal_lm(model_dir, dtype=torch.float32), dev, False)

@@ -14,6 +14,7 @@ seen (from /proc, while it waits) and kills those still alive, orphans included.
 Multi-node runs use torchrun's default `static` rendezvous (`--node_rank`, `--master_addr`
 and `--master_port`; node 0's launcher hosts the store), which works offline on localhost.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,8 +30,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 RECIPE = os.path.join(ROOT, "recipes", "grpo_tiny.py")
 # A step of about a second on 2 CPU cores; progress bars never go to a log.
 # A constant lr: test_multinode resumes with another total_steps, which the recipe's cosine decay refuses.
-SMALL = ["data.batch_size=4", "rollout.n=2", "trainer.progress_bar=false", "trainer.device=cpu",
-         "optim.lr_schedule=constant"]
+SMALL = [
+    "data.batch_size=4",
+    "rollout.n=2",
+    "trainer.progress_bar=false",
+    "trainer.device=cpu",
+    "optim.lr_schedule=constant",
+]
 
 
 def descendants(pid: int) -> list[int]:
@@ -72,8 +78,9 @@ class Job:
         i = len(self.procs)
         log = open(os.path.join(self.log_dir, f"launcher{i}.log"), "w")
         cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, *argv]
-        self.procs.append(subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                           start_new_session=True))
+        self.procs.append(
+            subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        )
         log.close()
 
     def single_node(self, nproc: int, overrides: list[str], script: str = RECIPE) -> None:
@@ -83,8 +90,16 @@ class Job:
         """`nnodes` launchers with node ranks 0.. on this machine, one process each (global rank = node rank)."""
         port = free_port()
         for node in range(nnodes):
-            self._launch([f"--nnodes={nnodes}", "--nproc_per_node=1", f"--node_rank={node}",
-                          "--master_addr=127.0.0.1", f"--master_port={port}"], [*prefix, script, *overrides])
+            self._launch(
+                [
+                    f"--nnodes={nnodes}",
+                    "--nproc_per_node=1",
+                    f"--node_rank={node}",
+                    "--master_addr=127.0.0.1",
+                    f"--master_port={port}",
+                ],
+                [*prefix, script, *overrides],
+            )
 
     def wait_for_file(self, path: str, timeout_s: float) -> float:
         """Monotonic time at which `path` was seen; fails if every launcher ended or time ran out first."""
@@ -112,8 +127,9 @@ class Job:
             return f.read()
 
     def tails(self, chars: int = 3000) -> str:
-        return "\n".join(f"--- launcher {i} (exit {p.poll()}):\n{self.output(i)[-chars:]}"
-                         for i, p in enumerate(self.procs))
+        return "\n".join(
+            f"--- launcher {i} (exit {p.poll()}):\n{self.output(i)[-chars:]}" for i, p in enumerate(self.procs)
+        )
 
     def _remember(self) -> None:
         for p in self.procs:

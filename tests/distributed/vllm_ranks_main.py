@@ -5,6 +5,7 @@ Each rank builds its engine with external_launcher (tp_size consecutive ranks pe
 FSDP2-sharded policy, asks for its own prompts (in its own order) and writes what it got, plus the
 native engine's greedy output on the same gathered weights, to <out_dir>/rank<r>.json.
 """
+
 from __future__ import annotations
 
 import copy
@@ -14,13 +15,13 @@ import sys
 
 import torch
 
-from hybrid_rl.runtime import distributed as D
 from hybrid_rl.models.fsdp import shard_model
 from hybrid_rl.models.loading import load_causal_lm, load_tokenizer
-from hybrid_rl.types import SamplingParams
 from hybrid_rl.rollout.native.engine import NativeEngine
 from hybrid_rl.rollout.vllm.engine import VLLMEngine
+from hybrid_rl.runtime import distributed as D
 from hybrid_rl.switch.phases import PhaseManager
+from hybrid_rl.types import SamplingParams
 from tests.engine_helpers import perturbed
 
 PROMPTS = [[5, 6, 7, 14], [8, 14], [11, 12, 13, 4, 5, 6, 14], [9, 9, 14]]
@@ -33,10 +34,17 @@ def main(model_dir: str, tp_size: int, out_dir: str) -> None:
     reference = copy.deepcopy(plain)
     policy = shard_model(plain, dev, mixed_precision=False)
     tok = load_tokenizer(model_dir)
-    engine = VLLMEngine(policy, model_dir, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, max_model_len=64,
-                        sequences=16, tp_size=tp_size)
+    engine = VLLMEngine(
+        policy,
+        model_dir,
+        pad_id=tok.pad_token_id,
+        eos_id=tok.eos_token_id,
+        max_model_len=64,
+        sequences=16,
+        tp_size=tp_size,
+    )
     pm = PhaseManager(policy, torch.optim.AdamW(policy.parameters(), lr=1e-3), engine, dev, bucket_bytes=64 << 10)
-    prompts = (PROMPTS[rank:] + PROMPTS[:rank])[:3 + rank]  # each rank its own prompts, order and count
+    prompts = (PROMPTS[rank:] + PROMPTS[:rank])[: 3 + rank]  # each rank its own prompts, order and count
     greedy = SamplingParams(max_new_tokens=8, greedy=True)
     results = {"local_world_size": os.environ.get("LOCAL_WORLD_SIZE")}
     for step in range(2):  # the second step re-syncs after a full release

@@ -2,6 +2,7 @@
 and it lowers the peak memory of the update's forward and backward about as the planner's
 activation estimate says. The CPU side (call counts, saved bytes, FSDP2 on gloo) is
 tests/unit/models/test_gradient_checkpointing.py. Skipped without CUDA; `benchmarks/gpu_session.sh` runs it."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,9 +17,18 @@ def test_trainer_step_recomputes_layers_on_cuda(tiny_model_dir, tmp_path):
     from hybrid_rl import Trainer, load_config
     from hybrid_rl.runtime import distributed as D
 
-    overrides = [f"model.path={tiny_model_dir}", f"trainer.out_dir={tmp_path}", "trainer.device=cuda",
-                 "trainer.progress_bar=false", "data.batch_size=8", "rollout.n=4", "rollout.max_new_tokens=4",
-                 "trainer.total_steps=1", "algorithm.kl_coef=0.01", "model.gradient_checkpointing=true"]
+    overrides = [
+        f"model.path={tiny_model_dir}",
+        f"trainer.out_dir={tmp_path}",
+        "trainer.device=cuda",
+        "trainer.progress_bar=false",
+        "data.batch_size=8",
+        "rollout.n=4",
+        "rollout.max_new_tokens=4",
+        "trainer.total_steps=1",
+        "algorithm.kl_coef=0.01",
+        "model.gradient_checkpointing=true",
+    ]
     try:  # the process group outlives a failed assertion otherwise, and the next D.init would reuse it
         trainer = Trainer(load_config(None, overrides))
         assert D.is_dist(), "FSDP2 applies on one GPU too (bf16 mixed precision needs it)"
@@ -30,7 +40,9 @@ def test_trainer_step_recomputes_layers_on_cuda(tiny_model_dir, tmp_path):
         assert forwards >= 1
         for name in {n for n, _, _ in calls if n != "model"}:
             n = sum(1 for other, grad, _ in calls if other == name and grad)
-            assert n == 2 * forwards, f"{name}: {n} calls with gradients over {forwards} update forwards (expected 2 each)"
+            assert n == 2 * forwards, (
+                f"{name}: {n} calls with gradients over {forwards} update forwards (expected 2 each)"
+            )
         assert all(training for _, grad, training in calls if grad)
         assert not any(m.training for m in trainer.policy.modules()), "the policy left the update in train mode"
         assert trainer.ref is not None and not any(m.training for m in trainer.ref.modules())
@@ -59,13 +71,20 @@ def _peak_activation_bytes(model, ids, attn, P: int) -> int:
 def test_checkpointing_lowers_peak_memory_as_planned():
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from hybrid_rl.plan.memory import ModelArch, activation_estimate
     from hybrid_rl.models.fsdp import prepare_policy
+    from hybrid_rl.plan.memory import ModelArch, activation_estimate
 
     # About 0.1B parameters; 8 x 1024 tokens, so activations (about 3 GB unchecked) dwarf the allocator's slack.
-    cfg = Qwen2Config(vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048,
-                      tie_word_embeddings=False)
+    cfg = Qwen2Config(
+        vocab_size=8192,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
     arch = ModelArch.from_hf_config(cfg.to_dict())
     N, L, P = 8, 1024, 256
     g = torch.Generator().manual_seed(0)

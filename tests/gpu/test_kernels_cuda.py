@@ -7,6 +7,7 @@ Here a selection of the same cases runs compiled on CUDA tensors, and the chunke
 which the trainer runs through these kernels in every CUDA forward and backward, is compared
 with its torch path at the Qwen2.5 vocabulary. Legend: R rows, H hidden size, V vocab.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,17 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 # Each case compiles its own kernel specialisations (a second or so apiece), so the 18-case
 # random-logits matrix is represented by one member (test_cuda_large_vocab covers large V).
-CASES = ["randn-R33-V300-T0.7", "extreme-1e4", "masked-vocab-neginf", "bf16", "one-output-grad",
-         "strided-and-leading-dims", "default-block-and-dispatcher", "target-ids-and-empty", "chunked-lm-head"]
+CASES = [
+    "randn-R33-V300-T0.7",
+    "extreme-1e4",
+    "masked-vocab-neginf",
+    "bf16",
+    "one-output-grad",
+    "strided-and-leading-dims",
+    "default-block-and-dispatcher",
+    "target-ids-and-empty",
+    "chunked-lm-head",
+]
 
 
 def _compiled_triton() -> None:

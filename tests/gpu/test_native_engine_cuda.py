@@ -3,6 +3,7 @@ the model's forward. Still exact in fp32: greedy equals the full-forward argmax,
 logprobs equal the trainer's within 1e-5. Graphs capture only the lean step; a failed capture
 leaves the allocator clean; a capped rollout stays within its planned bill. Skipped without
 CUDA; run with `pytest tests/gpu` (benchmarks/gpu_session.sh runs it)."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,8 +11,8 @@ import torch
 
 from hybrid_rl.models.loading import load_causal_lm
 from hybrid_rl.models.logprobs import build_sequences, response_logprobs
-from hybrid_rl.types import SamplingParams
 from hybrid_rl.rollout.native.engine import NativeEngine
+from hybrid_rl.types import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -56,7 +57,7 @@ def test_logprobs_equal_the_trainers_on_cuda(model, path):
         logp_NT, _ = response_logprobs(model, ids.cuda(), attn.cuda(), P, sp.temperature)
     for i, c in enumerate(comps):
         got = torch.tensor(c.logprobs, device="cuda")
-        torch.testing.assert_close(got, logp_NT[i, :len(got)], atol=1e-5, rtol=0, msg=lambda m: f"row {i}: {m}")
+        torch.testing.assert_close(got, logp_NT[i, : len(got)], atol=1e-5, rtol=0, msg=lambda m: f"row {i}: {m}")
 
 
 @pytest.mark.parametrize("mixed_precision", [False, True])
@@ -64,8 +65,8 @@ def test_graphs_capture_on_the_fsdp2_policy(tiny_model_dir, mixed_precision):
     """The trainer's case: the engine decodes with the FSDP2-sharded policy, its shards gathered.
     The captured step is the lean one, which runs no FSDP2 hook: the root's pre-forward hook makes
     the all-gather streams wait on the capturing stream, which a capture cannot end with."""
-    from hybrid_rl.runtime import distributed as D
     from hybrid_rl.models.fsdp import shard_model
+    from hybrid_rl.runtime import distributed as D
 
     dev = D.init("cuda", 120)
     try:
@@ -74,8 +75,9 @@ def test_graphs_capture_on_the_fsdp2_policy(tiny_model_dir, mixed_precision):
         prompts = [p for p in PROMPTS for _ in range(4)]
         out = {}
         for path in ("cuda_graph", "lean"):
-            eng = NativeEngine(policy, PAD, EOS, weights_dtype=torch.bfloat16 if mixed_precision else None,
-                               **PATHS[path])
+            eng = NativeEngine(
+                policy, PAD, EOS, weights_dtype=torch.bfloat16 if mixed_precision else None, **PATHS[path]
+            )
             eng.resume(["weights"])
             out[path] = [c.token_ids for c in eng.generate(prompts, sp)]
             eng.release(["weights"])
@@ -92,7 +94,9 @@ def test_no_capture_is_attempted_without_a_lean_step(model, monkeypatch):
     reason is given once, not per batch."""
     begun = []
     real = torch.cuda.CUDAGraph.capture_begin
-    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", lambda self, *a, **k: (begun.append(1), real(self, *a, **k)))
+    monkeypatch.setattr(
+        torch.cuda.CUDAGraph, "capture_begin", lambda self, *a, **k: (begun.append(1), real(self, *a, **k))
+    )
     eng = NativeEngine(model, PAD, EOS, lean_step=False, max_batch_size=2)  # two batches: two chances to capture
     with pytest.warns(UserWarning, match="CUDA graphs off") as rec:
         eng.generate(PROMPTS, SamplingParams(max_new_tokens=6, greedy=True))
@@ -107,7 +111,9 @@ def test_graphs_capture_the_lean_step_and_leave_the_allocator_clean(model, monke
     base = torch.cuda.memory_allocated()
     captured = []
     real = torch.cuda.CUDAGraph.capture_begin
-    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", lambda self, *a, **k: (captured.append(1), real(self, *a, **k)))
+    monkeypatch.setattr(
+        torch.cuda.CUDAGraph, "capture_begin", lambda self, *a, **k: (captured.append(1), real(self, *a, **k))
+    )
     eng = NativeEngine(model, PAD, EOS)
     sp = SamplingParams(max_new_tokens=10, greedy=True)
     got = eng.generate([p for p in PROMPTS for _ in range(4)], sp)
@@ -117,8 +123,7 @@ def test_graphs_capture_the_lean_step_and_leave_the_allocator_clean(model, monke
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
     assert torch.cuda.memory_allocated() == base  # cache, graphs and their pool all gone
     eng.resume(["kv_cache"])
-    assert [c.token_ids for c in eng.generate([p for p in PROMPTS for _ in range(4)], sp)] == \
-        [c.token_ids for c in got]
+    assert [c.token_ids for c in eng.generate([p for p in PROMPTS for _ in range(4)], sp)] == [c.token_ids for c in got]
 
 
 def test_a_failed_capture_falls_back_and_leaves_the_allocator_clean(model, monkeypatch):
@@ -193,17 +198,26 @@ def test_measured_rollout_peak_stays_within_the_planned_bill(tmp_path):
     stays within `rollout_memory`'s bill for the rows it chose (the bill is an upper bound)."""
     import transformers
 
+    from hybrid_rl.models.loading import model_config
     from hybrid_rl.plan.memory import ModelArch
     from hybrid_rl.plan.rollout_memory import RolloutShape, budget_for
-    from hybrid_rl.models.loading import model_config
 
-    cfg = transformers.Qwen2Config(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
-                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
+    cfg = transformers.Qwen2Config(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     torch.manual_seed(0)
     m = transformers.Qwen2ForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
     g = torch.Generator(device="cuda").manual_seed(3)
-    prompts = [torch.randint(2, 32000, (int(n),), generator=g, device="cuda").tolist()
-               for n in torch.randint(20, 120, (96,), generator=g, device="cuda")]
+    prompts = [
+        torch.randint(2, 32000, (int(n),), generator=g, device="cuda").tolist()
+        for n in torch.randint(20, 120, (96,), generator=g, device="cuda")
+    ]
     sp = SamplingParams(max_new_tokens=64, temperature=1.0, seed=1)
     shape = RolloutShape.of(ModelArch.from_hf_config(model_config(m).to_dict()))
     free = 64 * 1024**2
@@ -213,8 +227,9 @@ def test_measured_rollout_peak_stays_within_the_planned_bill(tmp_path):
     base = torch.cuda.memory_allocated()
     capped = eng.generate(prompts, sp)
     peak = torch.cuda.max_memory_allocated() - base
-    bill = budget_for(shape, 2, eng.last_batch_rows, eng.last_prefill_rows, max(map(len, prompts)), 64,
-                      top_p=False, graphs=True)
+    bill = budget_for(
+        shape, 2, eng.last_batch_rows, eng.last_prefill_rows, max(map(len, prompts)), 64, top_p=False, graphs=True
+    )
     assert eng.last_batch_rows < len(prompts)
     assert peak <= bill.peak, f"measured {peak / 2**20:.1f} MiB above the start, billed {bill.peak / 2**20:.1f} MiB"
     # (Same tokens as one big batch is a CPU test in fp32: bf16 logits move with the batch's size.)

@@ -1,4 +1,5 @@
 """On a GPU the offload must really free device memory and come back bit-exact (skipped without CUDA)."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,8 +9,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_optimizer_offload_frees_device_memory_and_round_trips(tiny_model_dir):
-    from hybrid_rl.switch.offload import OptimizerOffloader, optimizer_tensors
     from hybrid_rl.models.loading import load_causal_lm
+    from hybrid_rl.switch.offload import OptimizerOffloader, optimizer_tensors
 
     dev = torch.device("cuda")
     model = load_causal_lm(tiny_model_dir).to(dev)
@@ -68,9 +69,9 @@ def test_module_offload_frees_device_memory_and_reuses_pinned_buffers(tiny_model
 def test_module_offload_of_an_fsdp2_model(tiny_model_dir):
     """FSDP2's shards: the DTensor parameters and the padded flat shard it all-gathers from share
     a storage, which the offloader empties and refills in place."""
-    from hybrid_rl.runtime import distributed as D
     from hybrid_rl.models.fsdp import shard_model
     from hybrid_rl.models.loading import load_causal_lm
+    from hybrid_rl.runtime import distributed as D
 
     dev = D.init("cuda", 120)
     try:

@@ -5,6 +5,7 @@ Run on a GPU machine with SGLang installed (sglang 0.5.17 on torch 2.11, 0.5.21 
 tests skip when the importable `sglang` is the one under tests/fake_sglang. The allocator
 test needs CUDA only (it runs in benchmarks/gpu_session.sh, whose image has no SGLang).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -32,28 +33,39 @@ def sglang_model_dir(tmp_path_factory) -> str:
     """The tiny word-level Qwen2 at head_dim 64 (hidden 128, 2 heads, 1 KV head): SGLang's CUDA
     attention backends (FA3 on Hopper, FlashInfer) have kernels for head dims such as 64, 128
     and 256, not for the conftest model's 16."""
-    from hybrid_rl.models.tiny import build_tiny_model_dir
     from hybrid_rl.data.digits import DIGIT_WORDS
+    from hybrid_rl.models.tiny import build_tiny_model_dir
 
-    return build_tiny_model_dir(str(tmp_path_factory.mktemp("sglang_model") / "model"), DIGIT_WORDS,
-                                hidden_size=128, num_heads=2, num_kv_heads=1)
+    return build_tiny_model_dir(
+        str(tmp_path_factory.mktemp("sglang_model") / "model"),
+        DIGIT_WORDS,
+        hidden_size=128,
+        num_heads=2,
+        num_kv_heads=1,
+    )
 
 
 @pytest.fixture(scope="module")
 def setup(sglang_model_dir):
     if not _real_sglang():
         pytest.skip("needs a real sglang")
-    from hybrid_rl.runtime import distributed as D
     from hybrid_rl.models.fsdp import shard_model
     from hybrid_rl.models.loading import load_causal_lm, load_tokenizer
     from hybrid_rl.rollout.sglang.engine import SGLangEngine
+    from hybrid_rl.runtime import distributed as D
     from hybrid_rl.switch.phases import PhaseManager
 
     dev = D.init("cuda")
     tok = load_tokenizer(sglang_model_dir)
     policy = shard_model(load_causal_lm(sglang_model_dir), dev, mixed_precision=True)
-    engine = SGLangEngine(policy, sglang_model_dir, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id,
-                          weights_dtype=torch.bfloat16, mem_fraction=0.3)
+    engine = SGLangEngine(
+        policy,
+        sglang_model_dir,
+        pad_id=tok.pad_token_id,
+        eos_id=tok.eos_token_id,
+        weights_dtype=torch.bfloat16,
+        mem_fraction=0.3,
+    )
     pm = PhaseManager(policy, torch.optim.AdamW(policy.parameters(), lr=1e-3), engine, dev)
     yield policy, engine, pm, tok
     engine.shutdown()
@@ -70,8 +82,8 @@ def _greedy_rollout(pm):
 
 
 def test_greedy_after_a_sync_equals_the_native_engine(setup):
-    from hybrid_rl.types import SamplingParams
     from hybrid_rl.rollout.native.engine import NativeEngine
+    from hybrid_rl.types import SamplingParams
 
     policy, engine, pm, tok = setup
     got = _greedy_rollout(pm)
@@ -102,10 +114,21 @@ def test_release_frees_the_engine_memory_and_resume_sync_reproduces(setup):
 def test_five_grpo_steps_on_one_gpu(sglang_model_dir, tmp_path):
     from hybrid_rl import Trainer, load_config
 
-    cfg = load_config(None, [f"model.path={sglang_model_dir}", f"trainer.out_dir={tmp_path}", "trainer.device=cuda",
-                             "rollout.engine=sglang", "rollout.mem_fraction=0.3", "trainer.total_steps=5",
-                             "trainer.progress_bar=false", "data.batch_size=8", "rollout.n=4",
-                             "rollout.max_new_tokens=4"])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={sglang_model_dir}",
+            f"trainer.out_dir={tmp_path}",
+            "trainer.device=cuda",
+            "rollout.engine=sglang",
+            "rollout.mem_fraction=0.3",
+            "trainer.total_steps=5",
+            "trainer.progress_bar=false",
+            "data.batch_size=8",
+            "rollout.n=4",
+            "rollout.max_new_tokens=4",
+        ],
+    )
     trainer = Trainer(cfg)
     history = trainer.fit()
     trainer.close()
@@ -144,9 +167,13 @@ def test_an_export_switches_expandable_segments_off_under_either_variable(name):
     either, the allocator starts with expandable segments, an export session's settings put new
     memory in plain segments (CUDA IPC cannot share expandable ones), and the restore brings them back.
     A fresh process per variable: torch reads it once, at its first CUDA allocation."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF",
-                                                            "PYTORCH_HIP_ALLOC_CONF")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
+    }
     env[name] = "max_split_size_mb:512,expandable_segments:True"
-    done = subprocess.run([sys.executable, "-c", _EXPORT_UNDER_EXPANDABLE], env=env, capture_output=True,
-                          text=True, timeout=240)
+    done = subprocess.run(
+        [sys.executable, "-c", _EXPORT_UNDER_EXPANDABLE], env=env, capture_output=True, text=True, timeout=240
+    )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr

@@ -1,12 +1,13 @@
 """The shared-prefix micro-batch forward on CUDA (sdpa underneath) against the padded path, fp32:
 log-probs, entropies and every parameter's gradient. Skipped without CUDA; run with `pytest tests/gpu`."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.unit.rollout.native.test_lean_step import KINDS, _build
 from tests.unit.models.test_shared_prefix import check_equals_the_padded_path
+from tests.unit.rollout.native.test_lean_step import KINDS, _build
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -1,6 +1,7 @@
 """A real `Trainer.step` on CUDA: bf16 mixed precision under FSDP2, the cpu:gloo,cuda:nccl group
 reducing host metrics and device statistics, on one GPU and (when visible) on two.
 Skipped without CUDA; run on a GPU machine with `pytest tests/gpu`."""
+
 from __future__ import annotations
 
 import json
@@ -18,9 +19,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _overrides(model_dir: str, out: str) -> list[str]:
-    return [f"model.path={model_dir}", f"trainer.out_dir={out}", "trainer.device=cuda", "trainer.progress_bar=false",
-            "data.batch_size=8", "rollout.n=4", "rollout.max_new_tokens=4", "trainer.total_steps=3",
-            "algorithm.kl_coef=0.01", "algorithm.preset=dapo", "offload.optimizer=true"]
+    return [
+        f"model.path={model_dir}",
+        f"trainer.out_dir={out}",
+        "trainer.device=cuda",
+        "trainer.progress_bar=false",
+        "data.batch_size=8",
+        "rollout.n=4",
+        "rollout.max_new_tokens=4",
+        "trainer.total_steps=3",
+        "algorithm.kl_coef=0.01",
+        "algorithm.preset=dapo",
+        "offload.optimizer=true",
+    ]
 
 
 def test_one_gpu_step_in_bf16(tiny_model_dir, tmp_path):
@@ -59,9 +70,19 @@ def test_two_gpu_recipe_under_torchrun(tmp_path):
     from hybrid_rl.runtime.distributed import free_port
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           os.path.join(ROOT, "recipes", "grpo_tiny.py"), f"model.path={tmp_path / 'model'}", f"trainer.out_dir={out}",
-           "trainer.total_steps=5", "trainer.device=cuda", "trainer.progress_bar=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        os.path.join(ROOT, "recipes", "grpo_tiny.py"),
+        f"model.path={tmp_path / 'model'}",
+        f"trainer.out_dir={out}",
+        "trainer.total_steps=5",
+        "trainer.device=cuda",
+        "trainer.progress_bar=false",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out / "metrics.jsonl") as f:
@@ -86,6 +107,7 @@ def test_packed_scoring_equals_padded_on_cuda(tiny_model_dir, dtype, share_promp
     impls = ["sdpa"]
     try:
         import flash_attn  # noqa: F401
+
         impls.append("flash_attention_2")
     except ImportError:
         pass
@@ -97,5 +119,6 @@ def test_packed_scoring_equals_padded_on_cuda(tiny_model_dir, dtype, share_promp
         with torch.no_grad():
             ref, _ = response_logprobs(model, ids, attn, P)
             got, _ = packed_response_logprobs(model, ids, attn, P, min_saving=0.0, share_prompts=share_prompts)
-        torch.testing.assert_close(got, ref * mask, atol=tol, rtol=0,
-                                   msg=lambda m: f"{impl} {dtype} share_prompts={share_prompts}: {m}")
+        torch.testing.assert_close(
+            got, ref * mask, atol=tol, rtol=0, msg=lambda m: f"{impl} {dtype} share_prompts={share_prompts}: {m}"
+        )

@@ -9,13 +9,23 @@ creation is left out (several ranks may `makedirs(exist_ok=True)` the same one h
 Writes from native code (safetensors) are not seen; the rename that publishes them is.
 Python's audit hooks (PEP 578) report these events before they happen, in this process only.
 """
+
 import os
 import runpy
 import sys
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
-_PATH_ARGS = {"os.rename": (0, 1), "os.remove": (0,), "os.rmdir": (0,), "shutil.rmtree": (0,), "os.truncate": (0,),
-              "shutil.copyfile": (1,), "shutil.move": (0, 1), "os.link": (1,), "os.symlink": (1,)}
+_PATH_ARGS = {
+    "os.rename": (0, 1),
+    "os.remove": (0,),
+    "os.rmdir": (0,),
+    "shutil.rmtree": (0,),
+    "os.truncate": (0,),
+    "shutil.copyfile": (1,),
+    "shutil.move": (0, 1),
+    "os.link": (1,),
+    "os.symlink": (1,),
+}
 
 
 def _install(log_path: str, roots: list[str]) -> None:
@@ -47,8 +57,10 @@ def _install(log_path: str, roots: list[str]) -> None:
 
 if __name__ == "__main__":
     rank = os.environ.get("RANK", "0")
-    _install(os.environ["WRITE_AUDIT_LOG"].format(rank=rank),
-             [os.path.abspath(d) for d in os.environ["WRITE_AUDIT_DIRS"].split(os.pathsep)])
+    _install(
+        os.environ["WRITE_AUDIT_LOG"].format(rank=rank),
+        [os.path.abspath(d) for d in os.environ["WRITE_AUDIT_DIRS"].split(os.pathsep)],
+    )
     script = sys.argv[1]
     sys.argv = sys.argv[1:]
     sys.path[0] = os.path.dirname(os.path.abspath(script))

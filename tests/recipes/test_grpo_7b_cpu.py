@@ -4,6 +4,7 @@ The end-to-end run launches the real script (as a user would, output to a pipe, 
 non-interactive) on the real GSM8K rows with the real reward, chat template, validation and
 loggers. A tiny random model scores ~0 on GSM8K: the run checks the path, not the accuracy.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -22,10 +23,22 @@ RECIPE = os.path.join(ROOT, "recipes", "grpo_7b.py")
 sys.path.insert(0, os.path.join(ROOT, "recipes"))
 import grpo_7b  # noqa: E402  (the recipe module itself: its planning helpers and main)
 
-CPU_OVERRIDES = ["trainer.device=cpu", "data.batch_size=4", "rollout.n=4", "rollout.max_new_tokens=24",
-                 "data.max_prompt_tokens=384", "data.num_prompts=48", "data.val_size=4", "data.val_batch_size=4",
-                 "algorithm.mini_batch_size=0", "trainer.micro_batch_size=16", "trainer.total_steps=4",
-                 "trainer.val_every=2", "trainer.val_n=2", "trainer.val_sample_rows=2"]
+CPU_OVERRIDES = [
+    "trainer.device=cpu",
+    "data.batch_size=4",
+    "rollout.n=4",
+    "rollout.max_new_tokens=24",
+    "data.max_prompt_tokens=384",
+    "data.num_prompts=48",
+    "data.val_size=4",
+    "data.val_batch_size=4",
+    "algorithm.mini_batch_size=0",
+    "trainer.micro_batch_size=16",
+    "trainer.total_steps=4",
+    "trainer.val_every=2",
+    "trainer.val_n=2",
+    "trainer.val_sample_rows=2",
+]
 
 
 def _gsm8k_rows(split: str, n: int) -> list[dict]:
@@ -43,26 +56,42 @@ def test_gsm8k_recipe_runs_end_to_end_on_cpu(tmp_path):
     model = build_tiny_text_model_dir(str(tmp_path / "model"), max_positions=512)
     out = tmp_path / "run"
     loggers = "[console,tensorboard]" if importlib.util.find_spec("tensorboard") else "[console]"
-    cmd = [sys.executable, RECIPE, f"model.path={model}", f"trainer.out_dir={out}", f"trainer.loggers={loggers}",
-           *CPU_OVERRIDES]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        RECIPE,
+        f"model.path={model}",
+        f"trainer.out_dir={out}",
+        f"trainer.loggers={loggers}",
+        *CPU_OVERRIDES,
+    ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     log = proc.stdout
 
     # The log: the engine it chose, the data it read (long prompts dropped and counted), one line per step.
     assert "rollout engine: native (sglang is not importable here" in log or "rollout engine: sglang" in log
     tok = load_tokenizer(model)
-    rendered = [tok.apply_chat_template([{"role": "user", "content": f"{r['question']} {INSTRUCTION}"}],
-                                        tokenize=False, add_generation_prompt=True) for r in _gsm8k_rows("train", 48)]
+    rendered = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": f"{r['question']} {INSTRUCTION}"}], tokenize=False, add_generation_prompt=True
+        )
+        for r in _gsm8k_rows("train", 48)
+    ]
     too_long = sum(len(tok(t, add_special_tokens=False).input_ids) > 384 for t in rendered)
     assert too_long > 0, "the test should exercise dropping"
-    m = re.search(r"data: (\d+) train prompts from (\S+), dropped (\d+) longer than data.max_prompt_tokens=384.*"
-                  r"chat template on\)", log)
+    m = re.search(
+        r"data: (\d+) train prompts from (\S+), dropped (\d+) longer than data.max_prompt_tokens=384.*"
+        r"chat template on\)",
+        log,
+    )
     assert m and (int(m.group(1)), int(m.group(3))) == (48 - too_long, too_long), log[:2000]
     assert m.group(2).endswith(os.path.join("gsm8k", "train.jsonl"))
     assert "\r" not in log and "\r" not in proc.stderr, "a progress bar was drawn into the log"
-    assert [line.split()[0] for line in log.splitlines() if line.startswith("step=")] == [f"step={i}" for i in (1, 2, 3, 4)]
+    assert [line.split()[0] for line in log.splitlines() if line.startswith("step=")] == [
+        f"step={i}" for i in (1, 2, 3, 4)
+    ]
     assert [line.split()[1] for line in log.splitlines() if line.startswith("val ")] == ["step=0", "step=2", "step=4"]
 
     # metrics.jsonl: validation before training (step 0), after step 2 and at the end.
@@ -72,8 +101,14 @@ def test_gsm8k_recipe_runs_end_to_end_on_cpu(tmp_path):
     assert "reward/mean" not in records[0] and "val/pass@1" in records[0]
     assert [("val/pass@1" in r) for r in records[1:]] == [False, True, False, True]
     for r in records[1:]:
-        assert {"reward/mean", "reward/accuracy", "response/length", "actor/kl_ref", "time/rollout",
-                "time/switch"} <= set(r)
+        assert {
+            "reward/mean",
+            "reward/accuracy",
+            "response/length",
+            "actor/kl_ref",
+            "time/rollout",
+            "time/switch",
+        } <= set(r)
     for r in (records[0], records[2], records[4]):
         assert {"val/pass@1", "val/reward_mean", "val/mean@2", "val/pass@2", "val/response_length"} <= set(r)
         assert 0.0 <= r["val/pass@1"] <= 1.0 and r["val/prompts"] == 4
@@ -173,8 +208,17 @@ def test_dry_run_refuses_with_the_change_that_makes_it_fit(capsys):
 def test_a_real_start_refuses_before_any_weights_load(tiny_model_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(grpo_7b, "Trainer", lambda *a, **k: pytest.fail("the trainer was built"))
     with pytest.raises(SystemExit, match="refusing to start"):
-        grpo_7b.main([f"model.path={tiny_model_dir}", f"trainer.out_dir={tmp_path}", "trainer.device=cpu",
-                      "--gpu-mem-gib", "0.0001", "--gpus", "1"])
+        grpo_7b.main(
+            [
+                f"model.path={tiny_model_dir}",
+                f"trainer.out_dir={tmp_path}",
+                "trainer.device=cpu",
+                "--gpu-mem-gib",
+                "0.0001",
+                "--gpus",
+                "1",
+            ]
+        )
     assert "model model: N = " in capsys.readouterr().out  # planned from the directory's config.json
 
 
@@ -185,10 +229,20 @@ def _classifier_dir(path) -> str:
     a = builtin_arch("Qwen2.5-0.5B")
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump({"architectures": ["Qwen2ForSequenceClassification"], "model_type": "qwen2", "num_labels": 1,
-                   "hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size,
-                   "num_hidden_layers": a.num_hidden_layers, "num_attention_heads": a.num_attention_heads,
-                   "num_key_value_heads": a.num_key_value_heads, "vocab_size": a.vocab_size}, f)
+        json.dump(
+            {
+                "architectures": ["Qwen2ForSequenceClassification"],
+                "model_type": "qwen2",
+                "num_labels": 1,
+                "hidden_size": a.hidden_size,
+                "intermediate_size": a.intermediate_size,
+                "num_hidden_layers": a.num_hidden_layers,
+                "num_attention_heads": a.num_attention_heads,
+                "num_key_value_heads": a.num_key_value_heads,
+                "vocab_size": a.vocab_size,
+            },
+            f,
+        )
     return str(path)
 
 
@@ -202,8 +256,9 @@ def test_dry_run_bills_the_reward_model(tmp_path, capsys):
     out = capsys.readouterr().out
     assert without["phase_totals"]["reward"] == 0 and with_rm["phase_totals"]["reward"] > 0
     assert f"reward model billed: reward.model_path={rm}" in out
-    cfg = grpo_7b.load_config(os.path.join(ROOT, "recipes", "grpo_7b.yaml"),
-                              ["rollout.engine=sglang", f"reward.model_path={rm}"])
+    cfg = grpo_7b.load_config(
+        os.path.join(ROOT, "recipes", "grpo_7b.yaml"), ["rollout.engine=sglang", f"reward.model_path={rm}"]
+    )
     plan, _, _ = grpo_7b.memory_plan(cfg, 8, 80.0)
     assert plan.reward_params == 494_032_768 + 896  # Qwen2.5-0.5B (tied: no lm_head) + a 1 x 896 score head
     assert plan.phases["reward"]["reward_model"] == plan.per_gpu["reward_model"] > 0
@@ -222,14 +277,21 @@ def test_the_dry_run_plan_is_decide_offloads_plan(tmp_path, monkeypatch, engine)
     props = type("Props", (), {"total_memory": 80 * 2**30})()
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
     rm = _classifier_dir(tmp_path / "rm")
-    overrides = [f"rollout.engine={engine}", "rollout.tp_size=1" if engine == "native" else "rollout.tp_size=2",
-                 f"reward.model_path={rm}", "offload.auto=true"]
+    overrides = [
+        f"rollout.engine={engine}",
+        "rollout.tp_size=1" if engine == "native" else "rollout.tp_size=2",
+        f"reward.model_path={rm}",
+        "offload.auto=true",
+    ]
     cfg = grpo_7b.load_config(os.path.join(ROOT, "recipes", "grpo_7b.yaml"), overrides)
     recipe_plan, suggestion, _ = grpo_7b.memory_plan(cfg, 8, 80.0, PromptTokens(300, "test"))
     decision = decide_offload(cfg, torch.device("cuda"), 8, True, prompt_tokens=300)
     assert decision.plan == recipe_plan
     assert recipe_plan.reward_params > 0 and recipe_plan.context == 300 + cfg.rollout.max_new_tokens
-    assert (decision.optimizer, decision.params) == (suggestion["offload"]["optimizer"], suggestion["offload"]["params"])
+    assert (decision.optimizer, decision.params) == (
+        suggestion["offload"]["optimizer"],
+        suggestion["offload"]["params"],
+    )
 
 
 def test_dry_run_measures_the_prompts_the_trainer_measures(tmp_path, monkeypatch, capsys):
@@ -241,13 +303,24 @@ def test_dry_run_measures_the_prompts_the_trainer_measures(tmp_path, monkeypatch
 
     gsm8k_dir()
     model = build_tiny_text_model_dir(str(tmp_path / "model"), max_positions=512)
-    overrides = [f"model.path={model}", "rollout.max_new_tokens=24", "data.max_prompt_tokens=200",
-                 "data.val_size=4", "data.val_batch_size=4", "trainer.device=cpu", f"trainer.out_dir={tmp_path / 'run'}",
-                 "trainer.micro_batch_size=16", "data.batch_size=4", "rollout.n=4",
-                 "algorithm.mini_batch_size=0"]
+    overrides = [
+        f"model.path={model}",
+        "rollout.max_new_tokens=24",
+        "data.max_prompt_tokens=200",
+        "data.val_size=4",
+        "data.val_batch_size=4",
+        "trainer.device=cpu",
+        f"trainer.out_dir={tmp_path / 'run'}",
+        "trainer.micro_batch_size=16",
+        "data.batch_size=4",
+        "rollout.n=4",
+        "algorithm.mini_batch_size=0",
+    ]
     grpo_7b.main(["--dry-run", *overrides])
-    m = re.search(r"planned for prompts of (\d+) tokens: the longest of the first 256 training prompts of \S+gsm8k",
-                  capsys.readouterr().out)
+    m = re.search(
+        r"planned for prompts of (\d+) tokens: the longest of the first 256 training prompts of \S+gsm8k",
+        capsys.readouterr().out,
+    )
     assert m, "the dry run did not measure the local prompts"
 
     class Seen(Exception):
@@ -257,8 +330,9 @@ def test_dry_run_measures_the_prompts_the_trainer_measures(tmp_path, monkeypatch
         raise Seen(prompt_tokens)
 
     monkeypatch.setattr(trainer_mod, "decide_offload", spy)
-    cfg = grpo_7b.load_config(os.path.join(ROOT, "recipes", "grpo_7b.yaml"), ["rollout.engine=native",
-                                                                               "rollout.tp_size=1", *overrides])
+    cfg = grpo_7b.load_config(
+        os.path.join(ROOT, "recipes", "grpo_7b.yaml"), ["rollout.engine=native", "rollout.tp_size=1", *overrides]
+    )
     with pytest.raises(Seen) as seen:
         trainer_mod.Trainer(cfg)
     assert int(m.group(1)) == seen.value.args[0]

@@ -1,4 +1,5 @@
 """End to end: the real recipe, launched the way users launch it, must improve the reward."""
+
 from __future__ import annotations
 
 import json
@@ -30,9 +31,19 @@ def test_recipe_two_ranks_learns_the_task(tmp_path):
     from hybrid_rl.runtime.distributed import free_port
 
     steps = load_config(os.path.join(ROOT, "recipes", "grpo_tiny.yaml"), []).trainer.total_steps
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           os.path.join(ROOT, "recipes", "grpo_tiny.py"), f"model.path={tmp_path / 'model'}", f"trainer.out_dir={out}",
-           "trainer.resume=none", "trainer.progress_bar=false", "trainer.log_every=10"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        os.path.join(ROOT, "recipes", "grpo_tiny.py"),
+        f"model.path={tmp_path / 'model'}",
+        f"trainer.out_dir={out}",
+        "trainer.resume=none",
+        "trainer.progress_bar=false",
+        "trainer.log_every=10",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rewards = _rewards(str(out))
@@ -56,10 +67,20 @@ def test_recipe_two_ranks_learns_the_task(tmp_path):
 def test_trainer_in_one_process(tmp_path, tiny_model_dir):
     from hybrid_rl import Trainer, load_config
 
-    cfg = load_config(os.path.join(ROOT, "recipes", "grpo_tiny.yaml"), [
-        f"model.path={tiny_model_dir}", f"trainer.out_dir={tmp_path}", "trainer.total_steps=3",
-        "trainer.progress_bar=false", "data.batch_size=8", "rollout.n=4", "trainer.micro_batch_size=16",
-        "algorithm.mini_batch_size=16", "algorithm.kl_coef=0.01"])
+    cfg = load_config(
+        os.path.join(ROOT, "recipes", "grpo_tiny.yaml"),
+        [
+            f"model.path={tiny_model_dir}",
+            f"trainer.out_dir={tmp_path}",
+            "trainer.total_steps=3",
+            "trainer.progress_bar=false",
+            "data.batch_size=8",
+            "rollout.n=4",
+            "trainer.micro_batch_size=16",
+            "algorithm.mini_batch_size=16",
+            "algorithm.kl_coef=0.01",
+        ],
+    )
     trainer = Trainer(cfg)
     history = trainer.fit()
     assert [h["step"] for h in history] == [1, 2, 3]
@@ -71,8 +92,20 @@ def test_trainer_in_one_process(tmp_path, tiny_model_dir):
     with open(tmp_path / "metrics.jsonl") as f:
         lines = [json.loads(line) for line in f]
     assert len(lines) == 3
-    for key in ["reward/mean", "reward/std", "reward/accuracy", "response/length", "actor/kl_ref", "actor/entropy",
-                "actor/clip_frac", "actor/grad_norm", "time/rollout", "time/score", "time/train", "time/switch"]:
+    for key in [
+        "reward/mean",
+        "reward/std",
+        "reward/accuracy",
+        "response/length",
+        "actor/kl_ref",
+        "actor/entropy",
+        "actor/clip_frac",
+        "actor/grad_norm",
+        "time/rollout",
+        "time/score",
+        "time/train",
+        "time/switch",
+    ]:
         assert key in lines[-1], key
     # Two mini-batches per step: the second one is off-policy, so the ratio moves away from 1.
     assert lines[-1]["actor/ratio_max"] > lines[-1]["actor/ratio_min"]
@@ -93,13 +126,27 @@ def test_recipe_split_placement_learns_with_staleness_one(tmp_path):
     out = tmp_path / "run"
     from hybrid_rl.runtime.distributed import free_port
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           os.path.join(ROOT, "recipes", "grpo_tiny.py"), f"model.path={tmp_path / 'model'}", f"trainer.out_dir={out}",
-           "trainer.resume=none", "trainer.progress_bar=false", "trainer.log_every=10", "trainer.placement=split",
-           "trainer.max_staleness=1", "trainer.total_steps=60"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        os.path.join(ROOT, "recipes", "grpo_tiny.py"),
+        f"model.path={tmp_path / 'model'}",
+        f"trainer.out_dir={out}",
+        "trainer.resume=none",
+        "trainer.progress_bar=false",
+        "trainer.log_every=10",
+        "trainer.placement=split",
+        "trainer.max_staleness=1",
+        "trainer.total_steps=60",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rewards = _rewards(str(out))
     k = max(1, len(rewards) // 10)
     last = sum(rewards[-k:]) / k
-    assert last >= 0.8, f"last-10% reward {last:.3f} < 0.8; reward/mean per step: {' '.join(f'{r:.2f}' for r in rewards)}"
+    assert last >= 0.8, (
+        f"last-10% reward {last:.3f} < 0.8; reward/mean per step: {' '.join(f'{r:.2f}' for r in rewards)}"
+    )

@@ -16,6 +16,7 @@ samples the "+1" digit, and 16 samples of a prompt find it. On seed 0 at 40 step
 0.63, 1e-2 0.13; 25 / 200 copying steps 0.59 / 0.71 (a lower ceiling, or a base too sure to explore); a random
 base with its embedding scaled x5 0.36. All runs: benchmarks/results/lora_cpu_2026-11-25.md.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,9 +37,9 @@ SETTINGS = ["rollout.n=16", "data.batch_size=64", "algorithm.mini_batch_size=128
 
 def _pretrain_copying(path: str, seed: int, steps: int = 100) -> str:
     """The recipe's tiny model (hidden 128, 2 layers, `seed`) trained to copy the prompt's digits, saved at `path`."""
+    from hybrid_rl.data.digits import DIGIT_WORDS
     from hybrid_rl.models.loading import load_causal_lm, load_tokenizer
     from hybrid_rl.models.tiny import build_tiny_model_dir
-    from hybrid_rl.data.digits import DIGIT_WORDS
 
     random_dir = build_tiny_model_dir(path + "_random", DIGIT_WORDS, hidden_size=128, num_layers=2, seed=seed)
     tok, model = load_tokenizer(random_dir), load_causal_lm(random_dir).train()
@@ -68,9 +69,18 @@ def test_tiny_recipe_with_lora_rank_8_learns_the_task(tmp_path):
     defaults or to the recipe that stops a LoRA run from learning."""
     model_dir = _pretrain_copying(str(tmp_path / "model"), seed=0)
     out = tmp_path / "run"
-    cmd = [sys.executable, os.path.join(ROOT, "recipes", "grpo_tiny.py"), f"model.path={model_dir}",
-           "model.lora.rank=8", *SETTINGS, f"trainer.total_steps={STEPS}", f"trainer.out_dir={out}",
-           "trainer.resume=none", "trainer.progress_bar=false", "trainer.log_every=10"]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "recipes", "grpo_tiny.py"),
+        f"model.path={model_dir}",
+        "model.lora.rank=8",
+        *SETTINGS,
+        f"trainer.total_steps={STEPS}",
+        f"trainer.out_dir={out}",
+        "trainer.resume=none",
+        "trainer.progress_bar=false",
+        "trainer.log_every=10",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

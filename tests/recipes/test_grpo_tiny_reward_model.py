@@ -1,5 +1,6 @@
 """End to end: the demo recipe with `reward.model_path=<dir>`, launched as a user launches it; the
 reward (the model's score) must rise, and the memory report shows the reward model in its stage only."""
+
 from __future__ import annotations
 
 import json
@@ -18,9 +19,18 @@ def test_recipe_with_a_reward_model_raises_the_models_reward(tmp_path):
 
     rm_dir = random_reward_model_dir(str(tmp_path / "rm"))
     out = tmp_path / "run"
-    cmd = [sys.executable, os.path.join(ROOT, "recipes", "grpo_tiny.py"), f"reward.model_path={rm_dir}",
-           f"model.path={tmp_path / 'model'}", f"trainer.out_dir={out}", "trainer.total_steps=20",
-           "data.batch_size=16", "offload.reward_model=true", "trainer.progress_bar=false", "trainer.log_every=5"]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "recipes", "grpo_tiny.py"),
+        f"reward.model_path={rm_dir}",
+        f"model.path={tmp_path / 'model'}",
+        f"trainer.out_dir={out}",
+        "trainer.total_steps=20",
+        "data.batch_size=16",
+        "offload.reward_model=true",
+        "trainer.progress_bar=false",
+        "trainer.log_every=5",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -37,5 +47,5 @@ def test_recipe_with_a_reward_model_raises_the_models_reward(tmp_path):
     table = (out / "memory.txt").read_text().splitlines()
     head = table.index(next(line for line in table if line.startswith("boundary")))
     col = table[head].split().index("reward_model")
-    rows = {line.split()[0]: float(line.split()[col]) for line in table[head + 1:] if line.strip()}
+    rows = {line.split()[0]: float(line.split()[col]) for line in table[head + 1 :] if line.strip()}
     assert rows["reward:ready"] > 0 and all(v == 0 for k, v in rows.items() if k != "reward:ready"), rows

@@ -25,6 +25,7 @@ daemonic workers cannot). The stand-in decodes for real in those processes and r
 weights through shared-memory handles every step; the trainer compares the engine's
 log-probs with its own every step (rollout/logp_mismatch).
 """
+
 from __future__ import annotations
 
 import json
@@ -48,10 +49,22 @@ def _run(root, name: str, *overrides: str) -> list[dict]:
 
     out = root / name
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "tests", "fake_sglang"), ROOT])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           os.path.join(ROOT, "recipes", "grpo_tiny.py"), f"model.path={root / 'model'}", f"trainer.out_dir={out}",
-           f"trainer.total_steps={STEPS}", f"trainer.seed={SEED}", "trainer.resume=none",
-           "trainer.progress_bar=false", "trainer.log_every=10", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        os.path.join(ROOT, "recipes", "grpo_tiny.py"),
+        f"model.path={root / 'model'}",
+        f"trainer.out_dir={out}",
+        f"trainer.total_steps={STEPS}",
+        f"trainer.seed={SEED}",
+        "trainer.resume=none",
+        "trainer.progress_bar=false",
+        "trainer.log_every=10",
+        *overrides,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     with open(out / "metrics.jsonl") as f:
@@ -66,7 +79,9 @@ def _last10(history: list[dict]) -> float:
 def _check_run(history: list[dict], label: str) -> float:
     assert len(history) == STEPS, f"{label}: {len(history)} steps logged, expected {STEPS}"
     worst = max(h["rollout/logp_mismatch"] for h in history)
-    assert worst < MAX_MISMATCH, f"{label}: engine vs trainer log-probs differ by {worst:.2e} (fp32, limit {MAX_MISMATCH})"
+    assert worst < MAX_MISMATCH, (
+        f"{label}: engine vs trainer log-probs differ by {worst:.2e} (fp32, limit {MAX_MISMATCH})"
+    )
     last = _last10(history)
     curve = " ".join(f"{h['reward/mean']:.2f}" for h in history)
     assert last >= MIN_REWARD, f"{label}: last-10% reward {last:.3f} < {MIN_REWARD}; reward/mean per step: {curve}"
@@ -109,6 +124,7 @@ def test_recipe_with_sglang_learns_as_native(runs_root, native_history, tp_size)
     native = _last10(native_history)
     assert abs(last - native) <= MAX_GAP, (
         f"{label}: last-10% reward {last:.3f} vs native {native:.3f} (same seed {SEED}, {STEPS} steps): "
-        f"gap {abs(last - native):.3f} > {MAX_GAP}")
+        f"gap {abs(last - native):.3f} > {MAX_GAP}"
+    )
     assert all(h["switch/sync_weights_s"] > 0 for h in history), f"{label}: weights are synced every step"
     assert all(h["memory/engine_weights_peak"] > 0 for h in history), f"{label}: the ledger sees the engine's weights"

@@ -16,6 +16,7 @@ The settings are the recipe's defaults (recipes/grpo_tiny.yaml, 40 steps; the se
 benchmarks/results/grpo_tiny_seeds_cpu_2026-11-25.md); at tp 2, seed 0 reached 0.997 over the last 4 of 40 steps.
 Skipped only where vllm is not importable.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -26,8 +27,10 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not importable")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not importable"),
+]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 40  # the recipe's default
 TP_SIZE = 2
@@ -40,10 +43,23 @@ def test_recipe_with_vllm_learns(tmp_path):
 
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": ROOT}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           os.path.join(ROOT, "recipes", "grpo_tiny.py"), f"model.path={tmp_path / 'model'}", f"trainer.out_dir={out}",
-           f"trainer.total_steps={STEPS}", "trainer.seed=0", "trainer.resume=none", "trainer.progress_bar=false",
-           "trainer.log_every=10", "rollout.engine=vllm", f"rollout.tp_size={TP_SIZE}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        os.path.join(ROOT, "recipes", "grpo_tiny.py"),
+        f"model.path={tmp_path / 'model'}",
+        f"trainer.out_dir={out}",
+        f"trainer.total_steps={STEPS}",
+        "trainer.seed=0",
+        "trainer.resume=none",
+        "trainer.progress_bar=false",
+        "trainer.log_every=10",
+        "rollout.engine=vllm",
+        f"rollout.tp_size={TP_SIZE}",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     with open(out / "metrics.jsonl") as f:
@@ -53,12 +69,15 @@ def test_recipe_with_vllm_learns(tmp_path):
     assert not missing, f"rollout/logp_mismatch not logged at steps {missing}"
     mismatch = [h["rollout/logp_mismatch"] for h in history]
     assert max(mismatch) < MAX_MISMATCH, f"engine vs trainer log-probs differ by {max(mismatch):.2e} (fp32)"
-    assert min(mismatch) > 0, ("rollout/logp_mismatch is exactly 0 at some step: the engine's log-probs cannot be "
-                               f"bit-identical to the trainer's; per step: {mismatch}")
+    assert min(mismatch) > 0, (
+        "rollout/logp_mismatch is exactly 0 at some step: the engine's log-probs cannot be "
+        f"bit-identical to the trainer's; per step: {mismatch}"
+    )
     k = max(1, STEPS // 10)
     last = sum(h["reward/mean"] for h in history[-k:]) / k
     curve = " ".join(f"{h['reward/mean']:.2f}" for h in history)
     assert last >= MIN_REWARD, f"tp{TP_SIZE}: last-10% reward {last:.3f} < {MIN_REWARD}; reward/mean per step: {curve}"
     assert all(h["switch/sync_weights_s"] > 0 for h in history), "weights are synced every step"
-    assert all(h["memory/engine_weights_peak"] > 0 and h["memory/kv_cache_peak"] > 0 for h in history), \
+    assert all(h["memory/engine_weights_peak"] > 0 and h["memory/kv_cache_peak"] > 0 for h in history), (
         "the ledger sees the engine's weights and KV cache"
+    )

@@ -6,6 +6,7 @@ the final model and the checkpoints, and no file may be written by two processes
 runs under tests/recipes/audited_run.py, which logs the files it writes under the run and model
 directories, and the two logs must not share a path. Rank 1 writes only its own checkpoint shards.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,10 +32,15 @@ def _writes(path: str) -> set[str]:
 def test_two_launchers_one_process_each(tmp_path):
     run, model, logs = tmp_path / "run", tmp_path / "model", tmp_path / "writes"
     logs.mkdir()
-    env = {"WRITE_AUDIT_DIRS": os.pathsep.join([str(run), str(model)]),
-           "WRITE_AUDIT_LOG": str(logs / "rank{rank}.tsv")}
-    overrides = [f"model.path={model}", f"trainer.out_dir={run}", "trainer.total_steps=3", "trainer.save_every=2",
-                 "trainer.dist_timeout_s=60", *SMALL]
+    env = {"WRITE_AUDIT_DIRS": os.pathsep.join([str(run), str(model)]), "WRITE_AUDIT_LOG": str(logs / "rank{rank}.tsv")}
+    overrides = [
+        f"model.path={model}",
+        f"trainer.out_dir={run}",
+        "trainer.total_steps=3",
+        "trainer.save_every=2",
+        "trainer.dist_timeout_s=60",
+        *SMALL,
+    ]
     with Job(tmp_path, env=env) as job:
         job.multi_node(2, overrides, prefix=[AUDIT])
         rcs = job.wait(240)

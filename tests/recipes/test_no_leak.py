@@ -1,5 +1,6 @@
 """No leak: over 100 steps of the tiny demo with a checkpoint every 10 steps, what is held after
 step k equals what was held after step 1."""
+
 from __future__ import annotations
 
 import gc
@@ -26,9 +27,18 @@ def _rss() -> int:
 def test_memory_after_step_k_equals_step_1(tiny_model_dir, tmp_path):
     from hybrid_rl import Trainer, load_config
 
-    cfg = load_config(os.path.join(ROOT, "recipes", "grpo_tiny.yaml"), [
-        f"model.path={tiny_model_dir}", f"trainer.out_dir={tmp_path}", "trainer.progress_bar=false",
-        "data.batch_size=8", "rollout.n=4", "offload.optimizer=true", "trainer.keep_last=1"])
+    cfg = load_config(
+        os.path.join(ROOT, "recipes", "grpo_tiny.yaml"),
+        [
+            f"model.path={tiny_model_dir}",
+            f"trainer.out_dir={tmp_path}",
+            "trainer.progress_bar=false",
+            "data.batch_size=8",
+            "rollout.n=4",
+            "offload.optimizer=true",
+            "trainer.keep_last=1",
+        ],
+    )
     trainer = Trainer(cfg)
     ledger = trainer.phases.ledger
     trainer.step()

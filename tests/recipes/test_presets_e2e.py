@@ -5,6 +5,7 @@ it), a small batch. Twenty steps are too few to expect a large gain from every m
 check is that nothing breaks: finite metrics, the reward does not fall, and the preset's own
 machinery ran (its reference model, dynamic sampling, filters).
 """
+
 from __future__ import annotations
 
 import math
@@ -22,10 +23,20 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_one_thread")]
 def test_preset_short_run(tmp_path, tiny_model_dir, preset):
     from hybrid_rl import Trainer, load_config
 
-    cfg = load_config(os.path.join(ROOT, "recipes", "grpo_tiny.yaml"), [
-        f"algorithm.preset={preset}", f"model.path={tiny_model_dir}", f"trainer.out_dir={tmp_path}",
-        f"trainer.total_steps={STEPS}", "trainer.progress_bar=false", "trainer.log_every=0",
-        "data.batch_size=16", "rollout.n=4", "trainer.device=cpu"])
+    cfg = load_config(
+        os.path.join(ROOT, "recipes", "grpo_tiny.yaml"),
+        [
+            f"algorithm.preset={preset}",
+            f"model.path={tiny_model_dir}",
+            f"trainer.out_dir={tmp_path}",
+            f"trainer.total_steps={STEPS}",
+            "trainer.progress_bar=false",
+            "trainer.log_every=0",
+            "data.batch_size=16",
+            "rollout.n=4",
+            "trainer.device=cpu",
+        ],
+    )
     assert cfg.algorithm.preset == preset
     history = Trainer(cfg).fit()
     assert len(history) == STEPS
@@ -58,12 +69,27 @@ def test_dapo_two_ranks_agree_on_the_kept_groups(tmp_path, tiny_model_dir):
     from hybrid_rl.runtime.distributed import free_port
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           os.path.join(ROOT, "recipes", "grpo_tiny.py"), f"model.path={tmp_path / 'model'}", f"trainer.out_dir={out}",
-           "algorithm.preset=dapo", "algorithm.max_sampling_rounds=1", "algorithm.mini_batch_size=32",
-           "algorithm.kl_coef=0.01", "algorithm.kl_placement=reward", "algorithm.rollout_correction=tis_token",
-           "data.batch_size=16", "rollout.n=4", "trainer.total_steps=6", "trainer.progress_bar=false",
-           "trainer.dist_timeout_s=60"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        os.path.join(ROOT, "recipes", "grpo_tiny.py"),
+        f"model.path={tmp_path / 'model'}",
+        f"trainer.out_dir={out}",
+        "algorithm.preset=dapo",
+        "algorithm.max_sampling_rounds=1",
+        "algorithm.mini_batch_size=32",
+        "algorithm.kl_coef=0.01",
+        "algorithm.kl_placement=reward",
+        "algorithm.rollout_correction=tis_token",
+        "data.batch_size=16",
+        "rollout.n=4",
+        "trainer.total_steps=6",
+        "trainer.progress_bar=false",
+        "trainer.dist_timeout_s=60",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     history = [json.loads(line) for line in open(out / "metrics.jsonl")]

@@ -20,6 +20,7 @@ path that only resolves in the developer's tree, a recipe that needs an install 
 README command that no longer parses, the demo not writing what the README lists, the notebook example
 not training or saving, and a quickstart that the planner says does not fit one GPU.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,7 @@ def _block_with(readme: str, lang: str, needle: str) -> str:
 def _bash(clone: str, script: str, timeout: int = 240) -> str:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run(["bash", "-ec", script], cwd=clone, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(["bash", "-ec", script], cwd=clone, env=env, capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"exit {proc.returncode} running:\n{script}\n--- output tail ---\n{out[-4000:]}"
     return out
@@ -102,8 +102,9 @@ def test_the_notebook_example(clone, readme):
     # The README's own knobs, lowered: 2 steps with validation after each. The batch sizes stay the
     # example's: a lowered data.batch_size also lowers the validation batch and hid that the example's
     # 100 held-out prompts did not fill its default validation batch of 128 (a newcomer's first error).
-    small = code.replace('"trainer.total_steps=50"', '"trainer.total_steps=2"') \
-                .replace('"trainer.val_every=25"', '"trainer.val_every=1"')
+    small = code.replace('"trainer.total_steps=50"', '"trainer.total_steps=2"').replace(
+        '"trainer.val_every=25"', '"trainer.val_every=1"'
+    )
     assert small != code and "total_steps=2" in small and "val_every=1" in small, "the example's overrides changed"
     small += "\nimport json; print('HISTORY', json.dumps([sorted(h) for h in history]))\n"
     script_path = os.path.join(clone, "notebook_example.py")
@@ -120,5 +121,8 @@ def test_the_one_gpu_quickstart_dry_run_fits(clone, readme):
     line = next(l for l in block.splitlines() if "--dry-run --gpus 1" in l)
     out = _bash(clone, "source .venv/bin/activate && " + line, timeout=120)
     for phase in ("train", "rollout", "score"):
-        assert re.search(rf"^{phase}\s+[\d.]+ / [\d.]+ GB( usable)? per GPU: fits", out, flags=re.M), (phase, out[-3000:])
+        assert re.search(rf"^{phase}\s+[\d.]+ / [\d.]+ GB( usable)? per GPU: fits", out, flags=re.M), (
+            phase,
+            out[-3000:],
+        )
     assert "Qwen2.5-1.5B" in out

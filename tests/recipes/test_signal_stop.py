@@ -6,6 +6,7 @@ traceback follows and is not a failure) is the library's last line; after it com
 traceback, ending in its SignalException. torchrun's agent always re-raises the signal after its
 workers exit (hybrid_rl/runtime/stop.py, under_torchrun_note), so that traceback cannot be avoided; what
 the test pins is that nothing of ours comes after the note that explains it."""
+
 from __future__ import annotations
 
 import json
@@ -33,18 +34,36 @@ def _steps(out: str) -> list[int]:
 def _command(tmp_path, total: int) -> list[str]:
     from hybrid_rl.runtime.distributed import free_port
 
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-            os.path.join(ROOT, "recipes", "grpo_tiny.py"), f"model.path={tmp_path / 'model'}",
-            f"trainer.out_dir={tmp_path / 'run'}", f"trainer.total_steps={total}", "trainer.progress_bar=false",
-            "trainer.log_every=1", "data.batch_size=8", "rollout.n=4", "trainer.dist_timeout_s=60",
-            "optim.lr_schedule=constant"]  # the resume changes total_steps, which the recipe's cosine decay refuses
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        os.path.join(ROOT, "recipes", "grpo_tiny.py"),
+        f"model.path={tmp_path / 'model'}",
+        f"trainer.out_dir={tmp_path / 'run'}",
+        f"trainer.total_steps={total}",
+        "trainer.progress_bar=false",
+        "trainer.log_every=1",
+        "data.batch_size=8",
+        "rollout.n=4",
+        "trainer.dist_timeout_s=60",
+        "optim.lr_schedule=constant",
+    ]  # the resume changes total_steps, which the recipe's cosine decay refuses
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM])
 def test_sigterm_checkpoints_and_resume_continues(tmp_path, signum):
     out = str(tmp_path / "run")
-    proc = subprocess.Popen(_command(tmp_path, 500), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        _command(tmp_path, 500),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 180
         while len(_steps(out)) < 3 and proc.poll() is None and time.monotonic() < deadline:
@@ -67,7 +86,8 @@ def test_sigterm_checkpoints_and_resume_continues(tmp_path, signum):
     assert tail[-1].startswith("torch.distributed.elastic.multiprocessing.api.SignalException: Process "), tail[-1]
     assert tail[-1].endswith(f"got signal: {signum}"), tail[-1]
     assert all(line.startswith(("  ", "Traceback", "torch.distributed.elastic")) for line in tail), (
-        "only torchrun's traceback follows the clean-stop line:\n" + torchruns[:2000])
+        "only torchrun's traceback follows the clean-stop line:\n" + torchruns[:2000]
+    )
     stopped_at = int(output.split(f"interrupted by {name} after step ")[1].split(";")[0])
     steps = _steps(out)
     assert stopped_at >= 3 and steps == list(range(1, stopped_at + 1)), (stopped_at, steps)

@@ -2,6 +2,7 @@
 by the Trainer with an environment: episodes through the native engine, observation tokens masked, GRPO over
 the G episodes of a row. Catches: anything in the episode path that breaks credit assignment (observation
 tokens trained, a turn re-tokenized, rewards paired with the wrong episode or group)."""
+
 from __future__ import annotations
 
 import json
@@ -18,12 +19,29 @@ def ask_config(tmp_path, steps: int, *extra: str):
     model = build_ask_model_dir(str(tmp_path / "model"))
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps(r) + "\n" for r in ask_rows(512, seed=0)))
-    return load_config(None, [
-        f"model.path={model}", "data.task=jsonl", f"data.path={rows}", "env.name=tiny_ask",
-        "rollout.max_turns=2", "rollout.max_new_tokens=1", "rollout.max_episode_tokens=32", "rollout.n=8",
-        "data.batch_size=64", f"trainer.total_steps={steps}", "optim.lr=3e-3", "algorithm.kl_coef=0",
-        "trainer.micro_batch_size=512", f"trainer.out_dir={tmp_path / 'run'}", "trainer.progress_bar=false",
-        "trainer.resume=none", "trainer.log_every=0", *extra])
+    return load_config(
+        None,
+        [
+            f"model.path={model}",
+            "data.task=jsonl",
+            f"data.path={rows}",
+            "env.name=tiny_ask",
+            "rollout.max_turns=2",
+            "rollout.max_new_tokens=1",
+            "rollout.max_episode_tokens=32",
+            "rollout.n=8",
+            "data.batch_size=64",
+            f"trainer.total_steps={steps}",
+            "optim.lr=3e-3",
+            "algorithm.kl_coef=0",
+            "trainer.micro_batch_size=512",
+            f"trainer.out_dir={tmp_path / 'run'}",
+            "trainer.progress_bar=false",
+            "trainer.resume=none",
+            "trainer.log_every=0",
+            *extra,
+        ],
+    )
 
 
 @pytest.mark.usefixtures("torch_one_thread")

@@ -5,6 +5,7 @@ were withdrawn (issue 35: one idea per file, one job per function, whatever the 
 Catches: trainer.py importing a private (underscore) name of another module, and a module taking the whole
 Trainer as an argument. benchmarks/ and tests/ are outside the rules.
 """
+
 from __future__ import annotations
 
 import ast
@@ -33,8 +34,13 @@ def test_trainer_imports_no_private_names():
     for node in ast.walk(_tree(ROOT / "hybrid_rl" / "trainer.py")):
         if isinstance(node, ast.ImportFrom):
             private += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
-        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.attr.startswith("_") \
-                and not node.attr.startswith("__") and node.value.id not in ("self", "cls"):
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and node.value.id not in ("self", "cls")
+        ):
             private.append(f"{node.value.id}.{node.attr}")
     assert not private, f"trainer.py reaches into other modules' private names: {private}"
 
@@ -58,12 +64,15 @@ def test_no_module_takes_the_trainer():
     assert not offenders, f"give these the parts they use, not the Trainer: {offenders}"
 
 
-@pytest.mark.parametrize("src, expect", [
-    ("def f(trainer): pass", True),
-    ("def f(x: 'Trainer'): pass", True),
-    ("def f(cfg: TrainerConfig): pass", False),
-    ("def f(batch, step): pass", False),
-])
+@pytest.mark.parametrize(
+    "src, expect",
+    [
+        ("def f(trainer): pass", True),
+        ("def f(x: 'Trainer'): pass", True),
+        ("def f(cfg: TrainerConfig): pass", False),
+        ("def f(batch, step): pass", False),
+    ],
+)
 def test_takes_trainer_detector(src, expect):
     """The detector itself: a planted `trainer` parameter is found, a TrainerConfig is not."""
     fn = ast.parse(src).body[0]

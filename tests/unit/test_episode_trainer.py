@@ -5,6 +5,7 @@ Catches: a masked-in token that the engine did not generate (observation tokens 
 re-tokenized, prompts and episodes paired wrongly), a bad env.* / rollout.max_episode_tokens setting found
 only at the first step (or not at all), validation that generates single turns, a resume whose episodes differ.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,11 +31,27 @@ def ask_dir(tmp_path_factory):
 
 
 def _cfg(root, out, *extra):
-    return load_config(None, [
-        f"model.path={root / 'model'}", "data.task=jsonl", f"data.path={root / 'rows.jsonl'}", "env.name=tiny_ask",
-        "rollout.max_turns=2", "rollout.max_new_tokens=2", "rollout.max_episode_tokens=32", "rollout.n=4",
-        "data.batch_size=4", "trainer.total_steps=2", "optim.lr=3e-3", f"trainer.out_dir={out}",
-        "trainer.progress_bar=false", "trainer.log_every=0", "trainer.device=cpu", *extra])
+    return load_config(
+        None,
+        [
+            f"model.path={root / 'model'}",
+            "data.task=jsonl",
+            f"data.path={root / 'rows.jsonl'}",
+            "env.name=tiny_ask",
+            "rollout.max_turns=2",
+            "rollout.max_new_tokens=2",
+            "rollout.max_episode_tokens=32",
+            "rollout.n=4",
+            "data.batch_size=4",
+            "trainer.total_steps=2",
+            "optim.lr=3e-3",
+            f"trainer.out_dir={out}",
+            "trainer.progress_bar=false",
+            "trainer.log_every=0",
+            "trainer.device=cpu",
+            *extra,
+        ],
+    )
 
 
 def test_every_trained_token_is_one_the_engine_generated(ask_dir, tmp_path, monkeypatch):
@@ -64,13 +81,20 @@ def test_every_trained_token_is_one_the_engine_generated(ask_dir, tmp_path, monk
         for i, ep in enumerate(eps):
             row = tb.ids_NL[i][tb.attn_NL[i] == 1].tolist()
             assert row == ep.token_ids, f"episode {i}: the batch row is not the episode's tokens"
-            trained = tb.ids_NL[i, tb.P:][tb.mask_NT[i] == 1].tolist()
+            trained = tb.ids_NL[i, tb.P :][tb.mask_NT[i] == 1].tolist()
             generated = [t for t, m in zip(ep.response_ids, ep.loss_mask) if m]
             assert trained == generated and sum(ep.loss_mask) == len(generated)
             holes += ep.observation_tokens
     assert holes > 0, "no episode had an observation: the test would not see a leak"
-    for key in ("episode/turns", "episode/tokens", "episode/observation_tokens", "episode/end_done",
-                "episode/end_max_turns", "episode/end_max_episode_tokens", "episode/end_timeout"):
+    for key in (
+        "episode/turns",
+        "episode/tokens",
+        "episode/observation_tokens",
+        "episode/end_done",
+        "episode/end_max_turns",
+        "episode/end_max_episode_tokens",
+        "episode/end_timeout",
+    ):
         assert key in history[-1], key
 
 
@@ -83,8 +107,11 @@ def test_bad_env_settings_are_refused_before_the_first_step(ask_dir, tmp_path, t
     out = tmp_path / "run"
     _refused(_cfg(ask_dir, out, "env.name=''", "env.fn=no_such_module_xyz:make"), "env.fn.*cannot import")
     monkeypatch.setattr("hybrid_rl.envs.tiny_ask.make_nothing", lambda row: object(), raising=False)
-    _refused(_cfg(ask_dir, out, "env.name=''", "env.fn=hybrid_rl.envs.tiny_ask:make_nothing"),
-             "without reset and step", EnvError)
+    _refused(
+        _cfg(ask_dir, out, "env.name=''", "env.fn=hybrid_rl.envs.tiny_ask:make_nothing"),
+        "without reset and step",
+        EnvError,
+    )
     _refused(_cfg(ask_dir, out, f"model.path={tiny_model_dir}"), "no chat template", ValueError)
     _refused(_cfg(ask_dir, out, "rollout.max_episode_tokens=3"), "rollout.max_episode_tokens.*3-token")
     _refused(_cfg(ask_dir, out, "rollout.max_episode_tokens=4096"), "rollout.max_episode_tokens.*context")
@@ -100,9 +127,11 @@ def test_validation_runs_episodes(ask_dir, tmp_path, monkeypatch):
 
     calls = []
     run = episodes_mod.EpisodeRunner.run
-    monkeypatch.setattr(episodes_mod.EpisodeRunner, "run",
-                        lambda self, rows, G, params: calls.append((len(rows), G, params.greedy)) or run(self, rows, G,
-                                                                                                          params))
+    monkeypatch.setattr(
+        episodes_mod.EpisodeRunner,
+        "run",
+        lambda self, rows, G, params: calls.append((len(rows), G, params.greedy)) or run(self, rows, G, params),
+    )
     trainer = Trainer(_cfg(ask_dir, tmp_path, "data.val_split=0.25", "trainer.val_n=2"))
     metrics = trainer.validator.run(0)
     assert calls and all(G in (1, 2) for _, G, _ in calls) and any(g for _, _, g in calls)

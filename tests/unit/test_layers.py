@@ -5,6 +5,7 @@ The graph and the layer table are tools/import_graph.py's (`python tools/import_
 Catches: a lower folder importing a higher one (models/ reaching into switch/, config/ into an engine), a new
 cycle between files, a folder missing from the layer table, a `*Mixin` class, torch pulled into the schema.
 """
+
 from __future__ import annotations
 
 import ast
@@ -50,17 +51,22 @@ def test_the_checker_sees_what_it_must():
 
 
 def test_no_mixins():
-    mixins = [f"{p.relative_to(ROOT)}:{node.name}" for p in (ROOT / "hybrid_rl").rglob("*.py")
-              for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, ast.ClassDef)
-              and node.name.endswith("Mixin")]
+    mixins = [
+        f"{p.relative_to(ROOT)}:{node.name}"
+        for p in (ROOT / "hybrid_rl").rglob("*.py")
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.ClassDef) and node.name.endswith("Mixin")
+    ]
     assert mixins == [], "give the engine plain methods or an object it holds (CONTRIBUTING.md)"
 
 
 def test_schema_and_planner_import_without_torch():
     """config/ and the planner's arithmetic are read by tools that have no torch (DESIGN.md)."""
-    code = ("import sys; import hybrid_rl.config.schema, hybrid_rl.config.load, hybrid_rl.plan.memory, "
-            "hybrid_rl.plan.report, hybrid_rl.plan.fixes; "
-            "bad = [m for m in ('torch', 'transformers', 'vllm', 'sglang') if m in sys.modules]; "
-            "print(bad); sys.exit(1 if bad else 0)")
+    code = (
+        "import sys; import hybrid_rl.config.schema, hybrid_rl.config.load, hybrid_rl.plan.memory, "
+        "hybrid_rl.plan.report, hybrid_rl.plan.fixes; "
+        "bad = [m for m in ('torch', 'transformers', 'vllm', 'sglang') if m in sys.modules]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr

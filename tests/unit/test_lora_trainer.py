@@ -2,6 +2,7 @@
 checkpoints hold the adapters only, resume is bit-exact, the export writes the merged model or a peft adapter
 directory, the native engine's sync moves nothing, and bad `model.lora.*` input is refused before any weight is read.
 The vLLM engine's adapter-only sync is tests/unit/rollout/vllm/test_vllm_lora.py."""
+
 from __future__ import annotations
 
 import inspect
@@ -19,14 +20,23 @@ RANK = 8
 def _trainer(model_dir: str, out: str, *extra: str):
     from hybrid_rl import Trainer, load_config
 
-    return Trainer(load_config(os.path.join(ROOT, "recipes", "grpo_tiny.yaml"),
-                               overrides(model_dir, out, f"model.lora.rank={RANK}", *extra)))
+    return Trainer(
+        load_config(
+            os.path.join(ROOT, "recipes", "grpo_tiny.yaml"),
+            overrides(model_dir, out, f"model.lora.rank={RANK}", *extra),
+        )
+    )
 
 
 @pytest.fixture(scope="module")
 def resumed(tiny_model_dir, tmp_path_factory):
-    return straight_and_resumed(tiny_model_dir, str(tmp_path_factory.mktemp("lora_resume")), 2,
-                                f"model.lora.rank={RANK}", "algorithm.kl_coef=0.05")
+    return straight_and_resumed(
+        tiny_model_dir,
+        str(tmp_path_factory.mktemp("lora_resume")),
+        2,
+        f"model.lora.rank={RANK}",
+        "algorithm.kl_coef=0.05",
+    )
 
 
 def test_resume_with_lora_is_bit_exact(resumed):
@@ -62,8 +72,8 @@ def test_export_merged_equals_the_adapted_policy_and_the_adapter_dir_loads_in_pe
     from peft import PeftModel
 
     from hybrid_rl.checkpoint import sharded as ckpt
-    from hybrid_rl.config.schema import LoraSettings
     from hybrid_rl.checkpoint.export import main as export_main
+    from hybrid_rl.config.schema import LoraSettings
     from hybrid_rl.models.loading import load_causal_lm
     from hybrid_rl.models.lora import apply_lora
 
@@ -96,15 +106,26 @@ def spied_run(tiny_model_dir, tmp_path_factory):
         bound = dict(zip(params, args), **kwargs)
         off = [layer.disable_adapters for layer in lora_layers(bound["model"])]
         out = real(*args, **kwargs)
-        calls.append({"adapters_off": all(off) and bool(off), "args": {k: v for k, v in bound.items() if k != "model"},
-                      "logp": out})
+        calls.append(
+            {
+                "adapters_off": all(off) and bool(off),
+                "args": {k: v for k, v in bound.items() if k != "model"},
+                "logp": out,
+            }
+        )
         return out
 
     mp = pytest.MonkeyPatch()
     mp.setattr(T, "score_logprobs", spy)
     try:
-        trainer = _trainer(tiny_model_dir, str(tmp_path_factory.mktemp("lora_spy")), "trainer.total_steps=3",
-                           "algorithm.kl_coef=0.05", "algorithm.kl_placement=loss", "optim.lr=2e-2")
+        trainer = _trainer(
+            tiny_model_dir,
+            str(tmp_path_factory.mktemp("lora_spy")),
+            "trainer.total_steps=3",
+            "algorithm.kl_coef=0.05",
+            "algorithm.kl_placement=loss",
+            "optim.lr=2e-2",
+        )
         history = trainer.fit()
     finally:
         mp.undo()
@@ -153,10 +174,13 @@ def test_native_engine_sync_moves_nothing(spied_run):
     assert [m["switch/sync_bytes"] for m in history] == [0, 0, 0]
 
 
-@pytest.mark.parametrize("extra, key", [
-    (["model.lora.target_modules=[q_proj,nope_proj]"], "model.lora.target_modules"),
-    (["model.lora.rank=100000"], "model.lora.rank"),
-])
+@pytest.mark.parametrize(
+    "extra, key",
+    [
+        (["model.lora.target_modules=[q_proj,nope_proj]"], "model.lora.target_modules"),
+        (["model.lora.rank=100000"], "model.lora.rank"),
+    ],
+)
 def test_bad_lora_input_is_refused_before_the_model_is_built(tiny_model_dir, tmp_path, extra, key, monkeypatch):
     """Catches: a bad target or rank found only by peft halfway through the build. (SGLang with LoRA is accepted:
     it gets merged weights, test_sglang_lora.py.)"""

@@ -2,6 +2,7 @@
 base once plus the adapter, every later one the adapter alone, and the byte count is the adapter's, computed from
 the shapes (rank x (in + out) per adapted layer). The engine-level equality with the native engine, step after
 step, is tests/unit/rollout/vllm/test_vllm_lora.py."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -13,8 +14,10 @@ from tests.checkpoint_helpers import ROOT, overrides
 from tests.engine_helpers import vllm_model_dir
 from tests.lora_helpers import expected_adapter_numel
 
-pytestmark = [pytest.mark.usefixtures("torch_one_thread"),
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not importable")]
+pytestmark = [
+    pytest.mark.usefixtures("torch_one_thread"),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not importable"),
+]
 RANK = 8
 
 
@@ -27,9 +30,17 @@ def wide_model_dir(tmp_path_factory) -> str:
 def run(wide_model_dir, tmp_path_factory):
     from hybrid_rl import Trainer, load_config
 
-    cfg = load_config(os.path.join(ROOT, "recipes", "grpo_tiny.yaml"), overrides(
-        wide_model_dir, str(tmp_path_factory.mktemp("lora_vllm_run")), "rollout.engine=vllm",
-        f"model.lora.rank={RANK}", "trainer.total_steps=3", "optim.lr=2e-2"))
+    cfg = load_config(
+        os.path.join(ROOT, "recipes", "grpo_tiny.yaml"),
+        overrides(
+            wide_model_dir,
+            str(tmp_path_factory.mktemp("lora_vllm_run")),
+            "rollout.engine=vllm",
+            f"model.lora.rank={RANK}",
+            "trainer.total_steps=3",
+            "optim.lr=2e-2",
+        ),
+    )
     trainer = Trainer(cfg)
     try:
         yield trainer, trainer.fit()

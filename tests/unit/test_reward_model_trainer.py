@@ -2,6 +2,7 @@
 `reward_model` role, offload round trips, the reward's parts and their metrics, the running
 normaliser, and bad input at `Trainer(cfg)`.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,12 +14,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hybrid_rl.config.load import load_config
-from hybrid_rl.rewards.tiny_model import random_reward_model_dir
 from hybrid_rl.rewards.combine import RunningNorm, combine, resolve_weights
 from hybrid_rl.rewards.model import RewardModelScorer, encode_texts, inspect_reward_model, load_reward_model
-from hybrid_rl.types import Completion
+from hybrid_rl.rewards.tiny_model import random_reward_model_dir
 from hybrid_rl.switch.phases import PhaseError, PhaseManager
 from hybrid_rl.trainer import Trainer
+from hybrid_rl.types import Completion
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -40,18 +41,19 @@ def _reference_scores(path: str, prompts, texts) -> torch.Tensor:
     _, tok = inspect_reward_model(path)
     model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
-        return torch.stack([model(input_ids=torch.tensor([x])).logits[0, 0]
-                            for x in encode_texts(tok, prompts, texts)])
+        return torch.stack([model(input_ids=torch.tensor([x])).logits[0, 0] for x in encode_texts(tok, prompts, texts)])
 
 
 # ---------------------------------------------------------------------------- parts of the reward
-def test_reward_is_the_weighted_sum_of_the_rule_and_the_models_score_of_the_text(tiny_trainer_overrides, rm_dir,
-                                                                                  tiny_tokenizer):
+def test_reward_is_the_weighted_sum_of_the_rule_and_the_models_score_of_the_text(
+    tiny_trainer_overrides, rm_dir, tiny_tokenizer
+):
     """Catches the model reading the policy's ids (or text with the stop token, or text whose special tokens
     were dropped: "8 <unk>" must not read as a finished "8"), a dropped weight, and a completion scored
     against another row's prompt."""
-    tr = _trainer(tiny_trainer_overrides, f"reward.model_path={rm_dir}", "reward.weights.rule=0.5",
-                  "reward.weights.model=2.0")  # rollout.n = 2
+    tr = _trainer(
+        tiny_trainer_overrides, f"reward.model_path={rm_dir}", "reward.weights.rule=0.5", "reward.weights.model=2.0"
+    )  # rollout.n = 2
     rows = [{"prompt": "1 2 3 =", "answer": "234"}, {"prompt": "7 8 9 =", "answer": "890"}]
 
     def completion(text: str, stop: bool, extra: tuple = ()) -> Completion:
@@ -60,13 +62,18 @@ def test_reward_is_the_weighted_sum_of_the_rule_and_the_models_score_of_the_text
         return Completion(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason="stop" if stop else "length")
 
     unk = tiny_tokenizer.unk_token_id
-    completions = [completion("234", True), completion("230", False), completion("890", True),
-                   completion("8", True, extra=(unk,))]
+    completions = [
+        completion("234", True),
+        completion("230", False),
+        completion("890", True),
+        completion("8", True, extra=(unk,)),
+    ]
     with tr.phases.rollout():
         reward_N, score_N, parts = tr.rollout_stage.score(rows, completions, model_phase=tr.phases.reward)
     rule_N = torch.tensor([1.0, 0.6, 1.0, 0.3])
-    model_N = _reference_scores(rm_dir, ["1 2 3 =", "1 2 3 =", "7 8 9 =", "7 8 9 ="],
-                                ["2 3 4", "2 3 0", "8 9 0", "8 <unk>"])
+    model_N = _reference_scores(
+        rm_dir, ["1 2 3 =", "1 2 3 =", "7 8 9 =", "7 8 9 ="], ["2 3 4", "2 3 0", "8 9 0", "8 <unk>"]
+    )
     torch.testing.assert_close(parts["rule"], rule_N)
     torch.testing.assert_close(parts["model"], model_N, rtol=0, atol=1e-5)
     torch.testing.assert_close(reward_N, 0.5 * rule_N + 2.0 * model_N, rtol=0, atol=1e-5)
@@ -93,7 +100,7 @@ def test_running_norm_matches_the_statistics_of_everything_seen_and_round_trips_
     norm = RunningNorm()
     for i, b in enumerate(batches):
         norm.update(b)
-        seen = torch.cat(batches[:i + 1]).double()
+        seen = torch.cat(batches[: i + 1]).double()
         assert norm.count == seen.numel()
         assert norm.mean == pytest.approx(seen.mean().item(), abs=1e-12)
         assert norm.std == pytest.approx(seen.std(unbiased=False).item(), abs=1e-12)
@@ -117,8 +124,15 @@ def _manager(tiny_model, rm_dir, offload: bool, always_copy: bool = True):
     spec, tok = inspect_reward_model(rm_dir)
     rm = load_reward_model(spec, CPU, bf16=False)
     opt = torch.optim.AdamW(tiny_model.parameters(), lr=1e-3)
-    pm = PhaseManager(tiny_model, opt, NativeEngine(tiny_model, pad_id=0, eos_id=1), CPU, reward_model=rm,
-                      offload_reward_model=offload, always_copy=always_copy)
+    pm = PhaseManager(
+        tiny_model,
+        opt,
+        NativeEngine(tiny_model, pad_id=0, eos_id=1),
+        CPU,
+        reward_model=rm,
+        offload_reward_model=offload,
+        always_copy=always_copy,
+    )
     return pm, RewardModelScorer(spec, tok, CPU, 64), rm
 
 
@@ -149,8 +163,15 @@ def test_reward_stage_rules(tiny_model, rm_dir):
                 engine.generate([[5, 6]], SamplingParams(max_new_tokens=2))
         engine.generate([[5, 6]], SamplingParams(max_new_tokens=2))  # a next round can decode again
     pm.engine.release, pm.engine.resume = release, resume
-    assert calls == [("resume", ("weights",)), ("resume", ("kv_cache",)), "generated", ("release", ("kv_cache",)),
-                     "reward", ("resume", ("kv_cache",)), ("release", ("kv_cache", "weights"))]
+    assert calls == [
+        ("resume", ("weights",)),
+        ("resume", ("kv_cache",)),
+        "generated",
+        ("release", ("kv_cache",)),
+        "reward",
+        ("resume", ("kv_cache",)),
+        ("release", ("kv_cache", "weights")),
+    ]
     with pm.train():
         pass
     no_rm = PhaseManager(tiny_model, pm.optimizer, pm.engine, CPU)
@@ -196,17 +217,29 @@ def test_offloaded_reward_model_is_restored_bit_for_bit(tiny_model, rm_dir):
 
 
 # ---------------------------------------------------------------------------- the trainer
-def test_trainer_logs_each_part_and_keeps_the_reward_model_off_device_outside_its_stage(
-        tiny_trainer_overrides, rm_dir):
-    tr = _trainer(tiny_trainer_overrides, f"reward.model_path={rm_dir}", "reward.weights.rule=1",
-                  "reward.weights.model=0.5", "reward.normalize_model=true", "offload.reward_model=true",
-                  "trainer.total_steps=2")
+def test_trainer_logs_each_part_and_keeps_the_reward_model_off_device_outside_its_stage(tiny_trainer_overrides, rm_dir):
+    tr = _trainer(
+        tiny_trainer_overrides,
+        f"reward.model_path={rm_dir}",
+        "reward.weights.rule=1",
+        "reward.weights.model=0.5",
+        "reward.normalize_model=true",
+        "offload.reward_model=true",
+        "trainer.total_steps=2",
+    )
     assert tr.offload.reward_model and tr.phases.rm_offload is not None
     assert all(not p.requires_grad for p in tr.rewards.module.parameters())
     history = tr.fit()
     m = history[-1]
-    for key in ("reward/rule_mean", "reward/rule_std", "reward/model_mean", "reward/model_std",
-                "reward/model_norm_mean", "switch/onload_reward_model_s", "memory/reward_model_peak"):
+    for key in (
+        "reward/rule_mean",
+        "reward/rule_std",
+        "reward/model_mean",
+        "reward/model_std",
+        "reward/model_norm_mean",
+        "switch/onload_reward_model_s",
+        "memory/reward_model_peak",
+    ):
         assert key in m, key
     assert m["reward/mean"] == pytest.approx(m["reward/rule_mean"] + 0.5 * m["reward/model_norm_mean"], abs=1e-6)
     assert tr.rewards.norm.count == 2 * 4 * 2, "every score of both steps (batch 4 x n 2)"
@@ -218,9 +251,15 @@ def test_trainer_logs_each_part_and_keeps_the_reward_model_off_device_outside_it
 
 
 def test_dynamic_sampling_scores_every_round_and_a_zero_weight_only_logs(tiny_trainer_overrides, rm_dir):
-    tr = _trainer(tiny_trainer_overrides, f"reward.model_path={rm_dir}", "reward.weights.rule=1",
-                  "reward.weights.model=0", "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=3",
-                  "trainer.total_steps=2")
+    tr = _trainer(
+        tiny_trainer_overrides,
+        f"reward.model_path={rm_dir}",
+        "reward.weights.rule=1",
+        "reward.weights.model=0",
+        "algorithm.dynamic_sampling=true",
+        "algorithm.max_sampling_rounds=3",
+        "trainer.total_steps=2",
+    )
     history = tr.fit()
     assert max(m["sampling/rounds"] for m in history) >= 2, "the test needs a step with a second round"
     for m in history:

@@ -5,6 +5,7 @@ SCORE takes the old-policy log-probs at.
 Each test predicts a number from the pure functions in hybrid_rl/algorithms and checks
 the Trainer (or the sampler) produces it. One process, a tiny model, one thread.
 """
+
 from __future__ import annotations
 
 import math
@@ -12,15 +13,15 @@ import math
 import pytest
 import torch
 
-import hybrid_rl.trainer as trainer_mod
 import hybrid_rl.loop.update as update_mod
-from hybrid_rl.runtime import distributed as D
+import hybrid_rl.trainer as trainer_mod
 from hybrid_rl.algorithms import grpo_advantages, kl_estimate, kl_penalty_rewards, overlong_penalty
 from hybrid_rl.config.load import load_config
-from hybrid_rl.rewards.base import register_reward
-from hybrid_rl.types import Completion
 from hybrid_rl.loop.dynamic_sampling import GroupCollector
+from hybrid_rl.rewards.base import register_reward
+from hybrid_rl.runtime import distributed as D
 from hybrid_rl.trainer import Trainer
+from hybrid_rl.types import Completion
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -116,8 +117,14 @@ def test_kl_in_loss_and_no_reference_without_kl(tiny_trainer_overrides):
 
 def test_adaptive_kl_controller_follows_the_measured_kl(tiny_trainer_overrides):
     coef, target, horizon = 0.2, 1e-4, 40
-    tr = _trainer(tiny_trainer_overrides, "algorithm.kl_placement=reward", f"algorithm.kl_coef={coef}",
-                  "algorithm.kl_controller=adaptive", f"algorithm.target_kl={target}", f"algorithm.kl_horizon={horizon}")
+    tr = _trainer(
+        tiny_trainer_overrides,
+        "algorithm.kl_placement=reward",
+        f"algorithm.kl_coef={coef}",
+        "algorithm.kl_controller=adaptive",
+        f"algorithm.target_kl={target}",
+        f"algorithm.kl_horizon={horizon}",
+    )
     _perturb_ref(tr)
     m1, m2 = tr.step(), tr.step()
     n_seq = 4 * 2  # data.batch_size x rollout.n
@@ -128,8 +135,15 @@ def test_adaptive_kl_controller_follows_the_measured_kl(tiny_trainer_overrides):
 
 
 # ---------------------------------------------------------------------------- rollout correction
-@pytest.mark.parametrize("mode,ratio,cap,grad_scale", [("tis_token", 1.5, 2.0, 1.5), ("tis_token", 3.0, 2.0, 2.0),
-                                                       ("tis_seq", 1.25, 100.0, None), ("mis_token", 3.0, 2.0, 0.0)])
+@pytest.mark.parametrize(
+    "mode,ratio,cap,grad_scale",
+    [
+        ("tis_token", 1.5, 2.0, 1.5),
+        ("tis_token", 3.0, 2.0, 2.0),
+        ("tis_seq", 1.25, 100.0, None),
+        ("mis_token", 3.0, 2.0, 0.0),
+    ],
+)
 def test_rollout_correction_weights_reach_the_gradient(tiny_trainer_overrides, mode, ratio, cap, grad_scale):
     """The engine claims every sampled token is `ratio` times less likely than the trainer computes.
 
@@ -184,8 +198,9 @@ def test_ratio_extremes_are_the_steps_not_a_mean_of_micro_batches(tiny_trainer_o
     """actor/ratio_max and _min are what an off-policy blow-up shows in: the max / min over every
     micro-batch of the step, not a token-weighted mean of each micro-batch's extreme."""
     losses = _capture(monkeypatch, update_mod, "compute_policy_loss")
-    m = _trainer(tiny_trainer_overrides, "algorithm.ppo_epochs=2", "algorithm.mini_batch_size=4",
-                 "trainer.micro_batch_size=2").step()
+    m = _trainer(
+        tiny_trainer_overrides, "algorithm.ppo_epochs=2", "algorithm.mini_batch_size=4", "trainer.micro_batch_size=2"
+    ).step()
     highs = [pm["ratio_max"].item() for _, (_, pm) in losses]
     lows = [pm["ratio_min"].item() for _, (_, pm) in losses]
     assert len(highs) >= 4 and len(set(highs)) > 1, "the check needs micro-batches with different extremes"
@@ -202,8 +217,13 @@ def test_cispo_gets_no_lower_clip_bound_by_default(tiny_trainer_overrides, monke
 # ---------------------------------------------------------------------------- DAPO overlong
 def test_overlong_filter_and_soft_penalty(tiny_trainer_overrides, monkeypatch):
     updates = _capture(monkeypatch, trainer_mod, "policy_update")
-    tr = _trainer(tiny_trainer_overrides, "algorithm.overlong_filter=true", "algorithm.overlong_penalty_factor=0.5",
-                  "algorithm.overlong_buffer_len=2", "data.batch_size=8")
+    tr = _trainer(
+        tiny_trainer_overrides,
+        "algorithm.overlong_filter=true",
+        "algorithm.overlong_penalty_factor=0.5",
+        "algorithm.overlong_buffer_len=2",
+        "data.batch_size=8",
+    )
     rollouts = _rollouts(monkeypatch, tr)
     m = tr.step()
     s, batch = rollouts[0], updates[0][0]["batch"]
@@ -265,7 +285,7 @@ def test_dynamic_sampling_keeps_only_informative_groups():
     assert fake.rounds_seen == [0, 1, 2], "stops as soon as the batch is full; one round index (seed) per round"
     assert [c.token_ids[0] for c in out.completions] == [i for i in (0, 3, 6, 9) for _ in range(3)]
     for b in range(4):
-        assert out.scores_N[3 * b:3 * b + 3].unique().numel() > 1
+        assert out.scores_N[3 * b : 3 * b + 3].unique().numel() > 1
     assert [p[0] for p in out.prompt_ids] == [0, 3, 6, 9], "prompt ids travel with their rows"
     # Reward metrics cover all 36 completions generated: 8 filtered groups of 1.0, 4 groups of (0, 1, 0).
     assert out.metrics["reward/mean"] == pytest.approx((8 * 3 + 4 * 1) / 36)
@@ -318,8 +338,9 @@ def test_ranks_agree_on_rounds_and_on_the_number_of_groups():
 # ---------------------------------------------------------------------------- dynamic sampling (trainer)
 def test_trainer_dynamic_sampling_trains_only_on_informative_groups(tiny_trainer_overrides, monkeypatch):
     updates = _capture(monkeypatch, trainer_mod, "policy_update")
-    tr = _trainer(tiny_trainer_overrides, "rollout.n=4", "algorithm.dynamic_sampling=true",
-                  "algorithm.max_sampling_rounds=4")
+    tr = _trainer(
+        tiny_trainer_overrides, "rollout.n=4", "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=4"
+    )
     m = tr.step()
     batch = updates[0][0]["batch"]
     adv_BG = batch.adv_NT[:, 0].view(-1, 4)  # every completion has a first token
@@ -329,8 +350,12 @@ def test_trainer_dynamic_sampling_trains_only_on_informative_groups(tiny_trainer
 
 
 def test_trainer_skips_the_update_when_no_group_is_informative(tiny_trainer_overrides):
-    tr = _trainer(tiny_trainer_overrides, "reward.name=test_constant_half", "algorithm.dynamic_sampling=true",
-                  "algorithm.max_sampling_rounds=3")
+    tr = _trainer(
+        tiny_trainer_overrides,
+        "reward.name=test_constant_half",
+        "algorithm.dynamic_sampling=true",
+        "algorithm.max_sampling_rounds=3",
+    )
     before = {n: p.detach().clone() for n, p in tr.policy.named_parameters()}
     m = tr.step()
     assert m["sampling/rounds"] == 3 and m["sampling/groups_kept"] == 0 and m["sampling/groups_filtered"] == 12

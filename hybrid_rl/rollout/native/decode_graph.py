@@ -37,6 +37,7 @@ pinned allocation, nothing more.) Imported only when graphs are asked for.
 
 Legend: N rows allocated, M rows live (a graph size: `decode_loop.graph_size`), S cache slots, V vocab.
 """
+
 from __future__ import annotations
 
 import time
@@ -50,8 +51,14 @@ from hybrid_rl.rollout.native.lean_step import LeanStep
 class DecodeGraphs:
     """Captures and replays `model`'s one-token forward over `cache` for each graph size M (the live rows, padded)."""
 
-    def __init__(self, model: torch.nn.Module, cache: StaticKVCache, device: torch.device, capture: bool = True,
-                 lean: LeanStep | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: StaticKVCache,
+        device: torch.device,
+        capture: bool = True,
+        lean: LeanStep | None = None,
+    ):
         """capture=False runs the same fixed-shape step eagerly, on any device (tests of the
         graph path's full-length cache, masks and graph sizes on CPU). lean: the step to
         capture, required (the model's forward is never captured)."""
@@ -99,8 +106,10 @@ class DecodeGraphs:
             with torch.cuda.stream(self.capture_stream):
                 capturing = torch.cuda.is_current_stream_capturing()
             if capturing:
-                raise RuntimeError("a CUDA-graph capture is still open after a failed decode step; the process "
-                                   "cannot safely allocate memory: restart it with the engine's cuda_graphs=False")
+                raise RuntimeError(
+                    "a CUDA-graph capture is still open after a failed decode step; the process "
+                    "cannot safely allocate memory: restart it with the engine's cuda_graphs=False"
+                )
 
     def _capture(self, M: int) -> torch.Tensor:
         t0 = time.perf_counter()

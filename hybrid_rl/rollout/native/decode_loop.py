@@ -13,6 +13,7 @@ state compacted in place); a fixed-shape step (graphs) shrinks only to graph siz
 Legend: N rows, M rows still in the batch, A of them alive, S cache slots, T new tokens, V vocab,
 K stop ids.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,9 +21,9 @@ from typing import Optional
 
 import torch
 
-from hybrid_rl.types import Completion, SamplingParams
 from hybrid_rl.rollout.native.kv_cache import StaticKVCache
 from hybrid_rl.rollout.native.sampler import sample_tokens
+from hybrid_rl.types import Completion, SamplingParams
 
 
 def alive_rows(done_M: torch.Tensor) -> torch.Tensor:
@@ -52,7 +53,7 @@ def rows_to_keep(alive_A: torch.Tensor, done_M: torch.Tensor, fixed_shape: bool)
         target = graph_size(A)
         if target >= M:
             return None
-        return torch.cat([alive_A, torch.nonzero(done_M).squeeze(1)[:target - A]])
+        return torch.cat([alive_A, torch.nonzero(done_M).squeeze(1)[: target - A]])
     if M - A < max(1, M // 8):
         return None
     return alive_A
@@ -70,8 +71,9 @@ class Prefilled:
     P: int
 
 
-def decode(batch: Prefilled, step, sp: SamplingParams, u_NT: torch.Tensor | None, stop_K: torch.Tensor,
-           pad_id: int, every: int) -> tuple[torch.Tensor, torch.Tensor]:
+def decode(
+    batch: Prefilled, step, sp: SamplingParams, u_NT: torch.Tensor | None, stop_K: torch.Tensor, pad_id: int, every: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """toks_NT, lps_NT (pad / 0 after a row's stop). Per token: sample (u_NT: the rows' uniforms, None
     for greedy), check for stops every `every` tokens (dropping finished rows), then `step`, the
     rollout's one step function: step(ids_M1, pos_M1, attn_MS, t) -> logits_MV."""
@@ -99,7 +101,7 @@ def decode(batch: Prefilled, step, sp: SamplingParams, u_NT: torch.Tensor | None
             keep = rows_to_keep(alive_A, done_M, step.fixed_shape)
             if keep is not None:
                 cache.keep_rows(keep)
-                attn_NS[:keep.numel()] = attn_NS[keep]
+                attn_NS[: keep.numel()] = attn_NS[keep]
                 rows_M, done_M, pos_M1, tok_M = rows_M[keep], done_M[keep], pos_M1[keep], tok_M[keep]
         M = rows_M.numel()
         attn_NS[:M, P + t] = True

@@ -12,14 +12,15 @@ CUDA graphs capture only the lean step (`lean_step.py`). The generic Hugging Fac
 is never captured: under FSDP2 its module hooks make the all-gather streams wait on the
 capturing stream, so the capture fails on every batch, and a failed capture is not free
 (torch's `graph.__exit__` skips restoring the current stream when `capture_end` raises, and
-leaves the pool recorded as capturing in the allocator: `decode_graph.py` undoes both). Where the model has no lean step the
-engine decodes eagerly and says why once; a user who asked for graphs explicitly gets an error.
+leaves the pool recorded as capturing in the allocator: `decode_graph.py` undoes both). Where the model has no
+lean step the engine decodes eagerly and says why once; a user who asked for graphs explicitly gets an error.
 
 The forward path hands the model a ready 4-D (M, 1, 1, S) boolean mask only where the
 attention implementation takes one (sdpa, eager) and every layer is full attention;
 flash-attention (and any other implementation) gets the 2-D padding mask and transformers'
 own mask builder, which is what flash-attention's varlen path reads.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,7 +37,8 @@ class DecodePath:
 
 
 def base_attention(implementation: str) -> str:
-    """The attention implementation under the shared-prefix wrapper's name ('hybrid_rl_shared_prefix+sdpa' -> 'sdpa')."""
+    """The attention implementation under the shared-prefix wrapper's name
+    ('hybrid_rl_shared_prefix+sdpa' -> 'sdpa')."""
     return implementation.rsplit("+", 1)[-1]
 
 
@@ -45,16 +47,26 @@ def check_graph_request(cuda_graphs: Optional[bool], lean_step: Optional[bool], 
     if not cuda_graphs:
         return
     if lean_step is False:
-        raise ValueError("cuda_graphs=True needs the lean decode step, and lean_step=False turns it off; "
-                         "set lean_step=None (or True), or cuda_graphs=None")
+        raise ValueError(
+            "cuda_graphs=True needs the lean decode step, and lean_step=False turns it off; "
+            "set lean_step=None (or True), or cuda_graphs=None"
+        )
     if lean_reason is not None:
-        raise ValueError(f"cuda_graphs=True needs the lean decode step, which this model lacks ({lean_reason}); "
-                         "the Hugging Face forward is not captured (under FSDP2 the capture fails on every batch). "
-                         "Set cuda_graphs=None (decode eagerly, said once) or False")
+        raise ValueError(
+            f"cuda_graphs=True needs the lean decode step, which this model lacks ({lean_reason}); "
+            "the Hugging Face forward is not captured (under FSDP2 the capture fails on every batch). "
+            "Set cuda_graphs=None (decode eagerly, said once) or False"
+        )
 
 
-def choose_decode_path(device_type: str, cuda_graphs: Optional[bool], lean_step: Optional[bool],
-                       lean_reason: Optional[str], full_attention: bool, attn_implementation: str) -> DecodePath:
+def choose_decode_path(
+    device_type: str,
+    cuda_graphs: Optional[bool],
+    lean_step: Optional[bool],
+    lean_reason: Optional[str],
+    full_attention: bool,
+    attn_implementation: str,
+) -> DecodePath:
     """The decode path for a model on `device_type`.
 
     cuda_graphs / lean_step: the engine's flags (None = where possible). lean_reason: why the
@@ -70,8 +82,10 @@ def choose_decode_path(device_type: str, cuda_graphs: Optional[bool], lean_step:
     note = None
     if device_type == "cuda" and cuda_graphs is None and not lean:
         why = "lean_step=False" if lean_step is False else lean_reason
-        note = (f"CUDA graphs off: they capture only the lean decode step, which does not run here ({why}); "
-                "decoding with the model's forward, eagerly")
+        note = (
+            f"CUDA graphs off: they capture only the lean decode step, which does not run here ({why}); "
+            "decoding with the model's forward, eagerly"
+        )
     return DecodePath("lean" if lean else "forward", mask_4d, note)
 
 
@@ -90,11 +104,12 @@ class ForwardStep:
         self.model, self.cache, self.P, self.mask_4d = model, cache, P, mask_4d
 
     def __call__(self, ids_M1, pos_M1, attn_MS, t: int):
-        live_MS = attn_MS[:, :self.P + t + 1]
+        live_MS = attn_MS[:, : self.P + t + 1]
         # Only sdpa and eager take a ready 4-D mask; flash-attention gets the 2-D one (module docstring).
         mask = live_MS[:, None, None, :] if self.mask_4d else live_MS
-        return self.model(input_ids=ids_M1, attention_mask=mask, position_ids=pos_M1, past_key_values=self.cache,
-                          use_cache=True).logits[:, -1]
+        return self.model(
+            input_ids=ids_M1, attention_mask=mask, position_ids=pos_M1, past_key_values=self.cache, use_cache=True
+        ).logits[:, -1]
 
 
 class LeanDecodeStep:
@@ -107,7 +122,7 @@ class LeanDecodeStep:
         self.lean, self.cache, self.P = lean, cache, P
 
     def __call__(self, ids_M1, pos_M1, attn_MS, t: int):
-        return self.lean(ids_M1, pos_M1, attn_MS[:, :self.P + t + 1], self.cache)
+        return self.lean(ids_M1, pos_M1, attn_MS[:, : self.P + t + 1], self.cache)
 
 
 class GraphStep:

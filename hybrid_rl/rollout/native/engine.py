@@ -35,6 +35,7 @@ position ids counting real tokens only, so engine logprobs equal the trainer's.
 Legend: N sequences, M sequences still in the decode batch, P prompt tokens
 (left-padded), T new tokens, S = P + T - 1 cache slots, V vocab, K stop ids.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -43,29 +44,46 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
+from hybrid_rl.models.fsdp import fsdp_modules, gather_full_weights, release_full_weights
+from hybrid_rl.models.loading import all_full_attention, attention_implementation, model_config
+from hybrid_rl.models.logprobs import left_pad, position_ids
 from hybrid_rl.plan.memory import ModelArch
 from hybrid_rl.plan.rollout_memory import RolloutShape, native_budget
-from hybrid_rl.models.fsdp import fsdp_modules, gather_full_weights, release_full_weights
-from hybrid_rl.models.loading import attention_implementation, model_config
-from hybrid_rl.models.logprobs import left_pad, position_ids
-from hybrid_rl.types import Completion, SamplingParams
 from hybrid_rl.rollout.base import check_tags
 from hybrid_rl.rollout.native.decode_loop import Prefilled, check_every, decode, to_completions
-from hybrid_rl.rollout.native.decode_path import DecodePath, ForwardStep, GraphDecodeFailed, GraphStep, LeanDecodeStep, base_attention, check_graph_request, choose_decode_path, device_free_bytes
+from hybrid_rl.rollout.native.decode_path import (
+    DecodePath,
+    ForwardStep,
+    GraphDecodeFailed,
+    GraphStep,
+    LeanDecodeStep,
+    base_attention,
+    check_graph_request,
+    choose_decode_path,
+    device_free_bytes,
+)
 from hybrid_rl.rollout.native.kv_cache import StaticKVCache
 from hybrid_rl.rollout.native.lean_step import LeanStep, unsupported_reason
-from hybrid_rl.models.loading import all_full_attention
 from hybrid_rl.rollout.native.sampler import _draw, filter_logits, sample_tokens  # noqa: F401  (re-exported: tests and benchmarks import them from here)
-
+from hybrid_rl.types import Completion, SamplingParams
 
 
 class NativeEngine:
     """RolloutEngine over a torch causal LM (`model`), typically the policy itself."""
 
-    def __init__(self, model: torch.nn.Module, pad_id: int, eos_id: int, max_batch_size: int = 0,
-                 weights_dtype: torch.dtype | None = None, own_weights: bool = False,
-                 stop_check_every: int | None = None, cuda_graphs: bool | None = None,
-                 lean_step: bool | None = None, free_memory: Optional[Callable[[torch.device], Optional[int]]] = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pad_id: int,
+        eos_id: int,
+        max_batch_size: int = 0,
+        weights_dtype: torch.dtype | None = None,
+        own_weights: bool = False,
+        stop_check_every: int | None = None,
+        cuda_graphs: bool | None = None,
+        lean_step: bool | None = None,
+        free_memory: Optional[Callable[[torch.device], Optional[int]]] = None,
+    ):
         """own_weights: `model` is the engine's private copy (not the policy); releasing its
         weights frees their memory, and their contents, until the next update_weights,
         the way SGLang's memory saver does.
@@ -111,7 +129,9 @@ class NativeEngine:
         # Gathered (unsharded) weights are an extra full copy only when the module is sharded;
         # numel() of a DTensor is the global size. Mixed precision gathers in weights_dtype.
         counted = self._sharded or own_weights
-        self._full_bytes = sum(p.numel() * (weights_dtype or p.dtype).itemsize for p in model.parameters()) if counted else 0
+        self._full_bytes = (
+            sum(p.numel() * (weights_dtype or p.dtype).itemsize for p in model.parameters()) if counted else 0
+        )
 
     def memory_bytes(self) -> dict[str, int]:
         """Engine-owned bytes: the gathered weights (while resumed) and the last rollout's KV cache
@@ -191,7 +211,7 @@ class NativeEngine:
         self.last_batch_rows, self.last_prefill_rows = rows, prefill_rows
         out: list[Completion] = []
         for start in range(0, N, rows):
-            batch, u = prompt_ids[start:start + rows], None if u_NT is None else u_NT[start:start + rows]
+            batch, u = prompt_ids[start : start + rows], None if u_NT is None else u_NT[start : start + rows]
             done = self._try_batch(batch, params, u, path, prefill_rows)
             if done is None:  # its CUDA graphs failed: this batch again, and the rest, through the lean step
                 path = replace(path, name="lean")
@@ -199,16 +219,24 @@ class NativeEngine:
             out += done
         return out
 
-    def _try_batch(self, prompts: list[list[int]], sp: SamplingParams, u_NT: torch.Tensor | None,
-                   path: DecodePath, prefill_rows: int) -> list[Completion] | None:
+    def _try_batch(
+        self,
+        prompts: list[list[int]],
+        sp: SamplingParams,
+        u_NT: torch.Tensor | None,
+        path: DecodePath,
+        prefill_rows: int,
+    ) -> list[Completion] | None:
         """The batch's completions, or None when its CUDA graphs failed (said once; graphs stay off on this
         engine). Returning, not retrying here, frees the failed batch's cache (the error's frames hold it)."""
         try:
             return self._generate_batch(prompts, sp, u_NT, path, prefill_rows)
         except GraphDecodeFailed as err:
             self.last_graph_error, self._graphs_failed = str(err), True
-            warnings.warn(f"CUDA-graph decode failed, decoding eagerly from now on (this batch again, from its "
-                          f"prefill): {self.last_graph_error}")
+            warnings.warn(
+                f"CUDA-graph decode failed, decoding eagerly from now on (this batch again, from its "
+                f"prefill): {self.last_graph_error}"
+            )
             return None
 
     def _device(self) -> torch.device:
@@ -221,22 +249,30 @@ class NativeEngine:
 
     def _decode_path(self, dev: torch.device) -> DecodePath:
         """The rollout's decode path; a flag asked for and not honoured is said here, not per batch or token."""
-        path = choose_decode_path(dev.type, self.cuda_graphs, self.lean_step, unsupported_reason(self.model),
-                                  all_full_attention(self.model), attention_implementation(self.model))
+        path = choose_decode_path(
+            dev.type,
+            self.cuda_graphs,
+            self.lean_step,
+            unsupported_reason(self.model),
+            all_full_attention(self.model),
+            attention_implementation(self.model),
+        )
         if path.note:
             self._log_once(path.note)
         if self.cuda_graphs and dev.type != "cuda":
             self.last_graph_error = f"CUDA graphs need a CUDA device, the model is on {dev}"
             warnings.warn(f"cuda_graphs=True ignored: {self.last_graph_error}")
         if self.lean_step and path.name == "forward":
-            self._log_once(f"lean_step=True ignored: {unsupported_reason(self.model)}; "
-                           "decoding with the model's forward")
+            self._log_once(
+                f"lean_step=True ignored: {unsupported_reason(self.model)}; decoding with the model's forward"
+            )
         if path.name == "cuda_graph" and self._graphs_failed:  # a capture failed on this engine: no more attempts
             return replace(path, name="lean")
         return path
 
-    def _batch_limits(self, prompts: list[list[int]], sp: SamplingParams, dev: torch.device,
-                      path: DecodePath) -> tuple[int, int]:
+    def _batch_limits(
+        self, prompts: list[list[int]], sp: SamplingParams, dev: torch.device, path: DecodePath
+    ) -> tuple[int, int]:
         """(rows per decode batch, prompts per prefill forward): max_batch_size, then what the
         memory that `free_memory` reports holds (`rollout_memory.native_budget`)."""
         N = len(prompts)
@@ -247,16 +283,25 @@ class NativeEngine:
         if self._shape is None:
             self._shape = RolloutShape.of(ModelArch.from_hf_config(model_config(self.model).to_dict()))
         P, T = max(map(len, prompts)), sp.max_new_tokens
-        budget = native_budget(self._shape, self.act_bytes, free, rows, P, T, top_p=sp.top_p < 1.0,
-                               graphs=path.name == "cuda_graph",
-                               eager_attention=base_attention(attention_implementation(self.model)) == "eager",
-                               samples_per_prompt=max(1, N // len({tuple(p) for p in prompts})))
+        budget = native_budget(
+            self._shape,
+            self.act_bytes,
+            free,
+            rows,
+            P,
+            T,
+            top_p=sp.top_p < 1.0,
+            graphs=path.name == "cuda_graph",
+            eager_attention=base_attention(attention_implementation(self.model)) == "eager",
+            samples_per_prompt=max(1, N // len({tuple(p) for p in prompts})),
+        )
         if budget.rows == 0:
             one = native_budget(self._shape, self.act_bytes, 1 << 62, 1, P, T, sp.top_p < 1.0)
             raise RuntimeError(
                 f"rollout: {free / 1e9:.2f} GB free on {dev} (after the headroom) holds not even one sequence of "
                 f"{P} prompt + {T} new tokens ({one.peak / 1e9:.2f} GB with its prefill and sampling); offload more "
-                "(offload.optimizer=true, offload.ref=true) or shorten data.max_prompt_tokens / rollout.max_new_tokens")
+                "(offload.optimizer=true, offload.ref=true) or shorten data.max_prompt_tokens / rollout.max_new_tokens"
+            )
         return budget.rows, budget.prefill_rows
 
     def _decode_step(self, path: DecodePath, cache: StaticKVCache, dev: torch.device, P: int):
@@ -274,22 +319,37 @@ class NativeEngine:
 
         return DecodeGraphs(self.model, cache, dev, lean=lean)
 
-    def _prefill(self, ids_UP: torch.Tensor, attn_UP: torch.Tensor, pos_UP: torch.Tensor, cache: StaticKVCache,
-                 chunk: int) -> torch.Tensor:
+    def _prefill(
+        self, ids_UP: torch.Tensor, attn_UP: torch.Tensor, pos_UP: torch.Tensor, cache: StaticKVCache, chunk: int
+    ) -> torch.Tensor:
         """logits_UV of each prompt's next token, `chunk` prompts per forward (each writes its rows of the cache)."""
         U, P = ids_UP.shape
         parts = []
         for a in range(0, U, chunk):
             b = min(U, a + chunk)
             cache.prefill_window(a, b)
-            parts.append(self.model(input_ids=ids_UP[a:b], attention_mask=attn_UP[a:b], position_ids=pos_UP[a:b],
-                                    past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1])
+            parts.append(
+                self.model(
+                    input_ids=ids_UP[a:b],
+                    attention_mask=attn_UP[a:b],
+                    position_ids=pos_UP[a:b],
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                ).logits[:, -1]
+            )
         cache.prefill_window(0, U)
         cache.advance(P)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _generate_batch(self, prompts: list[list[int]], sp: SamplingParams, u_NT: torch.Tensor | None,
-                        path: DecodePath, prefill_rows: int) -> list[Completion]:
+    def _generate_batch(
+        self,
+        prompts: list[list[int]],
+        sp: SamplingParams,
+        u_NT: torch.Tensor | None,
+        path: DecodePath,
+        prefill_rows: int,
+    ) -> list[Completion]:
         """Completions of one decode batch: prefill, build `path`'s step, run the token loop with it."""
         dev = self._device()
         stop_K = torch.tensor(sorted({self.eos_id, *sp.stop_token_ids}), device=dev)

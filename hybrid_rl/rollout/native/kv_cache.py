@@ -19,6 +19,7 @@ may run in chunks of prompts (`prefill_window`): each chunk's forward sees its o
 Legend: N rows allocated, M rows live (M <= N), H KV heads, S slots, D head dim,
 Q query tokens of one forward.
 """
+
 from __future__ import annotations
 
 import torch
@@ -54,7 +55,9 @@ class _SlotLayer(CacheLayerMixin):
         """Expose rows [a, b) of the buffers as this layer's keys and values."""
         self.keys, self.values = self.buf_k[a:b], self.buf_v[a:b]
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """key_states, value_states: (M, H, Q, D). Returns the cached keys and values (M, H, S_read, D)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -67,8 +70,8 @@ class _SlotLayer(CacheLayerMixin):
         end = o.length + key_states.shape[2]
         if end > o.max_len:
             raise RuntimeError(f"KV cache overflow: {end} slots needed, {o.max_len} allocated")
-        self.keys[:, :, o.length:end].copy_(key_states)
-        self.values[:, :, o.length:end].copy_(value_states)
+        self.keys[:, :, o.length : end].copy_(key_states)
+        self.values[:, :, o.length : end].copy_(value_states)
         return self.keys[:, :, :end], self.values[:, :, :end]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -142,8 +145,8 @@ class StaticKVCache(Cache):
         if n > self.max_rows:
             raise ValueError(f"{n} rows do not fit the {self.max_rows} allocated")
         for layer in self.layers:
-            layer.buf_k[:n, :, :self.length] = layer.keys[src_N, :, :self.length]
-            layer.buf_v[:n, :, :self.length] = layer.values[src_N, :, :self.length]
+            layer.buf_k[:n, :, : self.length] = layer.keys[src_N, :, : self.length]
+            layer.buf_v[:n, :, : self.length] = layer.values[src_N, :, : self.length]
             layer.keys, layer.values = layer.buf_k[:n], layer.buf_v[:n]
         self.rows = n
 
@@ -158,14 +161,15 @@ class StaticKVCache(Cache):
             for view in (layer.keys, layer.values):
                 # index_select, not view[idx_M]: the same gather at ~2.4x the speed on CPU
                 # (advanced indexing builds a general index iterator over all four dims).
-                view[:m, :, :self.length] = view[:, :, :self.length].index_select(0, idx_M)
+                view[:m, :, : self.length] = view[:, :, : self.length].index_select(0, idx_M)
             layer.keys, layer.values = layer.buf_k[:m], layer.buf_v[:m]
         self.rows = m
 
     def nbytes(self) -> int:
         """Bytes of the allocated buffers (all N rows and S slots, whatever is live)."""
-        return sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.buf_k, layer.buf_v)
-                   if t is not None)
+        return sum(
+            t.numel() * t.element_size() for layer in self.layers for t in (layer.buf_k, layer.buf_v) if t is not None
+        )
 
     def data_ptrs(self) -> list[int]:
         """Addresses of every buffer (for tests: they must not change during a generate call)."""

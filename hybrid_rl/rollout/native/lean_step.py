@@ -24,14 +24,14 @@ window, another architecture, a layer without the expected parts): the engine th
 the HF forward. Legend: M live rows, H query heads, K kv heads, G = H / K, D head dim,
 S cache slots written so far (after this token), V vocab.
 """
+
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
-from hybrid_rl.models.loading import all_full_attention, model_config
+from hybrid_rl.models.loading import all_full_attention
 from hybrid_rl.rollout.native.kv_cache import StaticKVCache
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -84,8 +84,9 @@ class LeanStep:
     def build(cls, model: torch.nn.Module) -> Optional["LeanStep"]:
         return cls(model) if unsupported_reason(model) is None else None
 
-    def __call__(self, ids_M1: torch.Tensor, pos_M1: torch.Tensor, attn_MS: torch.Tensor,
-                 cache: StaticKVCache) -> torch.Tensor:
+    def __call__(
+        self, ids_M1: torch.Tensor, pos_M1: torch.Tensor, attn_MS: torch.Tensor, cache: StaticKVCache
+    ) -> torch.Tensor:
         """attn_MS: True where a row may attend, for the S = cache.length + 1 slots including this
         token's; in the cache's full-length mode (the CUDA-graph step) for all cache.max_len slots,
         and the new key and value go to the device-side `cache.write_slot`."""
@@ -101,7 +102,8 @@ class LeanStep:
         x = x[:, 0]
         # Additive mask in the scores' shape (M, K, G, S) by broadcasting.
         bias_M11S = torch.zeros(attn_MS.shape, dtype=torch.float32, device=x.device).masked_fill_(
-            ~attn_MS, float("-inf"))[:, None, None, :]
+            ~attn_MS, float("-inf")
+        )[:, None, None, :]
         for i, layer in enumerate(inner.layers):
             h = layer.input_layernorm(x)
             x = x + self._attention(layer.self_attn, h, cos, sin, bias_M11S, cache, i)
@@ -118,8 +120,7 @@ class LeanStep:
             self._sin_SD = torch.cat((-sin_1SD[0, :, :half], sin_1SD[0, :, half:]), dim=-1)
         M = pos_M1.shape[0]
         pos_M = pos_M1.reshape(M)
-        return (self._cos_SD.index_select(0, pos_M).view(M, 1, -1),
-                self._sin_SD.index_select(0, pos_M).view(M, 1, -1))
+        return (self._cos_SD.index_select(0, pos_M).view(M, 1, -1), self._sin_SD.index_select(0, pos_M).view(M, 1, -1))
 
     def _attention(self, attn, h_MC, cos_M1D, sin_M1D, bias_M11S, cache: StaticKVCache, i: int) -> torch.Tensor:
         M, H, K, D = h_MC.shape[0], self.H, self.K, attn.head_dim
@@ -138,7 +139,7 @@ class LeanStep:
             slot = cache.length
             keys[:, :, slot] = k_MKD
             values[:, :, slot] = v_MKD
-            k_MKSD, v_MKSD = keys[:, :, :slot + 1], values[:, :, :slot + 1]
+            k_MKSD, v_MKSD = keys[:, :, : slot + 1], values[:, :, : slot + 1]
         # Query head h reads kv head h // G (transformers' repeat_kv order): view q as (M, K, G, D).
         scores_MKGS = torch.matmul(q_MHD.view(M, K, H // K, D), k_MKSD.transpose(-1, -2)).float()
         probs_MKGS = (scores_MKGS * attn.scaling + bias_M11S).softmax(-1).to(v_MKSD.dtype)

@@ -7,6 +7,7 @@ the free memory, which varies) or on which rows were dropped before it.
 
 Legend: M rows, V vocab.
 """
+
 from __future__ import annotations
 
 import torch

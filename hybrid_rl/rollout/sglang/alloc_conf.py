@@ -19,6 +19,7 @@ So the engine's environment loses the item under every name, and the trainer's a
 switched with its whole settings string (a settings call resets every key it does not name).
 Pure functions, plus `current_settings` and `apply_settings`, the calls into torch.
 """
+
 from __future__ import annotations
 
 import os
@@ -81,8 +82,11 @@ def engine_env_updates(env: Mapping[str, str]) -> dict[str, str]:
     """New values for the variables an SGLang engine inherits: each set one without
     expandable_segments. A variable that is set stays set (even if empty), so the same
     name keeps winning in the engine's processes as in this one."""
-    return {name: without_expandable(env[name]) for name in ALLOC_CONF_NAMES
-            if name in env and without_expandable(env[name]) != env[name]}
+    return {
+        name: without_expandable(env[name])
+        for name in ALLOC_CONF_NAMES
+        if name in env and without_expandable(env[name]) != env[name]
+    }
 
 
 def current_settings() -> str:

@@ -16,6 +16,7 @@ default action instead of SGLang's process-tree kill; the kernel dies either way
 thread's current CUDA device is cuda:0 whatever the caller's is, so the engine thread sets the
 engine's device first (the Engine's own CUDA work, the adapter's memory reads there).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -112,6 +113,7 @@ def uninterrupted(method):
     and this side's bookkeeping leaves the two disagreeing about what is resident. So the interrupt is
     held, with a warning, and delivered when the call is done; a second Ctrl-C interrupts at once.
     Off the main thread (no signal handlers there) the call runs as it is."""
+
     @functools.wraps(method)
     def call(self, *args, **kwargs):
         if threading.current_thread() is not threading.main_thread():
@@ -122,8 +124,10 @@ def uninterrupted(method):
             if held:
                 raise KeyboardInterrupt
             held.append(signum)
-            warnings.warn(f"interrupt held until SGLang's {method.__name__} returns (cutting it off leaves SGLang "
-                          "in a state the next call crashes on); press Ctrl-C again to interrupt anyway")
+            warnings.warn(
+                f"interrupt held until SGLang's {method.__name__} returns (cutting it off leaves SGLang "
+                "in a state the next call crashes on); press Ctrl-C again to interrupt anyway"
+            )
 
         previous = signal.signal(signal.SIGINT, hold)
         try:

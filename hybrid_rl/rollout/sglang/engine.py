@@ -24,6 +24,7 @@ thread. `sglang` is imported lazily, here and in weight_transport.py.
 
 Legend: N sequences (this rank's), G samples per prompt.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -34,14 +35,14 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
-from hybrid_rl.runtime import distributed as D
 from hybrid_rl.models.lora import base_named_parameters
-from hybrid_rl.rollout.sglang import alloc_conf
-from hybrid_rl.types import Completion, SamplingParams
 from hybrid_rl.rollout.base import check_tags
+from hybrid_rl.rollout.sglang import alloc_conf
 from hybrid_rl.rollout.sglang.calls import EngineThread, attempt, scoped_env, uninterrupted, unwrap
 from hybrid_rl.rollout.sglang.lora import MAX_LORAS_PER_BATCH, NAME, lora_spec
 from hybrid_rl.rollout.sglang.weight_transport import push_bucket
+from hybrid_rl.runtime import distributed as D
+from hybrid_rl.types import Completion, SamplingParams
 
 SGLANG_TAGS = ("weights", "kv_cache")  # cuda_graph stays resident: released and resumed only in pairs
 _AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # set by torchrun for its workers
@@ -52,9 +53,11 @@ def check_available() -> None:
     import importlib.util
 
     if importlib.util.find_spec("sglang") is None:
-        raise ValueError("config key 'rollout.engine': sglang is not importable here; install the GPU extra "
-                         "(pip install 'hybrid_rl[gpu]', SGLang 0.5.21 on torch 2.13, or 0.5.17 on torch 2.11) "
-                         "or use rollout.engine=native")
+        raise ValueError(
+            "config key 'rollout.engine': sglang is not importable here; install the GPU extra "
+            "(pip install 'hybrid_rl[gpu]', SGLang 0.5.21 on torch 2.13, or 0.5.17 on torch 2.11) "
+            "or use rollout.engine=native"
+        )
 
 
 def to_completion(out: dict, index: int, stop_ids: Iterable[int] = ()) -> Completion:
@@ -81,19 +84,31 @@ def to_completion(out: dict, index: int, stop_ids: Iterable[int] = ()) -> Comple
 class SGLangEngine:
     """RolloutEngine over SGLang, shared by a group of `tp_size` ranks (see module docstring); LoRA: lora.py."""
 
-
     lora: Optional[dict] = None
     base_complete = False  # a complete base sync ended since start (set by SGLangEngine.end_weight_update)
     adapter_name: Optional[str] = None
 
-    def __init__(self, model: torch.nn.Module, model_path: str, pad_id: int, eos_id: int, tp_size: int = 1,
-                 weights_dtype: Optional[torch.dtype] = None, mem_fraction: Optional[float] = None, seed: int = 0,
-                 timeout_s: int = 300, engine_kwargs: Optional[dict] = None, release_wait_s: float = 60.0,
-                 with_tokenizer: bool = False):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        model_path: str,
+        pad_id: int,
+        eos_id: int,
+        tp_size: int = 1,
+        weights_dtype: Optional[torch.dtype] = None,
+        mem_fraction: Optional[float] = None,
+        seed: int = 0,
+        timeout_s: int = 300,
+        engine_kwargs: Optional[dict] = None,
+        release_wait_s: float = 60.0,
+        with_tokenizer: bool = False,
+    ):
         W, r = D.world_size(), D.rank()
         if tp_size < 1 or W % tp_size or D.local_world_size() % tp_size:
-            raise ValueError(f"config key 'rollout.tp_size': {tp_size} must divide the ranks of one node "
-                             f"({D.local_world_size()}) and the world ({W})")
+            raise ValueError(
+                f"config key 'rollout.tp_size': {tp_size} must divide the ranks of one node "
+                f"({D.local_world_size()}) and the world ({W})"
+            )
         self.tp_size, self.pad_id, self.eos_id, self.with_tokenizer = tp_size, pad_id, eos_id, with_tokenizer
         self.vocab_size = model.config.vocab_size
         self.owner = r - r % tp_size
@@ -129,9 +144,16 @@ class SGLangEngine:
         import sglang
 
         cuda = self.device.type == "cuda"
-        args = dict(model_path=model_path, tp_size=self.tp_size, skip_tokenizer_init=not self.with_tokenizer,
-                    load_format="dummy", enable_memory_saver=cuda, base_gpu_id=(self.device.index or 0) if cuda else 0,
-                    random_seed=seed + self.owner, dtype=_dtype_name(self.dtype))
+        args = dict(
+            model_path=model_path,
+            tp_size=self.tp_size,
+            skip_tokenizer_init=not self.with_tokenizer,
+            load_format="dummy",
+            enable_memory_saver=cuda,
+            base_gpu_id=(self.device.index or 0) if cuda else 0,
+            random_seed=seed + self.owner,
+            dtype=_dtype_name(self.dtype),
+        )
         if mem_fraction is not None:
             args["mem_fraction_static"] = mem_fraction
         if cuda:
@@ -152,10 +174,11 @@ class SGLangEngine:
                 version = getattr(sglang, "__version__", "?")
                 raise RuntimeError(
                     f"sglang.Engine (sglang {version}) failed to start on {self.device}: {type(err).__name__}: {err}. "
-                    "Likely causes: an SGLang build that does not match this torch (0.5.21 needs torch 2.13, 0.5.17 "
-                    "torch 2.11), no CUDA device, a model architecture SGLang does not support, or rollout.mem_fraction "
-                    "too small for the weights plus a KV cache (raise it, or offload the optimizer so the engine starts "
-                    "on more free memory)") from err
+                    "Likely causes: an SGLang build that does not match this torch (0.5.21 needs torch 2.13, "
+                    "0.5.17 torch 2.11), no CUDA device, a model architecture SGLang does not support, or "
+                    "rollout.mem_fraction too small for the weights plus a KV cache (raise it, or offload the "
+                    "optimizer so the engine starts on more free memory)"
+                ) from err
         return engine
 
     # -- memory ---------------------------------------------------------------
@@ -170,8 +193,10 @@ class SGLangEngine:
         not_released = [t for t in tags if t not in self.released]
         if not_released:
             # Inside SGLang this is a KeyError in the scheduler, which kills this process.
-            raise RuntimeError(f"resume({not_released}): not released; SGLang would kill the job. "
-                               "Release and resume tags in matching pairs")
+            raise RuntimeError(
+                f"resume({not_released}): not released; SGLang would kill the job. "
+                "Release and resume tags in matching pairs"
+            )
         if "kv_cache" in tags and self.session:
             raise RuntimeError("resume(['kv_cache']) inside a weight-update session; call end_weight_update() first")
         if "weights" in tags:
@@ -205,8 +230,11 @@ class SGLangEngine:
         deadline = time.monotonic() + self.release_wait_s
         while _free_device_bytes(self.device) - free_before < 0.9 * expected:
             if time.monotonic() > deadline:
-                warnings.warn(f"SGLang released its weights but only {(_free_device_bytes(self.device) - free_before) / 2**20:.0f} "
-                              f"MiB of {expected / 2**20:.0f} MiB came back within {self.release_wait_s:.0f} s")
+                warnings.warn(
+                    "SGLang released its weights but only "
+                    f"{(_free_device_bytes(self.device) - free_before) / 2**20:.0f} "
+                    f"MiB of {expected / 2**20:.0f} MiB came back within {self.release_wait_s:.0f} s"
+                )
                 return
             time.sleep(0.05)
 
@@ -221,7 +249,9 @@ class SGLangEngine:
     @uninterrupted
     def begin_weight_update(self) -> None:
         if "weights" in self.released:
-            raise RuntimeError("begin_weight_update() while the engine's weights are released; resume(['weights']) first")
+            raise RuntimeError(
+                "begin_weight_update() while the engine's weights are released; resume(['weights']) first"
+            )
         if self.session:
             raise RuntimeError("begin_weight_update() called twice")
         # 0.5.21 loads nothing outside a session; 0.5.17 has none.
@@ -237,9 +267,20 @@ class SGLangEngine:
             raise RuntimeError("update_weights outside a weight-update session; call begin_weight_update() first")
         bucket = list(named_tensors)
         self._check_bucket(bucket)
-        nbytes = push_bucket(bucket, self.dtype, self.owner, self.group, lambda payloads: self._owner_call(
-            "update_weights_from_tensor", named_tensors=payloads, load_format="flattened_bucket", flush_cache=False,
-            check=True, precheck=lambda: check_payloads(payloads, self.tp_size)))
+        nbytes = push_bucket(
+            bucket,
+            self.dtype,
+            self.owner,
+            self.group,
+            lambda payloads: self._owner_call(
+                "update_weights_from_tensor",
+                named_tensors=payloads,
+                load_format="flattened_bucket",
+                flush_cache=False,
+                check=True,
+                precheck=lambda: check_payloads(payloads, self.tp_size),
+            ),
+        )
         self._sent.update(n for n, _ in bucket)
         self.sync_stats["bytes"] += nbytes * self.tp_size
         self.sync_stats["payloads"] += self.tp_size
@@ -251,8 +292,10 @@ class SGLangEngine:
             raise RuntimeError("end_weight_update() without begin_weight_update()")
         missing = sorted(set(self.expected) - self._sent)
         if missing:
-            raise RuntimeError(f"weight sync incomplete: {len(missing)} parameters not sent (e.g. {missing[:3]}); "
-                               "after a weights release SGLang holds garbage until every parameter is re-sent")
+            raise RuntimeError(
+                f"weight sync incomplete: {len(missing)} parameters not sent (e.g. {missing[:3]}); "
+                "after a weights release SGLang holds garbage until every parameter is re-sent"
+            )
         self._owner_call("end_weight_update", check=True, optional=True)
         self.session, self.base_complete = False, True
         self._export_allocator(False)
@@ -293,8 +336,10 @@ class SGLangEngine:
                 raise KeyError(f"parameter {name!r} is not in the policy; SGLang would skip it silently")
             shape = self.expected[name]
             if tuple(t.shape) != shape:
-                raise ValueError(f"{name}: shape {tuple(t.shape)} != the model's {shape}; send full tensors "
-                                 "(a wrong shape kills SGLang's scheduler)")
+                raise ValueError(
+                    f"{name}: shape {tuple(t.shape)} != the model's {shape}; send full tensors "
+                    "(a wrong shape kills SGLang's scheduler)"
+                )
             if not t.dtype.is_floating_point:
                 raise TypeError(f"{name}: dtype {t.dtype} is not a floating-point weight")
 
@@ -303,7 +348,9 @@ class SGLangEngine:
     @uninterrupted
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
         if self.released:
-            raise RuntimeError(f"engine memory is released ({sorted(self.released)}); resume(['weights', 'kv_cache']) first")
+            raise RuntimeError(
+                f"engine memory is released ({sorted(self.released)}); resume(['weights', 'kv_cache']) first"
+            )
         if self.session:
             raise RuntimeError("generate inside a weight-update session; call end_weight_update() first")
         if any(len(p) == 0 for p in prompt_ids):
@@ -321,15 +368,20 @@ class SGLangEngine:
             for i, p in enumerate(prompts):
                 ids.append(list(p))
                 sampling.append(self._sampling_dict(params, i))
-        outs = self._calls.run(self.engine.generate, input_ids=ids, sampling_params=sampling, return_logprob=True,
-                               lora_path=self.lora_paths(len(ids)))
+        outs = self._calls.run(
+            self.engine.generate,
+            input_ids=ids,
+            sampling_params=sampling,
+            return_logprob=True,
+            lora_path=self.lora_paths(len(ids)),
+        )
         outs = [outs] if isinstance(outs, dict) else outs
         if len(outs) != len(ids):
             raise RuntimeError(f"SGLang returned {len(outs)} results for {len(ids)} prompts")
         completions = [to_completion(o, i, sampling[i]["stop_token_ids"]) for i, o in enumerate(outs)]
         replies, start = [], 0
         for prompts, _ in requests:
-            replies.append(completions[start:start + len(prompts)])
+            replies.append(completions[start : start + len(prompts)])
             start += len(prompts)
         return replies
 
@@ -341,17 +393,35 @@ class SGLangEngine:
         stops = sorted({*p.stop_token_ids, *([self.eos_id] if self.eos_id >= 0 else [])})  # eos_id < 0: none
         bad = [t for t in stops if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"stop token ids {bad} are outside the vocabulary (0..{self.vocab_size - 1}); "
-                             "SGLang rejects the request")
+            raise ValueError(
+                f"stop token ids {bad} are outside the vocabulary (0..{self.vocab_size - 1}); "
+                "SGLang rejects the request"
+            )
         if p.min_new_tokens and not self.with_tokenizer:  # 0.5.21: raise_if_tokenizer_required
-            raise ValueError("min_new_tokens needs SGLang's tokenizer (its eos ids are banned too): build "
-                             "SGLangEngine(with_tokenizer=True), as the Trainer does for rollout.min_new_tokens > 0")
-        return {"max_new_tokens": p.max_new_tokens, "min_new_tokens": p.min_new_tokens, "top_p": p.top_p, "top_k": p.top_k,
-                "temperature": 0.0 if p.greedy else p.temperature, "stop_token_ids": stops, "sampling_seed": p.seed * 1_000_003 + i}
+            raise ValueError(
+                "min_new_tokens needs SGLang's tokenizer (its eos ids are banned too): build "
+                "SGLangEngine(with_tokenizer=True), as the Trainer does for rollout.min_new_tokens > 0"
+            )
+        return {
+            "max_new_tokens": p.max_new_tokens,
+            "min_new_tokens": p.min_new_tokens,
+            "top_p": p.top_p,
+            "top_k": p.top_k,
+            "temperature": 0.0 if p.greedy else p.temperature,
+            "stop_token_ids": stops,
+            "sampling_seed": p.seed * 1_000_003 + i,
+        }
 
     # -- owner calls ----------------------------------------------------------
-    def _owner_call(self, method: str, *args, check: bool = False, optional: bool = False,
-                    precheck: Optional[Callable[[], None]] = None, **kwargs):
+    def _owner_call(
+        self,
+        method: str,
+        *args,
+        check: bool = False,
+        optional: bool = False,
+        precheck: Optional[Callable[[], None]] = None,
+        **kwargs,
+    ):
         """Run engine.method(*args, **kwargs) on the owner, after `precheck()` there; every rank of the
         group gets the outcome (an exception there is re-raised on every rank, so none waits in a
         collective forever)."""
@@ -385,8 +455,13 @@ class SGLangEngine:
         """Engine keywords for serving the policy's adapter (empty without LoRA); they override engine_kwargs."""
         if self.lora is None:
             return {}
-        return {"enable_lora": True, "max_lora_rank": self.lora["rank"], "lora_target_modules": self.lora["targets"],
-                "max_loras_per_batch": MAX_LORAS_PER_BATCH, "enable_weights_cpu_backup": True}
+        return {
+            "enable_lora": True,
+            "max_lora_rank": self.lora["rank"],
+            "lora_target_modules": self.lora["targets"],
+            "max_loras_per_batch": MAX_LORAS_PER_BATCH,
+            "enable_weights_cpu_backup": True,
+        }
 
     @property
     def base_synced(self) -> bool:
@@ -398,7 +473,9 @@ class SGLangEngine:
         if self.lora is None:
             return None
         if self.adapter_name is None:
-            raise RuntimeError("no adapter loaded into SGLang yet; the phase switch's sync (update_adapter) comes first")
+            raise RuntimeError(
+                "no adapter loaded into SGLang yet; the phase switch's sync (update_adapter) comes first"
+            )
         return [self.adapter_name] * n
 
     @uninterrupted
@@ -406,19 +483,34 @@ class SGLangEngine:
         """Every rank of the group passes the whole adapter (peft names, full tensors, the same order); the owner
         loads it under a new name and unloads the previous one. Returns the adapter's bytes (one copy)."""
         if self.lora is None:
-            raise RuntimeError("this SGLang engine was built for a policy without LoRA adapters; build it from the "
-                               "peft-injected policy (model.lora.rank > 0)")
+            raise RuntimeError(
+                "this SGLang engine was built for a policy without LoRA adapters; build it from the "
+                "peft-injected policy (model.lora.rank > 0)"
+            )
         if "weights" in self.released or self.session:
             raise RuntimeError("update_adapter() needs resumed weights and no open weight-update session")
         if (config.get("r"), config.get("lora_alpha")) != (self.lora["rank"], self.lora["alpha"]):
-            raise ValueError(f"adapter config r={config.get('r')} lora_alpha={config.get('lora_alpha')} differs from the "
-                             f"engine's start ({self.lora['rank']}, {self.lora['alpha']})")
+            raise ValueError(
+                f"adapter config r={config.get('r')} lora_alpha={config.get('lora_alpha')} differs from the "
+                f"engine's start ({self.lora['rank']}, {self.lora['alpha']})"
+            )
         bucket = list(named_tensors)
         self._check_adapter(bucket)
         name = f"{NAME}-v{self.adapter_version + 1}"
-        nbytes = push_bucket(bucket, self.dtype, self.owner, self.group, lambda payloads: self._lora_call(
-            "load_lora_adapter_from_tensors", name, payloads, self.lora["config"], load_format="flattened_bucket",
-            precheck=lambda: check_payloads(payloads, self.tp_size)))
+        nbytes = push_bucket(
+            bucket,
+            self.dtype,
+            self.owner,
+            self.group,
+            lambda payloads: self._lora_call(
+                "load_lora_adapter_from_tensors",
+                name,
+                payloads,
+                self.lora["config"],
+                load_format="flattened_bucket",
+                precheck=lambda: check_payloads(payloads, self.tp_size),
+            ),
+        )
         old, self.adapter_name, self.adapter_version = self.adapter_name, name, self.adapter_version + 1
         if old is not None:
             self._lora_call("unload_lora_adapter", old)
@@ -433,8 +525,10 @@ class SGLangEngine:
         got = {n: tuple(t.shape) for n, t in bucket}
         if set(got) != set(shapes):
             extra, missing = sorted(set(got) - set(shapes)), sorted(set(shapes) - set(got))
-            raise ValueError(f"adapter sync must carry exactly the policy's {len(shapes)} LoRA tensors (peft names); "
-                             f"unknown {extra[:3]}, missing {missing[:3]}")
+            raise ValueError(
+                f"adapter sync must carry exactly the policy's {len(shapes)} LoRA tensors (peft names); "
+                f"unknown {extra[:3]}, missing {missing[:3]}"
+            )
         wrong = [n for n in got if got[n] != shapes[n]]
         if wrong:
             raise ValueError(f"adapter tensor {wrong[0]}: shape {got[wrong[0]]} != the policy's {shapes[wrong[0]]}")
@@ -445,15 +539,19 @@ class SGLangEngine:
         """engine.method(...) on the owner; its LoRAUpdateOutput's refusal is an error on every rank of the group."""
         outcome = None
         if self.is_owner:
+
             def call():
                 fn = getattr(self.engine, method, None)
                 if fn is None:
-                    raise RuntimeError(f"this SGLang has no {method} (0.5.21 has it); use rollout.engine=vllm or native "
-                                       "with model.lora.rank > 0, or model.lora.rank=0")
+                    raise RuntimeError(
+                        f"this SGLang has no {method} (0.5.21 has it); use rollout.engine=vllm or native "
+                        "with model.lora.rank > 0, or model.lora.rank=0"
+                    )
                 if precheck is not None:
                     precheck()
                 out = self._calls.run(fn, *args, **kwargs)
                 return bool(out.success), str(out.error_message or "")
+
             outcome = attempt(call)
         ok, msg = unwrap(D.broadcast_object_from(outcome, self.owner, self.group), method)
         if not ok:
@@ -468,8 +566,10 @@ def check_payloads(payloads: list, tp_size: int) -> None:
     the same bytes would both open one handle, which breaks the producer's CUDA-IPC refcount (the
     reason deserialize_own_rank opens only its own copy)."""
     if len(payloads) != tp_size:
-        raise ValueError(f"{len(payloads)} weight payloads for tp_size={tp_size}: SGLang needs exactly one per TP "
-                         "rank (too few kills its scheduler, extras are dropped silently)")
+        raise ValueError(
+            f"{len(payloads)} weight payloads for tp_size={tp_size}: SGLang needs exactly one per TP "
+            "rank (too few kills its scheduler, extras are dropped silently)"
+        )
     if len(set(payloads)) != len(payloads):
         raise ValueError("two TP ranks' weight payloads are the same bytes; every rank must export its own bucket")
 

@@ -18,6 +18,7 @@ What SGLang 0.5.21 offers (read in its source; shared/notes/sglang-api.md sectio
 If an SGLang lacks `load_lora_adapter_from_tensors` (0.5.17 was not read), the first sync says so; there is no
 merged-weights fallback.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -25,8 +26,18 @@ from typing import Optional
 import torch
 
 # SGLang 0.5.21's SUPPORTED_LORA_TARGET_MODULES (srt/utils/common.py), the names of dense models' Linears.
-SGLANG_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
-                       "gate_up_proj", "lm_head")
+SGLANG_LORA_TARGETS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "qkv_proj",
+    "gate_up_proj",
+    "lm_head",
+)
 MAX_LORAS_PER_BATCH = 2  # one adapter is served at a time; a spare slot (SGLang counts the base as one too)
 NAME = "policy"
 
@@ -37,8 +48,10 @@ def check_targets(targets) -> None:
         return
     bad = sorted({t.split(".")[-1] for t in targets} - set(SGLANG_LORA_TARGETS))
     if bad:
-        raise ValueError(f"config key 'model.lora.target_modules': SGLang 0.5.21 adapts only {list(SGLANG_LORA_TARGETS)}"
-                         f", not {bad}; choose from those or use rollout.engine=vllm or native")
+        raise ValueError(
+            f"config key 'model.lora.target_modules': SGLang 0.5.21 adapts only {list(SGLANG_LORA_TARGETS)}"
+            f", not {bad}; choose from those or use rollout.engine=vllm or native"
+        )
 
 
 def lora_spec(model: torch.nn.Module) -> Optional[dict]:
@@ -52,11 +65,18 @@ def lora_spec(model: torch.nn.Module) -> Optional[dict]:
     alpha = layers[0].lora_alpha[ADAPTER]
     for layer in layers:
         if layer.r[ADAPTER] != rank or abs(layer.scaling[ADAPTER] - alpha / rank) > 1e-12:
-            raise ValueError("config key 'model.lora.rank': SGLang serves one rank per adapter, scaled by alpha / rank "
-                             "(no rsLoRA, no per-layer ranks)")
+            raise ValueError(
+                "config key 'model.lora.rank': SGLang serves one rank per adapter, scaled by alpha / rank "
+                "(no rsLoRA, no per-layer ranks)"
+            )
     names = {m: n for n, m in model.named_modules()}
     targets = sorted({names[layer].rsplit(".", 1)[-1] for layer in layers})
     check_targets(targets)
     shapes = {peft_name(n): tuple(p.shape) for n, p in model.named_parameters() if peft_name(n)}
-    return {"rank": rank, "alpha": alpha, "targets": targets, "shapes": shapes,
-            "config": {"r": rank, "lora_alpha": alpha, "target_modules": targets}}  # what LoRAConfig reads
+    return {
+        "rank": rank,
+        "alpha": alpha,
+        "targets": targets,
+        "shapes": shapes,
+        "config": {"r": rank, "lora_alpha": alpha, "target_modules": targets},
+    }  # what LoRAConfig reads

@@ -18,6 +18,7 @@ Rules from sglang-api.md that shape this file:
   * only plain tensors and python metadata travel: SGLang's unpickler has an allow-list.
 This module imports `sglang` lazily (GPU extra), like rollout/sglang/engine.py.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,8 +48,10 @@ def export_bucket(named_tensors: list[tuple[str, torch.Tensor]], dtype: torch.dt
     tensors = []
     for name, t in named_tensors:
         if hasattr(t, "full_tensor"):
-            raise TypeError(f"{name}: a DTensor cannot cross to SGLang (its unpickler refuses it); "
-                            "send full_tensor() of every parameter")
+            raise TypeError(
+                f"{name}: a DTensor cannot cross to SGLang (its unpickler refuses it); "
+                "send full_tensor() of every parameter"
+            )
         tensors.append((name, t.detach().to(dtype) if dtype is not None else t.detach()))
     device = tensors[0][1].device
     if any(t.device != device for _, t in tensors):
@@ -78,8 +81,13 @@ def collect_ipc() -> None:
         torch.cuda.ipc_collect()
 
 
-def push_bucket(named_tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None, owner: int, group,
-                send: Callable[[Optional[list]], None]) -> int:
+def push_bucket(
+    named_tensors: list[tuple[str, torch.Tensor]],
+    dtype: torch.dtype | None,
+    owner: int,
+    group,
+    send: Callable[[Optional[list]], None],
+) -> int:
     """Export one bucket on every rank of an engine's group, gather the payloads on the `owner` and call
     `send(payloads)` on every rank (the owner's call hands them to SGLang); the buffer is freed only after
     that call returned (the rule above, sglang#6626). Returns one rank's bytes."""

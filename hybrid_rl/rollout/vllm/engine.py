@@ -54,6 +54,7 @@ ROLLOUT only).
 
 Legend: N sequences (this rank's).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -63,11 +64,12 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from hybrid_rl.runtime import distributed as D
-from hybrid_rl.rollout.vllm import setup as S
-from hybrid_rl.types import Completion, SamplingParams
 from hybrid_rl.rollout.base import check_tags
-from hybrid_rl.rollout.vllm.lora import AdapterPush, engine_kwargs as lora_engine_kwargs
+from hybrid_rl.rollout.vllm import setup as S
+from hybrid_rl.rollout.vllm.lora import AdapterPush
+from hybrid_rl.rollout.vllm.lora import engine_kwargs as lora_engine_kwargs
+from hybrid_rl.runtime import distributed as D
+from hybrid_rl.types import Completion, SamplingParams
 
 SLEEP_LEVEL = 2
 
@@ -109,11 +111,23 @@ class VLLMEngine:
 
     adapter: Optional[AdapterPush] = None
 
-    def __init__(self, model: torch.nn.Module, model_path: str, pad_id: int, eos_id: int, max_model_len: int,
-                 sequences: int, tp_size: int = 1, weights_dtype: Optional[torch.dtype] = None,
-                 kv_cache_bytes: Optional[int] = None, mem_fraction: Optional[float] = None,
-                 enable_prefix_caching: bool = False, seed: int = 0, timeout_s: int = 300,
-                 engine_kwargs: Optional[dict] = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        model_path: str,
+        pad_id: int,
+        eos_id: int,
+        max_model_len: int,
+        sequences: int,
+        tp_size: int = 1,
+        weights_dtype: Optional[torch.dtype] = None,
+        kv_cache_bytes: Optional[int] = None,
+        mem_fraction: Optional[float] = None,
+        enable_prefix_caching: bool = False,
+        seed: int = 0,
+        timeout_s: int = 300,
+        engine_kwargs: Optional[dict] = None,
+    ):
         """sequences: the most sequences one generate call of this rank asks for (sizes the KV budget)."""
         S.check_importable()
         W, r = D.world_size(), D.rank()
@@ -142,8 +156,9 @@ class VLLMEngine:
         self.synced = False  # the engine holds dummy weights until the first complete sync
         self._sent: set[str] = set()
         self.sync_stats = {"bytes": 0, "buckets": 0}
-        self.llm = self._start(model_path, max_model_len, group_sequences, mem_fraction, enable_prefix_caching,
-                               seed, engine_kwargs or {})
+        self.llm = self._start(
+            model_path, max_model_len, group_sequences, mem_fraction, enable_prefix_caching, seed, engine_kwargs or {}
+        )
         self.sleep_level = self.start_adapter(engine_kwargs or {}, SLEEP_LEVEL)  # LoRA: 1, the base survives
         cache = self.llm.llm_engine.vllm_config.cache_config
         if use_fraction:  # vLLM sized it: read back what it took
@@ -155,11 +170,20 @@ class VLLMEngine:
     def _start(self, model_path, max_model_len, max_num_seqs, mem_fraction, prefix_caching, seed, extra):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process
         cuda = self.device.type == "cuda"
-        args = dict(model=model_path, skip_tokenizer_init=True, load_format="dummy", tensor_parallel_size=self.tp_size,
-                    dtype={torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[self.dtype],
-                    max_model_len=max_model_len, max_num_seqs=max(1, max_num_seqs), seed=seed,
-                    enable_prefix_caching=prefix_caching, logprobs_mode="processed_logprobs",
-                    enforce_eager=not cuda, enable_sleep_mode=cuda)
+        args = dict(
+            model=model_path,
+            skip_tokenizer_init=True,
+            load_format="dummy",
+            tensor_parallel_size=self.tp_size,
+            dtype={torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[self.dtype],
+            max_model_len=max_model_len,
+            max_num_seqs=max(1, max_num_seqs),
+            seed=seed,
+            enable_prefix_caching=prefix_caching,
+            logprobs_mode="processed_logprobs",
+            enforce_eager=not cuda,
+            enable_sleep_mode=cuda,
+        )
         if self.kv_bytes:
             args["kv_cache_memory_bytes"] = self.kv_bytes
         if cuda:
@@ -175,9 +199,11 @@ class VLLMEngine:
                 llm = LLM(**args)
             except Exception as err:
                 raise RuntimeError(
-                    f"vllm.LLM failed to start on {self.device}: {type(err).__name__}: {err}. Likely causes: a KV budget "
-                    f"({self.kv_bytes} bytes, rollout.kv_cache_bytes) or rollout.mem_fraction too small for one sequence "
-                    "of max_model_len tokens, not enough free memory, or a vLLM build for another device") from err
+                    f"vllm.LLM failed to start on {self.device}: {type(err).__name__}: {err}. Likely causes: a KV "
+                    f"budget ({self.kv_bytes} bytes, rollout.kv_cache_bytes) or rollout.mem_fraction too small for one "
+                    "sequence "
+                    "of max_model_len tokens, not enough free memory, or a vLLM build for another device"
+                ) from err
         self.process_changes = guard.changes
         return llm
 
@@ -196,8 +222,10 @@ class VLLMEngine:
         so both count whatever was released (the ledger must not claim memory that never came back)."""
         if self.device.type != "cuda":
             return {"engine_weights": self._full_bytes // self.tp_size, "kv_cache": self.kv_bytes}
-        return {"engine_weights": 0 if "weights" in self.released else self._full_bytes // self.tp_size,
-                "kv_cache": 0 if "kv_cache" in self.released else self.kv_bytes}
+        return {
+            "engine_weights": 0 if "weights" in self.released else self._full_bytes // self.tp_size,
+            "kv_cache": 0 if "kv_cache" in self.released else self.kv_bytes,
+        }
 
     def resume(self, tags: Sequence[str]) -> None:
         check_tags(tags)
@@ -241,7 +269,9 @@ class VLLMEngine:
     # -- weights --------------------------------------------------------------
     def begin_weight_update(self) -> None:
         if "weights" in self.released:
-            raise RuntimeError("begin_weight_update() while the engine's weights are released; resume(['weights']) first")
+            raise RuntimeError(
+                "begin_weight_update() while the engine's weights are released; resume(['weights']) first"
+            )
         if self.session:
             raise RuntimeError("begin_weight_update() called twice")
         from vllm.config import set_current_vllm_config
@@ -262,7 +292,9 @@ class VLLMEngine:
             if name not in self.expected:
                 raise KeyError(f"parameter {name!r} is not in the policy; vLLM would skip it silently")
             if tuple(t.shape) != self.expected[name]:
-                raise ValueError(f"{name}: shape {tuple(t.shape)} != the model's {self.expected[name]}; send full tensors")
+                raise ValueError(
+                    f"{name}: shape {tuple(t.shape)} != the model's {self.expected[name]}; send full tensors"
+                )
             bucket.append((name, t.detach().to(self.device, self.dtype)))
         from vllm.config import set_current_vllm_config
 
@@ -278,8 +310,10 @@ class VLLMEngine:
         self._finish_reload()
         missing = sorted(set(self.expected) - self._sent)
         if missing:
-            raise RuntimeError(f"weight sync incomplete: {len(missing)} parameters not sent (e.g. {missing[:3]}); "
-                               "the engine keeps stale or discarded weights until every parameter is sent")
+            raise RuntimeError(
+                f"weight sync incomplete: {len(missing)} parameters not sent (e.g. {missing[:3]}); "
+                "the engine keeps stale or discarded weights until every parameter is sent"
+            )
         self.synced = True
 
     def abort_weight_update(self) -> None:
@@ -304,12 +338,16 @@ class VLLMEngine:
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
         if self.released:
-            raise RuntimeError(f"engine memory is released ({sorted(self.released)}); resume(['weights', 'kv_cache']) first")
+            raise RuntimeError(
+                f"engine memory is released ({sorted(self.released)}); resume(['weights', 'kv_cache']) first"
+            )
         if self.session:
             raise RuntimeError("generate inside a weight-update session; call end_weight_update() first")
         if not self.synced:
-            raise RuntimeError("the engine holds no synced weights (never synced, or the last sync failed); "
-                               "enter the rollout phase, which sends them")
+            raise RuntimeError(
+                "the engine holds no synced weights (never synced, or the last sync failed); "
+                "enter the rollout phase, which sends them"
+            )
         if any(len(p) == 0 for p in prompt_ids):
             raise ValueError("every prompt needs at least one token")
         requests = [(list(map(list, prompt_ids)), params)]
@@ -324,9 +362,17 @@ class VLLMEngine:
             stop = self._stop_ids(p)
             # One SamplingParams per rank's request, shared by its prompts (vLLM copies it per request anyway);
             # no per-request seed: the call's stream is seeded below (module docstring, "Sampling stream").
-            vsp = VSP(max_tokens=p.max_new_tokens, temperature=0.0 if p.greedy else p.temperature, top_p=p.top_p,
-                      top_k=p.top_k if p.top_k > 0 else 0, stop_token_ids=stop, logprobs=0, flat_logprobs=True,
-                      detokenize=False, min_tokens=p.min_new_tokens)
+            vsp = VSP(
+                max_tokens=p.max_new_tokens,
+                temperature=0.0 if p.greedy else p.temperature,
+                top_p=p.top_p,
+                top_k=p.top_k if p.top_k > 0 else 0,
+                stop_token_ids=stop,
+                logprobs=0,
+                flat_logprobs=True,
+                detokenize=False,
+                min_tokens=p.min_new_tokens,
+            )
             prompts += [TokensPrompt(prompt_token_ids=one) for one in ids]
             sampling += [vsp] * len(ids)
             stops += [stop] * len(ids)
@@ -337,8 +383,8 @@ class VLLMEngine:
         if len(outs) != len(prompts):
             raise RuntimeError(f"vLLM returned {len(outs)} results for {len(prompts)} prompts")
         completions = [to_completion(o.outputs[0], i, stops[i]) for i, o in enumerate(outs)]
-        start = sum(len(ids) for ids, _ in requests[:self.group_rank])
-        return completions[start:start + len(prompt_ids)]
+        start = sum(len(ids) for ids, _ in requests[: self.group_rank])
+        return completions[start : start + len(prompt_ids)]
 
     def _stop_ids(self, p: SamplingParams) -> list[int]:
         # Without a tokenizer vLLM knows no EOS of the trainer's: it is passed as a stop id, as in SGLang.
@@ -374,8 +420,10 @@ class VLLMEngine:
     def update_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], config: dict) -> int:
         """Push the policy's adapter (peft names, full tensors); returns its bytes, counted in `sync_stats`."""
         if self.adapter is None:
-            raise RuntimeError("this vLLM engine was started without LoRA (engine_kwargs(rank)); model.lora.rank "
-                               "must be set when the engine is built")
+            raise RuntimeError(
+                "this vLLM engine was started without LoRA (engine_kwargs(rank)); model.lora.rank "
+                "must be set when the engine is built"
+            )
         if "weights" in self.released:
             raise RuntimeError("update_adapter() while the engine's weights are released; resume(['weights']) first")
         sent = self.adapter.push(named_tensors, config)
@@ -408,21 +456,34 @@ def check_config(cfg, device: torch.device) -> None:
     S.check_model(cfg.model.path, device)
 
 
-def build_for_trainer(cfg, policy: torch.nn.Module, tok, longest: int, has_val: bool,
-                      weights_dtype: Optional[torch.dtype]) -> VLLMEngine:
+def build_for_trainer(
+    cfg, policy: torch.nn.Module, tok, longest: int, has_val: bool, weights_dtype: Optional[torch.dtype]
+) -> VLLMEngine:
     """The engine: max_model_len = `longest` (kept prompt) + rollout.max_new_tokens, or with an environment
     rollout.max_episode_tokens (vLLM caps a sample there); KV for the largest call a rank makes x that length."""
     r = cfg.rollout
     W = D.world_size()
     train = cfg.data.batch_size * r.n // W
     val = -(-(cfg.data.val_batch_size or cfg.data.batch_size) // W) * max(r.n, 1) if has_val else 0
-    return VLLMEngine(policy, cfg.model.path, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id,
-                      max_model_len=r.max_episode_tokens if cfg.env.enabled else longest + r.max_new_tokens,
-                      sequences=max(train, val), tp_size=r.tp_size, weights_dtype=weights_dtype,
-                      kv_cache_bytes=r.kv_cache_bytes, mem_fraction=r.mem_fraction,
-                      enable_prefix_caching=r.enable_prefix_caching, seed=r.seed, timeout_s=r.engine_timeout_s,
-                      engine_kwargs={**(lora_engine_kwargs(cfg.model.lora.rank) if cfg.model.lora.enabled else {}),
-                                     **({} if r.enforce_eager is None else {"enforce_eager": r.enforce_eager})})
+    return VLLMEngine(
+        policy,
+        cfg.model.path,
+        pad_id=tok.pad_token_id,
+        eos_id=tok.eos_token_id,
+        max_model_len=r.max_episode_tokens if cfg.env.enabled else longest + r.max_new_tokens,
+        sequences=max(train, val),
+        tp_size=r.tp_size,
+        weights_dtype=weights_dtype,
+        kv_cache_bytes=r.kv_cache_bytes,
+        mem_fraction=r.mem_fraction,
+        enable_prefix_caching=r.enable_prefix_caching,
+        seed=r.seed,
+        timeout_s=r.engine_timeout_s,
+        engine_kwargs={
+            **(lora_engine_kwargs(cfg.model.lora.rank) if cfg.model.lora.enabled else {}),
+            **({} if r.enforce_eager is None else {"enforce_eager": r.enforce_eager}),
+        },
+    )
 
 
 def _repack_tied_head(model: torch.nn.Module) -> None:

@@ -22,9 +22,10 @@ and the base synced only when `synced` is False (first sync, or after a level-2 
 `lora_request=self.adapter.request`; `update_adapter(named_tensors, config)` calling `AdapterPush.push`
 and counting its bytes in `sync_stats`.
 """
+
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable
 
 import torch
 
@@ -37,8 +38,10 @@ def max_lora_rank(rank: int) -> int:
     """The smallest max_lora_rank vLLM 0.32 accepts that holds `rank` (its slot buffers are sized by it)."""
     fits = [r for r in VLLM_MAX_LORA_RANKS if r >= rank]
     if rank < 1 or not fits:
-        raise ValueError(f"config key 'model.lora.rank': vLLM 0.32 serves LoRA ranks 1..{VLLM_MAX_LORA_RANKS[-1]}, "
-                         f"got {rank}; lower it or use rollout.engine=native")
+        raise ValueError(
+            f"config key 'model.lora.rank': vLLM 0.32 serves LoRA ranks 1..{VLLM_MAX_LORA_RANKS[-1]}, "
+            f"got {rank}; lower it or use rollout.engine=native"
+        )
     return fits[0]
 
 
@@ -85,15 +88,22 @@ class AdapterPush:
         # nothing changes: without the copy a CPU fp32 policy's own lora_B would be scaled by alpha / rank each push.
         tensors = {n: t.detach().clone() for n, t in named_tensors}
         self._check_modules(manager, tensors)
-        helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": worker_manager.max_position_embeddings})
+        helper = PEFTHelper.from_dict(
+            {**config, "vllm_max_position_embeddings": worker_manager.max_position_embeddings}
+        )
         helper.validate_legal(worker_manager.lora_config)  # rank <= max_lora_rank, no DoRA / bias
         model = manager.model
         mapper = getattr(model, "hf_to_vllm_mapper", None)
         lora = LoRAModel.from_lora_tensors(
-            lora_model_id=self.lora_id, tensors=tensors, peft_helper=helper, device="cpu",
-            dtype=worker_manager.lora_config.lora_dtype, model_vocab_size=worker_manager.vocab_size,
+            lora_model_id=self.lora_id,
+            tensors=tensors,
+            peft_helper=helper,
+            device="cpu",
+            dtype=worker_manager.lora_config.lora_dtype,
+            model_vocab_size=worker_manager.vocab_size,
             weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
-            skip_prefixes=getattr(model, "lora_skip_prefixes", None))
+            skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+        )
         manager.remove_adapter(self.lora_id)  # deactivates: activate below re-writes the slot buffers
         manager.add_adapter(lora)
         manager.activate_adapter(self.lora_id)
@@ -120,5 +130,7 @@ class AdapterPush:
             if module.rsplit(".", 1)[-1] not in expected:
                 bad.append(name)
         if bad:
-            raise ValueError(f"{len(bad)} tensors are not LoRA weights of a module vLLM adapts (e.g. {bad[:3]}); "
-                             f"it adapts {sorted(expected)}; send models.lora.adapter_named_tensors only")
+            raise ValueError(
+                f"{len(bad)} tensors are not LoRA weights of a module vLLM adapts (e.g. {bad[:3]}); "
+                f"it adapts {sorted(expected)}; send models.lora.adapter_named_tensors only"
+            )

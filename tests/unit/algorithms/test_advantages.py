@@ -7,6 +7,7 @@ this file reuses.
 
 Legend: N sequences, T response tokens, group_ids_N prompt id of each sequence.
 """
+
 import math
 import random
 
@@ -257,8 +258,14 @@ def test_compute_advantages_is_a_table_lookup(monkeypatch):
     out = compute_advantages("fake_kl", s, g, m, eps=0.5, gamma=0.9, kl_NT=kl, kl_coef=0.2, stats_mask_NT=m)
     assert torch.equal(out, torch.full((2, 3), 7.0))
     x = seen[0]
-    assert (x.scores_N is s and x.group_ids_N is g and x.mask_NT is m and x.kl_NT is kl and x.stats_mask_NT is m
-            and (x.eps, x.gamma, x.kl_coef) == (0.5, 0.9, 0.2))
+    assert (
+        x.scores_N is s
+        and x.group_ids_N is g
+        and x.mask_NT is m
+        and x.kl_NT is kl
+        and x.stats_mask_NT is m
+        and (x.eps, x.gamma, x.kl_coef) == (0.5, 0.9, 0.2)
+    )
     with pytest.raises(ValueError, match="kl_NT.*'fake_kl'"):
         compute_advantages("fake_seq", s, g, m, kl_NT=kl, kl_coef=0.2)
     with pytest.raises(ValueError, match="gamma"):

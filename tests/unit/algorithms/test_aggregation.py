@@ -2,6 +2,7 @@
 
 Legend: N rows (sequences), T response tokens; _NT per token.
 """
+
 import pytest
 import torch
 
@@ -86,7 +87,9 @@ def test_token_mean_equals_masked_mean_and_grpo_seq_mean():
     loss_NT, mask_NT = _random_batch(1, 4, 6)
     token_mean, seq_mean = _naive_masked_mean(loss_NT, mask_NT)
     d = normalizer_count(mask_NT, "token-mean")
-    assert torch.allclose(aggregate_loss(loss_NT, mask_NT, "token-mean", d), torch.tensor(token_mean, dtype=torch.float64))
+    assert torch.allclose(
+        aggregate_loss(loss_NT, mask_NT, "token-mean", d), torch.tensor(token_mean, dtype=torch.float64)
+    )
     d = normalizer_count(mask_NT, "seq-mean-token-mean")
     want = torch.tensor(seq_mean, dtype=torch.float64)
     assert torch.allclose(aggregate_loss(loss_NT, mask_NT, "seq-mean-token-mean", d), want)

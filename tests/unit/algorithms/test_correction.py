@@ -2,6 +2,7 @@
 
 Legend: N sequences, T tokens; _NT per token, _N per sequence.
 """
+
 import math
 
 import pytest
@@ -141,8 +142,9 @@ def test_extreme_mismatch_is_finite_and_padding_ignored():
     ],
 )
 def test_bad_inputs_raise(kwargs, match):
-    args = dict(old_logp_NT=torch.zeros(2, 3), engine_logp_NT=torch.zeros(2, 3), mask_NT=torch.ones(2, 3),
-                mode="tis_token")
+    args = dict(
+        old_logp_NT=torch.zeros(2, 3), engine_logp_NT=torch.zeros(2, 3), mask_NT=torch.ones(2, 3), mode="tis_token"
+    )
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         rollout_correction(**args)

@@ -2,6 +2,7 @@
 
 Legend: N sequences, T tokens; _NT per token, _N per sequence.
 """
+
 import random
 
 import pytest
@@ -70,8 +71,11 @@ def test_overlong_penalty_matches_naive(lmax, buf, f):
 def test_overlong_penalty_boundaries():
     p = overlong_penalty(torch.tensor([15, 16, 20, 21, 100]), max_new_tokens=20, buffer_len=5, penalty_factor=1.0)
     assert p.tolist() == pytest.approx([0.0, -0.2, -1.0, -1.0, -1.0])
-    for bad in (dict(max_new_tokens=0, buffer_len=0), dict(max_new_tokens=5, buffer_len=6),
-                dict(max_new_tokens=5, buffer_len=2, penalty_factor=-1.0)):
+    for bad in (
+        dict(max_new_tokens=0, buffer_len=0),
+        dict(max_new_tokens=5, buffer_len=6),
+        dict(max_new_tokens=5, buffer_len=2, penalty_factor=-1.0),
+    ):
         args = dict(penalty_factor=1.0)
         args.update(bad)
         with pytest.raises(ValueError):
@@ -97,19 +101,23 @@ def test_truncation_mask(dtype):
 def test_collector_reports_zero_std_groups_and_length_extremes():
     """Two rounds of 3 groups x 2 samples: the fraction of groups whose scores are all equal (zero
     advantage) and the longest / shortest completion, over everything generated, against a naive count."""
-    from hybrid_rl.types import Completion
     from hybrid_rl.loop.dynamic_sampling import GroupCollector
+    from hybrid_rl.types import Completion
 
     def comps(lengths):
         return [Completion(token_ids=[7] * n, logprobs=[0.0] * n, finish_reason="stop") for n in lengths]
 
-    rounds = [([1.0, 1.0, 0.0, 1.0, 0.5, 0.5], [3, 9, 4, 4, 2, 5]),
-              ([0.0, 0.0, 0.0, 0.0, 1.0, 0.0], [6, 1, 8, 3, 7, 7])]
+    rounds = [
+        ([1.0, 1.0, 0.0, 1.0, 0.5, 0.5], [3, 9, 4, 4, 2, 5]),
+        ([0.0, 0.0, 0.0, 0.0, 1.0, 0.0], [6, 1, 8, 3, 7, 7]),
+    ]
     col = GroupCollector(group_size=2, dynamic=False, max_rounds=1)
     for scores, lengths in rounds:
         s = torch.tensor(scores)
         col.add([{}] * 3, [[1]] * 3, comps(lengths), s, s)
     _, m = col.finish()
-    groups = [tuple(sc[i:i + 2]) for sc, _ in rounds for i in range(0, 6, 2)]
-    assert m["reward/frac_zero_std"] == pytest.approx(sum(a == b for a, b in groups) / len(groups)) == pytest.approx(4 / 6)
+    groups = [tuple(sc[i : i + 2]) for sc, _ in rounds for i in range(0, 6, 2)]
+    assert (
+        m["reward/frac_zero_std"] == pytest.approx(sum(a == b for a, b in groups) / len(groups)) == pytest.approx(4 / 6)
+    )
     assert m["response/length_max"] == 9 and m["response/length_min"] == 1

@@ -2,6 +2,7 @@
 
 Legend: N sequences, T tokens; _NT per token.
 """
+
 import math
 
 import pytest
@@ -92,8 +93,11 @@ def test_adaptive_controller_matches_naive_sequence():
         value *= 1 + err * n_steps / 1000
         assert c.value == pytest.approx(value, rel=1e-12)
     assert c.value != 0.1
-    for bad in (dict(init_coef=-1, target_kl=1, horizon=1), dict(init_coef=1, target_kl=0, horizon=1),
-                dict(init_coef=1, target_kl=1, horizon=0)):
+    for bad in (
+        dict(init_coef=-1, target_kl=1, horizon=1),
+        dict(init_coef=1, target_kl=0, horizon=1),
+        dict(init_coef=1, target_kl=1, horizon=0),
+    ):
         with pytest.raises(ValueError):
             AdaptiveKLController(**bad)
 

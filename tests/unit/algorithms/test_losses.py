@@ -2,6 +2,7 @@
 
 Legend: N sequences, T response tokens; _NT per token, _N per sequence.
 """
+
 import math
 
 import pytest
@@ -123,7 +124,13 @@ def test_matches_naive_loop(name, kwargs, n, t, token_adv):
         full_kwargs["clip_ratio_low"] = None
     full_kwargs.update(kwargs)
     want_loss, want_grad, want_metrics = naive(
-        name, logp, old, adv, mask, full_kwargs["clip_ratio_low"], full_kwargs["clip_ratio_high"],
+        name,
+        logp,
+        old,
+        adv,
+        mask,
+        full_kwargs["clip_ratio_low"],
+        full_kwargs["clip_ratio_high"],
         full_kwargs["clip_ratio_c"] if name == "ppo_clip" else None,
     )
     assert torch.allclose(loss_NT, torch.tensor(want_loss, dtype=torch.float64), atol=1e-12)
@@ -188,8 +195,9 @@ def _gspo_inputs(seed, n=256, t=48, dtype=torch.float32):
     low, high = 3e-4, 4e-4
     logp = -30.0 + torch.rand(n, t, generator=g, dtype=torch.float64)
     up_N = torch.arange(n) % 2 == 0
-    target_N = torch.where(up_N, torch.tensor(math.log1p(high), dtype=torch.float64),
-                           torch.tensor(math.log1p(-low), dtype=torch.float64))
+    target_N = torch.where(
+        up_N, torch.tensor(math.log1p(high), dtype=torch.float64), torch.tensor(math.log1p(-low), dtype=torch.float64)
+    )
     lengths = torch.randint(1, t + 1, (n,), generator=g)
     mask = (torch.arange(t)[None, :] < lengths[:, None]).float()
     # token log-ratios spread by 1e-3 but with row mean at the bound, give or take 1e-6

@@ -6,6 +6,7 @@ then whitening over every valid token of the global batch.
 
 Legend: N sequences, T response tokens; _N per sequence, _NT per token.
 """
+
 import math
 import random
 
@@ -118,8 +119,15 @@ def test_reinforce_pp_matches_naive(gamma, with_kl, holes):
         want = naive_reinforce_pp(scores, mask, gamma, kl if with_kl else None, kl_coef)
         assert got.dtype == torch.float64
         _assert_close(got, want)
-        via = compute_advantages("reinforce_pp", _t(scores), torch.tensor(ids), torch.tensor(mask), gamma=gamma,
-                                 kl_NT=_t(kl) if with_kl else None, kl_coef=kl_coef)
+        via = compute_advantages(
+            "reinforce_pp",
+            _t(scores),
+            torch.tensor(ids),
+            torch.tensor(mask),
+            gamma=gamma,
+            kl_NT=_t(kl) if with_kl else None,
+            kl_coef=kl_coef,
+        )
         assert torch.equal(via, got)
 
 
@@ -169,13 +177,16 @@ def test_whitening_is_length_weighted():
 def test_all_equal_returns_give_exact_zero(dtype):
     # 0.1 is not exactly representable: a mean of 0.1s can differ from 0.1 by an ulp.
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
-    for fn in (lambda s: reinforce_pp_advantages(s, mask),
-               lambda s: reinforce_pp_baseline_advantages(s + torch.arange(4.0, dtype=dtype), torch.arange(4), mask)):
+    for fn in (
+        lambda s: reinforce_pp_advantages(s, mask),
+        lambda s: reinforce_pp_baseline_advantages(s + torch.arange(4.0, dtype=dtype), torch.arange(4), mask),
+    ):
         adv = fn(torch.full((4,), 0.1, dtype=dtype))
         assert adv.dtype == dtype and torch.equal(adv, torch.zeros(4, 4, dtype=dtype))
     # eps = 0 must not give 0 / 0; one valid token has no spread either.
-    assert torch.equal(reinforce_pp_advantages(torch.full((4,), 0.1, dtype=dtype), mask, eps=0.0),
-                       torch.zeros(4, 4, dtype=dtype))
+    assert torch.equal(
+        reinforce_pp_advantages(torch.full((4,), 0.1, dtype=dtype), mask, eps=0.0), torch.zeros(4, 4, dtype=dtype)
+    )
     one = torch.tensor([[0, 1, 0]])
     assert torch.equal(reinforce_pp_advantages(torch.tensor([3.0], dtype=dtype), one), torch.zeros(1, 3, dtype=dtype))
 
@@ -245,8 +256,9 @@ def test_split_batch_with_reduce_sum_equals_whole_batch(cut, gamma, with_kl):
     kl_coef = 0.25 if with_kl else 0.0
 
     def rpp(rows, reduce_sum):
-        return reinforce_pp_advantages(s[rows], m[rows], gamma=gamma, kl_NT=k[rows] if with_kl else None,
-                                       kl_coef=kl_coef, reduce_sum=reduce_sum)
+        return reinforce_pp_advantages(
+            s[rows], m[rows], gamma=gamma, kl_NT=k[rows] if with_kl else None, kl_coef=kl_coef, reduce_sum=reduce_sum
+        )
 
     def base(rows, reduce_sum):
         return reinforce_pp_baseline_advantages(s[rows], g[rows], m[rows], reduce_sum=reduce_sum)
@@ -341,8 +353,8 @@ def test_whitening_over_the_trained_tokens_only(name):
 
 def test_the_trainer_whitens_over_its_loss_mask(tiny_trainer_overrides, monkeypatch):
     from hybrid_rl import Trainer, load_config
-    from hybrid_rl.loop import advantage_stage as stage_mod
     from hybrid_rl import trainer as trainer_mod
+    from hybrid_rl.loop import advantage_stage as stage_mod
 
     calls = []
     real = stage_mod.compute_advantages
@@ -350,36 +362,57 @@ def test_the_trainer_whitens_over_its_loss_mask(tiny_trainer_overrides, monkeypa
     seen = {}
     real_update = trainer_mod.policy_update
     monkeypatch.setattr(trainer_mod, "policy_update", lambda **k: seen.update(batch=k["batch"]) or real_update(**k))
-    tr = Trainer(load_config(None, [*tiny_trainer_overrides, "algorithm.advantage=reinforce_pp",
-                                    "algorithm.overlong_filter=true", "rollout.max_new_tokens=3"]))
+    tr = Trainer(
+        load_config(
+            None,
+            [
+                *tiny_trainer_overrides,
+                "algorithm.advantage=reinforce_pp",
+                "algorithm.overlong_filter=true",
+                "rollout.max_new_tokens=3",
+            ],
+        )
+    )
     tr.step()
     (_, _, _, resp_mask), kwargs = calls[0]
     assert torch.equal(kwargs["stats_mask_NT"], seen["batch"].mask_NT)
     assert not torch.equal(resp_mask.bool(), seen["batch"].mask_NT.bool()), "the test needs truncated rows"
 
 
-def test_the_trainer_gives_a_reward_side_kl_per_token_only_to_estimators_that_take_it(tiny_trainer_overrides,
-                                                                                      monkeypatch):
+def test_the_trainer_gives_a_reward_side_kl_per_token_only_to_estimators_that_take_it(
+    tiny_trainer_overrides, monkeypatch
+):
     """The trainer asks the estimator's token_kl flag: REINFORCE++ gets the per-token KL (KL-to-go in its returns)
     and the raw scores; reinforce_pp_baseline gets the KL folded into its scores and no kl_NT (compute_advantages
     would refuse one). Mutation: `if not takes_token_kl(...)` replaced by True (or False) fails one of them."""
     from hybrid_rl import Trainer, load_config
     from hybrid_rl.loop import advantage_stage as stage_mod
-    from hybrid_rl import trainer as trainer_mod
 
     for name, token_kl in (("reinforce_pp", True), ("reinforce_pp_baseline", False)):
         calls = []
         real = stage_mod.compute_advantages
         monkeypatch.setattr(stage_mod, "compute_advantages", lambda *a, **k: calls.append((a, k)) or real(*a, **k))
-        tr = Trainer(load_config(None, [*tiny_trainer_overrides, f"algorithm.advantage={name}",
-                                        "algorithm.kl_placement=reward", "algorithm.kl_coef=0.3"]))
+        tr = Trainer(
+            load_config(
+                None,
+                [
+                    *tiny_trainer_overrides,
+                    f"algorithm.advantage={name}",
+                    "algorithm.kl_placement=reward",
+                    "algorithm.kl_coef=0.3",
+                ],
+            )
+        )
         with torch.no_grad():  # a reference unlike the policy, so the KL is not 0
             for p in tr.ref.parameters():
                 p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
         scores = []
         real_rollout = tr.rollout_stage.run
-        monkeypatch.setattr(tr.rollout_stage, "run", lambda *a, **k: (lambda out: scores.append(out[0].scores_N) or out)(
-            real_rollout(*a, **k)))
+        monkeypatch.setattr(
+            tr.rollout_stage,
+            "run",
+            lambda *a, **k: (lambda out: scores.append(out[0].scores_N) or out)(real_rollout(*a, **k)),
+        )
         tr.step()
         (_, scores_N, _, _), kwargs = calls[0]
         assert (kwargs["kl_NT"] is not None) == token_kl, name

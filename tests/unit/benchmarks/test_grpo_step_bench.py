@@ -1,6 +1,7 @@
 """benchmarks/grpo_step.py end to end at a tiny size: the parent drives its worker processes over
 the step protocol, and the last line is the JSON a reader (and the committed results) rely on.
 No timing assertions: only that every number the README quotes is there and finite."""
+
 from __future__ import annotations
 
 import json
@@ -15,13 +16,28 @@ pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "grpo_step.py")
-TINY = ["--steps", "2", "--warmup", "1", "--max-new-tokens", "4", "--prompts", "4", "--n", "2",
-        "--micro-batch", "8", "--threads", "1"]
+TINY = [
+    "--steps",
+    "2",
+    "--warmup",
+    "1",
+    "--max-new-tokens",
+    "4",
+    "--prompts",
+    "4",
+    "--n",
+    "2",
+    "--micro-batch",
+    "8",
+    "--threads",
+    "1",
+]
 
 
 def _run(*extra: str) -> tuple[str, dict]:
-    proc = subprocess.run([sys.executable, SCRIPT, *TINY, *extra], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, *TINY, *extra], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     return proc.stdout, json.loads(lines[-1])

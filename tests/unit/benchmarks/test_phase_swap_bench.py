@@ -3,6 +3,7 @@
 No timing assertions (machines are noisy): only that the numbers exist, are finite,
 and that the bytes each stage claims to move match the model and optimizer sizes.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -18,10 +19,39 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 SCRIPT = os.path.join(ROOT, "benchmarks", "phase_swap.py")
 # One thread: a 64-wide model is all overhead, and two threads on a busy 2-core machine
 # spend most of their time waiting for each other.
-TINY = ["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--vocab", "128",
-        "--batch", "2", "--prompt-len", "8", "--new-tokens", "4", "--train-tokens", "8", "--threads", "1"]
-ALWAYS = ("zero_grad", "offload_optimizer", "resume_weights", "resume_kv", "kv_prefill", "release_engine",
-          "onload_ref", "offload_ref", "onload_optimizer")
+TINY = [
+    "--hidden",
+    "64",
+    "--layers",
+    "2",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--vocab",
+    "128",
+    "--batch",
+    "2",
+    "--prompt-len",
+    "8",
+    "--new-tokens",
+    "4",
+    "--train-tokens",
+    "8",
+    "--threads",
+    "1",
+]
+ALWAYS = (
+    "zero_grad",
+    "offload_optimizer",
+    "resume_weights",
+    "resume_kv",
+    "kv_prefill",
+    "release_engine",
+    "onload_ref",
+    "offload_ref",
+    "onload_optimizer",
+)
 COPIED = ("offload_optimizer", "onload_optimizer", "onload_ref", "offload_ref")
 
 
@@ -88,16 +118,34 @@ def test_ratios_are_finite_where_bytes_are_copied(result):
 
 
 def test_flags_remove_their_stages(bench):
-    res = bench.main([*TINY, "--k", "1", "--warmup", "0", "--engine", "zero-copy", "--no-ref",
-                      "--no-offload-optimizer", "--no-train-step", "--json-only"])
+    res = bench.main(
+        [
+            *TINY,
+            "--k",
+            "1",
+            "--warmup",
+            "0",
+            "--engine",
+            "zero-copy",
+            "--no-ref",
+            "--no-offload-optimizer",
+            "--no-train-step",
+            "--json-only",
+        ]
+    )
     stages = res["engines"]["zero-copy"]["stages"]
     assert not {"offload_optimizer", "onload_optimizer", "onload_ref", "offload_ref", "sync_weights"} & set(stages)
     assert {"zero_grad", "resume_weights", "resume_kv", "release_engine"} <= set(stages)
 
 
 def test_script_prints_table_then_json_last_line():
-    proc = subprocess.run([sys.executable, SCRIPT, *TINY, "--k", "1", "--engine", "copy"],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, *TINY, "--k", "1", "--engine", "copy"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert any(line.startswith("sync_weights") for line in lines[:-1]), proc.stdout[-3000:]

@@ -3,6 +3,7 @@
 No timing assertions: the GPU numbers (decode tokens/s, fraction of the HBM roofline) come from
 this script, so what is checked here is that it runs, reports every case, and counts bytes right.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -20,8 +21,9 @@ BENCH_DIR = os.path.join(ROOT, "benchmarks")
 def bench():
     sys.path.insert(0, BENCH_DIR)  # the script imports phase_swap as a sibling, as when run directly
     try:
-        spec = importlib.util.spec_from_file_location("rollout_throughput_bench",
-                                                      os.path.join(BENCH_DIR, "rollout_throughput.py"))
+        spec = importlib.util.spec_from_file_location(
+            "rollout_throughput_bench", os.path.join(BENCH_DIR, "rollout_throughput.py")
+        )
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         yield mod
@@ -47,8 +49,26 @@ def test_useful_bytes_reads_the_weights_once_and_each_running_rows_own_kv(bench)
 @pytest.mark.slow
 def test_script_reports_every_case_on_cpu(bench, capsys):
     T, N = 6, 4
-    res = bench.main(["--models", "tiny", "--new-tokens", str(T), "--batch", str(N), "--prompt-len", "8",
-                      "--vocab", "64", "--scenarios", "full,ragged", "--paths", "old,new", "--device", "cpu"])
+    res = bench.main(
+        [
+            "--models",
+            "tiny",
+            "--new-tokens",
+            str(T),
+            "--batch",
+            str(N),
+            "--prompt-len",
+            "8",
+            "--vocab",
+            "64",
+            "--scenarios",
+            "full,ragged",
+            "--paths",
+            "old,new",
+            "--device",
+            "cpu",
+        ]
+    )
     rows = {(r["scenario"], r["path"]): r for r in res["results"]}
     assert set(rows) == {(s, p) for s in ("full", "ragged") for p in ("old", "new")}
     for (scen, path), r in rows.items():

@@ -6,6 +6,7 @@ No timing assertions: that every number the results files quote is there, finite
 The model is 128 wide with 4 heads: vLLM's CPU attention needs a head_dim that is a multiple of 32.
 Skipped only where vllm cannot be imported (CI fails the run then: the node ids name vllm).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -17,13 +18,35 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.usefixtures("torch_one_thread"),
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not importable")]
+pytestmark = [
+    pytest.mark.usefixtures("torch_one_thread"),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not importable"),
+]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 BENCH_DIR = os.path.join(ROOT, "benchmarks")
-WIDE = ["--hidden", "128", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--vocab", "128",
-        "--batch", "2", "--prompt-len", "8", "--new-tokens", "4", "--train-tokens", "8", "--threads", "1"]
+WIDE = [
+    "--hidden",
+    "128",
+    "--layers",
+    "2",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--vocab",
+    "128",
+    "--batch",
+    "2",
+    "--prompt-len",
+    "8",
+    "--new-tokens",
+    "4",
+    "--train-tokens",
+    "8",
+    "--threads",
+    "1",
+]
 
 
 def _load(name: str):
@@ -79,9 +102,26 @@ def test_phase_swap_vllm_splits_the_sync_into_its_parts(phase_swap_vllm):
 
 def test_rollout_throughput_vllm_rows_next_to_the_native_engine(bench_path, capsys):
     T, N = 6, 4
-    res = _load("rollout_throughput").main(["--models", "tiny", "--new-tokens", str(T), "--batch", str(N),
-                                            "--prompt-len", "8", "--vocab", "64", "--scenarios", "full,ragged",
-                                            "--paths", "new,vllm", "--device", "cpu"])
+    res = _load("rollout_throughput").main(
+        [
+            "--models",
+            "tiny",
+            "--new-tokens",
+            str(T),
+            "--batch",
+            str(N),
+            "--prompt-len",
+            "8",
+            "--vocab",
+            "64",
+            "--scenarios",
+            "full,ragged",
+            "--paths",
+            "new,vllm",
+            "--device",
+            "cpu",
+        ]
+    )
     rows = {(r["scenario"], r["path"]): r for r in res["results"]}
     assert set(rows) == {(s, p) for s in ("full", "ragged") for p in ("new", "vllm")}
     for (scen, path), r in rows.items():
@@ -105,10 +145,30 @@ def test_rollout_throughput_vllm_rows_next_to_the_native_engine(bench_path, caps
 def test_grpo_step_vllm_sides_run_interleaved_and_give_the_target_ratio():
     """Ours with rollout.engine=vllm and, where TRL is installed, TRL with vLLM colocated (its sync swapped
     for reload_weights) step in the same run as ours with the native engine."""
-    tiny = ["--steps", "2", "--warmup", "1", "--max-new-tokens", "4", "--prompts", "4", "--n", "2",
-            "--micro-batch", "8", "--threads", "1", "--vllm"]
-    proc = subprocess.run([sys.executable, os.path.join(BENCH_DIR, "grpo_step.py"), *tiny], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    tiny = [
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--max-new-tokens",
+        "4",
+        "--prompts",
+        "4",
+        "--n",
+        "2",
+        "--micro-batch",
+        "8",
+        "--threads",
+        "1",
+        "--vllm",
+    ]
+    proc = subprocess.run(
+        [sys.executable, os.path.join(BENCH_DIR, "grpo_step.py"), *tiny],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     (c,) = res["configs"]
@@ -122,7 +182,8 @@ def test_grpo_step_vllm_sides_run_interleaved_and_give_the_target_ratio():
     assert c["ratio_vllm_over_ours"] == pytest.approx(c["vllm"]["median_step_s"] / c["ours"]["median_step_s"])
     if res["trl_available"]:
         assert c["ratio_trl_vllm_over_vllm"] == pytest.approx(
-            c["trl_vllm"]["median_step_s"] / c["vllm"]["median_step_s"])
+            c["trl_vllm"]["median_step_s"] / c["vllm"]["median_step_s"]
+        )
         assert "TRL+vLLM / ours+vLLM" in proc.stdout
 
 
@@ -133,10 +194,10 @@ def test_trl_reload_sync_makes_vllm_follow_the_trained_weights(bench_path):
     import types
 
     import torch
-
     import vllm_bench
-    from hybrid_rl.types import SamplingParams
+
     from hybrid_rl.rollout.native.engine import NativeEngine
+    from hybrid_rl.types import SamplingParams
 
     model = _load("rollout_throughput").build_model("tiny", 64, torch.float32, torch.device("cpu"), 32)
     engine = vllm_bench.synced_engine(model, vllm_bench.config_dir(model.config, type(model).__name__), 32, 4)
@@ -162,10 +223,13 @@ def test_vllm_rollout_ab_times_every_variant_on_the_same_work(bench_path, capsys
     """benchmarks/vllm_rollout_ab.py: every variant decodes every row to T tokens (asserted inside), `old` is
     the ratios' reference, and the adapter's flat logprob reader gives the dict reader's numbers.
     Catches: a variant that decodes less than the others, a flat logprob reader that differs from vLLM's dicts."""
-    res = _load("vllm_rollout_ab").main(["--prompts", "2", "--samples", "2", "--new-tokens", "3", "--rounds", "1",
-                                         "--warmup", "0"])
+    res = _load("vllm_rollout_ab").main(
+        ["--prompts", "2", "--samples", "2", "--new-tokens", "3", "--rounds", "1", "--warmup", "0"]
+    )
     v = res["variants"]
     assert set(v) == {"adapter", "request_seeds", "dict_logprobs", "old", "no_logprobs"}
-    assert v["old"]["ratio_to_old"] == 1.0 and all(math.isfinite(x["median_s"]) and x["median_s"] > 0 for x in v.values())
+    assert v["old"]["ratio_to_old"] == 1.0 and all(
+        math.isfinite(x["median_s"]) and x["median_s"] > 0 for x in v.values()
+    )
     assert res["adapter_equals_dict_logprobs"] is True
     assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith('{"variants"')

@@ -1,6 +1,7 @@
 """Checkpoints on one rank: resume is bit-exact (plain, at an epoch boundary, with optimizer
 offload copying, with dynamic sampling, with the adaptive KL controller), saves are atomic,
 and every bad checkpoint is refused before anything is overwritten."""
+
 from __future__ import annotations
 
 import errno
@@ -19,15 +20,26 @@ from tests.checkpoint_helpers import ROOT, assert_same_run, overrides, straight_
 K = 3
 
 
-@pytest.mark.parametrize("extra,offload_copies", [
-    ((), False),
-    # 12 prompts = 3 batches of 4: the checkpoint sits exactly at the end of an epoch.
-    (("data.num_prompts=12",), False),
-    (("offload.optimizer=true",), True),
-    (("algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=3"), False),
-    (("algorithm.kl_coef=0.05", "algorithm.kl_controller=adaptive", "algorithm.target_kl=0.001",
-      "optim.warmup_steps=10"), False),
-], ids=["plain", "epoch_boundary", "optimizer_offload", "dynamic_sampling", "adaptive_kl_warmup"])
+@pytest.mark.parametrize(
+    "extra,offload_copies",
+    [
+        ((), False),
+        # 12 prompts = 3 batches of 4: the checkpoint sits exactly at the end of an epoch.
+        (("data.num_prompts=12",), False),
+        (("offload.optimizer=true",), True),
+        (("algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=3"), False),
+        (
+            (
+                "algorithm.kl_coef=0.05",
+                "algorithm.kl_controller=adaptive",
+                "algorithm.target_kl=0.001",
+                "optim.warmup_steps=10",
+            ),
+            False,
+        ),
+    ],
+    ids=["plain", "epoch_boundary", "optimizer_offload", "dynamic_sampling", "adaptive_kl_warmup"],
+)
 def test_resume_is_bit_exact(tiny_model_dir, tmp_path, extra, offload_copies):
     result = straight_and_resumed(tiny_model_dir, str(tmp_path), K, *extra, offload_copies=offload_copies)
     if "data.num_prompts=12" in extra:
@@ -90,9 +102,18 @@ def test_refuses_to_mix_with_later_checkpoints(two_checkpoints, tiny_model_dir, 
     # Resuming the newest one is the normal case and has nothing after it; after an out-of-memory
     # error it resumes with smaller micro-batches, gradient checkpointing or another attention kernel
     # (memory layout only).
-    assert _trainer(tiny_model_dir, out, "trainer.total_steps=6", "trainer.micro_batch_size=1",
-                    "model.gradient_checkpointing=true", "trainer.max_tokens_per_micro_batch=64",
-                    "model.attn_implementation=eager").step_idx == 4
+    assert (
+        _trainer(
+            tiny_model_dir,
+            out,
+            "trainer.total_steps=6",
+            "trainer.micro_batch_size=1",
+            "model.gradient_checkpointing=true",
+            "trainer.max_tokens_per_micro_batch=64",
+            "model.attn_implementation=eager",
+        ).step_idx
+        == 4
+    )
 
 
 def test_keep_last_prunes_oldest(tiny_model_dir, tmp_path):
@@ -114,8 +135,8 @@ def _unchanged(out):
 
 def test_refuses_other_config_world_and_model_before_writing(two_checkpoints, tiny_model_dir, tmp_path):
     from hybrid_rl.checkpoint import sharded as C
-    from hybrid_rl.models.tiny import build_tiny_model_dir
     from hybrid_rl.data.digits import DIGIT_WORDS
+    from hybrid_rl.models.tiny import build_tiny_model_dir
 
     _, out = two_checkpoints
     before = _unchanged(out)
@@ -154,12 +175,19 @@ def test_length_of_a_decaying_lr_is_part_of_the_run(tiny_model_dir, tmp_path):
         _trainer(tiny_model_dir, out, "optim.lr_schedule=cosine", "trainer.total_steps=4")
     same = _trainer(tiny_model_dir, out, "optim.lr_schedule=cosine", "trainer.total_steps=2")
     assert same.step_idx == 2
-    replanned = _trainer(tiny_model_dir, out, "optim.lr_schedule=cosine", "trainer.total_steps=4",
-                         "trainer.resume_ignore=[trainer.total_steps]")
+    replanned = _trainer(
+        tiny_model_dir,
+        out,
+        "optim.lr_schedule=cosine",
+        "trainer.total_steps=4",
+        "trainer.resume_ignore=[trainer.total_steps]",
+    )
     assert replanned.step_idx == 2
     # The next update uses the new schedule's lr for step 3 of 4: the cosine half-way down, not the floor.
     replanned.fit(1)
-    assert replanned.state.history[-1]["actor/lr"] == pytest.approx(replanned.cfg.optim.lr * 0.5 * (1 + math.cos(math.pi * 2 / 3)))
+    assert replanned.state.history[-1]["actor/lr"] == pytest.approx(
+        replanned.cfg.optim.lr * 0.5 * (1 + math.cos(math.pi * 2 / 3))
+    )
 
 
 def test_full_disk_keeps_previous_checkpoint(two_checkpoints, tiny_model_dir, monkeypatch):
@@ -189,7 +217,6 @@ def test_full_disk_keeps_previous_checkpoint(two_checkpoints, tiny_model_dir, mo
 def test_save_while_optimizer_offloaded_equals_resident(tiny_model_dir, tmp_path):
     """Optimizer state on the host at save time: saved from there (as DTensors / tensors of the right
     shape), and left offloaded afterwards."""
-    from hybrid_rl.checkpoint import sharded as C
 
     tr = _trainer(tiny_model_dir, str(tmp_path / "run"), "trainer.total_steps=2", "offload.optimizer=true")
     tr.phases.opt_offload.always_copy = True
@@ -222,16 +249,26 @@ def test_export_cli_writes_the_policy(two_checkpoints, tmp_path):
 
     tr, out = two_checkpoints
     hf = tmp_path / "hf"
-    proc = subprocess.run([sys.executable, "-m", "hybrid_rl.export", os.path.join(out, "checkpoints"), str(hf)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hybrid_rl.export", os.path.join(out, "checkpoints"), str(hf)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     exported = dict(load_causal_lm(str(hf)).named_parameters())
     trained = dict(tr.policy.named_parameters())
     assert exported.keys() == trained.keys()
     for name, p in trained.items():
         assert torch.equal(exported[name], p.detach()), name
-    bad = subprocess.run([sys.executable, "-m", "hybrid_rl.export", str(tmp_path / "nothing"), str(tmp_path / "x")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "hybrid_rl.export", str(tmp_path / "nothing"), str(tmp_path / "x")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "does not exist" in bad.stderr
     assert not (tmp_path / "x").exists()
 
@@ -270,8 +307,14 @@ def test_export_keeps_the_source_models_dtype(tiny_model_dir, tmp_path):
     exported = dict(load_causal_lm(str(tmp_path / "auto")).named_parameters())
     for name, p in tr.policy.named_parameters():
         assert torch.equal(exported[name], p.detach().bfloat16().float()), name
-    assert declared_and_stored(export_checkpoint(ckpt_dir, str(tmp_path / "f16"), "float16")) == ("float16", {torch.float16})
-    assert declared_and_stored(export_checkpoint(ckpt_dir, str(tmp_path / "f32"), "float32")) == ("float32", {torch.float32})
+    assert declared_and_stored(export_checkpoint(ckpt_dir, str(tmp_path / "f16"), "float16")) == (
+        "float16",
+        {torch.float16},
+    )
+    assert declared_and_stored(export_checkpoint(ckpt_dir, str(tmp_path / "f32"), "float32")) == (
+        "float32",
+        {torch.float32},
+    )
 
 
 def test_sigint_mid_step_finishes_the_step_then_checkpoints(tiny_model_dir, tmp_path, capsys):
@@ -285,8 +328,9 @@ def test_sigint_mid_step_finishes_the_step_then_checkpoints(tiny_model_dir, tmp_
 
     out = str(tmp_path / "run")
     H.CALLS.update(n=0, signal_at=3)  # call 1 is the start-up probe, call 2 is step 1
-    tr = _trainer(tiny_model_dir, out, "trainer.total_steps=10",
-                  "reward.fn=tests.checkpoint_helpers:interrupting_digits")
+    tr = _trainer(
+        tiny_model_dir, out, "trainer.total_steps=10", "reward.fn=tests.checkpoint_helpers:interrupting_digits"
+    )
     before = signal.getsignal(signal.SIGINT)
     with pytest.raises(TrainingInterrupted) as info:
         tr.fit()
@@ -294,14 +338,16 @@ def test_sigint_mid_step_finishes_the_step_then_checkpoints(tiny_model_dir, tmp_
     printed = capsys.readouterr().out.strip().splitlines()
     assert printed[-1] == info.value.message and "time split over 2 steps" in printed[-2], printed[-3:]
     assert signal.getsignal(signal.SIGINT) is before
-    assert info.value.checkpoint.endswith("step_00000002") and os.path.isfile(os.path.join(info.value.checkpoint,
-                                                                                          "meta.json"))
+    assert info.value.checkpoint.endswith("step_00000002") and os.path.isfile(
+        os.path.join(info.value.checkpoint, "meta.json")
+    )
     assert tr.loggers == [], "the loggers are closed"
     with open(os.path.join(out, "metrics.jsonl")) as f:
         assert [json.loads(line)["step"] for line in f] == [1, 2]
     H.CALLS.update(n=0, signal_at=0)
-    resumed = _trainer(tiny_model_dir, out, "trainer.total_steps=3",
-                       "reward.fn=tests.checkpoint_helpers:interrupting_digits")
+    resumed = _trainer(
+        tiny_model_dir, out, "trainer.total_steps=3", "reward.fn=tests.checkpoint_helpers:interrupting_digits"
+    )
     assert resumed.step_idx == 2
 
 
@@ -320,6 +366,13 @@ def test_resume_with_a_normalised_reward_model_is_bit_exact(tiny_model_dir, tmp_
     from hybrid_rl.rewards.tiny_model import random_reward_model_dir
 
     rm = random_reward_model_dir(str(tmp_path / "rm"))
-    result = straight_and_resumed(tiny_model_dir, str(tmp_path), K, f"reward.model_path={rm}",
-                                  "reward.normalize_model=true", "reward.weights.rule=1.0", "reward.weights.model=0.5")
+    result = straight_and_resumed(
+        tiny_model_dir,
+        str(tmp_path),
+        K,
+        f"reward.model_path={rm}",
+        "reward.normalize_model=true",
+        "reward.weights.rule=1.0",
+        "reward.weights.model=0.5",
+    )
     assert_same_run(result)

@@ -3,6 +3,7 @@ fewer GPUs (a smaller node, CUDA_VISIBLE_DEVICES narrowed to the rank's own GPU)
 
 No GPU here: torch.cuda's RNG functions are replaced by a fake with a given number of devices,
 which refuses a device index it does not have, as the real one does."""
+
 from __future__ import annotations
 
 import pytest
@@ -81,8 +82,10 @@ def test_resume_on_a_rank_that_sees_fewer_gpus(tmp_path):
 
 
 def test_old_checkpoints_with_a_state_per_visible_gpu_still_resume(monkeypatch):
-    old = {**ckpt.rng_state(), "cuda": [torch.full((16,), 7, dtype=torch.uint8),
-                                        torch.full((16,), 9, dtype=torch.uint8)]}
+    old = {
+        **ckpt.rng_state(),
+        "cuda": [torch.full((16,), 7, dtype=torch.uint8), torch.full((16,), 9, dtype=torch.uint8)],
+    }
     fake = FakeCuda(n=1, current=0).install(monkeypatch)
     ckpt.set_rng_state(old)
     assert fake.set == [0] and torch.equal(fake.states[0], old["cuda"][0]), "this rank's entry, nothing else"

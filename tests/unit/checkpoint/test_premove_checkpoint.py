@@ -6,6 +6,7 @@ checkpoint with today's code must give that step 3: the per-rank state (RNG stre
 controller) and the DCP shards are read by today's modules, and any name a pickle or a key carries from the old
 layout would fail here.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,9 @@ import shutil
 
 from hybrid_rl import Trainer, load_config
 
-FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "fixtures",
-                       "premove_checkpoint")
+FIXTURE = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "fixtures", "premove_checkpoint"
+)
 # What a step computes from the same numbers; time/* and memory/* are the machine's.
 COMPARED = ("reward/", "actor/", "response/", "rollout/", "kl", "critic/", "score/")
 
@@ -25,8 +27,15 @@ def test_premove_checkpoint_resumes_bit_exact(tmp_path):
         expected = json.load(f)
     ckpt = tmp_path / "old" / "step_00000002"
     shutil.copytree(os.path.join(FIXTURE, "step_00000002"), ckpt)
-    cfg = load_config(None, [*expected["overrides"], f"model.path={os.path.join(FIXTURE, 'model')}",
-                             f"trainer.out_dir={tmp_path / 'run'}", f"trainer.resume={ckpt}"])
+    cfg = load_config(
+        None,
+        [
+            *expected["overrides"],
+            f"model.path={os.path.join(FIXTURE, 'model')}",
+            f"trainer.out_dir={tmp_path / 'run'}",
+            f"trainer.resume={ckpt}",
+        ],
+    )
     trainer = Trainer(cfg)
     history = trainer.fit()
     trainer.close()

@@ -3,6 +3,7 @@
 Every error is a ValueError whose message names the offending key, so a user
 knows which line of a YAML file or which override to fix.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,8 @@ import yaml
 
 from hybrid_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from hybrid_rl.algorithms.aggregation import LOSS_AGG_MODES
-from hybrid_rl.config.schema import Config, RolloutConfig
 from hybrid_rl.config.load import load_config, save_config
+from hybrid_rl.config.schema import Config, RolloutConfig
 from hybrid_rl.loop.preflight import validate_runtime
 
 
@@ -34,7 +35,9 @@ def test_defaults_without_yaml_or_overrides():
 
 
 def test_yaml_then_dotlist_overrides(tmp_path):
-    path = _write(tmp_path / "c.yaml", """
+    path = _write(
+        tmp_path / "c.yaml",
+        """
 rollout:
   n: 4
   temperature: 0.7
@@ -43,8 +46,11 @@ data:
   batch_size: 16
 algorithm:
   clip_ratio_c: 3.0
-""")
-    cfg = load_config(path, ["rollout.n=6", "optim.lr=3e-4", "trainer.progress_bar=false", "algorithm.loss_agg=seq-mean-token-mean"])
+""",
+    )
+    cfg = load_config(
+        path, ["rollout.n=6", "optim.lr=3e-4", "trainer.progress_bar=false", "algorithm.loss_agg=seq-mean-token-mean"]
+    )
     assert cfg.rollout.n == 6  # the command line wins over the YAML
     assert cfg.rollout.temperature == 0.7  # YAML wins over the default
     assert cfg.rollout.stop_token_ids == [5, 6]
@@ -71,11 +77,14 @@ def test_base_config_is_the_bottom_layer():
 
 
 # ---------------------------------------------------------------------------- unknown keys
-@pytest.mark.parametrize("override,key", [
-    ("trainer.nope=1", "trainer.nope"),
-    ("nope.x=1", "nope"),
-    ("rollout.temprature=0.5", "rollout.temprature"),
-])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("trainer.nope=1", "trainer.nope"),
+        ("nope.x=1", "nope"),
+        ("rollout.temprature=0.5", "rollout.temprature"),
+    ],
+)
 def test_unknown_override_key_names_the_key(override, key):
     with pytest.raises(ValueError) as err:
         load_config(None, [override])
@@ -110,53 +119,56 @@ def test_wrong_type_names_the_key():
 
 
 # ---------------------------------------------------------------------------- bad values
-@pytest.mark.parametrize("override,key", [
-    ("rollout.n=1", "rollout.n"),
-    ("rollout.n=0", "rollout.n"),
-    ("rollout.temperature=0", "rollout.temperature"),
-    ("rollout.temperature=-1.0", "rollout.temperature"),
-    ("rollout.top_p=0", "rollout.top_p"),
-    ("rollout.top_p=1.5", "rollout.top_p"),
-    ("rollout.top_k=0", "rollout.top_k"),
-    ("rollout.max_new_tokens=0", "rollout.max_new_tokens"),
-    ("rollout.engine=tensorrt", "rollout.engine"),
-    ("data.batch_size=0", "data.batch_size"),
-    ("data.num_prompts=0", "data.num_prompts"),
-    ("data.task=jsonl", "data.path"),  # jsonl needs a path
-    ("optim.lr=-1", "optim.lr"),
-    ("optim.lr=0", "optim.lr"),
-    ("optim.betas=[0.9,1.0]", "optim.betas"),
-    ("optim.grad_clip=0", "optim.grad_clip"),
-    ("algorithm.loss_agg=bad", "algorithm.loss_agg"),
-    ("algorithm.policy_loss=bad", "algorithm.policy_loss"),
-    ("algorithm.kl_estimator=k9", "algorithm.kl_estimator"),
-    ("algorithm.clip_ratio_c=1.0", "algorithm.clip_ratio_c"),
-    ("algorithm.ppo_epochs=0", "algorithm.ppo_epochs"),
-    ("algorithm.mini_batch_size=-1", "algorithm.mini_batch_size"),
-    ("algorithm.kl_coef=-0.1", "algorithm.kl_coef"),
-    ("model.dtype=float16", "model.dtype"),
-    ("trainer.device=tpu", "trainer.device"),
-    ("trainer.total_steps=0", "trainer.total_steps"),
-    ("reward.name=", "reward.name"),
-    ("data.task=csv", "data.task"),
-    ("data.task=parquet", "data.path"),  # a parquet file needs a path too
-    ("data.prompt_key=", "data.prompt_key"),
-    ("data.max_prompt_tokens=-1", "data.max_prompt_tokens"),
-    ("rollout.engine_timeout_s=0", "rollout.engine_timeout_s"),
-    ("data.val_split=1.0", "data.val_split"),
-    ("data.val_split=-0.1", "data.val_split"),
-    ("data.val_size=0", "data.val_size"),
-    ("data.val_batch_size=0", "data.val_batch_size"),
-    ("reward.fn=no_colon", "reward.fn"),
-    ("reward.fn=:fn", "reward.fn"),
-    ("trainer.loggers=[console,mlflow]", "trainer.loggers"),
-    ("trainer.loggers=[console,console]", "trainer.loggers"),
-    ("trainer.wandb_mode=cloud", "trainer.wandb_mode"),
-    ("trainer.val_every=-1", "trainer.val_every"),
-    ("trainer.val_n=-2", "trainer.val_n"),
-    ("trainer.val_sample_rows=-1", "trainer.val_sample_rows"),
-    ("trainer.log_every=-1", "trainer.log_every"),
-])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("rollout.n=1", "rollout.n"),
+        ("rollout.n=0", "rollout.n"),
+        ("rollout.temperature=0", "rollout.temperature"),
+        ("rollout.temperature=-1.0", "rollout.temperature"),
+        ("rollout.top_p=0", "rollout.top_p"),
+        ("rollout.top_p=1.5", "rollout.top_p"),
+        ("rollout.top_k=0", "rollout.top_k"),
+        ("rollout.max_new_tokens=0", "rollout.max_new_tokens"),
+        ("rollout.engine=tensorrt", "rollout.engine"),
+        ("data.batch_size=0", "data.batch_size"),
+        ("data.num_prompts=0", "data.num_prompts"),
+        ("data.task=jsonl", "data.path"),  # jsonl needs a path
+        ("optim.lr=-1", "optim.lr"),
+        ("optim.lr=0", "optim.lr"),
+        ("optim.betas=[0.9,1.0]", "optim.betas"),
+        ("optim.grad_clip=0", "optim.grad_clip"),
+        ("algorithm.loss_agg=bad", "algorithm.loss_agg"),
+        ("algorithm.policy_loss=bad", "algorithm.policy_loss"),
+        ("algorithm.kl_estimator=k9", "algorithm.kl_estimator"),
+        ("algorithm.clip_ratio_c=1.0", "algorithm.clip_ratio_c"),
+        ("algorithm.ppo_epochs=0", "algorithm.ppo_epochs"),
+        ("algorithm.mini_batch_size=-1", "algorithm.mini_batch_size"),
+        ("algorithm.kl_coef=-0.1", "algorithm.kl_coef"),
+        ("model.dtype=float16", "model.dtype"),
+        ("trainer.device=tpu", "trainer.device"),
+        ("trainer.total_steps=0", "trainer.total_steps"),
+        ("reward.name=", "reward.name"),
+        ("data.task=csv", "data.task"),
+        ("data.task=parquet", "data.path"),  # a parquet file needs a path too
+        ("data.prompt_key=", "data.prompt_key"),
+        ("data.max_prompt_tokens=-1", "data.max_prompt_tokens"),
+        ("rollout.engine_timeout_s=0", "rollout.engine_timeout_s"),
+        ("data.val_split=1.0", "data.val_split"),
+        ("data.val_split=-0.1", "data.val_split"),
+        ("data.val_size=0", "data.val_size"),
+        ("data.val_batch_size=0", "data.val_batch_size"),
+        ("reward.fn=no_colon", "reward.fn"),
+        ("reward.fn=:fn", "reward.fn"),
+        ("trainer.loggers=[console,mlflow]", "trainer.loggers"),
+        ("trainer.loggers=[console,console]", "trainer.loggers"),
+        ("trainer.wandb_mode=cloud", "trainer.wandb_mode"),
+        ("trainer.val_every=-1", "trainer.val_every"),
+        ("trainer.val_n=-2", "trainer.val_n"),
+        ("trainer.val_sample_rows=-1", "trainer.val_sample_rows"),
+        ("trainer.log_every=-1", "trainer.log_every"),
+    ],
+)
 def test_bad_value_names_the_key(override, key):
     with pytest.raises(ValueError) as err:
         load_config(None, [override])
@@ -193,10 +205,23 @@ def test_dataclass_validates_directly():
     Config(rollout=RolloutConfig(n=1), algorithm=AlgorithmConfig(advantage="reinforce_pp"))
 
 
-@pytest.mark.parametrize("override", ["rollout.n=2", "rollout.top_k=1", "rollout.top_p=1.0", "algorithm.clip_ratio_c=null",
-                                      "algorithm.mini_batch_size=0", "model.dtype=bfloat16", "data.task=jsonl data.path=x.jsonl",
-                                      "data.task=gsm8k", "data.val_split=0.0", "data.chat_template=null",
-                                      "reward.fn=pkg.mod:fn", "trainer.loggers=[]"])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "rollout.n=2",
+        "rollout.top_k=1",
+        "rollout.top_p=1.0",
+        "algorithm.clip_ratio_c=null",
+        "algorithm.mini_batch_size=0",
+        "model.dtype=bfloat16",
+        "data.task=jsonl data.path=x.jsonl",
+        "data.task=gsm8k",
+        "data.val_split=0.0",
+        "data.chat_template=null",
+        "reward.fn=pkg.mod:fn",
+        "trainer.loggers=[]",
+    ],
+)
 def test_boundary_values_are_accepted(override):
     load_config(None, override.split())
 
@@ -258,11 +283,22 @@ def test_validate_runtime_bad_model_path(tmp_path, kind):
 
 # ---------------------------------------------------------------------------- save / load
 def test_save_config_round_trip(tmp_path):
-    cfg = load_config(None, [
-        "model.path=/models/x", "rollout.n=4", "rollout.temperature=0.7", "rollout.stop_token_ids=[5,6]",
-        "algorithm.clip_ratio_c=3.0", "algorithm.advantage=rloo", "optim.betas=[0.8,0.95]", "trainer.progress_bar=false",
-        "data.task=jsonl", "data.path=rows.jsonl", "offload.optimizer=true",
-    ])
+    cfg = load_config(
+        None,
+        [
+            "model.path=/models/x",
+            "rollout.n=4",
+            "rollout.temperature=0.7",
+            "rollout.stop_token_ids=[5,6]",
+            "algorithm.clip_ratio_c=3.0",
+            "algorithm.advantage=rloo",
+            "optim.betas=[0.8,0.95]",
+            "trainer.progress_bar=false",
+            "data.task=jsonl",
+            "data.path=rows.jsonl",
+            "offload.optimizer=true",
+        ],
+    )
     path = str(tmp_path / "sub" / "config.yaml")
     save_config(cfg, path)
     assert os.path.isfile(path)
@@ -272,7 +308,11 @@ def test_save_config_round_trip(tmp_path):
     # The file is plain YAML holding every section, readable without hybrid_rl.
     raw = yaml.safe_load(open(path))
     assert set(raw) == set(to_dict(cfg))
-    assert raw["rollout"]["n"] == 4 and raw["algorithm"]["clip_ratio_c"] == 3.0 and raw["rollout"]["stop_token_ids"] == [5, 6]
+    assert (
+        raw["rollout"]["n"] == 4
+        and raw["algorithm"]["clip_ratio_c"] == 3.0
+        and raw["rollout"]["stop_token_ids"] == [5, 6]
+    )
 
 
 def test_save_config_round_trip_defaults(tmp_path):
@@ -283,7 +323,9 @@ def test_save_config_round_trip_defaults(tmp_path):
 
 # ---------------------------------------------------------------------------- data, reward and trainer sections
 def test_gsm8k_recipe_keys_merge_and_type(tmp_path):
-    path = _write(tmp_path / "c.yaml", """
+    path = _write(
+        tmp_path / "c.yaml",
+        """
 data:
   task: gsm8k
   max_prompt_tokens: 512
@@ -295,7 +337,8 @@ reward:
 trainer:
   loggers: [console, tensorboard]
   val_every: 5
-""")
+""",
+    )
     cfg = load_config(path, ["reward.kwargs.format_score=0.1", "trainer.val_n=4", "data.val_size=100"])
     assert cfg.data.task == "gsm8k" and cfg.data.max_prompt_tokens == 512 and cfg.data.chat_template is True
     assert cfg.reward.kwargs == {"mode": "strict", "format_score": 0.1}  # the command line adds to the YAML's
@@ -336,8 +379,17 @@ def _choice_keys():
 
 def test_the_schema_has_its_choice_keys():
     keys = {f"{s}.{n}" for s, n, _, _ in _choice_keys()}
-    assert {"model.dtype", "data.task", "rollout.engine", "algorithm.advantage", "algorithm.loss_agg",
-            "algorithm.kl_placement", "optim.lr_schedule", "trainer.device", "trainer.loggers"} <= keys
+    assert {
+        "model.dtype",
+        "data.task",
+        "rollout.engine",
+        "algorithm.advantage",
+        "algorithm.loss_agg",
+        "algorithm.kl_placement",
+        "optim.lr_schedule",
+        "trainer.device",
+        "trainer.loggers",
+    } <= keys
     # Registries a user extends at run time stay strings.
     assert "reward.name" not in keys and "reward.fn" not in keys
 
@@ -399,12 +451,12 @@ def test_a_choice_added_to_the_annotation_needs_no_other_change():
 def test_choices_agree_with_the_tables_they_name():
     """The algorithm and engine Literals are written out in config/schema.py (importable without torch, readable by a
     type checker); the tables that implement the names are the other half. Mutation: a name added to one only."""
-    from hybrid_rl.config import schema as config
     from hybrid_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS
     from hybrid_rl.algorithms.correction import CORRECTION_MODES
     from hybrid_rl.algorithms.kl import KL_ESTIMATORS
     from hybrid_rl.algorithms.losses import POLICY_LOSSES
     from hybrid_rl.algorithms.presets import PRESETS
+    from hybrid_rl.config import schema as config
     from hybrid_rl.rollout import base
 
     assert set(get_args(config.Preset)) == {"", *PRESETS}

@@ -3,6 +3,7 @@ mini-batch units, batches over ranks, the form of reward.fn, and a config change
 Each fails at `Trainer(cfg)` (or `validate_runtime`) with an error naming the key, before a
 training step. (Schema, merging and per-key value checks are in test_config.py.)
 """
+
 from __future__ import annotations
 
 import os
@@ -10,8 +11,8 @@ import os
 import pytest
 
 from hybrid_rl.config.load import load_config
-from hybrid_rl.trainer import Trainer
 from hybrid_rl.loop.preflight import validate_runtime
+from hybrid_rl.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -43,8 +44,9 @@ def test_fewer_than_two_samples_per_prompt(tiny_trainer_overrides):
         _trainer(tiny_trainer_overrides, "rollout.n=1")
     assert "'rollout.n'" in str(err.value) and "at least 2" in str(err.value) and "group" in str(err.value)
     with pytest.raises(ValueError, match="'rollout.n'.*dynamic sampling"):
-        _trainer(tiny_trainer_overrides, "rollout.n=1", "algorithm.advantage=reinforce_pp",
-                 "algorithm.dynamic_sampling=true")
+        _trainer(
+            tiny_trainer_overrides, "rollout.n=1", "algorithm.advantage=reinforce_pp", "algorithm.dynamic_sampling=true"
+        )
     m = _trainer(tiny_trainer_overrides, "rollout.n=1", "algorithm.advantage=reinforce_pp", "data.batch_size=8").step()
     assert m["actor/grad_norm"] > 0 and m["response/length"] > 0
 
@@ -85,8 +87,11 @@ def test_a_config_changed_after_loading_is_checked_again(tiny_trainer_overrides,
     a string of overrides character by character."""
     from hybrid_rl import Trainer, load_config
 
-    for section, key, value, match in [("rollout", "n", 1, "'rollout.n'"), ("data", "batch_size", 0, "'data.batch_size'"),
-                                       ("optim", "lr", "fast", "'optim.lr'.*could not be converted")]:
+    for section, key, value, match in [
+        ("rollout", "n", 1, "'rollout.n'"),
+        ("data", "batch_size", 0, "'data.batch_size'"),
+        ("optim", "lr", "fast", "'optim.lr'.*could not be converted"),
+    ]:
         cfg = load_config(None, tiny_trainer_overrides)
         setattr(getattr(cfg, section), key, value)
         with pytest.raises(ValueError, match=match):
@@ -95,11 +100,17 @@ def test_a_config_changed_after_loading_is_checked_again(tiny_trainer_overrides,
         load_config(None, "optim.lr=1e-5")
 
 
-@pytest.mark.parametrize("bad, line", [
-    ("trainer.total_step=3", "error: config key 'trainer.total_step': Key 'total_step' not in 'TrainerConfig'. "
-                             "Did you mean: 'total_steps'?"),
-    ("rollout.n=0", "error: config key 'rollout.n': must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "bad, line",
+    [
+        (
+            "trainer.total_step=3",
+            "error: config key 'trainer.total_step': Key 'total_step' not in 'TrainerConfig'. "
+            "Did you mean: 'total_steps'?",
+        ),
+        ("rollout.n=0", "error: config key 'rollout.n': must be >= 1, got 0"),
+    ],
+)
 def test_a_recipe_prints_a_config_error_as_its_one_line(tmp_path, bad, line):
     """From the command line a config error is the one line that says what to fix, exit status 2: no traceback
     for the user to read through (recipes' __main__, config.checks.command_line). Another error keeps its
@@ -108,9 +119,13 @@ def test_a_recipe_prints_a_config_error_as_its_one_line(tmp_path, bad, line):
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    proc = subprocess.run([sys.executable, os.path.join(root, "recipes", "grpo_tiny.py"), bad,
-                           f"trainer.out_dir={tmp_path}"], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, os.path.join(root, "recipes", "grpo_tiny.py"), bad, f"trainer.out_dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [line], proc.stderr[-2000:]
 

@@ -7,6 +7,7 @@ slip in where the delta starts (a lost newline, a doubled end-of-turn token) sho
 difference. Templates: the tiny ask task's, tiny_text's ChatML, and a Qwen2.5-style one carried
 as a fixture file (tests/fixtures/qwen25_chat_template.jinja), plus hand-made bad ones.
 """
+
 from __future__ import annotations
 
 import copy
@@ -16,7 +17,9 @@ import pytest
 
 from hybrid_rl.data.chat_delta import ChatDeltaError, encode, observation_ids, prompt_ids, render
 
-FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "fixtures", "qwen25_chat_template.jinja")
+FIXTURE = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "fixtures", "qwen25_chat_template.jinja"
+)
 
 
 def _text_tokenizer(template: str | None = None):
@@ -59,8 +62,10 @@ def _assemble(tok, opening, turns):
 
 
 TOOL_TURNS = [
-    ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "3*4"}}\n</tool_call>',
-     [{"role": "tool", "content": "12"}]),
+    (
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3*4"}}\n</tool_call>',
+        [{"role": "tool", "content": "12"}],
+    ),
     ("Two more calls.", [{"role": "tool", "content": "a"}, {"role": "tool", "content": "b"}]),
     ("Now the user speaks.", [{"role": "user", "content": "And then?"}]),
 ]
@@ -79,8 +84,10 @@ def test_qwen25_default_system_turn_and_grouped_tool_results(qwen25):
     text = qwen25.decode(ids)
     assert text.startswith("<|im_start|>system\nYou are Qwen")
     # two tool results in ONE user turn, then the generation prompt
-    assert text.endswith("<|im_start|>user\n<tool_response>\na\n</tool_response>\n<tool_response>\nb\n"
-                         "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert text.endswith(
+        "<|im_start|>user\n<tool_response>\na\n</tool_response>\n<tool_response>\nb\n"
+        "</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
     assert ids == encode(qwen25, render(qwen25, messages, True))
 
 
@@ -133,8 +140,10 @@ def test_template_that_rerenders_the_last_assistant_turn_is_handled():
 
 
 def test_template_that_rewrites_earlier_turns_is_an_error():
-    counting = ("{{ messages | length }}{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
-                "{% if add_generation_prompt %}<|im_start|>{% endif %}")
+    counting = (
+        "{{ messages | length }}{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>{% endif %}"
+    )
     tok = _text_tokenizer(counting)
     messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
     with pytest.raises(ChatDeltaError, match="differently once more messages follow"):
@@ -143,8 +152,10 @@ def test_template_that_rewrites_earlier_turns_is_an_error():
 
 def test_tokens_merging_across_the_turn_end_is_an_error():
     # turns close with a plain '#', tool turns open with '#': '##' is one token of this tokenizer
-    merging = ("{% for m in messages %}{% if m['role'] == 'assistant' %}>{% endif %}{{ m['content'] }}#{% endfor %}"
-               "{% if add_generation_prompt %}>{% endif %}")
+    merging = (
+        "{% for m in messages %}{% if m['role'] == 'assistant' %}>{% endif %}{{ m['content'] }}#{% endfor %}"
+        "{% if add_generation_prompt %}>{% endif %}"
+    )
     tok = _text_tokenizer(merging)
     messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
     with pytest.raises(ChatDeltaError, match="tokenizes differently"):

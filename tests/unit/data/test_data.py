@@ -5,6 +5,7 @@ the key to fix. (The loader, row formats and splits that work are in test_data_r
 Where the check can run before the model is loaded, `no_model_build` (tests/conftest.py) makes
 loading the model an assertion failure, so the test also pins *when* the error comes.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,11 +39,18 @@ def test_jsonl_row_without_prompt(tiny_trainer_overrides, tmp_path, no_model_bui
     """Catches: a row without the prompt key skipped, or reported without its row number, the
     row itself, the file and data.prompt_key."""
     path = tmp_path / "data.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in [
-        {"prompt": "1 2 3 =", "answer": "234"}, {"prompt": "4 5 6 =", "answer": "567"},
-        {"question": "7 8 9 =", "answer": "890"},  # row 2: wrong key
-        {"prompt": "0 0 0 =", "answer": "111"},
-    ]) + "\n")
+    path.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"prompt": "1 2 3 =", "answer": "234"},
+                {"prompt": "4 5 6 =", "answer": "567"},
+                {"question": "7 8 9 =", "answer": "890"},  # row 2: wrong key
+                {"prompt": "0 0 0 =", "answer": "111"},
+            ]
+        )
+        + "\n"
+    )
     with pytest.raises(ValueError) as err:
         _trainer(tiny_trainer_overrides, "data.task=jsonl", f"data.path={path}")
     msg = str(err.value)
@@ -91,7 +99,9 @@ def test_jsonl_row_without_the_answer_key(tiny_trainer_overrides, tmp_path, no_m
     would fail on it mid-run."""
     path = _write_rows(tmp_path / "d.jsonl", [{"q": "1 2 3 =", "a": "234"}, {"q": "4 5 6 ="}])
     with pytest.raises(ValueError) as err:
-        _trainer(tiny_trainer_overrides, "data.task=jsonl", f"data.path={path}", "data.prompt_key=q", "data.answer_key=a")
+        _trainer(
+            tiny_trainer_overrides, "data.task=jsonl", f"data.path={path}", "data.prompt_key=q", "data.answer_key=a"
+        )
     assert "row 1" in str(err.value) and "'a'" in str(err.value) and "data.answer_key" in str(err.value)
 
 
@@ -117,11 +127,14 @@ def test_gsm8k_directory_without_a_train_file(tiny_trainer_overrides, tmp_path, 
     assert "data.path" in str(err.value) and "train.jsonl" in str(err.value) and "empty_dir" in str(err.value)
 
 
-@pytest.mark.parametrize("bad,words", [
-    ({"question": "How many?", "answer": "Two and two make four."}, ["row 3", "#### <number>", "four"]),
-    ({"query": "How many?", "answer": "#### 4"}, ["row 3", "'question'"]),
-    ({"question": "How many?", "answer": 4}, ["row 3", "'answer'"]),
-])
+@pytest.mark.parametrize(
+    "bad,words",
+    [
+        ({"question": "How many?", "answer": "Two and two make four."}, ["row 3", "#### <number>", "four"]),
+        ({"query": "How many?", "answer": "#### 4"}, ["row 3", "'question'"]),
+        ({"question": "How many?", "answer": 4}, ["row 3", "'answer'"]),
+    ],
+)
 def test_gsm8k_rows_without_question_or_final_answer(tiny_trainer_overrides, tmp_path, no_model_build, bad, words):
     """Catches: a GSM8K row without a question, or without a '#### <number>' final answer, accepted
     (the reward would score every sample of it 0) or reported without the file and row."""
@@ -140,8 +153,14 @@ def test_math_reward_rejects_an_answer_without_a_number(tiny_trainer_overrides, 
     rows = [{"q": f"{i} =", "a": f"#### {i}"} for i in range(4)] + [{"q": "x =", "a": "about five"}]
     path = _write_rows(tmp_path / "d.jsonl", rows)
     with pytest.raises(ValueError) as err:
-        _trainer(tiny_trainer_overrides, "data.task=jsonl", f"data.path={path}", "data.prompt_key=q",
-                 "data.answer_key=a", "reward.name=gsm8k")
+        _trainer(
+            tiny_trainer_overrides,
+            "data.task=jsonl",
+            f"data.path={path}",
+            "data.prompt_key=q",
+            "data.answer_key=a",
+            "reward.name=gsm8k",
+        )
     assert f"{path}: row 4" in str(err.value) and "about five" in str(err.value)
 
 
@@ -150,7 +169,9 @@ def test_val_path_missing(tiny_trainer_overrides, tmp_path, no_model_build):
     """Catches: data.val_path not checked at start-up (the run would fail at its first validation)."""
     path = _write_rows(tmp_path / "d.jsonl", [{"prompt": f"{i} 1 2 ="} for i in range(8)])
     with pytest.raises(FileNotFoundError, match="data.val_path"):
-        _trainer(tiny_trainer_overrides, "data.task=jsonl", f"data.path={path}", f"data.val_path={tmp_path / 'v.jsonl'}")
+        _trainer(
+            tiny_trainer_overrides, "data.task=jsonl", f"data.path={path}", f"data.val_path={tmp_path / 'v.jsonl'}"
+        )
 
 
 def test_validation_set_smaller_than_its_batch(tiny_trainer_overrides, no_model_build):
@@ -210,8 +231,9 @@ def _short_context_model(src, dst, positions):
     return d
 
 
-def test_prompts_that_leave_no_room_for_the_answer_in_the_context(tiny_model_dir, tiny_trainer_overrides, tmp_path,
-                                                                  no_model_build):
+def test_prompts_that_leave_no_room_for_the_answer_in_the_context(
+    tiny_model_dir, tiny_trainer_overrides, tmp_path, no_model_build
+):
     """A prompt plus rollout.max_new_tokens must fit the model's context (SGLang rejects the whole
     batch otherwise): the digits prompts have 4 tokens, so a context of 8 with 4 new tokens keeps
     prompts of at most 8 - 4 - 1 = 3 tokens, none of them.
@@ -219,10 +241,16 @@ def test_prompts_that_leave_no_room_for_the_answer_in_the_context(tiny_model_dir
     Catches: prompt lengths checked against data.max_prompt_tokens only, not the model's context
     less rollout.max_new_tokens, and rollout.max_new_tokens >= the context accepted."""
     d = _short_context_model(tiny_model_dir, tmp_path / "model", 8)
-    with pytest.raises(ValueError, match=r"every train prompt .* longer than 3 tokens \(the model's context of 8 less "
-                                         r"rollout.max_new_tokens=4 and one\) \(the shortest has 4 tokens\).*lower "
-                                         r"rollout.max_new_tokens"):
+    with pytest.raises(
+        ValueError,
+        match=r"every train prompt .* longer than 3 tokens \(the model's context of 8 less "
+        r"rollout.max_new_tokens=4 and one\) \(the shortest has 4 tokens\).*lower "
+        r"rollout.max_new_tokens",
+    ):
         _trainer(tiny_trainer_overrides, f"model.path={d}", "rollout.max_new_tokens=4")
-    with pytest.raises(ValueError, match=r"rollout.max_new_tokens=7 leaves no room for a prompt in the model's "
-                                         r"context of 8 tokens"):
+    with pytest.raises(
+        ValueError,
+        match=r"rollout.max_new_tokens=7 leaves no room for a prompt in the model's "
+        r"context of 8 tokens",
+    ):
         _trainer(tiny_trainer_overrides, f"model.path={d}", "rollout.max_new_tokens=7")

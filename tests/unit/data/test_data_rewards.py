@@ -3,6 +3,7 @@ the reward registry and the digits reward.
 
 Legend: B global batch (prompts per step), W ranks.
 """
+
 from __future__ import annotations
 
 import json
@@ -11,10 +12,10 @@ import random
 
 import pytest
 
+from hybrid_rl.data.digits import DIGIT_WORDS, digits_rows
 from hybrid_rl.data.prompts import PromptLoader, load_rows
 from hybrid_rl.rewards import base as reward_base
 from hybrid_rl.rewards.base import compute_rewards, get_reward, register_reward
-from hybrid_rl.data.digits import DIGIT_WORDS, digits_rows
 from hybrid_rl.rewards.toy import digits_reward
 
 
@@ -111,17 +112,20 @@ def _score(answer, text, finish_reason, response_tokens):
     return digits_reward(["x ="], [text], [meta])[0]
 
 
-@pytest.mark.parametrize("text,finish,n_tok,expected", [
-    ("2 3 4", "stop", 3, 1.0),  # right answer, then EOS
-    ("2 3 4", "length", 3, 0.9),  # right digits, never stopped
-    ("2 3 4 5", "stop", 4, 0.9),  # right digits but stopped late
-    ("2 3 5", "length", 3, 0.6),  # 2 of 3 digits
-    ("2 3 5", "stop", 3, 0.7),  # 2 of 3 digits + stop
-    ("2", "stop", 1, 0.3),  # one digit, stopped too early
-    ("", "stop", 0, 0.0),
-    ("4 3 2", "length", 3, 0.3),  # only the middle digit in place
-    ("9 9 9", "stop", 3, 0.1),  # nothing right, but stopped after three tokens
-])
+@pytest.mark.parametrize(
+    "text,finish,n_tok,expected",
+    [
+        ("2 3 4", "stop", 3, 1.0),  # right answer, then EOS
+        ("2 3 4", "length", 3, 0.9),  # right digits, never stopped
+        ("2 3 4 5", "stop", 4, 0.9),  # right digits but stopped late
+        ("2 3 5", "length", 3, 0.6),  # 2 of 3 digits
+        ("2 3 5", "stop", 3, 0.7),  # 2 of 3 digits + stop
+        ("2", "stop", 1, 0.3),  # one digit, stopped too early
+        ("", "stop", 0, 0.0),
+        ("4 3 2", "length", 3, 0.3),  # only the middle digit in place
+        ("9 9 9", "stop", 3, 0.1),  # nothing right, but stopped after three tokens
+    ],
+)
 def test_digits_reward_hand_examples(text, finish, n_tok, expected):
     assert _score("234", text, finish, n_tok) == pytest.approx(expected, abs=1e-12)
 
@@ -144,6 +148,7 @@ def test_a_user_reward_registered_by_decorator_is_found_and_names_are_unique(mon
     spec = get_reward("exact_match")
     assert spec.fn is exact_match and spec.success_threshold == 0.5
     assert get_reward("digits").fn is digits_reward, "the built-ins are still registered alongside"
+
     # A notebook cell run again defines the same function anew: it replaces the old definition.
     @register_reward("exact_match", success_threshold=0.5)
     def exact_match(prompts, completions, metadata):  # noqa: F811
@@ -187,8 +192,13 @@ def test_uniform_random_policy_scores_at_most_0_1(tiny_tokenizer):
     row = rows[0]
     perfect = tok(" ".join(row["answer"]), add_special_tokens=False).input_ids
     text = tok.decode(perfect, skip_special_tokens=True)
-    assert compute_rewards("digits", get_reward("digits"), [row["prompt"]], [text],
-                           [{**row, "finish_reason": "stop", "response_tokens": len(perfect)}]) == [1.0]
+    assert compute_rewards(
+        "digits",
+        get_reward("digits"),
+        [row["prompt"]],
+        [text],
+        [{**row, "finish_reason": "stop", "response_tokens": len(perfect)}],
+    ) == [1.0]
 
 
 # ---------------------------------------------------------------------------- GSM8K, files, validation splits
@@ -233,9 +243,15 @@ def test_gsm8k_from_the_hub_when_there_is_no_local_copy(monkeypatch, tmp_path):
         load_datasets(_data(task="gsm8k"))
     assert "nowhere" in str(err.value) and "openai/gsm8k" in str(err.value) and "data.path" in str(err.value)
     calls = []
-    fake = types.SimpleNamespace(load_dataset=lambda *a: calls.append(a) or {
-        "train": [{"question": "q1", "answer": "#### 1"}, {"question": "q2", "answer": "#### 2"}],
-        "test": [{"question": "t1", "answer": "#### 3"}]})
+    fake = types.SimpleNamespace(
+        load_dataset=lambda *a: (
+            calls.append(a)
+            or {
+                "train": [{"question": "q1", "answer": "#### 1"}, {"question": "q2", "answer": "#### 2"}],
+                "test": [{"question": "t1", "answer": "#### 3"}],
+            }
+        )
+    )
     monkeypatch.setitem(sys.modules, "datasets", fake)
     ds = load_datasets(_data(task="gsm8k"))
     assert calls == [("openai/gsm8k", "main")]
@@ -248,8 +264,17 @@ def test_jsonl_with_answer_key_instruction_and_held_out_split(tmp_path):
 
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps({"problem": f"p{i}", "solution": str(i)}) + "\n" for i in range(20)))
-    ds = load_datasets(_data(task="jsonl", path=str(path), prompt_key="problem", answer_key="solution",
-                             instruction="Answer:", val_split=0.25, seed=3))
+    ds = load_datasets(
+        _data(
+            task="jsonl",
+            path=str(path),
+            prompt_key="problem",
+            answer_key="solution",
+            instruction="Answer:",
+            val_split=0.25,
+            seed=3,
+        )
+    )
     assert (len(ds.train), len(ds.val)) == (15, 5)
     assert {r["problem"] for r in ds.train}.isdisjoint({r["problem"] for r in ds.val})
     assert all(r["prompt"] == f"{r['problem']} Answer:" and r["answer"] == r["solution"] for r in ds.train + ds.val)
@@ -278,8 +303,14 @@ def test_conversational_rows_with_nested_answer_key(tmp_path):
     answer sits in a nested field. The instruction joins the last user turn, which is also the row's text."""
     from hybrid_rl.data.prompts import load_datasets
 
-    rows = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"{i} + 1?"}],
-             "reward_model": {"ground_truth": str(i + 1)}, "data_source": "toy"} for i in range(3)]
+    rows = [
+        {
+            "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"{i} + 1?"}],
+            "reward_model": {"ground_truth": str(i + 1)},
+            "data_source": "toy",
+        }
+        for i in range(3)
+    ]
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     ds = load_datasets(_data(task="jsonl", path=str(path), answer_key="reward_model.ground_truth", instruction="Go."))
@@ -287,9 +318,12 @@ def test_conversational_rows_with_nested_answer_key(tmp_path):
     assert first["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "0 + 1? Go."}]
     assert first["prompt"] == "0 + 1? Go." and [r["answer"] for r in ds.train] == ["1", "2", "3"]
     assert rows[0]["prompt"][1]["content"] == "0 + 1?", "the file's rows are not modified"
-    bad = {"last turn is the assistant's": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
-           "a role": [{"role": "robot", "content": "q"}], "neither a non-empty string nor": [],
-           "string content": [{"role": "user", "content": ["q"]}]}
+    bad = {
+        "last turn is the assistant's": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+        "a role": [{"role": "robot", "content": "q"}],
+        "neither a non-empty string nor": [],
+        "string content": [{"role": "user", "content": ["q"]}],
+    }
     for match, prompt in bad.items():
         path.write_text(json.dumps({"prompt": prompt}) + "\n")
         with pytest.raises(ValueError, match=match.replace("last turn is the assistant's", "'assistant' turn")):
@@ -358,7 +392,6 @@ def test_prompt_encoder_renders_the_chat_template_once_per_prompt_and_drops_long
 def test_text_tokenizer_round_trips_gsm8k_and_has_one_token_for_the_marker(tmp_path):
     from hybrid_rl.models.loading import load_tokenizer
     from hybrid_rl.models.tiny_text import build_tiny_text_model_dir
-
     from tests.data_helpers import gsm8k_dir
 
     tok = load_tokenizer(build_tiny_text_model_dir(str(tmp_path / "m")))

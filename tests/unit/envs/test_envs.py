@@ -3,6 +3,7 @@
 Every error must name the environment and, once episodes run, the episode (row, sample, turn):
 with hundreds of episodes in flight, "step() returned None" alone is useless.
 """
+
 from __future__ import annotations
 
 import sys
@@ -66,10 +67,15 @@ def test_env_fn_loads_a_factory(env_module):
     assert name == f"{env_module}:make" and spec.factory is factory
 
 
-@pytest.mark.parametrize("path, message", [
-    ("no_colon", "not of the form"), ("no_such_module_xyz:make", "cannot import module"),
-    ("{mod}:missing", "has no attribute"), ("{mod}:not_callable", "not a callable"),
-])
+@pytest.mark.parametrize(
+    "path, message",
+    [
+        ("no_colon", "not of the form"),
+        ("no_such_module_xyz:make", "cannot import module"),
+        ("{mod}:missing", "has no attribute"),
+        ("{mod}:not_callable", "not a callable"),
+    ],
+)
 def test_env_fn_errors_name_the_key(env_module, path, message):
     with pytest.raises(ValueError, match=message) as err:
         load_env_factory(path.format(mod=env_module))
@@ -111,26 +117,37 @@ def test_duck_typed_step_results_are_accepted():
     assert step == Step([{"role": "tool", "content": "x"}], 2.0, False)
 
 
-@pytest.mark.parametrize("result, message", [
-    (None, "NoneType without observation, reward, done"), ("text", "str without"),
-    (_Duck([], float("nan"), True), "finite real"), (_Duck([], float("inf"), True), "finite real"),
-    (_Duck([], "1", True), "finite real"), (_Duck("hello", 0.0, False), "list of chat messages"),
-    (_Duck([{"role": "tool"}], 0.0, False), r"observation\[0\] must be a dict"),
-    (_Duck([], 0.0, "yes"), "done must be a bool"),
-])
+@pytest.mark.parametrize(
+    "result, message",
+    [
+        (None, "NoneType without observation, reward, done"),
+        ("text", "str without"),
+        (_Duck([], float("nan"), True), "finite real"),
+        (_Duck([], float("inf"), True), "finite real"),
+        (_Duck([], "1", True), "finite real"),
+        (_Duck("hello", 0.0, False), "list of chat messages"),
+        (_Duck([{"role": "tool"}], 0.0, False), r"observation\[0\] must be a dict"),
+        (_Duck([], 0.0, "yes"), "done must be a bool"),
+    ],
+)
 def test_wrong_step_results_name_environment_and_episode(result, message):
     with pytest.raises(EnvError, match=message) as err:
         as_step(result, "my_env", "episode of row 7 (sample 1), turn 2")
     assert "'my_env'" in str(err.value) and "row 7 (sample 1), turn 2" in str(err.value)
 
 
-@pytest.mark.parametrize("turns, rewards", [
-    (["ask", "7"], [0.0, 1.0]), (["ask 3", "7 2"], [0.0, 1.0]), (["ask3", "72"], [0.0, 1.0]),  # spaces or none
-    (["ask", "3"], [0.0, ASK_REWARD]),  # asked and answered, wrongly
-    (["ask", "ask"], [0.0, 0.0]),  # asked twice: no answer
-    (["7"], [0.0]),  # the right digit without asking: nothing, and over
-    (["<eos>"], [0.0]),
-])
+@pytest.mark.parametrize(
+    "turns, rewards",
+    [
+        (["ask", "7"], [0.0, 1.0]),
+        (["ask 3", "7 2"], [0.0, 1.0]),
+        (["ask3", "72"], [0.0, 1.0]),  # spaces or none
+        (["ask", "3"], [0.0, ASK_REWARD]),  # asked and answered, wrongly
+        (["ask", "ask"], [0.0, 0.0]),  # asked twice: no answer
+        (["7"], [0.0]),  # the right digit without asking: nothing, and over
+        (["<eos>"], [0.0]),
+    ],
+)
 def test_tiny_ask_needs_two_turns_for_full_reward(turns, rewards):
     row = {"prompt": "?", "secret": "7"}
     env = AskEnv(row)
@@ -147,13 +164,24 @@ def test_tiny_ask_tokenizer_survives_loading(tmp_path):
     from hybrid_rl.envs.tiny_ask import build_ask_model_dir
     from hybrid_rl.models.loading import load_tokenizer
 
-    conversation = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "ask"},
-                    {"role": "tool", "content": "7"}]
+    conversation = [
+        {"role": "user", "content": "?"},
+        {"role": "assistant", "content": "ask"},
+        {"role": "tool", "content": "7"},
+    ]
     built, loaded = build_ask_tokenizer(), load_tokenizer(build_ask_model_dir(str(tmp_path / "ask"), hidden_size=16))
     ids = [t.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False) for t in (built, loaded)]
     ids = [t(text, add_special_tokens=False).input_ids for t, text in zip((built, loaded), ids)]
     assert ids[0] == ids[1] and built.convert_ids_to_tokens(ids[0]) == [
-        "<user>", "?", "<assistant>", "ask", "<eos>", "<tool>", "7", "<assistant>"]
+        "<user>",
+        "?",
+        "<assistant>",
+        "ask",
+        "<eos>",
+        "<tool>",
+        "7",
+        "<assistant>",
+    ]
 
 
 def test_tiny_ask_rows_and_vocabulary():

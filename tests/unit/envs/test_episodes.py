@@ -8,6 +8,7 @@ so `####` is four tokens where the tokenizer would make one): re-tokenizing a tu
 observation token in, fails these tests. The native-engine test checks the same on a real model,
 plus that the engine's logprobs are the model's own at each masked-in position.
 """
+
 from __future__ import annotations
 
 import threading
@@ -17,9 +18,9 @@ import torch
 
 from hybrid_rl.data.chat_delta import encode
 from hybrid_rl.envs.base import EnvError, Step
+from hybrid_rl.envs.episodes import EpisodeRunner, EpisodeSettings, episode_metrics
 from hybrid_rl.envs.gsm8k_calc import gsm8k_calculator
 from hybrid_rl.types import Completion, SamplingParams
-from hybrid_rl.envs.episodes import EpisodeRunner, EpisodeSettings, episode_metrics
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -77,17 +78,17 @@ def _check_against_engine(ep, engine):
         # the engine was asked for exactly this prefix (a group's episodes share it: the logprobs tell them apart)
         asked = [(k, c) for k, (p, c) in enumerate(records) if p == seq[:pos] and k not in used]
         assert asked, "no engine call had this episode's tokens so far as its prompt"
-        k, comp = next(((k, c) for k, c in asked if c.logprobs[:1] == ep.logprobs[at:at + 1]), asked[0])
+        k, comp = next(((k, c) for k, c in asked if c.logprobs[:1] == ep.logprobs[at : at + 1]), asked[0])
         used.add(k)
         n = min(len(comp.token_ids), len(seq) - pos)  # the last turn may have been cut to the episode budget
-        assert seq[pos:pos + n] == comp.token_ids[:n], "a turn's ids are not the ones the engine sampled"
-        assert ep.loss_mask[at:at + n] == [1] * n
-        assert ep.logprobs[at:at + n] == comp.logprobs[:n]
+        assert seq[pos : pos + n] == comp.token_ids[:n], "a turn's ids are not the ones the engine sampled"
+        assert ep.loss_mask[at : at + n] == [1] * n
+        assert ep.logprobs[at : at + n] == comp.logprobs[:n]
         pos, sampled = pos + n, sampled + n
         if pos < len(seq):
-            nxt = min(len(p) for p, _ in records if len(p) > pos and p == seq[:len(p)])
-            assert ep.loss_mask[at + n:nxt - len(ep.prompt_ids)] == [0] * (nxt - pos), "observation in the loss"
-            assert ep.logprobs[at + n:nxt - len(ep.prompt_ids)] == [0.0] * (nxt - pos)
+            nxt = min(len(p) for p, _ in records if len(p) > pos and p == seq[: len(p)])
+            assert ep.loss_mask[at + n : nxt - len(ep.prompt_ids)] == [0] * (nxt - pos), "observation in the loss"
+            assert ep.logprobs[at + n : nxt - len(ep.prompt_ids)] == [0.0] * (nxt - pos)
             pos = nxt
     assert sum(ep.loss_mask) == sampled
 
@@ -127,7 +128,8 @@ def test_one_generate_call_per_turn_and_finished_episodes_leave(tok):
 def test_max_turns_ends_with_length(tok):
     engine = ScriptedEngine(tok, lambda text: CALL)  # never answers
     episodes = _runner(engine, tok, max_turns=3, max_episode_tokens=4096).run(
-        ROWS[1:], 1, SamplingParams(max_new_tokens=200))
+        ROWS[1:], 1, SamplingParams(max_new_tokens=200)
+    )
     for ep in episodes:
         _check_against_engine(ep, engine)
         assert (ep.turns, ep.end, ep.finish_reason) == (3, "max_turns", "length")
@@ -143,7 +145,8 @@ def test_max_episode_tokens_cuts_and_ends_with_length(tok, room):
     budget = len(prompt_ids(tok, gsm8k_calculator(rows[1]).reset(rows[1]))) + room
     engine = ScriptedEngine(tok, lambda text: CALL)
     episodes = _runner(engine, tok, max_turns=10, max_episode_tokens=budget).run(
-        rows, 2, SamplingParams(max_new_tokens=200))
+        rows, 2, SamplingParams(max_new_tokens=200)
+    )
     # one call for both rows: its limit is the short prompt's room, so the long one's turn is cut to its own
     assert engine.calls[0][1].max_new_tokens > budget - len(engine.calls[0][0][-1])
     for ep in episodes:
@@ -196,11 +199,15 @@ def test_a_slow_step_times_out_alone_and_nothing_hangs(tok):
     engine = ScriptedEngine(tok, lambda text: "a")
     try:
         episodes = _runner(engine, tok, factory=lambda row: _Scripted(row, on_step), timeout_s=0.3).run(
-            ROWS, 1, SamplingParams(max_new_tokens=8))
+            ROWS, 1, SamplingParams(max_new_tokens=8)
+        )
     finally:
         release.set()
     assert [(e.end, e.finish_reason, e.reward) for e in episodes] == [
-        ("done", "stop", 1.0), ("timeout", "length", 0.0), ("done", "stop", 1.0)]
+        ("done", "stop", 1.0),
+        ("timeout", "length", 0.0),
+        ("done", "stop", 1.0),
+    ]
     assert episode_metrics(episodes)["episode/end_timeout"] == pytest.approx(1 / 3)
 
 
@@ -219,7 +226,8 @@ def test_an_env_returning_the_wrong_type_names_the_episode(tok):
     engine = ScriptedEngine(tok, lambda text: "a")
     with pytest.raises(EnvError, match=r"'env_under_test'.*dict without observation.*row 0 \(sample 0\), turn 1"):
         _runner(engine, tok, factory=lambda row: _Scripted(row, lambda r, t: {"done": True})).run(
-            ROWS[:1], 2, SamplingParams())
+            ROWS[:1], 2, SamplingParams()
+        )
 
 
 def test_native_engine_on_the_tiny_ask_model(tmp_path):
@@ -243,18 +251,20 @@ def test_native_engine_on_the_tiny_ask_model(tmp_path):
         return out
 
     recorder.generate = generate
+
     def on_step(row, turn):  # always answers with the digit, so every episode has observations between turns
         return Step([{"role": "tool", "content": row["secret"]}], 0.0, turn == 3)
 
     episodes = _runner(recorder, tok, factory=lambda row: _Scripted(row, on_step), max_turns=3).run(
-        ask_rows(8, 0), 4, SamplingParams(max_new_tokens=3, seed=3))
+        ask_rows(8, 0), 4, SamplingParams(max_new_tokens=3, seed=3)
+    )
     for ep in episodes:
         _check_against_engine(ep, recorder)
         ids = torch.tensor([ep.token_ids])
         with torch.no_grad():
             logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
         P = len(ep.prompt_ids)
-        own = logp[P - 1:, :].gather(1, ids[0, P:, None])[:, 0]
+        own = logp[P - 1 :, :].gather(1, ids[0, P:, None])[:, 0]
         mask = torch.tensor(ep.loss_mask, dtype=torch.bool)
         torch.testing.assert_close(own[mask], torch.tensor(ep.logprobs)[mask], atol=1e-4, rtol=0)
     assert all(e.turns == 3 and e.observation_tokens > 0 for e in episodes)
@@ -268,11 +278,19 @@ def test_soft_overlong_penalty_ramps_on_the_room_left_before_the_episode_cut():
     multi-turn episode the full factor, or the generated tokens alone, which misses observations filling the
     budget."""
     from hybrid_rl.config.load import load_config
-    from hybrid_rl.loop.reward_setup import RewardSetup
     from hybrid_rl.envs.episodes import Episode
+    from hybrid_rl.loop.reward_setup import RewardSetup
 
-    cfg = load_config(None, ["env.name=tiny_ask", "rollout.max_new_tokens=8", "rollout.max_episode_tokens=40",
-                             "algorithm.overlong_penalty_factor=1.0", "algorithm.overlong_buffer_len=4"])
+    cfg = load_config(
+        None,
+        [
+            "env.name=tiny_ask",
+            "rollout.max_new_tokens=8",
+            "rollout.max_episode_tokens=40",
+            "algorithm.overlong_penalty_factor=1.0",
+            "algorithm.overlong_buffer_len=4",
+        ],
+    )
     setup = RewardSetup.resolve(cfg)
 
     def episode(prompt: int, turns: list[int], obs: list[int]) -> Completion:
@@ -285,8 +303,12 @@ def test_soft_overlong_penalty_ramps_on_the_room_left_before_the_episode_cut():
         return ep.as_completion()
 
     # room before the cut at 40: 18, 4 (the buffer's edge), 2 (half-way), 0 (at the cut); generated 12, 12, 14, 16
-    eps = [episode(10, [6, 6], [0, 0]), episode(10, [6, 6], [7, 7]), episode(10, [7, 7], [7, 7]),
-           episode(10, [8, 8], [9, 5])]
+    eps = [
+        episode(10, [6, 6], [0, 0]),
+        episode(10, [6, 6], [7, 7]),
+        episode(10, [7, 7], [7, 7]),
+        episode(10, [8, 8], [9, 5]),
+    ]
     rewards_N, scores_N, _ = setup.score([{}], eps, 4, None, set())
     assert rewards_N.tolist() == [1.0] * 4
     assert (scores_N - rewards_N).tolist() == pytest.approx([0.0, 0.0, -0.5, -1.0])

@@ -4,6 +4,7 @@ and no thread outlives its use.
 Catches: workers that never exit (every EpisodeRunner leaked max_workers threads: a full test run held
 hundreds), a timed-out step that stalls the others, and results returned out of order.
 """
+
 from __future__ import annotations
 
 import threading

@@ -21,6 +21,7 @@ The interpreter is more lenient than the compiler, so a second subprocess
 sm_90 down to a cubin with triton's bundled ptxas; no GPU is needed for that.
 On a CUDA machine the in-process and large-vocab tests run the compiled kernel.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,12 +41,12 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from hybrid_rl.kernels import logprob as logprob_mod  # noqa: E402
 from hybrid_rl.kernels import (  # noqa: E402
     logprob_entropy,
     token_logprob_entropy,
     token_logprob_entropy_ref,
 )
-from hybrid_rl.kernels import logprob as logprob_mod  # noqa: E402
 
 ATOL = 1e-5
 RTOL = 1e-5
@@ -55,9 +56,7 @@ WORKER_TIMEOUT_S = 300
 # --------------------------------------------------------------------------- helpers
 
 
-def _close(
-    actual: torch.Tensor, expected: torch.Tensor, what: str, atol: float = ATOL, rtol: float = RTOL
-) -> None:
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, atol: float = ATOL, rtol: float = RTOL) -> None:
     torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
 
 
@@ -295,14 +294,22 @@ def _aot_worker_main() -> None:
         # Parameter types in signature order: a "*" type is a pointer, "constexpr" a constant.
         names = list(kernel.arg_names)  # type: ignore[attr-defined]
         sig = {n: ("constexpr" if n in consts else types[n]) for n in names}
-        k = triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": 8})
+        k = triton.compile(
+            ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}
+        )
         assert "cubin" in k.asm, f"{names[0]}: no cubin for {types} {consts}"
 
     for dt in ("fp32", "bf16"):
         types = {n: "*fp32" for n in ("logp_ptr", "ent_ptr", "m_ptr", "logs_ptr", "g_logp_ptr", "g_ent_ptr")}
-        types.update(logits_ptr=f"*{dt}", grad_ptr=f"*{dt}", targets_ptr="*i64", V="i32", stride_row="i64",
-                     stride_grad_row="i64", temperature="fp32")
+        types.update(
+            logits_ptr=f"*{dt}",
+            grad_ptr=f"*{dt}",
+            targets_ptr="*i64",
+            V="i32",
+            stride_row="i64",
+            stride_grad_row="i64",
+            temperature="fp32",
+        )
         compile_one(fwd, types, {"BLOCK_V": 4096})
         for has_lp, has_h in ((True, True), (True, False), (False, True)):
             compile_one(bwd, types, {"BLOCK_V": 4096, "HAS_G_LOGP": has_lp, "HAS_G_ENT": has_h})

@@ -4,13 +4,14 @@ The reference is the oracle the Triton kernel is tested against (test_kernels.py
 so it is itself pinned here to float64 computations and closed-form gradients.
 Shapes legend: R rows (tokens), V vocabulary size.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hybrid_rl.kernels import logprob_entropy, token_logprob_entropy_ref
 from hybrid_rl.kernels import logprob as logprob_mod
+from hybrid_rl.kernels import logprob_entropy, token_logprob_entropy_ref
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, atol: float = 1e-5, rtol: float = 1e-5) -> None:
@@ -102,4 +103,3 @@ def test_input_validation() -> None:
         token_logprob_entropy_ref(logits, torch.tensor([1, 2]), temperature=0.0)
     with pytest.raises(ValueError, match="block_v"):
         logprob_mod._pick_block(67, 24)
-

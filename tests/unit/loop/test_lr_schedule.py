@@ -1,5 +1,6 @@
 """The learning-rate schedule: warm-up then constant / cosine / linear decay to lr * min_lr_ratio,
 against the formulas written out, and the Trainer's optimizer steps under it."""
+
 from __future__ import annotations
 
 import math
@@ -51,8 +52,17 @@ def test_bad_schedule_is_rejected(tiny_trainer_overrides):
 
 def test_trainer_decays_to_the_floor_over_the_run(tiny_trainer_overrides):
     """2 GRPO steps x 2 mini-batches = 4 optimizer steps; actor/lr is the mean over a step's updates."""
-    cfg = load_config(None, [*tiny_trainer_overrides, "trainer.total_steps=2", "algorithm.mini_batch_size=4",
-                             "optim.lr=1e-3", "optim.lr_schedule=cosine", "optim.min_lr_ratio=0.1"])
+    cfg = load_config(
+        None,
+        [
+            *tiny_trainer_overrides,
+            "trainer.total_steps=2",
+            "algorithm.mini_batch_size=4",
+            "optim.lr=1e-3",
+            "optim.lr_schedule=cosine",
+            "optim.min_lr_ratio=0.1",
+        ],
+    )
     tr = Trainer(cfg)
     lrs = [_naive(s, 0, 4, "cosine", 0.1) * 1e-3 for s in range(4)]
     for k in range(2):

@@ -1,4 +1,5 @@
 """On-policy updates skip the scoring forward of the policy: same step, one forward less."""
+
 from __future__ import annotations
 
 import copy
@@ -7,10 +8,10 @@ import pytest
 import torch
 
 from hybrid_rl.algorithms.aggregation import LOSS_AGG_MODES
-from hybrid_rl.config.schema import AlgorithmConfig
-from hybrid_rl.models.logprobs import build_sequences
 from hybrid_rl.batch import TrainBatch
+from hybrid_rl.config.schema import AlgorithmConfig
 from hybrid_rl.loop.update import UpdateSettings, is_on_policy, policy_update, score_logprobs, scores_old_policy
+from hybrid_rl.models.logprobs import build_sequences
 
 
 def _step(model, batch_kwargs, old_from_scoring: bool):
@@ -20,8 +21,14 @@ def _step(model, batch_kwargs, old_from_scoring: bool):
     old = score_logprobs(model, ids, attn, P, 1.0, micro_batch_size=3) if old_from_scoring else None
     algo = AlgorithmConfig(kl_coef=0.0)
     batch = TrainBatch(ids_NL=ids, attn_NL=attn, mask_NT=mask, P=P, adv_NT=adv[:, None] * mask, old_logp_NT=old)
-    m = policy_update(policy=model, optimizer=opt, scheduler=sched, batch=batch, seed=0, settings=UpdateSettings(
-        algo=algo, temperature=1.0, micro_batch_size=3, grad_clip=1.0, norm_length=6))
+    m = policy_update(
+        policy=model,
+        optimizer=opt,
+        scheduler=sched,
+        batch=batch,
+        seed=0,
+        settings=UpdateSettings(algo=algo, temperature=1.0, micro_batch_size=3, grad_clip=1.0, norm_length=6),
+    )
     return {n: p.detach().clone() for n, p in model.named_parameters()}, m
 
 
@@ -71,7 +78,11 @@ def test_token_budget_micro_batches_cover_every_row_once_within_the_budget():
         assert len(mb) == 1 or longest * len(mb) <= 20, mb
     lengths = [ends[r] for mb in micros for r in mb]
     assert lengths == sorted(lengths), "grouped by length"
-    assert micro_batches(list(range(9)), ends, P=5, micro_batch_size=4, max_tokens=0) == [[0, 1, 2, 3], [4, 5, 6, 7], [8]]
+    assert micro_batches(list(range(9)), ends, P=5, micro_batch_size=4, max_tokens=0) == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+        [8],
+    ]
 
 
 def test_packed_token_budget_counts_each_rows_tokens_not_the_longest():
@@ -104,9 +115,21 @@ def test_token_budget_and_packing_give_the_same_update_as_padded_rows(tiny_model
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         batch = TrainBatch(ids_NL=ids, attn_NL=attn, mask_NT=mask.float(), P=P, adv_NT=adv[:, None] * mask.float())
         out[max_tokens, packing] = policy_update(
-            policy=model, optimizer=opt, scheduler=sched, batch=batch, seed=0, settings=UpdateSettings(
-                algo=AlgorithmConfig(kl_coef=0.0, loss_agg=loss_agg), temperature=1.0, micro_batch_size=3,
-                grad_clip=1.0, norm_length=7, max_tokens_per_micro_batch=max_tokens, packing=packing))
+            policy=model,
+            optimizer=opt,
+            scheduler=sched,
+            batch=batch,
+            seed=0,
+            settings=UpdateSettings(
+                algo=AlgorithmConfig(kl_coef=0.0, loss_agg=loss_agg),
+                temperature=1.0,
+                micro_batch_size=3,
+                grad_clip=1.0,
+                norm_length=7,
+                max_tokens_per_micro_batch=max_tokens,
+                packing=packing,
+            ),
+        )
     want = out[0, False]
     for key, m in out.items():
         assert m["actor/loss"] == pytest.approx(want["actor/loss"], rel=1e-5), key
@@ -123,12 +146,14 @@ def test_mini_batches_are_shuffled_group_by_group():
     for order in orders:
         assert sorted(order) == list(range(24))
         for g in range(6):
-            block = order[4 * g:4 * g + 4]
+            block = order[4 * g : 4 * g + 4]
             assert block == list(range(block[0], block[0] + 4)) and block[0] % 4 == 0, order
     assert len({tuple(o) for o in orders}) > 1
     assert sorted(shuffled_rows(10, 4, gen).tolist()) == list(range(10))
-    assert shuffled_rows(8, 1, torch.Generator().manual_seed(3)).tolist() == \
-        torch.randperm(8, generator=torch.Generator().manual_seed(3)).tolist()
+    assert (
+        shuffled_rows(8, 1, torch.Generator().manual_seed(3)).tolist()
+        == torch.randperm(8, generator=torch.Generator().manual_seed(3)).tolist()
+    )
 
 
 def test_the_trainer_hands_the_group_size_to_the_update(tiny_trainer_overrides, monkeypatch):
@@ -173,7 +198,9 @@ def test_packed_token_budget_keeps_a_prompts_rows_together():
         assert cost(mb) <= 30 or len(mb) == 1, mb
         whole = {r // 3 for r in mb if r < 9}
         assert all(set(range(3 * k, 3 * k + 3)) <= set(mb) for k in whole), f"group split: {mb}"
-    assert [sorted(mb) for mb in micros if set(mb) & {9, 10, 11}] == [[9, 10], [11]], "the over-budget group goes by rows"
+    assert [sorted(mb) for mb in micros if set(mb) & {9, 10, 11}] == [[9, 10], [11]], (
+        "the over-budget group goes by rows"
+    )
 
 
 def test_update_settings_are_read_from_their_config_keys():
@@ -181,9 +208,24 @@ def test_update_settings_are_read_from_their_config_keys():
     scoring one, max_new_tokens vs micro_batch_size): the update would score or normalise differently."""
     from hybrid_rl.config.load import load_config
 
-    cfg = load_config(None, ["rollout.temperature=0.7", "trainer.micro_batch_size=5", "optim.grad_clip=0.3",
-                             "rollout.max_new_tokens=9", "trainer.max_tokens_per_micro_batch=64", "trainer.packing=false"])
+    cfg = load_config(
+        None,
+        [
+            "rollout.temperature=0.7",
+            "trainer.micro_batch_size=5",
+            "optim.grad_clip=0.3",
+            "rollout.max_new_tokens=9",
+            "trainer.max_tokens_per_micro_batch=64",
+            "trainer.packing=false",
+        ],
+    )
     s = UpdateSettings.from_config(cfg)
     assert s.algo is cfg.algorithm
-    assert (s.temperature, s.micro_batch_size, s.grad_clip, s.norm_length, s.max_tokens_per_micro_batch,
-            s.packing) == (0.7, 5, 0.3, 9, 64, False)
+    assert (s.temperature, s.micro_batch_size, s.grad_clip, s.norm_length, s.max_tokens_per_micro_batch, s.packing) == (
+        0.7,
+        5,
+        0.3,
+        9,
+        64,
+        False,
+    )

@@ -2,6 +2,7 @@
 (hybrid_rl/loop/run_state.py), the layout of a checkpoint's rank file (checkpoints written before the
 run state existed must still load), and the one definition of what a reward sees
 (`RewardSetup.rule_rewards`, used by the training step, validation and the start-up probe)."""
+
 from __future__ import annotations
 
 import os
@@ -12,10 +13,10 @@ import torch
 from hybrid_rl.algorithms.kl import AdaptiveKLController
 from hybrid_rl.config.load import load_config
 from hybrid_rl.data.prompts import PromptLoader
-from hybrid_rl.rewards.combine import RunningNorm
 from hybrid_rl.loop.reward_setup import RewardSetup
-from hybrid_rl.types import Completion
 from hybrid_rl.loop.run_state import RunState
+from hybrid_rl.rewards.combine import RunningNorm
+from hybrid_rl.types import Completion
 
 # What a rank file holds. Issue 26 renamed two keys (the phase switch counts rollouts, not steps):
 # files written before it hold "switch_step" and "ledger_step" instead, and still load.
@@ -24,8 +25,11 @@ RANK_FILE_KEYS = {"step", "loader", "scheduler", "kl_coef", "switch_rollouts", "
 
 def _state(norm: bool) -> RunState:
     rows = [{"prompt": f"p{i}"} for i in range(10)]
-    return RunState(loader=PromptLoader(rows, 4, seed=3), kl_ctl=AdaptiveKLController(0.1, 0.01, 100),
-                    reward_norm=RunningNorm() if norm else None)
+    return RunState(
+        loader=PromptLoader(rows, 4, seed=3),
+        kl_ctl=AdaptiveKLController(0.1, 0.01, 100),
+        reward_norm=RunningNorm() if norm else None,
+    )
 
 
 def test_run_state_round_trip_continues_the_same_run():
@@ -48,8 +52,10 @@ def test_run_state_round_trip_continues_the_same_run():
 
 @pytest.mark.parametrize("saved_norm", [True, False])
 def test_run_state_refuses_a_normaliser_switched_on_or_off(saved_norm):
-    with pytest.raises(ValueError, match=f"reward normaliser {'on' if saved_norm else 'off'}; this run has it "
-                                         f"{'off' if saved_norm else 'on'}"):
+    with pytest.raises(
+        ValueError,
+        match=f"reward normaliser {'on' if saved_norm else 'off'}; this run has it {'off' if saved_norm else 'on'}",
+    ):
         _state(norm=not saved_norm).load_state_dict(_state(norm=saved_norm).state_dict())
 
 
@@ -105,7 +111,12 @@ def test_the_probe_validation_and_training_see_the_same_reward_inputs(tiny_train
     prompts, _, meta = seen[-1]
     assert prompts == ["a", "a", "b", "b"]
     assert [m["answer"] for m in meta] == [1, 1, 2, 2]
-    assert [(m["finish_reason"], m["response_tokens"]) for m in meta] == [("stop", 2), ("length", 2), ("length", 2), ("stop", 2)]
+    assert [(m["finish_reason"], m["response_tokens"]) for m in meta] == [
+        ("stop", 2),
+        ("length", 2),
+        ("length", 2),
+        ("stop", 2),
+    ]
     reward_N, score_N, logged = setup.score(rows, [done, cut, cut, done], 2, tiny_tokenizer, {eos})
     assert seen[-1] == (prompts, texts, meta) and reward_N.tolist() == [1.0] * 4 and logged == {}
     setup.probe(rows, tiny_tokenizer)

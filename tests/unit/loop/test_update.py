@@ -4,6 +4,7 @@ epochs do to the step, and the mini-batch shuffle the trainer seeds per step.
 Each test fails under a specific, plausible bug that the rest of the suite let through (its
 docstring names it). One process, a tiny model, one thread; each test runs in seconds.
 """
+
 from __future__ import annotations
 
 import copy
@@ -13,11 +14,11 @@ import torch
 
 import hybrid_rl.loop.update as update_mod
 from hybrid_rl.batch import TrainBatch
-from hybrid_rl.config.schema import AlgorithmConfig
 from hybrid_rl.config.load import load_config
+from hybrid_rl.config.schema import AlgorithmConfig
+from hybrid_rl.loop.update import UpdateSettings, policy_update
 from hybrid_rl.models.logprobs import build_sequences, response_logprobs
 from hybrid_rl.trainer import Trainer
-from hybrid_rl.loop.update import UpdateSettings, policy_update
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -89,8 +90,14 @@ def test_every_mini_batch_starts_from_a_zero_gradient(tiny_model):
     algo = AlgorithmConfig(kl_coef=0.0, mini_batch_size=2)  # 4 mini-batches of 2 identical rows
     one = copy.deepcopy(tiny_model)
     half = tuple(t[:2] for t in batch[:3]) + (batch[3],)
-    m_one = _update(one, half, adv[:2], lr=0.0, algo=AlgorithmConfig(kl_coef=0.0),
-                    optimizer=torch.optim.SGD(one.parameters(), lr=0.0))
+    m_one = _update(
+        one,
+        half,
+        adv[:2],
+        lr=0.0,
+        algo=AlgorithmConfig(kl_coef=0.0),
+        optimizer=torch.optim.SGD(one.parameters(), lr=0.0),
+    )
     many = copy.deepcopy(tiny_model)
     m_many = _update(many, batch, adv, lr=0.0, algo=algo, optimizer=torch.optim.SGD(many.parameters(), lr=0.0))
     assert m_one["actor/grad_norm"] > 1e-4
@@ -106,7 +113,7 @@ def test_each_epoch_reshuffles_the_mini_batches(tiny_model, monkeypatch):
     algo = AlgorithmConfig(kl_coef=0.0, ppo_epochs=3, mini_batch_size=2)
     calls = _mini_batch_orders(monkeypatch, lambda: _update(tiny_model, batch, torch.randn(8), lr=1e-3, algo=algo))
     assert len(calls) == 3 * 4
-    epochs = [sum(calls[4 * e:4 * e + 4], []) for e in range(3)]
+    epochs = [sum(calls[4 * e : 4 * e + 4], []) for e in range(3)]
     for order in epochs:
         assert sorted(order) == list(range(8)), "each epoch visits every row once"
     assert len({tuple(o) for o in epochs}) == 3, "every epoch draws a new order"
@@ -115,8 +122,9 @@ def test_each_epoch_reshuffles_the_mini_batches(tiny_model, monkeypatch):
 def test_each_step_draws_its_own_mini_batch_order(tiny_trainer_overrides, monkeypatch):
     """Catches policy_update getting the same shuffle seed every step (trainer.seed without the step
     index): then every step splits its batch into mini-batches the same way."""
-    tr = _trainer(tiny_trainer_overrides, "algorithm.mini_batch_size=2", "trainer.micro_batch_size=2",
-                  "trainer.total_steps=2")
+    tr = _trainer(
+        tiny_trainer_overrides, "algorithm.mini_batch_size=2", "trainer.micro_batch_size=2", "trainer.total_steps=2"
+    )
     calls = _mini_batch_orders(monkeypatch, lambda: (tr.step(), tr.step()))
     assert len(calls) == 2 * 4
     first, second = sum(calls[:4], []), sum(calls[4:], [])

@@ -6,6 +6,7 @@ A tiny random model scores ~0 on GSM8K, so the reward here is a deterministic fu
 completion text (`parity_reward`), which makes the metrics non-trivial and checkable against the
 completions written to val_samples.jsonl.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,9 +15,9 @@ import os
 import pytest
 
 from hybrid_rl.config.load import load_config
-from hybrid_rl.types import SamplingParams
 from hybrid_rl.switch.phases import Phase
 from hybrid_rl.trainer import Trainer
+from hybrid_rl.types import SamplingParams
 from tests.data_helpers import gsm8k_dir
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -49,10 +50,24 @@ def gsm8k_files(tmp_path_factory) -> tuple[str, str]:
 
 def _overrides(model_dir, files, out_dir, *extra):
     train, test = files
-    return [f"model.path={model_dir}", "trainer.device=cpu", f"trainer.out_dir={out_dir}", "trainer.progress_bar=false",
-            "data.task=jsonl", f"data.path={train}", f"data.val_path={test}", "data.prompt_key=question",
-            "data.answer_key=answer", "data.batch_size=4", "data.val_batch_size=4", "rollout.n=2",
-            "rollout.max_new_tokens=12", "trainer.total_steps=1", "trainer.log_every=0", *extra]
+    return [
+        f"model.path={model_dir}",
+        "trainer.device=cpu",
+        f"trainer.out_dir={out_dir}",
+        "trainer.progress_bar=false",
+        "data.task=jsonl",
+        f"data.path={train}",
+        f"data.val_path={test}",
+        "data.prompt_key=question",
+        "data.answer_key=answer",
+        "data.batch_size=4",
+        "data.val_batch_size=4",
+        "rollout.n=2",
+        "rollout.max_new_tokens=12",
+        "trainer.total_steps=1",
+        "trainer.log_every=0",
+        *extra,
+    ]
 
 
 def _records(out_dir) -> list[dict]:
@@ -61,12 +76,15 @@ def _records(out_dir) -> list[dict]:
 
 
 def test_validate_metrics_match_the_completions_it_wrote(text_model_dir, gsm8k_files, tmp_path, monkeypatch):
-    cfg = load_config(None, _overrides(text_model_dir, gsm8k_files, tmp_path, "trainer.val_n=3",
-                                       "trainer.val_sample_rows=100"))
+    cfg = load_config(
+        None, _overrides(text_model_dir, gsm8k_files, tmp_path, "trainer.val_n=3", "trainer.val_sample_rows=100")
+    )
     tr = Trainer(cfg, reward_fn=parity_reward)
     calls = []
     real_generate = tr.engine.generate
-    monkeypatch.setattr(tr.engine, "generate", lambda ids, p: calls.append((ids, p, tr.phases.inside)) or real_generate(ids, p))
+    monkeypatch.setattr(
+        tr.engine, "generate", lambda ids, p: calls.append((ids, p, tr.phases.inside)) or real_generate(ids, p)
+    )
     rollouts_before = tr.phases.rollouts
     m = tr.validator.run(7)
 
@@ -103,9 +121,18 @@ def test_validate_metrics_match_the_completions_it_wrote(text_model_dir, gsm8k_f
 
 
 def test_fit_validates_every_n_steps_at_the_end_and_before_training(text_model_dir, gsm8k_files, tmp_path):
-    cfg = load_config(None, _overrides(text_model_dir, gsm8k_files, tmp_path, "trainer.total_steps=3",
-                                       "trainer.val_every=2", "trainer.val_before_train=true",
-                                       "trainer.val_sample_rows=2"))
+    cfg = load_config(
+        None,
+        _overrides(
+            text_model_dir,
+            gsm8k_files,
+            tmp_path,
+            "trainer.total_steps=3",
+            "trainer.val_every=2",
+            "trainer.val_before_train=true",
+            "trainer.val_sample_rows=2",
+        ),
+    )
     history = Trainer(cfg, reward_fn=parity_reward).fit()
     assert [("val/pass@1" in h) for h in history] == [False, True, True]  # step 2 (every 2) and 3 (the end)
     with open(tmp_path / "metrics.jsonl") as f:
@@ -121,13 +148,15 @@ def test_greedy_validation_matches_a_direct_greedy_decode(text_model_dir, gsm8k_
     tr = Trainer(cfg, reward_fn=parity_reward)
     tr.validator.run(1)
     with tr.phases.rollout() as engine:
-        direct = engine.generate([tr.encode(r["prompt"]) for r in tr.validator.rows],
-                                 SamplingParams(max_new_tokens=12, greedy=True))
+        direct = engine.generate(
+            [tr.encode(r["prompt"]) for r in tr.validator.rows], SamplingParams(max_new_tokens=12, greedy=True)
+        )
     with tr.phases.train():
         pass
     eos = tr.tokenizer.eos_token_id
-    texts = tr.tokenizer.batch_decode([c.token_ids[:-1] if c.token_ids[-1] == eos else c.token_ids for c in direct],
-                                      skip_special_tokens=True)
+    texts = tr.tokenizer.batch_decode(
+        [c.token_ids[:-1] if c.token_ids[-1] == eos else c.token_ids for c in direct], skip_special_tokens=True
+    )
     assert [r["completion"] for r in _records(tmp_path)] == texts
 
 
@@ -146,16 +175,18 @@ def test_two_ranks_report_what_one_rank_reports(text_model_dir, gsm8k_files, tmp
 
     overrides = _overrides(text_model_dir, gsm8k_files, tmp_path / "two", "trainer.val_n=2")
     two = run_ranks(_validate_on_rank, world=2, args=(overrides,))
-    one = Trainer(load_config(None, _overrides(text_model_dir, gsm8k_files, tmp_path / "one")),
-                  reward_fn=parity_reward).validator.run(3)
+    one = Trainer(
+        load_config(None, _overrides(text_model_dir, gsm8k_files, tmp_path / "one")), reward_fn=parity_reward
+    ).validator.run(3)
     for name in ("val/pass@1", "val/reward_mean", "val/response_length", "val/truncated", "val/prompts"):
         assert two[0][name] == two[1][name] == pytest.approx(one[name]), name
     assert two[0]["val/mean@2"] == two[1]["val/mean@2"]
     assert len(_records(tmp_path / "two")) == 3  # rank 0's slices (2 + 1) only
 
 
-def test_conversational_rows_train_and_validate_with_the_system_prompt(text_model_dir, gsm8k_files, tmp_path,
-                                                                      monkeypatch):
+def test_conversational_rows_train_and_validate_with_the_system_prompt(
+    text_model_dir, gsm8k_files, tmp_path, monkeypatch
+):
     """GSM8K rows rewritten as verl writes them (a list of chat messages, the answer under
     reward_model.ground_truth): the engine gets the rendered conversation with data.system_prompt
     in front, in training and validation, and the reward gets the question text and the answer."""
@@ -164,8 +195,18 @@ def test_conversational_rows_train_and_validate_with_the_system_prompt(text_mode
         with open(path) as f:
             rows = [json.loads(line) for line in f]
         out = tmp_path / f"chat_{name}.jsonl"
-        out.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": r["question"]}],
-                                           "reward_model": {"ground_truth": r["answer"]}}) + "\n" for r in rows))
+        out.write_text(
+            "".join(
+                json.dumps(
+                    {
+                        "prompt": [{"role": "user", "content": r["question"]}],
+                        "reward_model": {"ground_truth": r["answer"]},
+                    }
+                )
+                + "\n"
+                for r in rows
+            )
+        )
         chat_files.append(str(out))
     overrides = [o for o in _overrides(text_model_dir, chat_files, tmp_path / "run") if not o.startswith("data.")]
     seen = []
@@ -174,9 +215,19 @@ def test_conversational_rows_train_and_validate_with_the_system_prompt(text_mode
         seen.extend(zip(prompts, (m["answer"] for m in metadata)))
         return parity_reward(prompts, completions, metadata)
 
-    cfg = load_config(None, [*overrides, "data.task=jsonl", f"data.path={chat_files[0]}", f"data.val_path={chat_files[1]}",
-                             "data.answer_key=reward_model.ground_truth", "data.batch_size=4", "data.val_batch_size=4",
-                             "data.system_prompt=Think step by step."])
+    cfg = load_config(
+        None,
+        [
+            *overrides,
+            "data.task=jsonl",
+            f"data.path={chat_files[0]}",
+            f"data.val_path={chat_files[1]}",
+            "data.answer_key=reward_model.ground_truth",
+            "data.batch_size=4",
+            "data.val_batch_size=4",
+            "data.system_prompt=Think step by step.",
+        ],
+    )
     tr = Trainer(cfg, reward_fn=reward)
     calls = []
     real_generate = tr.engine.generate
@@ -191,6 +242,9 @@ def test_conversational_rows_train_and_validate_with_the_system_prompt(text_mode
         assert text.endswith("<|im_end|>\n<|im_start|>assistant\n")
         if rows is not None:
             assert rows["prompt"] in text and rows["messages"][-1]["content"] == rows["prompt"]
-    questions = {json.loads(line)["prompt"][0]["content"]: json.loads(line)["reward_model"]["ground_truth"]
-                 for path in chat_files for line in open(path)}
+    questions = {
+        json.loads(line)["prompt"][0]["content"]: json.loads(line)["reward_model"]["ground_truth"]
+        for path in chat_files
+        for line in open(path)
+    }
     assert seen and all(questions[q] == a for q, a in seen), "rewards get the question text and its nested answer"

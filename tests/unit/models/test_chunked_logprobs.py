@@ -8,6 +8,7 @@ with a tracker that does see the naive path allocate one.
 Shapes legend: R rows (tokens), H hidden, V vocab, C rows per chunk; N sequences,
 P prompt tokens, T response tokens, L = P + T.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -38,7 +39,9 @@ def _bench():
 AllocTracker = _bench().AllocTracker
 
 
-def _reference(logits_RV: torch.Tensor, targets_R: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _reference(
+    logits_RV: torch.Tensor, targets_R: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Unfused: full fp32 logits, log_softmax, gather, entropy."""
     logp_all_RV = torch.log_softmax(logits_RV.float() / temperature, dim=-1)
     logp_R = logp_all_RV.gather(-1, targets_R[:, None]).squeeze(-1)
@@ -152,9 +155,19 @@ def test_function_never_allocates_tokens_x_vocab() -> None:
 def _qwen2(vocab: int, hidden: int, tie: bool, seed: int = 0):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                      tie_word_embeddings=tie, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    cfg = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").eval()
@@ -174,8 +187,13 @@ def _reference_logprobs(model, ids_NL, attn_NL, P: int, temperature: float):
     """The unfused path: full (N, T, V) logits out of the model, then `_reference`."""
     N, L = ids_NL.shape
     T = L - P
-    logits = model(input_ids=ids_NL, attention_mask=attn_NL, position_ids=position_ids(attn_NL),
-                   use_cache=False, logits_to_keep=T + 1).logits[:, :-1]
+    logits = model(
+        input_ids=ids_NL,
+        attention_mask=attn_NL,
+        position_ids=position_ids(attn_NL),
+        use_cache=False,
+        logits_to_keep=T + 1,
+    ).logits[:, :-1]
     lp, ent = _reference(logits.reshape(N * T, -1), ids_NL[:, P:].reshape(N * T), temperature)
     return lp.view(N, T), ent.view(N, T)
 
@@ -253,8 +271,8 @@ def _left_pad_loop(prompts, pad_id):
     ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
     attn = torch.zeros((len(prompts), P), dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, P - len(p):] = torch.tensor(p, dtype=torch.long)
-        attn[i, P - len(p):] = 1
+        ids[i, P - len(p) :] = torch.tensor(p, dtype=torch.long)
+        attn[i, P - len(p) :] = 1
     return ids, attn
 
 

@@ -9,17 +9,18 @@ they sit inside the checkpoint whether transformers checkpoints a layer's `__cal
 finishes. The bytes the forward keeps for the backward are read with
 `torch.autograd.graph.saved_tensors_hooks`, plus the layer inputs a checkpoint holds itself.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from hybrid_rl.config.load import load_config
-from hybrid_rl.plan.memory import ModelArch, activation_estimate, activation_parts
+from hybrid_rl.loop.update import logprob_function, train_mode
 from hybrid_rl.models.fsdp import prepare_policy
 from hybrid_rl.models.loading import decoder_layers
+from hybrid_rl.plan.memory import ModelArch, activation_estimate, activation_parts
 from hybrid_rl.trainer import Trainer
-from hybrid_rl.loop.update import logprob_function, train_mode
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -32,6 +33,7 @@ def _record_calls(model: torch.nn.Module) -> tuple[list, list]:
     def hook(name):
         def pre(module, args):
             calls.append((name, torch.is_grad_enabled(), module.training))
+
         return pre
 
     handles.append(model.register_forward_pre_hook(hook("model")))
@@ -44,9 +46,18 @@ def _record_calls(model: torch.nn.Module) -> tuple[list, list]:
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_trainer_update_recomputes_every_layer_in_train_mode(tiny_trainer_overrides, checkpointing):
     # Two epochs: SCORE runs the policy's forward for old log-probs; the KL in the loss brings the reference.
-    trainer = Trainer(load_config(None, [*tiny_trainer_overrides, f"model.gradient_checkpointing={checkpointing}",
-                                         "algorithm.ppo_epochs=2", "algorithm.kl_coef=0.05",
-                                         "algorithm.kl_placement=loss"]))
+    trainer = Trainer(
+        load_config(
+            None,
+            [
+                *tiny_trainer_overrides,
+                f"model.gradient_checkpointing={checkpointing}",
+                "algorithm.ppo_epochs=2",
+                "algorithm.kl_coef=0.05",
+                "algorithm.kl_placement=loss",
+            ],
+        )
+    )
     try:
         assert trainer.ref is not None
         policy_calls, handles = _record_calls(trainer.policy)
@@ -63,12 +74,14 @@ def test_trainer_update_recomputes_every_layer_in_train_mode(tiny_trainer_overri
             n = sum(1 for other, grad, _ in policy_calls if other == name and grad)
             assert n == per_forward * forwards, (
                 f"{name} ran {n} times with gradients over {forwards} update forwards; expected {per_forward} "
-                f"each (checkpointing={checkpointing})")
+                f"each (checkpointing={checkpointing})"
+            )
         assert all(training for _, grad, training in policy_calls if grad), "the update ran the policy in eval mode"
         no_grad = [training for _, grad, training in policy_calls if not grad]
         assert no_grad and not any(no_grad), "scoring (and rollout) must run the policy in eval mode"
-        assert ref_calls and not any(grad or training for _, grad, training in ref_calls), \
+        assert ref_calls and not any(grad or training for _, grad, training in ref_calls), (
             "the reference must run without gradients, in eval mode"
+        )
         for name, model in (("policy", trainer.policy), ("reference", trainer.ref)):
             assert not any(m.training for m in model.modules()), f"the {name} was left in train mode"
     finally:
@@ -83,13 +96,22 @@ def test_train_mode_restores_each_submodule():
     assert [m.training for m in model.modules()] == [False, False, True]
 
 
-def _qwen2(dtype=torch.float32, hidden=64, intermediate=256, layers=4, heads=4, kv_heads=2, vocab=512,
-           **config) -> torch.nn.Module:
+def _qwen2(
+    dtype=torch.float32, hidden=64, intermediate=256, layers=4, heads=4, kv_heads=2, vocab=512, **config
+) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
-                      tie_word_embeddings=False, **config)
+    cfg = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        **config,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa").eval()
@@ -100,7 +122,7 @@ def _batch(vocab: int, N: int = 4, L: int = 48, P: int = 20) -> tuple[torch.Tens
     ids = torch.randint(0, vocab, (N, L), generator=g)
     attn = torch.ones_like(ids)
     attn[0, :5] = 0  # a left-padded prompt
-    attn[1, P + 10:] = 0  # a short response
+    attn[1, P + 10 :] = 0  # a short response
     return ids, attn, P
 
 
@@ -150,7 +172,7 @@ def _saved_bytes(model: torch.nn.Module, ids, attn, P: int) -> int:
 
     def layer_inputs(module, args, kwargs):
         for x in (*args, *kwargs.values()):
-            for t in (x if isinstance(x, tuple) else (x,)):
+            for t in x if isinstance(x, tuple) else (x,):
                 if isinstance(t, torch.Tensor):
                     keep(t)
 
@@ -167,8 +189,10 @@ def _saved_bytes(model: torch.nn.Module, ids, attn, P: int) -> int:
 
 
 # GQA with KV heads repeated for attention, and plain multi-head attention with another MLP width.
-SHAPES = {"gqa": dict(hidden=64, intermediate=256, layers=4, heads=4, kv_heads=2, vocab=512),
-          "mha": dict(hidden=96, intermediate=160, layers=3, heads=6, kv_heads=6, vocab=300)}
+SHAPES = {
+    "gqa": dict(hidden=64, intermediate=256, layers=4, heads=4, kv_heads=2, vocab=512),
+    "mha": dict(hidden=96, intermediate=160, layers=3, heads=6, kv_heads=6, vocab=300),
+}
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
@@ -187,8 +211,10 @@ def test_activation_estimate_matches_the_saved_bytes(shape, dtype):
         # Stated factor: the estimate's saved part is within 25% of the measurement (it was 0.88-1.04 when
         # written; the attention mask and rotary tables are not billed).
         ratio = parts["saved"] / measured[checkpointing]
-        assert 0.8 <= ratio <= 1.25, (f"checkpointing={checkpointing}: estimate {parts['saved']} bytes saved for "
-                                      f"backward, measured {measured[checkpointing]} (ratio {ratio:.2f})")
+        assert 0.8 <= ratio <= 1.25, (
+            f"checkpointing={checkpointing}: estimate {parts['saved']} bytes saved for "
+            f"backward, measured {measured[checkpointing]} (ratio {ratio:.2f})"
+        )
         assert activation_estimate(arch, dtype, N, L, checkpointing) == sum(parts.values())
         assert (parts["recompute"] > 0) == checkpointing
     # Checkpointing keeps one hidden state per layer instead of about 28: the reason to turn it on.
@@ -200,7 +226,10 @@ def test_head_sizes_follow_the_kernel():
     from hybrid_rl.kernels import lm_head
 
     assert (plan._HEAD_CHUNK_BYTES, plan._HEAD_ONE_CHUNK_BYTES, plan._HEAD_MIN_CHUNKS) == (
-        lm_head._CHUNK_BYTES, lm_head._ONE_CHUNK_BYTES, lm_head._MIN_CHUNKS)
+        lm_head._CHUNK_BYTES,
+        lm_head._ONE_CHUNK_BYTES,
+        lm_head._MIN_CHUNKS,
+    )
     arch = plan.builtin_arch("Qwen2.5-7B")
     # 16 rows x 1024 tokens: the head holds about 2.25 chunks of 256 MiB, not the (16k, V) fp32 logits.
     assert activation_parts(arch, "bf16", 16, 1024)["head"] == 9 * lm_head._CHUNK_BYTES // 4
@@ -211,12 +240,12 @@ def _fsdp_update_fn(rank: int, model_dir: str) -> dict:
     {checkpointing: (loss, full gradients, {sublayer: calls with gradients}, update forwards)}."""
     import functools
 
-    from hybrid_rl.runtime import distributed as D
+    from hybrid_rl.batch import TrainBatch
     from hybrid_rl.config.schema import AlgorithmConfig
+    from hybrid_rl.loop.update import UpdateSettings, policy_update
     from hybrid_rl.models.fsdp import load_sharded
     from hybrid_rl.models.logprobs import build_sequences
-    from hybrid_rl.batch import TrainBatch
-    from hybrid_rl.loop.update import UpdateSettings, policy_update
+    from hybrid_rl.runtime import distributed as D
 
     dev = D.init("cpu", timeout_s=60)
     g = torch.Generator().manual_seed(0)
@@ -227,19 +256,29 @@ def _fsdp_update_fn(rank: int, model_dir: str) -> dict:
     adv = torch.randn(8, generator=g)[rows, None] * mask[rows].float()
     out = {}
     for checkpointing in (False, True):
-        (policy,) = load_sharded(model_dir, dev, False, "sdpa",
-                                 [functools.partial(prepare_policy, gradient_checkpointing=checkpointing)])
+        (policy,) = load_sharded(
+            model_dir, dev, False, "sdpa", [functools.partial(prepare_policy, gradient_checkpointing=checkpointing)]
+        )
         calls, handles = _record_calls(policy)
         opt = torch.optim.SGD(policy.parameters(), lr=0.0)
         batch = TrainBatch(ids_NL=ids[rows], attn_NL=attn[rows], mask_NT=mask[rows].float(), P=P, adv_NT=adv)
-        settings = UpdateSettings(algo=AlgorithmConfig(kl_coef=0.0), temperature=1.0, micro_batch_size=2,
-                                  grad_clip=1e9, norm_length=6)
-        metrics = policy_update(policy=policy, optimizer=opt, scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-                                batch=batch, settings=settings, seed=0)
+        settings = UpdateSettings(
+            algo=AlgorithmConfig(kl_coef=0.0), temperature=1.0, micro_batch_size=2, grad_clip=1e9, norm_length=6
+        )
+        metrics = policy_update(
+            policy=policy,
+            optimizer=opt,
+            scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+            batch=batch,
+            settings=settings,
+            seed=0,
+        )
         for h in handles:
             h.remove()
-        grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-                 for n, p in policy.named_parameters()}
+        grads = {
+            n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+            for n, p in policy.named_parameters()
+        }
         counts = {}
         for name, grad, _ in calls:
             counts[name] = counts.get(name, 0) + int(grad)

@@ -2,6 +2,7 @@
 the injected adapters (base frozen, fp32 adapters over a lower-precision base, optimizer state for the adapters
 alone), the reference as the policy with its adapters off (bit-exact to the base), and the adapter-only state a
 sync sends (peft's names, the bytes from the shapes, a directory peft loads back)."""
+
 from __future__ import annotations
 
 import copy
@@ -38,11 +39,18 @@ def _logp(model, seq):
 
 
 # -- settings and checks before a model is built -----------------------------------------------
-@pytest.mark.parametrize("kw, key", [
-    (dict(rank=-1), "rank"), (dict(rank=2.5), "rank"), (dict(alpha=0), "alpha"), (dict(dropout=1.0), "dropout"),
-    (dict(target_modules="q_proj"), "target_modules"), (dict(target_modules=[]), "target_modules"),
-    (dict(target_modules=["q_proj", "q_proj"]), "target_modules"),
-])
+@pytest.mark.parametrize(
+    "kw, key",
+    [
+        (dict(rank=-1), "rank"),
+        (dict(rank=2.5), "rank"),
+        (dict(alpha=0), "alpha"),
+        (dict(dropout=1.0), "dropout"),
+        (dict(target_modules="q_proj"), "target_modules"),
+        (dict(target_modules=[]), "target_modules"),
+        (dict(target_modules=["q_proj", "q_proj"]), "target_modules"),
+    ],
+)
 def test_bad_settings_name_their_key(kw, key):
     from hybrid_rl.models.lora import LoraSettings
 
@@ -72,7 +80,9 @@ def test_a_target_matching_nothing_is_refused_before_any_weight_is_read(tiny_mod
 def test_a_rank_above_a_target_layers_width_is_refused(tiny_model_dir, tiny_model, no_weights_read):
     from hybrid_rl.models.lora import check_model_dir
 
-    kv_width = tiny_model.config.num_key_value_heads * (tiny_model.config.hidden_size // tiny_model.config.num_attention_heads)
+    kv_width = tiny_model.config.num_key_value_heads * (
+        tiny_model.config.hidden_size // tiny_model.config.num_attention_heads
+    )
     assert check_model_dir(_lora(rank=kv_width), tiny_model_dir)  # the widest rank allowed passes
     with pytest.raises(ValueError, match=rf"'model\.lora\.rank': {kv_width + 1} is larger than the width of .*k_proj"):
         check_model_dir(_lora(rank=kv_width + 1), tiny_model_dir)

@@ -5,6 +5,7 @@ directory without config.json or weights, and a tokenizer without an EOS or pad 
 Where the check can run before the model is loaded, `no_model_build` (tests/conftest.py) makes
 loading the model an assertion failure, so the test also pins *when* the error comes.
 """
+
 from __future__ import annotations
 
 import glob
@@ -112,8 +113,8 @@ def test_tokenizer_built_without_eos_or_pad(tmp_path):
     builds from them."""
     from transformers import PreTrainedTokenizerFast
 
-    from hybrid_rl.models.tiny import BOS, EOS, PAD, build_word_tokenizer
     from hybrid_rl.data.digits import DIGIT_WORDS
+    from hybrid_rl.models.tiny import BOS, EOS, PAD, build_word_tokenizer
 
     backend = build_word_tokenizer(DIGIT_WORDS).backend_tokenizer
     for missing in ("eos_token", "pad_token"):
@@ -147,8 +148,9 @@ def test_model_dir_tokenizer_without_special_token(tiny_model_dir, tmp_path):
     assert tok.pad_token_id == tok.eos_token_id < 15
 
 
-def test_trainer_without_eos_is_refused_and_without_pad_trains_padding_with_eos(tiny_model_dir, tiny_trainer_overrides,
-                                                                               tmp_path):
+def test_trainer_without_eos_is_refused_and_without_pad_trains_padding_with_eos(
+    tiny_model_dir, tiny_trainer_overrides, tmp_path
+):
     """Catches: a Trainer built on a tokenizer without EOS, or padding with EOS that is not masked
     like a pad (the step's metrics would differ from those with the real pad token)."""
     # No EOS: the Trainer would build and every rollout run to max_new_tokens (never stop). No pad: before the

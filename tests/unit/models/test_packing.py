@@ -3,6 +3,7 @@
 The reference is `response_logprobs` on the padded layout, masked to the response tokens.
 Legend: N sequences, P prompt columns, T response columns, R packed rows of C slots.
 """
+
 from __future__ import annotations
 
 import random
@@ -107,8 +108,15 @@ def test_packed_logprobs_and_gradients_equal_the_padded_path(tiny_model_dir, mon
     ref_ge = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
 
-    lp, ent = packed_response_logprobs(model, ids, attn, P, temperature=0.7, min_saving=0.0,  # never padded
-                                       share_prompts=layout == "shared")
+    lp, ent = packed_response_logprobs(
+        model,
+        ids,
+        attn,
+        P,
+        temperature=0.7,
+        min_saving=0.0,  # never padded
+        share_prompts=layout == "shared",
+    )
     assert lp.shape == ent.shape == mask.shape
     torch.testing.assert_close(lp, ref_lp * mask, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ent, ref_ent * mask, rtol=1e-5, atol=1e-5)

@@ -1,4 +1,5 @@
 """Saving never leaves a half-written directory."""
+
 import os
 
 import pytest

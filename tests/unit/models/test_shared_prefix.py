@@ -7,6 +7,7 @@ layout's, on each supported family (Qwen2 GQA and MHA, Llama with rope scaling, 
 each prompt is computed once; forwards without the layout are untouched by the install.
 Legend: N sequences, P prompt columns, T response columns, K distinct tokens.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -51,12 +52,12 @@ def test_layout_of_a_grouped_batch():
     Ti = max(map(len, RESPONSES)) - 1
     assert lay.gather_NL.shape == (9, P + Ti)
     # The fed slots: every real prompt token, every response token but a row's last.
-    real = attn.bool()[:, :P + Ti].clone()
+    real = attn.bool()[:, : P + Ti].clone()
     for n, r in enumerate(RESPONSES):
-        real[n, P + max(len(r) - 1, 0):] = False
+        real[n, P + max(len(r) - 1, 0) :] = False
     # Every fed slot reads the distinct token with its id and position; each distinct token has one owner.
-    assert torch.equal(lay.ids_1K[0][lay.gather_NL[real]], ids[:, :P + Ti][real])
-    assert torch.equal(lay.pos_1K[0][lay.gather_NL[real]], position_ids(attn)[:, :P + Ti][real])
+    assert torch.equal(lay.ids_1K[0][lay.gather_NL[real]], ids[:, : P + Ti][real])
+    assert torch.equal(lay.pos_1K[0][lay.gather_NL[real]], position_ids(attn)[:, : P + Ti][real])
     assert torch.equal(lay.gather_NL[real].unique(), torch.arange(lay.tokens))
     # Each distinct token takes its attention output from a query slot of one of the two parts that holds it.
     query_slots = torch.cat([lay.prompt.gather_q.reshape(-1), lay.response.gather_q.reshape(-1)])
@@ -64,7 +65,7 @@ def test_layout_of_a_grouped_batch():
     assert lay.prompt.gather_q.shape == (3, P) and lay.response.gather_q.shape == (9, Ti)
     # The G samples of a prompt read the same distinct prompt tokens.
     for u in range(3):
-        rows = lay.gather_NL[3 * u:3 * u + 3, :P]
+        rows = lay.gather_NL[3 * u : 3 * u + 3, :P]
         assert (rows == rows[0]).all()
     # Response token q is predicted by the slot before it: the prompt's last token for the first one.
     n, t = lay.row_Q, lay.col_Q
@@ -172,7 +173,7 @@ def test_the_masks_are_the_padded_layouts_and_padding_queries_see_every_key():
     Li = lay.gather_NL.shape[1]
     fed = real[:, :Li].clone()
     for n, r in enumerate(RESPONSES):
-        fed[n, P + max(len(r) - 1, 0):] = False  # a row's last token is never a query or a key
+        fed[n, P + max(len(r) - 1, 0) :] = False  # a row's last token is never a query or a key
     resp = lay.response.mask[:, 0]  # (N, Ti, P + Ti)
     assert resp.any(-1).all()
     assert torch.equal(resp[fed[:, P:]], full_NLL[:, P:Li, :Li][fed[:, P:]])

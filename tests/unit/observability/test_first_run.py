@@ -3,6 +3,7 @@ counts and shows the share that never stops; a resumed or finished run's summary
 whole run (metrics.jsonl); the tiny recipe says when it makes a random model; no shard-writing bar or
 DCP single-process warning; a reward module beside the command imports; a stop under torchrun says
 what torchrun prints next."""
+
 import json
 import os
 import sys
@@ -44,8 +45,10 @@ def test_summary_and_curve_cover_the_whole_run(tmp_path):
     assert [r["step"] for r in whole] == list(range(1, 11)) and whole[-1]["reward/mean"] == 0.95  # last record wins
     summary, line = reward_summary(whole, len(this_time))
     assert summary["steps"] == 10 and summary["reward_first10"] == 0.1
-    assert line == ("reward: first 10% 0.100 -> last 10% 0.950 over 10 steps "
-                    "(1 of them in this process; the rest from metrics.jsonl)")
+    assert line == (
+        "reward: first 10% 0.100 -> last 10% 0.950 over 10 steps "
+        "(1 of them in this process; the rest from metrics.jsonl)"
+    )
     assert run_history(str(tmp_path / "none"), this_time) == this_time
     assert reward_summary([], 0)[1] == "reward: no training steps recorded yet"
 
@@ -63,11 +66,11 @@ def _fake_trainer(history):
 
         def close(self):
             pass
+
     return Fake
 
 
-def test_tiny_recipe_says_when_it_makes_a_random_model_and_summarises_a_finished_run(tmp_path, monkeypatch,
-                                                                                  capsys):
+def test_tiny_recipe_says_when_it_makes_a_random_model_and_summarises_a_finished_run(tmp_path, monkeypatch, capsys):
     sys.path.insert(0, os.path.join(ROOT, "recipes"))
     import grpo_tiny
 

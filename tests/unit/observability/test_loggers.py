@@ -1,6 +1,7 @@
 """Loggers (hybrid_rl/observability/loggers.py): jsonl always, console one line per log_every steps, TensorBoard and
 W&B under the same metric names, a clear error when a logger's package is missing, and no
 progress bar in a non-interactive log."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -15,8 +16,14 @@ from hybrid_rl.observability.metrics import format_val_line
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
-STEP = {"step": 3, "reward/mean": 0.25, "reward/accuracy": 0.5, "time/step": 1.5, "bottleneck": "rollout-bound",
-        "actor/grad_norm": 0.1}
+STEP = {
+    "step": 3,
+    "reward/mean": 0.25,
+    "reward/accuracy": 0.5,
+    "time/step": 1.5,
+    "bottleneck": "rollout-bound",
+    "actor/grad_norm": 0.1,
+}
 
 
 def test_jsonl_logger_starts_empty_and_appends(tmp_path):
@@ -44,14 +51,17 @@ def test_console_logger_every_n_steps_and_validation_lines():
 
 
 def test_format_val_line_puts_pass_at_1_first():
-    assert format_val_line({"step": 5, "val/truncated": 1.0, "val/pass@1": 0.25, "val/mean@2": 0.5,
-                            "val/prompts": 32.0}) == \
-        "val step=5  pass@1=0.250  mean@2=0.500  prompts=32  truncated=1.000"  # a count prints as one
+    assert (
+        format_val_line({"step": 5, "val/truncated": 1.0, "val/pass@1": 0.25, "val/mean@2": 0.5, "val/prompts": 32.0})
+        == "val step=5  pass@1=0.250  mean@2=0.500  prompts=32  truncated=1.000"
+    )  # a count prints as one
 
 
 def test_missing_optional_logger_packages_are_named(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("wandb", "tensorboard") else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in ("wandb", "tensorboard") else real(name, *a)
+    )
     check_loggers(["console", "jsonl"])
     for name in ("tensorboard", "wandb"):
         with pytest.raises(ImportError, match=rf"trainer.loggers.*{name}.*pip install {name}"):
@@ -118,8 +128,15 @@ def test_a_training_run_logs_the_same_names_to_every_logger(tiny_trainer_overrid
     from hybrid_rl.trainer import Trainer
 
     run = tmp_path / "run"
-    cfg = load_config(None, [*tiny_trainer_overrides, "trainer.total_steps=2", "trainer.progress_bar=true",
-                             "trainer.loggers=[console,tensorboard]"])
+    cfg = load_config(
+        None,
+        [
+            *tiny_trainer_overrides,
+            "trainer.total_steps=2",
+            "trainer.progress_bar=true",
+            "trainer.loggers=[console,tensorboard]",
+        ],
+    )
     tr = Trainer(cfg)
     capsys.readouterr()
     tr.fit()

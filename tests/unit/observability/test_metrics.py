@@ -1,4 +1,5 @@
 """Bottleneck report: per-step dominant phase and the run summary line."""
+
 from hybrid_rl.observability.metrics import bottleneck, split_summary
 
 

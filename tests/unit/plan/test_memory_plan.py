@@ -1,14 +1,33 @@
 """Tests for the memory planner (hybrid_rl.plan.memory) and its CLI (hybrid_rl.plan.cli)."""
+
 import json
 import subprocess
 import sys
 
 import pytest
 
-from hybrid_rl.plan.memory import GB, GIB, PHASES, ROLES, ModelArch, builtin_arch, count_parameters, kv_cache_bytes, plan_memory, suggest_offload
+from hybrid_rl.plan.memory import (
+    GB,
+    GIB,
+    PHASES,
+    ROLES,
+    ModelArch,
+    builtin_arch,
+    count_parameters,
+    kv_cache_bytes,
+    plan_memory,
+    suggest_offload,
+)
 
-TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+TINY = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 
 
 def _hf_count(config) -> tuple[int, dict]:
@@ -45,14 +64,23 @@ def test_from_hf_config_path_and_dir(tmp_path):
     cfg.save_pretrained(tmp_path)
     a_dir = ModelArch.from_hf_config(tmp_path)
     a_file = ModelArch.from_hf_config(str(tmp_path / "config.json"))
-    assert count_parameters(a_dir) == count_parameters(a_file) == count_parameters(ModelArch.from_hf_config(cfg.to_dict()))
+    assert (
+        count_parameters(a_dir) == count_parameters(a_file) == count_parameters(ModelArch.from_hf_config(cfg.to_dict()))
+    )
     assert a_dir.qkv_bias and a_dir.kv_heads == 2 and a_dir.head_dim == 8
 
 
-@pytest.mark.parametrize("name,n", [
-    ("Qwen2.5-0.5B", 494_032_768), ("Qwen2.5-1.5B", 1_543_714_304), ("Qwen2.5-7B", 7_615_616_512),
-    ("Qwen2.5-32B", 32_763_876_352), ("Llama-3-8B", 8_030_261_248), ("Llama-3-70B", 70_553_706_496),
-])
+@pytest.mark.parametrize(
+    "name,n",
+    [
+        ("Qwen2.5-0.5B", 494_032_768),
+        ("Qwen2.5-1.5B", 1_543_714_304),
+        ("Qwen2.5-7B", 7_615_616_512),
+        ("Qwen2.5-32B", 32_763_876_352),
+        ("Llama-3-8B", 8_030_261_248),
+        ("Llama-3-70B", 70_553_706_496),
+    ],
+)
 def test_builtin_counts_match_published(name, n):
     assert count_parameters(builtin_arch(name)) == n
     assert builtin_arch(name.lower() + "-Instruct").name == name
@@ -98,8 +126,14 @@ def test_phase_rules_with_offload_flags():
     rm = builtin_arch("Qwen2.5-0.5B")
     none = plan_memory(a, 4, "bf16", 16, 1024, {}, reward_arch=rm)
     assert set(none.phases["train"]) == {"policy_weights", "grads", "optimizer", "ref", "reward_model"}
-    assert set(none.phases["rollout"]) == {"engine_weights", "kv_cache", "policy_weights", "optimizer", "ref",
-                                           "reward_model"}
+    assert set(none.phases["rollout"]) == {
+        "engine_weights",
+        "kv_cache",
+        "policy_weights",
+        "optimizer",
+        "ref",
+        "reward_model",
+    }
     assert set(none.phases["score"]) == {"policy_weights", "optimizer", "ref", "reward_model"}
     for p in PHASES:
         assert none.phase_totals[p] == sum(none.phases[p].values())
@@ -107,8 +141,9 @@ def test_phase_rules_with_offload_flags():
     assert set(none.per_gpu) == set(ROLES)
     assert none.per_gpu["reward_model"] == -(-2 * count_parameters(rm) // 4)
 
-    allf = plan_memory(a, 4, "bf16", 16, 1024, {"optimizer": True, "params": True, "ref": True,
-                                                 "reward_model": True}, reward_arch=rm)
+    allf = plan_memory(
+        a, 4, "bf16", 16, 1024, {"optimizer": True, "params": True, "ref": True, "reward_model": True}, reward_arch=rm
+    )
     assert set(allf.phases["train"]) == {"policy_weights", "grads", "optimizer"}
     assert set(allf.phases["rollout"]) == {"engine_weights", "kv_cache"}
     assert set(allf.phases["score"]) == {"policy_weights", "ref"}
@@ -141,8 +176,19 @@ def test_activation_estimate_follows_gradient_checkpointing():
     assert off.activations_estimate > 3 * on.activations_estimate
     assert off.phase_totals["train"] - on.phase_totals["train"] == off.activations_estimate - on.activations_estimate
     assert (on.gradient_checkpointing, off.gradient_checkpointing) == (True, False)
-    r = _cli("--model", "Qwen2.5-7B", "--gpus", "8", "--batch", "64", "--context", "2048", "--train-micro-batch", "4",
-             "--no-gradient-checkpointing")
+    r = _cli(
+        "--model",
+        "Qwen2.5-7B",
+        "--gpus",
+        "8",
+        "--batch",
+        "64",
+        "--context",
+        "2048",
+        "--train-micro-batch",
+        "4",
+        "--no-gradient-checkpointing",
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.strip().splitlines()[-1])["activations_estimate"] == off.activations_estimate
     assert "WITHOUT gradient checkpointing" in r.stdout
@@ -170,11 +216,18 @@ def test_suggest_offload_nothing_fits():
     assert s["phase"] in s["message"] and "GB" in s["message"]
 
 
-@pytest.mark.parametrize("kw,word", [
-    (dict(n_gpus=0), "n_gpus"), (dict(batch=-1), "batch"), (dict(context=0), "context"),
-    (dict(gpu_mem_gib=0), "gpu_mem_gib"), (dict(dtype="int8"), "dtype"), (dict(tp_size=3), "tp_size"),
-    (dict(offload={"weights": True}), "weights"),
-])
+@pytest.mark.parametrize(
+    "kw,word",
+    [
+        (dict(n_gpus=0), "n_gpus"),
+        (dict(batch=-1), "batch"),
+        (dict(context=0), "context"),
+        (dict(gpu_mem_gib=0), "gpu_mem_gib"),
+        (dict(dtype="int8"), "dtype"),
+        (dict(tp_size=3), "tp_size"),
+        (dict(offload={"weights": True}), "weights"),
+    ],
+)
 def test_bad_inputs(kw, word):
     args = dict(arch=builtin_arch("Qwen2.5-0.5B"), n_gpus=4, dtype="bf16", batch=8, context=128)
     args.update(kw)
@@ -201,8 +254,20 @@ def _cli(*args):
 
 
 def test_cli_json_last_line_and_errors(tmp_path):
-    r = _cli("--model", "Qwen2.5-7B", "--gpus", "8", "--batch", "256", "--context", "4096",
-             "--gpu-mem-gib", "80", "--offload", "optimizer,ref")
+    r = _cli(
+        "--model",
+        "Qwen2.5-7B",
+        "--gpus",
+        "8",
+        "--batch",
+        "256",
+        "--context",
+        "4096",
+        "--gpu-mem-gib",
+        "80",
+        "--offload",
+        "optimizer,ref",
+    )
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
     d = json.loads(lines[-1])
@@ -210,26 +275,47 @@ def test_cli_json_last_line_and_errors(tmp_path):
     assert d["gpu_mem_bytes"] == 80 * GIB and d["per_gpu"]["kv_cache"] == 7_516_192_768
     assert "policy_weights" in r.stdout and "suggested offload" in r.stdout and "fits" in r.stdout
 
-    r = _cli("--params", "70e9", "--gpus", "8", "--batch", "64", "--context", "4096",
-             "--layers", "80", "--kv-heads", "8", "--head-dim", "128")
+    r = _cli(
+        "--params",
+        "70e9",
+        "--gpus",
+        "8",
+        "--batch",
+        "64",
+        "--context",
+        "4096",
+        "--layers",
+        "80",
+        "--kv-heads",
+        "8",
+        "--head-dim",
+        "128",
+    )
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout.strip().splitlines()[-1])
-    assert d["bill"] == {"learner": 1120 * GB, "ref": 140 * GB, "engine_copy": 140 * GB, "reward_model": 0,
-                         "engine_replicas": 8}
+    assert d["bill"] == {
+        "learner": 1120 * GB,
+        "ref": 140 * GB,
+        "engine_copy": 140 * GB,
+        "reward_model": 0,
+        "engine_replicas": 8,
+    }
     assert "1,120.00 GB" in r.stdout and "does NOT fit (short by" in r.stdout
     assert d["per_gpu"]["kv_cache"] == 8 * 4096 * 2 * 80 * 8 * 128 * 2
 
     import transformers
+
     transformers.LlamaConfig(**TINY).save_pretrained(tmp_path)
     r = _cli("--model", str(tmp_path / "config.json"), "--gpus", "2", "--batch", "4", "--context", "64")
     assert r.returncode == 0, r.stderr
     json.loads(r.stdout.strip().splitlines()[-1])
 
-    for bad, word in [(["--model", "Qwen2.5-7B", "--gpus", "0", "--batch", "1", "--context", "1"], "--gpus"),
-                      (["--model", "nosuch", "--gpus", "1", "--batch", "1", "--context", "1"], "built-in names"),
-                      (["--model", "Qwen2.5-7B", "--gpus", "1", "--batch", "1", "--context", "1",
-                        "--offload", "weights"], "weights"),
-                      (["--gpus", "1", "--batch", "1", "--context", "1"], "--params")]:
+    for bad, word in [
+        (["--model", "Qwen2.5-7B", "--gpus", "0", "--batch", "1", "--context", "1"], "--gpus"),
+        (["--model", "nosuch", "--gpus", "1", "--batch", "1", "--context", "1"], "built-in names"),
+        (["--model", "Qwen2.5-7B", "--gpus", "1", "--batch", "1", "--context", "1", "--offload", "weights"], "weights"),
+        (["--gpus", "1", "--batch", "1", "--context", "1"], "--params"),
+    ]:
         r = _cli(*bad)
         assert r.returncode != 0 and word in r.stderr, (bad, r.stderr)
 
@@ -249,16 +335,33 @@ def test_native_rollout_bills_prefill_sampling_and_caps_the_batch_by_hand():
     a = builtin_arch("Qwen2.5-7B")
     n = count_parameters(a)
     cap = 80 * GIB
-    plan = plan_memory(a, 8, "bf16", 5120, 1536, {"ref": True}, gpu_mem_gib=80, native_prompt_tokens=512,
-                       native_top_p=False, native_samples_per_prompt=5)
+    plan = plan_memory(
+        a,
+        8,
+        "bf16",
+        5120,
+        1536,
+        {"ref": True},
+        gpu_mem_gib=80,
+        native_prompt_tokens=512,
+        native_top_p=False,
+        native_samples_per_prompt=5,
+    )
     resident = 6 * n // 8 + 8 * n // 8 + 2 * n  # policy shard, optimizer shard, gathered bf16 weights
     margin = 2 * GIB + int(0.05 * cap)  # CUDA context + NCCL, and 5% for fragmentation (plan.memory.margin_bytes)
     free = cap - margin - resident
     kv_row = 2 * 28 * 4 * 128 * 2 * 1535  # S = 512 + 1024 - 1 slots
-    dec_row = (152_064 * 10  # sampling: bf16 logits + fp32 copy + exp
-               + 28 * 1535 * 14 + 152_064 * 2 + 8 * 3584 + 2 * (3 * 18944 + 6 * 3584 + 36 * 128)  # decode step
-               + 2 * 152_064 * 2  # graph pools: every graph size's logits
-               + 4 * 1535 * 128 * 2 + 12 * 1024 + 1535)  # bookkeeping
+    dec_row = (
+        152_064 * 10  # sampling: bf16 logits + fp32 copy + exp
+        + 28 * 1535 * 14
+        + 152_064 * 2
+        + 8 * 3584
+        + 2 * (3 * 18944 + 6 * 3584 + 36 * 128)  # decode step
+        + 2 * 152_064 * 2  # graph pools: every graph size's logits
+        + 4 * 1535 * 128 * 2
+        + 12 * 1024
+        + 1535
+    )  # bookkeeping
     prefill_prompt = 512 * (2 * (3 * 18944 + 6 * 3584 + 36 * 128) + 8 * 3584) + 152_064 * 2
     rows = free // (kv_row + dec_row)
     assert 320 <= rows < 640  # all 640 at once do not fit: two batches of 320
@@ -278,8 +381,16 @@ def test_native_rollout_bills_prefill_sampling_and_caps_the_batch_by_hand():
 
 def test_native_rollout_that_cannot_hold_one_sequence_does_not_fit():
     a = builtin_arch("Qwen2.5-7B")
-    plan = plan_memory(a, 1, "bf16", 8, 1536, {"optimizer": True, "ref": True, "params": True}, gpu_mem_gib=15,
-                       native_prompt_tokens=512)
+    plan = plan_memory(
+        a,
+        1,
+        "bf16",
+        8,
+        1536,
+        {"optimizer": True, "ref": True, "params": True},
+        gpu_mem_gib=15,
+        native_prompt_tokens=512,
+    )
     assert plan.native_rollout["fits_one_row"] == 0 and not plan.fits["rollout"]
     with pytest.raises(ValueError, match="no new tokens"):
         plan_memory(a, 8, "bf16", 8, 512, gpu_mem_gib=80, native_prompt_tokens=512)
@@ -288,8 +399,24 @@ def test_native_rollout_that_cannot_hold_one_sequence_does_not_fit():
 
 
 def test_cli_prints_the_native_rollout_and_its_margin():
-    r = _cli("--model", "Qwen2.5-7B", "--gpus", "8", "--batch", "5120", "--context", "1536", "--offload", "ref",
-             "--native-prompt-tokens", "512", "--native-sampler", "plain", "--samples-per-prompt", "5")
+    r = _cli(
+        "--model",
+        "Qwen2.5-7B",
+        "--gpus",
+        "8",
+        "--batch",
+        "5120",
+        "--context",
+        "1536",
+        "--offload",
+        "ref",
+        "--native-prompt-tokens",
+        "512",
+        "--native-sampler",
+        "plain",
+        "--samples-per-prompt",
+        "5",
+    )
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout.strip().splitlines()[-1])
     assert d["native_rollout"]["rows"] == 320 and "rollout_working" in r.stdout
@@ -342,10 +469,17 @@ def test_vllm_adapter_sizes_its_kv_cache_with_the_planners_function(tmp_path):
 
 def _qwen7b_dir(tmp_path) -> str:
     a = builtin_arch("Qwen2.5-7B")
-    cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": a.hidden_size,
-           "intermediate_size": a.intermediate_size, "num_hidden_layers": a.num_hidden_layers,
-           "num_attention_heads": a.num_attention_heads, "num_key_value_heads": a.num_key_value_heads,
-           "vocab_size": a.vocab_size, "tie_word_embeddings": False}
+    cfg = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": a.hidden_size,
+        "intermediate_size": a.intermediate_size,
+        "num_hidden_layers": a.num_hidden_layers,
+        "num_attention_heads": a.num_attention_heads,
+        "num_key_value_heads": a.num_key_value_heads,
+        "vocab_size": a.vocab_size,
+        "tie_word_embeddings": False,
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     return str(tmp_path)
 
@@ -367,12 +501,17 @@ def test_decide_offload_takes_vllms_weights_and_kv_cache_into_account(tmp_path, 
 
     def flags(**rollout):
         # 16 prompts x 4 samples, 488 prompt + 512 new tokens; sglang at tp 1 is the generic bill.
-        cfg = Config(model=ModelConfig(path=model), data=DataConfig(batch_size=16),
-                     rollout=RolloutConfig(**{"engine": "sglang", "n": 4, "max_new_tokens": 512, **rollout}),
-                     trainer=TrainerConfig(micro_batch_size=4), offload=OffloadConfig(auto=True))
+        cfg = Config(
+            model=ModelConfig(path=model),
+            data=DataConfig(batch_size=16),
+            rollout=RolloutConfig(**{"engine": "sglang", "n": 4, "max_new_tokens": 512, **rollout}),
+            trainer=TrainerConfig(micro_batch_size=4),
+            offload=OffloadConfig(auto=True),
+        )
         d = decide_offload(cfg, torch.device("cuda"), 8, True, prompt_tokens=488)
         assert d.plan is not None and (d.plan.batch, d.plan.context) == (64, 1000)
         return d.optimizer, d.params
+
     # the generic bill and vLLM's null budget (one batch: 64 x 1024 tokens, 3.76 GB) fit without offload
     assert flags() == flags(engine="vllm") == (False, False)
     # (55 GB of KV + 15.2 GB of weights + the shards: the optimizer's 7.6 GB tip it over the 79.46 GB usable)
@@ -425,7 +564,12 @@ def test_more_tp_ranks_than_kv_heads_is_noted():
 
     a = builtin_arch("Qwen2.5-1.5B")  # 2 KV heads
     assert a.kv_heads == 2
-    noted = [format_plan(p, NO_SUGGESTION) for p in (plan_memory(a, 8, "bf16", 16, 1024, {}, tp_size=4),
-                                                         plan_memory(a, 8, "bf16", 16, 1024, {}, tp_size=2))]
+    noted = [
+        format_plan(p, NO_SUGGESTION)
+        for p in (
+            plan_memory(a, 8, "bf16", 16, 1024, {}, tp_size=4),
+            plan_memory(a, 8, "bf16", 16, 1024, {}, tp_size=2),
+        )
+    ]
     assert "tp_size 4 > 2 KV heads" in noted[0]
     assert "KV heads are replicated" not in noted[1]

@@ -1,14 +1,15 @@
 """The planner says how to fit (issue 30 part 3): the per-GPU margin, no suggestion of what is already
 configured, SGLang's KV row from rollout.mem_fraction, one GPU-memory flag, and the ranked fixes for the
 7B recipe at 1, 2 and 8 GPUs (hybrid_rl/plan/fixes.py)."""
+
 import os
 import subprocess
 import sys
 
 import pytest
 
-from hybrid_rl.plan.memory import GB, GIB, MARGIN_FRACTION, ModelArch, builtin_arch, margin_bytes, plan_memory
 from hybrid_rl.plan.fixes import KNOBS
+from hybrid_rl.plan.memory import GB, GIB, MARGIN_FRACTION, ModelArch, builtin_arch, margin_bytes, plan_memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.join(ROOT, "recipes"))
@@ -18,8 +19,9 @@ import grpo_7b  # noqa: E402
 def _recipe_cfg(*overrides):
     from hybrid_rl import load_config
 
-    return load_config(os.path.join(ROOT, "recipes", "grpo_7b.yaml"),
-                       ["rollout.engine=native", "rollout.tp_size=1", *overrides])
+    return load_config(
+        os.path.join(ROOT, "recipes", "grpo_7b.yaml"), ["rollout.engine=native", "rollout.tp_size=1", *overrides]
+    )
 
 
 def _fixes(cfg, gpus):
@@ -73,8 +75,20 @@ def test_one_gpu_memory_flag_and_no_suggestion_of_what_is_set(capsys):
     with pytest.raises(SystemExit):
         grpo_7b.main(["--dry-run", "--gpu-mem-gb", "80"])
     assert "--gpu-mem-gib" in capsys.readouterr().err
-    r = _cli("--model", "Qwen2.5-7B", "--gpus", "8", "--batch", "256", "--context", "4096", "--gpu-mem-gib", "80",
-             "--offload", "ref")
+    r = _cli(
+        "--model",
+        "Qwen2.5-7B",
+        "--gpus",
+        "8",
+        "--batch",
+        "256",
+        "--context",
+        "4096",
+        "--gpu-mem-gib",
+        "80",
+        "--offload",
+        "ref",
+    )
     assert "suggested offload: nothing to add (already offloaded: ref)" in r.stdout, r.stdout[-800:]
     assert "offload: ref\n" in r.stdout  # no reward_model flag for a run without a reward model
     r = _cli("--model", "Qwen2.5-7B", "--gpus", "8", "--batch", "896", "--context", "8192", "--offload", "ref")
@@ -114,4 +128,4 @@ def test_recipe_dry_run_prints_the_fixes_with_their_plan_lines(capsys):
     out = capsys.readouterr().out
     assert "change one of (ranked: least change to the run first):" in out
     assert "  2. [lora] model.lora.rank=64\n       -> train " in out and "GB usable per GPU: fits" in out
-    assert f"usable per GPU: fits, " in out and f"{(80 * GIB - 6 * GIB) / GB:.2f} GB usable" in out
+    assert "usable per GPU: fits, " in out and f"{(80 * GIB - 6 * GIB) / GB:.2f} GB usable" in out

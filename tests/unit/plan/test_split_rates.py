@@ -1,5 +1,6 @@
 """The rate model of the placements (hybrid_rl/plan/rates.py), held against the event simulation of the
 split protocol (split/schedule.py), read from metrics.jsonl records, and the planner's CLI for it."""
+
 from __future__ import annotations
 
 import json
@@ -7,7 +8,17 @@ import json
 import pytest
 
 from hybrid_rl.plan import cli as plan
-from hybrid_rl.plan.rates import Rates, fit_placements, fit_rates, predict_all, predict_colocated, predict_split, rates_from_records, read_metrics, recommend
+from hybrid_rl.plan.rates import (
+    Rates,
+    fit_placements,
+    fit_rates,
+    predict_all,
+    predict_colocated,
+    predict_split,
+    rates_from_records,
+    read_metrics,
+    recommend,
+)
 from hybrid_rl.split.schedule import simulate, steady_period
 
 
@@ -61,11 +72,20 @@ def test_tp_size_limits_the_rollout_ranks():
 
 
 def _colocated_records() -> list[dict]:
-    base = {"time/rollout": 0.2, "time/reward": 0.02, "time/score": 0.5, "time/advantage": 0.01, "time/train": 1.4,
-            "time/switch": 0.06, "switch/resume_weights_s": 0.05, "reward/mean": 0.1}
+    base = {
+        "time/rollout": 0.2,
+        "time/reward": 0.02,
+        "time/score": 0.5,
+        "time/advantage": 0.01,
+        "time/train": 1.4,
+        "time/switch": 0.06,
+        "switch/resume_weights_s": 0.05,
+        "reward/mean": 0.1,
+    }
     first = {**base, "step": 1, "time/rollout": 9.0, "time/step": 11.0}  # one-off costs: skipped
-    rest = [{**base, "step": s, "time/step": 2.19 + 0.01 * (s % 3), "time/train": 1.4 + 0.1 * (s % 2)}
-            for s in range(2, 9)]
+    rest = [
+        {**base, "step": s, "time/step": 2.19 + 0.01 * (s % 3), "time/train": 1.4 + 0.1 * (s % 2)} for s in range(2, 9)
+    ]
     return [first, *rest, {"step": 8, "val/pass@1": 0.5}]
 
 
@@ -85,8 +105,17 @@ def test_rates_of_a_colocated_run(tmp_path):
 
 
 def test_rates_of_a_split_run_use_its_pools():
-    rec = {"time/step": 1.0, "time/rollout": 0.9, "time/reward": 0.1, "time/score": 0.2, "time/train": 0.6,
-           "split/sync_s": 0.03, "switch/resume_weights_s": 9.0, "split/rollout_ranks": 3, "split/world_size": 4}
+    rec = {
+        "time/step": 1.0,
+        "time/rollout": 0.9,
+        "time/reward": 0.1,
+        "time/score": 0.2,
+        "time/train": 0.6,
+        "split/sync_s": 0.03,
+        "switch/resume_weights_s": 9.0,
+        "split/rollout_ranks": 3,
+        "split/world_size": 4,
+    }
     rates, meta = rates_from_records([rec, rec], skip=0)
     assert meta["rollout_ranks"] == 3 and meta["world"] == 4
     assert (rates.rollout_rank_s, rates.train_rank_s, rates.sync_s) == pytest.approx((3.0, 0.8, 0.03))
@@ -104,8 +133,22 @@ def test_plan_cli_from_run_prints_each_placement_and_a_recommendation(tmp_path, 
 
 
 def test_plan_cli_split_from_named_assumptions(capsys):
-    argv = ["--placement", "split", "--gpus", "8", "--rollout-s", "24", "--train-s", "8", "--switch-s", "2",
-            "--sync-s", "0.2", "--max-staleness", "1"]
+    argv = [
+        "--placement",
+        "split",
+        "--gpus",
+        "8",
+        "--rollout-s",
+        "24",
+        "--train-s",
+        "8",
+        "--switch-s",
+        "2",
+        "--sync-s",
+        "0.2",
+        "--max-staleness",
+        "1",
+    ]
     assert plan.main(argv) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [p["rollout_ranks"] for p in result["predictions"]] == list(range(1, 8))
@@ -121,8 +164,14 @@ def test_plan_cli_needs_rates(capsys):
 def _run_records(world: int, truth) -> list[dict]:
     """Colocated steps on `world` ranks as the model says `truth` (a Rates) would measure them."""
     r, t = truth.rollout(world), truth.train(world)
-    rec = {"time/rollout": r, "time/score": 0.0, "time/train": t, "time/switch": truth.switch_s,
-           "switch/resume_weights_s": truth.sync_s, "time/step": r + t + truth.switch_s}
+    rec = {
+        "time/rollout": r,
+        "time/score": 0.0,
+        "time/train": t,
+        "time/switch": truth.switch_s,
+        "switch/resume_weights_s": truth.sync_s,
+        "time/step": r + t + truth.switch_s,
+    }
     return [rec] * 4
 
 
@@ -130,8 +179,9 @@ def test_runs_at_two_rank_counts_measure_the_fixed_and_collective_terms(tmp_path
     """A 1-process run and a 2-rank run of a truth with decode latency and FSDP collectives: the fit recovers
     every term, so split (1 learner: no collectives) is predicted as the truth says. One run alone
     (linear) is 2x off for the learner, the failure the benchmark showed (results/placement_cpu)."""
-    truth = Rates(rollout_rank_s=0.06, train_rank_s=0.50, switch_s=0.01, sync_s=0.02, rollout_fixed_s=0.04,
-                  train_comm_s=0.35)
+    truth = Rates(
+        rollout_rank_s=0.06, train_rank_s=0.50, switch_s=0.01, sync_s=0.02, rollout_fixed_s=0.04, train_comm_s=0.35
+    )
     two, one = rates_from_records(_run_records(2, truth), world=2), rates_from_records(_run_records(1, truth), world=1)
     fitted = fit_rates([two, one])
     for name in ("rollout_rank_s", "train_rank_s", "rollout_fixed_s", "train_comm_s", "switch_s", "sync_s"):
@@ -147,8 +197,23 @@ def test_runs_at_two_rank_counts_measure_the_fixed_and_collective_terms(tmp_path
     for w, recs in ((2, _run_records(2, truth)), (1, _run_records(1, truth))):
         paths.append(tmp_path / f"w{w}.jsonl")
         paths[-1].write_text("".join(json.dumps(r) + "\n" for r in recs))
-    assert plan.main(["--from-run", str(paths[0]), "--from-run", str(paths[1]), "--run-gpus", "2,1", "--gpus", "2",
-                      "--max-staleness", "1"]) == 0
+    assert (
+        plan.main(
+            [
+                "--from-run",
+                str(paths[0]),
+                "--from-run",
+                str(paths[1]),
+                "--run-gpus",
+                "2,1",
+                "--gpus",
+                "2",
+                "--max-staleness",
+                "1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out.strip().splitlines()
     assert not any("linear data-parallel scaling assumed" in line for line in out)
     got = {p["label"]: p["step_s"] for p in json.loads(out[-1])["predictions"]}
@@ -165,7 +230,7 @@ def test_a_fit_stays_in_the_physical_range():
     ranks slower than one (decode latency-bound, benchmarks/results/placement_cpu long setting): a constant,
     never a speed-up from fewer rows per rank that a linear fallback would predict."""
     fast_two = (Rates(0.10, 0.2, 0.0, 0.0), {"world": 2, "rollout_ranks": 0})  # 0.05 s per rank
-    one = (Rates(0.12, 0.3, 0.0, 0.0), {"world": 1, "rollout_ranks": 0})       # 0.12 s on one
+    one = (Rates(0.12, 0.3, 0.0, 0.0), {"world": 1, "rollout_ranks": 0})  # 0.12 s on one
     fitted = fit_rates([fast_two, one])
     assert fitted.rollout_fixed_s == 0.0 and fitted.train_comm_s == 0.0
     assert fitted.rollout(1) == pytest.approx((0.5 * 0.05 + 1 * 0.12) / (0.25 + 1))  # least squares, c = 0
@@ -178,8 +243,26 @@ def test_a_fit_stays_in_the_physical_range():
 def test_named_seconds_keep_their_meaning_with_fixed_and_collective_terms(capsys):
     """--rollout-s 50 --rollout-fixed-s 25 on 8 ranks: rollout(8) is still 50 s, and a 4-rank pool takes
     25 + 25 x 2 = 75 s (not 100: half of the generation does not shrink with fewer rows per rank)."""
-    argv = ["--placement", "split", "--gpus", "8", "--rollout-s", "50", "--train-s", "42", "--switch-s", "5",
-            "--sync-s", "1.5", "--rollout-fixed-s", "25", "--train-comm-s", "2", "--max-staleness", "0"]
+    argv = [
+        "--placement",
+        "split",
+        "--gpus",
+        "8",
+        "--rollout-s",
+        "50",
+        "--train-s",
+        "42",
+        "--switch-s",
+        "5",
+        "--sync-s",
+        "1.5",
+        "--rollout-fixed-s",
+        "25",
+        "--train-comm-s",
+        "2",
+        "--max-staleness",
+        "0",
+    ]
     assert plan.main(argv) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     rates = Rates(**res["rates"])
@@ -194,14 +277,23 @@ def test_a_split_run_gives_the_split_placements_its_pools_own_rates(tmp_path, ca
     slower than in one colocated process (what the 2-core CPU showed): with the split run, split k=1 is
     predicted from its pools' rates, exactly; without it, 1 / 1.2 too fast. Colocated is predicted from the
     colocated runs either way. The fixed term the colocated runs measured stays (the split run has one R)."""
-    truth = Rates(rollout_rank_s=0.06, train_rank_s=0.50, switch_s=0.01, sync_s=0.02, rollout_fixed_s=0.04,
-                  train_comm_s=0.35)
+    truth = Rates(
+        rollout_rank_s=0.06, train_rank_s=0.50, switch_s=0.01, sync_s=0.02, rollout_fixed_s=0.04, train_comm_s=0.35
+    )
     slow = 1.2
-    split_rec = {"time/rollout": truth.rollout(1) * slow, "time/train": truth.train(1) * slow, "split/sync_s": 0.03,
-                 "split/rollout_ranks": 1, "split/world_size": 2}
+    split_rec = {
+        "time/rollout": truth.rollout(1) * slow,
+        "time/train": truth.train(1) * slow,
+        "split/sync_s": 0.03,
+        "split/rollout_ranks": 1,
+        "split/world_size": 2,
+    }
     split_rec["time/step"] = split_rec["time/rollout"] + split_rec["time/train"] + 0.03
-    runs = [rates_from_records(_run_records(2, truth), world=2), rates_from_records(_run_records(1, truth), world=1),
-            rates_from_records([split_rec] * 4)]
+    runs = [
+        rates_from_records(_run_records(2, truth), world=2),
+        rates_from_records(_run_records(1, truth), world=1),
+        rates_from_records([split_rec] * 4),
+    ]
     colocated, split = fit_placements(runs)
     assert split is not None and fit_placements(runs[:2])[1] is None
     want = max(truth.rollout(1), truth.train(1)) * slow + 0.03
@@ -217,8 +309,20 @@ def test_a_split_run_gives_the_split_placements_its_pools_own_rates(tmp_path, ca
     for i, recs in enumerate((_run_records(2, truth), _run_records(1, truth), [split_rec] * 5)):
         paths.append(tmp_path / f"run{i}.jsonl")
         paths[-1].write_text("".join(json.dumps(r) + "\n" for r in recs))
-    assert plan.main([*[a for p in paths for a in ("--from-run", str(p))], "--run-gpus", "2,1,2", "--gpus", "2",
-                      "--max-staleness", "1"]) == 0
+    assert (
+        plan.main(
+            [
+                *[a for p in paths for a in ("--from-run", str(p))],
+                "--run-gpus",
+                "2,1,2",
+                "--gpus",
+                "2",
+                "--max-staleness",
+                "1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out.strip().splitlines()
     assert any(line.startswith("split placements from the split runs' pools") for line in out)
     got = {p["label"]: p["step_s"] for p in json.loads(out[-1])["predictions"]}

@@ -4,6 +4,7 @@ Each row of CASES is (completion, reference answer, finish_reason, strict, flexi
 reward each mode must give with format_score=0. The reference is written the way a dataset
 writes it (a GSM8K solution ending in `#### n`, or a bare number).
 """
+
 from __future__ import annotations
 
 from fractions import Fraction
@@ -11,10 +12,19 @@ from fractions import Fraction
 import pytest
 
 from hybrid_rl.rewards.base import compute_rewards, get_reward
-from hybrid_rl.rewards.math import (check_math_rows, extract_answer, gsm8k_format_reward, gsm8k_reward, parse_number,
-                                    reference_answer, score_answer)
+from hybrid_rl.rewards.math import (
+    check_math_rows,
+    extract_answer,
+    gsm8k_format_reward,
+    gsm8k_reward,
+    parse_number,
+    reference_answer,
+    score_answer,
+)
 
-SOLUTION_18 = "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\nShe makes 9 * 2 = $<<9*2=18>>18 every day.\n#### 18"
+SOLUTION_18 = (
+    "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\nShe makes 9 * 2 = $<<9*2=18>>18 every day.\n#### 18"
+)
 
 CASES = [
     # -- plain and equivalent forms of the right answer
@@ -74,12 +84,15 @@ def test_gsm8k_reward_hand_cases(completion, reference, finish, strict, flexible
     assert gsm8k_reward(["q"], [completion], meta, mode="flexible") == [flexible]
 
 
-@pytest.mark.parametrize("completion,reference,finish,expected", [
-    ("#### 17", "18", "stop", 0.1),  # an answer in the right form, wrong: the format score
-    ("#### 18", "18", "stop", 1.0),
-    ("the answer is 18", "18", "stop", 0.0),  # strict: no answer at all
-    ("#### 1", "18", "length", 0.0),  # cut: not even the format counts
-])
+@pytest.mark.parametrize(
+    "completion,reference,finish,expected",
+    [
+        ("#### 17", "18", "stop", 0.1),  # an answer in the right form, wrong: the format score
+        ("#### 18", "18", "stop", 1.0),
+        ("the answer is 18", "18", "stop", 0.0),  # strict: no answer at all
+        ("#### 1", "18", "length", 0.0),  # cut: not even the format counts
+    ],
+)
 def test_format_score(completion, reference, finish, expected):
     meta = [{"answer": reference, "finish_reason": finish, "response_tokens": 3}]
     assert gsm8k_reward(["q"], [completion], meta, format_score=0.1) == [expected]
@@ -90,14 +103,36 @@ def test_ground_truth_key_wins_over_answer():
     assert gsm8k_reward(["q"], ["#### 1200"], [meta]) == [1.0]
 
 
-@pytest.mark.parametrize("token,value", [("18", 18), ("18.00", 18), ("1,800", 1800), ("-3", -3), ("3/4", Fraction(3, 4)),
-                                         ("1 / 2", Fraction(1, 2)), (".5", Fraction(1, 2)), ("1/0", None)])
+@pytest.mark.parametrize(
+    "token,value",
+    [
+        ("18", 18),
+        ("18.00", 18),
+        ("1,800", 1800),
+        ("-3", -3),
+        ("3/4", Fraction(3, 4)),
+        ("1 / 2", Fraction(1, 2)),
+        (".5", Fraction(1, 2)),
+        ("1/0", None),
+    ],
+)
 def test_parse_number(token, value):
     assert parse_number(token) == (Fraction(value) if value is not None else None)
 
 
-@pytest.mark.parametrize("answer,value", [(SOLUTION_18, 18), ("1,200", 1200), ("$5", 5), ("-7", -7), ("0.25.", 0.25),
-                                          ("eighteen", None), ("18 apples", None), ("#### ", None)])
+@pytest.mark.parametrize(
+    "answer,value",
+    [
+        (SOLUTION_18, 18),
+        ("1,200", 1200),
+        ("$5", 5),
+        ("-7", -7),
+        ("0.25.", 0.25),
+        ("eighteen", None),
+        ("18 apples", None),
+        ("#### ", None),
+    ],
+)
 def test_reference_answer(answer, value):
     assert reference_answer(answer) == (Fraction(str(value)) if value is not None else None)
 
@@ -135,31 +170,44 @@ def test_unknown_mode_is_an_error():
         gsm8k_reward(["q"], ["#### 1"], [{"answer": "1", "finish_reason": "stop"}], mode="lenient")
 
 
-@pytest.mark.parametrize("completion,finish,expected", [
-    ("#### 42", "stop", 1.0), ("so #### 7 is it", "stop", 1.0), ("#### 4 #### 5", "stop", 1.0),
-    ("#### seven, or 7", "stop", 0.5),  # marker and number in order, not together
-    ("#### x 7 ####", "stop", 0.5),  # the last marker has no number after it
-    ("####", "stop", 0.0), ("################", "length", 0.0),  # a bare (or repeated) marker earns nothing
-    ("7 ####", "stop", 0.0), ("42", "stop", 0.0), ("", "stop", 0.0),
-    ("#### 4", "length", 0.0), ("#### a 4", "length", 0.0),  # numbers the cut may have shortened
-    ("#### 4\nmore", "length", 1.0), ("#### a 4 b", "length", 0.5),
-])
+@pytest.mark.parametrize(
+    "completion,finish,expected",
+    [
+        ("#### 42", "stop", 1.0),
+        ("so #### 7 is it", "stop", 1.0),
+        ("#### 4 #### 5", "stop", 1.0),
+        ("#### seven, or 7", "stop", 0.5),  # marker and number in order, not together
+        ("#### x 7 ####", "stop", 0.5),  # the last marker has no number after it
+        ("####", "stop", 0.0),
+        ("################", "length", 0.0),  # a bare (or repeated) marker earns nothing
+        ("7 ####", "stop", 0.0),
+        ("42", "stop", 0.0),
+        ("", "stop", 0.0),
+        ("#### 4", "length", 0.0),
+        ("#### a 4", "length", 0.0),  # numbers the cut may have shortened
+        ("#### 4\nmore", "length", 1.0),
+        ("#### a 4 b", "length", 0.5),
+    ],
+)
 def test_gsm8k_format_reward(completion, finish, expected):
     assert gsm8k_format_reward(["q"], [completion], [{"answer": "1", "finish_reason": finish}]) == [expected]
 
 
-@pytest.mark.parametrize("completion,verl,ours", [
-    ("so #### 18", 1.0, 1.0),
-    ("#### 18.", 0.5, 1.0),          # verl compares text: '18.' is a wrong answer, not a missing one
-    ("#### 18.00", 0.5, 1.0),
-    ("####18", 0.0, 1.0),            # verl needs exactly one space after ####
-    ("#### $18", 0.0, 1.0),
-    ("#### 1,800 apples", 0.5, 0.5),  # commas dropped on both sides: 1800 != 18
-    ("#### 17 no, #### 18", 1.0, 1.0),  # the last match
-    ("#### 18\n\n####", 1.0, 0.0),   # ours reads after the LAST ####, where there is no number
-    ("#### -18", 0.5, 0.5),
-    ("no answer 18", 0.0, 0.0),
-])
+@pytest.mark.parametrize(
+    "completion,verl,ours",
+    [
+        ("so #### 18", 1.0, 1.0),
+        ("#### 18.", 0.5, 1.0),  # verl compares text: '18.' is a wrong answer, not a missing one
+        ("#### 18.00", 0.5, 1.0),
+        ("####18", 0.0, 1.0),  # verl needs exactly one space after ####
+        ("#### $18", 0.0, 1.0),
+        ("#### 1,800 apples", 0.5, 0.5),  # commas dropped on both sides: 1800 != 18
+        ("#### 17 no, #### 18", 1.0, 1.0),  # the last match
+        ("#### 18\n\n####", 1.0, 0.0),  # ours reads after the LAST ####, where there is no number
+        ("#### -18", 0.5, 0.5),
+        ("no answer 18", 0.0, 0.0),
+    ],
+)
 def test_verl_mode_reproduces_verls_text_match(completion, verl, ours):
     """mode=verl scores as verl's gsm8k compute_score(method=strict) does (read from verl's source:
     findall('#### (\\-?[0-9\\.\\,]+)'), last match, commas removed, string equality), format_score 0.5."""

@@ -5,6 +5,7 @@ decimal, a factored polynomial, an interval), the truncation rule, the registry 
 check, and a call from a non-main thread (an environment's step thread), where math-verify's
 SIGALRM timeout cannot be set.
 """
+
 from __future__ import annotations
 
 import threading
@@ -20,16 +21,19 @@ def _score(completion, answer, finish="stop", key="answer"):
     return math_reward([""], [completion], [{key: answer, "finish_reason": finish}])[0]
 
 
-@pytest.mark.parametrize("completion, answer, expected", [
-    (r"so $\boxed{\frac{1}{2}}$", "0.5", 1.0),
-    (r"The answer is $\boxed{\frac{1}{2}}$.", r"\frac{1}{2}", 1.0),
-    (r"$x^2+2x+1$", "(x+1)^2", 1.0),
-    (r"$\boxed{[0, 1)}$", "[0,1)", 1.0),
-    (r"$\boxed{2}$", "3", 0.0),
-    (r"$\boxed{[0, 1]}$", "[0,1)", 0.0),
-    ("no idea", "1", 0.0),
-    (r"first $\boxed{3}$ then I recheck: $\boxed{4}$", "4", 1.0),
-])
+@pytest.mark.parametrize(
+    "completion, answer, expected",
+    [
+        (r"so $\boxed{\frac{1}{2}}$", "0.5", 1.0),
+        (r"The answer is $\boxed{\frac{1}{2}}$.", r"\frac{1}{2}", 1.0),
+        (r"$x^2+2x+1$", "(x+1)^2", 1.0),
+        (r"$\boxed{[0, 1)}$", "[0,1)", 1.0),
+        (r"$\boxed{2}$", "3", 0.0),
+        (r"$\boxed{[0, 1]}$", "[0,1)", 0.0),
+        ("no idea", "1", 0.0),
+        (r"first $\boxed{3}$ then I recheck: $\boxed{4}$", "4", 1.0),
+    ],
+)
 def test_symbolic_match(completion, answer, expected):
     assert _score(completion, answer) == expected
 

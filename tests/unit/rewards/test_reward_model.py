@@ -4,6 +4,7 @@ the planner's count of a classifier (plan/memory.py). One process, tiny models b
 The reference for every score is a plain Hugging Face forward of ONE sequence, tokenized by the
 reward model's own tokenizer and chat template, with the model loaded by transformers alone.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,9 +15,14 @@ import shutil
 import pytest
 import torch
 
+from hybrid_rl.rewards.model import (
+    RewardModelScorer,
+    check_scores,
+    encode_texts,
+    inspect_reward_model,
+    load_reward_model,
+)
 from hybrid_rl.rewards.tiny_model import CHAT_TEMPLATE, SCORE_TOKEN, random_reward_model_dir
-from hybrid_rl.rewards.model import (RewardModelScorer, check_scores, encode_texts, inspect_reward_model,
-                                     load_reward_model)
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -79,8 +85,18 @@ def test_classifier_scores_equal_one_sequence_forwards_on_its_own_tokens(rm_dirs
     score_N = scorer(module, PROMPTS, COMPLETIONS)
     ids = encode_texts(tok, PROMPTS, COMPLETIONS)
     # The reward model's chat template: the prompt as the user turn, the completion as the assistant turn.
-    assert tok.convert_ids_to_tokens(ids[0]) == ["<|user|>", "1", "2", "3", "=", "<|assistant|>", "2", "3", "4",
-                                                 "<|end|>"]
+    assert tok.convert_ids_to_tokens(ids[0]) == [
+        "<|user|>",
+        "1",
+        "2",
+        "3",
+        "=",
+        "<|assistant|>",
+        "2",
+        "3",
+        "4",
+        "<|end|>",
+    ]
     torch.testing.assert_close(score_N, _reference(rm_dirs["classifier"], "classifier", 0, ids), rtol=0, atol=1e-5)
     assert score_N.std() > 1e-3, "a random model still scores completions differently (the test needs it)"
     # The policy's ids for the same text are other tokens entirely: reading them would give other scores.
@@ -93,8 +109,9 @@ def test_the_score_is_read_at_the_last_token_even_when_it_is_the_pad_token(rm_di
     scorer, module, _, tok = _scorer(rm_dirs["pad_is_end"])
     ids = encode_texts(tok, PROMPTS, COMPLETIONS)
     assert tok.pad_token_id == 4 and all(x[-1] == 4 for x in ids)
-    torch.testing.assert_close(scorer(module, PROMPTS, COMPLETIONS), _reference(rm_dirs["pad_is_end"], "classifier",
-                                                                                0, ids), rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        scorer(module, PROMPTS, COMPLETIONS), _reference(rm_dirs["pad_is_end"], "classifier", 0, ids), rtol=0, atol=1e-5
+    )
 
 
 def test_causal_lm_reward_model_scores_the_chosen_tokens_logit(rm_dirs):
@@ -130,8 +147,9 @@ def test_micro_batches_keep_to_the_token_budget_and_leave_scores_unchanged(rm_di
     big, module, _, tok = _scorer(rm_dirs["classifier"])
     small = RewardModelScorer(big.spec, tok, CPU, max_tokens_per_micro_batch=24)
     shapes = []
-    hook = module.register_forward_pre_hook(lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)),
-                                            with_kwargs=True)
+    hook = module.register_forward_pre_hook(
+        lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
     try:
         whole = big(module, PROMPTS, COMPLETIONS)
         assert shapes == [(6, 11)] and big.last_micro_batches == 1
@@ -157,8 +175,11 @@ def test_an_input_longer_than_the_reward_models_positions_names_the_sample(rm_di
     scorer, module, spec, _ = _scorer(str(short))
     assert spec.max_positions == 4
     assert scorer(module, ["1 2"], [" 3"]).shape == (1,), "3 tokens fit"
-    with pytest.raises(ValueError, match=r"completion 1 \(' 3 4 5'.*5 tokens.*max_position_embeddings 4; lower "
-                                         r"rollout\.max_new_tokens"):
+    with pytest.raises(
+        ValueError,
+        match=r"completion 1 \(' 3 4 5'.*5 tokens.*max_position_embeddings 4; lower "
+        r"rollout\.max_new_tokens",
+    ):
         scorer(module, ["1 2", "1 2"], [" 3", " 3 4 5"])
 
 
@@ -170,8 +191,11 @@ def test_bad_reward_model_directories_name_what_to_fix(rm_dirs, tmp_path):
     empty.mkdir()
     with pytest.raises(ValueError, match=r"'reward.model_path'.*no config.json"):
         inspect_reward_model(str(empty))
-    with pytest.raises(ValueError, match=r"causal LM \(LlamaForCausalLM\), not a sequence-classification.*"
-                                         r"reward.score_token"):
+    with pytest.raises(
+        ValueError,
+        match=r"causal LM \(LlamaForCausalLM\), not a sequence-classification.*"
+        r"reward.score_token",
+    ):
         inspect_reward_model(rm_dirs["causal_lm"])
     with pytest.raises(ValueError, match=r"'reward.score_token'.*sequence classifier"):
         inspect_reward_model(rm_dirs["classifier"], score_token=SCORE_TOKEN)
@@ -237,8 +261,22 @@ def test_cli_shows_the_reward_column_only_with_a_reward_model(capsys):
 
     main(["--model", "Qwen2.5-7B", "--gpus", "8", "--batch", "256", "--context", "4096"])
     without = capsys.readouterr().out.splitlines()
-    main(["--model", "Qwen2.5-7B", "--reward-model", "Qwen2.5-7B", "--gpus", "8", "--batch", "256", "--context",
-          "4096", "--offload", "reward_model"])
+    main(
+        [
+            "--model",
+            "Qwen2.5-7B",
+            "--reward-model",
+            "Qwen2.5-7B",
+            "--gpus",
+            "8",
+            "--batch",
+            "256",
+            "--context",
+            "4096",
+            "--offload",
+            "reward_model",
+        ]
+    )
     with_rm = capsys.readouterr().out.splitlines()
     assert "reward" not in without[5] and without[5].split()[-2] == "score"
     assert with_rm[5].split()[-3:-1] == ["reward", "score"]

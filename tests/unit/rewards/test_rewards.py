@@ -5,6 +5,7 @@ numbers a reward may return, and which dataset row each completion is scored aga
 Bad rewards fail at `Trainer(cfg)` with an error that names the reward and what to fix; where the
 check runs before the model is loaded, `no_model_build` (tests/conftest.py) pins that too.
 """
+
 from __future__ import annotations
 
 import math
@@ -14,8 +15,8 @@ import torch
 
 from hybrid_rl.config.load import load_config
 from hybrid_rl.rewards.base import register_reward
-from hybrid_rl.types import Completion
 from hybrid_rl.trainer import Trainer
+from hybrid_rl.types import Completion
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -109,12 +110,18 @@ def test_a_builtin_reward_on_another_builtin_task_warns(tiny_trainer_overrides):
 
 
 # ---------------------------------------------------------------------------- reward functions by import / argument
-@pytest.mark.parametrize("fn,words", [
-    ("no_such_module_xyz:score", ["'reward.fn'", "cannot import module 'no_such_module_xyz'"]),
-    ("hybrid_rl.rewards.toy:no_such_fn", ["'reward.fn'", "has no attribute 'no_such_fn'"]),
-    ("tests.unit.rewards.test_rewards:NOT_A_FUNCTION", ["not a callable"]),
-    ("tests.unit.rewards.test_rewards:_two_args", ["cannot be called as fn(prompts, completions, metadata)", "_two_args(prompts, completions)"]),
-])
+@pytest.mark.parametrize(
+    "fn,words",
+    [
+        ("no_such_module_xyz:score", ["'reward.fn'", "cannot import module 'no_such_module_xyz'"]),
+        ("hybrid_rl.rewards.toy:no_such_fn", ["'reward.fn'", "has no attribute 'no_such_fn'"]),
+        ("tests.unit.rewards.test_rewards:NOT_A_FUNCTION", ["not a callable"]),
+        (
+            "tests.unit.rewards.test_rewards:_two_args",
+            ["cannot be called as fn(prompts, completions, metadata)", "_two_args(prompts, completions)"],
+        ),
+    ],
+)
 def test_reward_fn_that_cannot_be_used(tiny_trainer_overrides, no_model_build, fn, words):
     """Catches: reward.fn imported without checking that the module and attribute exist and that it
     is a callable taking (prompts, completions, metadata): the first step would fail instead."""
@@ -134,8 +141,10 @@ def test_reward_kwargs_the_function_does_not_take(tiny_trainer_overrides, no_mod
 def test_reward_fn_argument_and_config_key_together(tiny_trainer_overrides, no_model_build):
     """Catches: one of Trainer(reward_fn=...) and reward.fn silently winning over the other."""
     with pytest.raises(ValueError, match="'reward.fn'.*give one of them"):
-        Trainer(load_config(None, [*tiny_trainer_overrides, "reward.fn=hybrid_rl.rewards.toy:digits_reward"]),
-                reward_fn=_nan)
+        Trainer(
+            load_config(None, [*tiny_trainer_overrides, "reward.fn=hybrid_rl.rewards.toy:digits_reward"]),
+            reward_fn=_nan,
+        )
 
 
 def test_reward_fn_that_raises_names_the_sample(tiny_trainer_overrides, no_model_build):
@@ -174,8 +183,9 @@ def test_reward_numbers_from_numpy_and_torch_are_accepted():
     from hybrid_rl.rewards.base import RewardSpec, compute_rewards
 
     def run(values):
-        return compute_rewards("r", RewardSpec(lambda p, c, m: values), ["p"] * len(values), ["c"] * len(values),
-                               [{}] * len(values))
+        return compute_rewards(
+            "r", RewardSpec(lambda p, c, m: values), ["p"] * len(values), ["c"] * len(values), [{}] * len(values)
+        )
 
     got = run([np.float32(0.5), np.int64(1), torch.tensor(0.25), np.array(2.0), torch.tensor([0.75]), True, 3])
     assert got == [0.5, 1.0, 0.25, 2.0, 0.75, 1.0, 3.0] and all(type(v) is float for v in got)
@@ -186,9 +196,9 @@ def test_reward_numbers_from_numpy_and_torch_are_accepted():
 
 # ---------------------------------------------------------------------------- scoring a step's completions
 def test_reward_scores_each_completion_against_its_own_row(tiny_trainer_overrides, tiny_tokenizer):
-    """Catches the trainer's reward (RolloutStage.score -> RewardSetup.score) pairing completions with the wrong dataset row (rows[i % B] instead of
-    rows[i // G]) and counting the stop token as part of the answer (which makes the digits
-    reward's "stopped right after the answer" bonus unreachable)."""
+    """Catches the trainer's reward (RolloutStage.score -> RewardSetup.score) pairing completions with the wrong
+    dataset row (rows[i % B] instead of rows[i // G]) and counting the stop token as part of the answer (which
+    makes the digits reward's "stopped right after the answer" bonus unreachable)."""
     tr = _trainer(tiny_trainer_overrides)  # rollout.n = 2
     rows = [{"prompt": "1 2 3 =", "answer": "234"}, {"prompt": "7 8 9 =", "answer": "890"}]
 

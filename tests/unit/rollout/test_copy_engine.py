@@ -1,13 +1,14 @@
 """An engine with its own copy of the weights: bucketed sync, real release, same samples as the policy."""
+
 from __future__ import annotations
 
 import copy
 
 import torch
 
+from hybrid_rl.rollout.native.engine import NativeEngine
 from hybrid_rl.switch.phases import PhaseManager
 from hybrid_rl.types import SamplingParams
-from hybrid_rl.rollout.native.engine import NativeEngine
 
 
 def test_copy_engine_syncs_releases_and_matches_policy(tiny_model):

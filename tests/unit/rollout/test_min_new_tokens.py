@@ -5,14 +5,15 @@ Catches: a loop that bans stops one token too long or too short (off-by-one on t
 extra stop_token_ids or EOS, logprobs that still count the banned stops (the engine's logprob must be the
 sampled distribution's, as vLLM's processed_logprobs are), and a config that accepts min > max.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from hybrid_rl.models.logprobs import build_sequences, position_ids
-from hybrid_rl.types import SamplingParams
 from hybrid_rl.rollout.native.engine import NativeEngine
+from hybrid_rl.types import SamplingParams
 from tests.unit.rollout.native.test_native_engine import EOS, PAD, PROMPTS, ForceTokens
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -21,15 +22,17 @@ STOP = 7  # an extra stop id (rollout.stop_token_ids)
 
 def _forced(model, calls: int):
     """Every row is pushed to stop at every call: EOS for even calls, the extra stop for odd ones."""
-    return ForceTokens(model, {c: [(r, EOS if c % 2 == 0 else STOP) for r in range(len(PROMPTS))]
-                               for c in range(calls)})
+    return ForceTokens(
+        model, {c: [(r, EOS if c % 2 == 0 else STOP) for r in range(len(PROMPTS))] for c in range(calls)}
+    )
 
 
 @pytest.mark.parametrize("greedy", [True, False])
 @pytest.mark.parametrize("min_new", [0, 1, 3])
 def test_no_stop_before_min_new_tokens_then_the_forced_stop(sharp_model, greedy, min_new):
-    sp = SamplingParams(max_new_tokens=8, greedy=greedy, temperature=1.0, seed=5, stop_token_ids=(STOP,),
-                        min_new_tokens=min_new)
+    sp = SamplingParams(
+        max_new_tokens=8, greedy=greedy, temperature=1.0, seed=5, stop_token_ids=(STOP,), min_new_tokens=min_new
+    )
     comps = NativeEngine(_forced(sharp_model, 8), pad_id=PAD, eos_id=EOS).generate(PROMPTS, sp)
     for c in comps:
         assert len(c.token_ids) == min_new + 1 and c.finish_reason == "stop", (min_new, c.token_ids)

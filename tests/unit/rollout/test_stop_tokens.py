@@ -1,4 +1,5 @@
 """Which tokens end a completion: the same set in every engine and in the reward's view of the text."""
+
 from __future__ import annotations
 
 import json

@@ -1,5 +1,6 @@
 """Every tensor collective helper refuses, with a clear error, a tensor whose device the
 process group cannot serve (a host metric on a plain nccl group), before it reaches torch."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,6 +27,7 @@ def fake_group(monkeypatch):
     def serve(types: set[str]) -> list[str]:
         monkeypatch.setattr(D, "_served", lambda: types)
         return calls
+
     return serve
 
 

@@ -4,13 +4,14 @@ Catches: the report reading the outer (fit-level) tag instead of the failing ste
 its enum repr, and a tag that replaces the error (the original exception must propagate unchanged).
 The 2-rank path (torchrun, a reward that raises on rank 1 at step 2) is tests/distributed/test_dead_rank.py.
 """
+
 from __future__ import annotations
 
 import pytest
 
 import hybrid_rl.runtime.distributed as D
-from hybrid_rl.types import SamplingParams
 from hybrid_rl.switch.phases import Phase
+from hybrid_rl.types import SamplingParams
 
 
 def _fail():

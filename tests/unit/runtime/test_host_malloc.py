@@ -1,4 +1,5 @@
 """Freed host buffers are kept for reuse on CPU (runtime/host_malloc.py): a step stops page-faulting them back."""
+
 from __future__ import annotations
 
 import subprocess
@@ -35,8 +36,9 @@ HELD = 6 * (6 << 20)
 
 
 def _blocks(mode: str) -> tuple[str, int, int]:
-    out = subprocess.run([sys.executable, "-c", _BLOCKS, mode], capture_output=True, text=True, check=True,
-                         timeout=120).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", _BLOCKS, mode], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.split()
     return out[0], int(out[1]), int(out[2])
 
 
@@ -75,8 +77,9 @@ def test_the_trainer_keeps_host_memory_on_cpu_unless_told_not_to(monkeypatch, tm
     monkeypatch.setattr(trainer_module, "validate_runtime", stop_after_init)
     for keep, expected in ((True, 1), (False, 0)):
         calls.clear()
-        cfg = load_config(None, [f"trainer.out_dir={tmp_path}", "trainer.device=cpu",
-                                 f"trainer.keep_host_memory={str(keep).lower()}"])
+        cfg = load_config(
+            None, [f"trainer.out_dir={tmp_path}", "trainer.device=cpu", f"trainer.keep_host_memory={str(keep).lower()}"]
+        )
         with pytest.raises(Stop):
             trainer_module.Trainer(cfg)
         assert len(calls) == expected

@@ -1,5 +1,6 @@
 """Split placement checks (hybrid_rl/split/placement.py): every impossible combination is refused naming
 the key to change, and the layout puts the rollout ranks last."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,31 +15,42 @@ def test_layout_puts_rollout_ranks_last():
     assert Layout(2, 1).is_rollout(1) and not Layout(2, 1).is_rollout(0)
 
 
-@pytest.mark.parametrize("kwargs, key, text", [
-    (dict(world_size=2, rollout_ranks=2), "trainer.rollout_ranks", "leave no learner"),
-    (dict(world_size=2, rollout_ranks=3), "trainer.rollout_ranks", "use at most 1"),
-    (dict(world_size=2, rollout_ranks=0), "trainer.rollout_ranks", "at least 1 rollout rank"),
-    (dict(world_size=8, rollout_ranks=3, tp_size=2), "rollout.tp_size", "does not divide trainer.rollout_ranks=3"),
-    (dict(max_staleness=-1), "trainer.max_staleness", ">= 0"),
-    (dict(stale_samples="keep"), "trainer.stale_samples", "expected one of"),
-    (dict(stale_samples="correct"), "trainer.stale_samples", "algorithm.rollout_correction is 'none'"),
-    (dict(world_size=8, rollout_ranks=3, batch_size=16), "data.batch_size", "3 rollout engines"),
-    (dict(world_size=8, rollout_ranks=1, batch_size=5, group_size=1), "data.batch_size",
-     "7 learner ranks"),
-    (dict(world_size=4, rollout_ranks=1, batch_size=6, group_size=4, mini_batch_size=8),
-     "algorithm.mini_batch_size", "3 learner ranks"),
-])
+@pytest.mark.parametrize(
+    "kwargs, key, text",
+    [
+        (dict(world_size=2, rollout_ranks=2), "trainer.rollout_ranks", "leave no learner"),
+        (dict(world_size=2, rollout_ranks=3), "trainer.rollout_ranks", "use at most 1"),
+        (dict(world_size=2, rollout_ranks=0), "trainer.rollout_ranks", "at least 1 rollout rank"),
+        (dict(world_size=8, rollout_ranks=3, tp_size=2), "rollout.tp_size", "does not divide trainer.rollout_ranks=3"),
+        (dict(max_staleness=-1), "trainer.max_staleness", ">= 0"),
+        (dict(stale_samples="keep"), "trainer.stale_samples", "expected one of"),
+        (dict(stale_samples="correct"), "trainer.stale_samples", "algorithm.rollout_correction is 'none'"),
+        (dict(world_size=8, rollout_ranks=3, batch_size=16), "data.batch_size", "3 rollout engines"),
+        (dict(world_size=8, rollout_ranks=1, batch_size=5, group_size=1), "data.batch_size", "7 learner ranks"),
+        (
+            dict(world_size=4, rollout_ranks=1, batch_size=6, group_size=4, mini_batch_size=8),
+            "algorithm.mini_batch_size",
+            "3 learner ranks",
+        ),
+    ],
+)
 def test_impossible_placements_name_the_key(kwargs, key, text):
     args = dict(world_size=4, rollout_ranks=2, max_staleness=1, stale_samples="drop")
     args.update(kwargs)
     with pytest.raises(ValueError, match=rf"config key '{key}': .*{text}"):
-        check_placement(args.pop("world_size"), args.pop("rollout_ranks"), args.pop("max_staleness"),
-                        args.pop("stale_samples"), **args)
+        check_placement(
+            args.pop("world_size"),
+            args.pop("rollout_ranks"),
+            args.pop("max_staleness"),
+            args.pop("stale_samples"),
+            **args,
+        )
 
 
 def test_correct_with_a_correction_and_tp_engines_pass():
-    lay = check_placement(8, 4, 2, "correct", tp_size=2, batch_size=32, group_size=8, mini_batch_size=64,
-                          rollout_correction="tis_token")
+    lay = check_placement(
+        8, 4, 2, "correct", tp_size=2, batch_size=32, group_size=8, mini_batch_size=64, rollout_correction="tis_token"
+    )
     assert lay.rollouts == [4, 5, 6, 7]
 
 

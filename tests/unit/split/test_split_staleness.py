@@ -2,6 +2,7 @@
 admission, rejection, the bounded queue, and the protocol simulated over 50 steps with the library's own
 functions, so an off-by-one in admission or rejection shows as a lag above k, a lag never reaching k,
 a drop, or a deadlock."""
+
 from __future__ import annotations
 
 import math
@@ -10,11 +11,18 @@ import pytest
 import torch
 
 from hybrid_rl.algorithms.correction import rollout_correction
-from hybrid_rl.types import Completion
 from hybrid_rl.split.groups import to_rollout_batch, token_versions_NT
 from hybrid_rl.split.schedule import simulate, steady_period, syncs_before
-from hybrid_rl.split.staleness import (LearnerQueue, QueueFull, StalenessRule, VersionedGroup, may_start,
-                                       staleness_metrics, version_for_batch)
+from hybrid_rl.split.staleness import (
+    LearnerQueue,
+    QueueFull,
+    StalenessRule,
+    VersionedGroup,
+    may_start,
+    staleness_metrics,
+    version_for_batch,
+)
+from hybrid_rl.types import Completion
 
 
 def group(version: int, row: int = 0, token_versions=None, logps=(-0.5, -1.0)) -> VersionedGroup:
@@ -77,8 +85,12 @@ def test_queue_takes_in_order_drops_stale_and_is_bounded():
     assert [g.row_index for g in taken.kept] == [1, 3] and taken.lags == [1, 0]
     assert [g.row_index for g in taken.dropped] == [0, 2] and len(q) == 0
     m = staleness_metrics(taken, len(q))
-    assert m == {"split/staleness_mean": 0.5, "split/staleness_max": 1.0, "split/dropped": 2.0,
-                 "split/queue_depth": 0.0}
+    assert m == {
+        "split/staleness_mean": 0.5,
+        "split/staleness_max": 1.0,
+        "split/dropped": 2.0,
+        "split/queue_depth": 0.0,
+    }
 
 
 def test_queue_stops_at_n_and_keeps_the_rest():

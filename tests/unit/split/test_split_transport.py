@@ -1,23 +1,37 @@
 """The packed group format of the split transport (hybrid_rl/split/transport.py) without a process group:
 round trip bit-exact, corrupt payloads and unknown finish reasons refused. The 2-rank send/receive is
 tests/distributed/test_split_ranks.py."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hybrid_rl.types import Completion
 from hybrid_rl.split.staleness import VersionedGroup
 from hybrid_rl.split.transport import pack_groups, unpack_groups
+from hybrid_rl.types import Completion
 
 
 def _groups() -> list[VersionedGroup]:
     g = torch.Generator().manual_seed(0)
     lp = torch.randn(6, generator=g, dtype=torch.float64).tolist()  # full float64 mantissas must survive
-    a = VersionedGroup(3, [2, 9], [Completion([4, 5, 1], lp[:3], "stop"), Completion([6], lp[3:4], "length")],
-                       [1.0, 1 / 3], [0.25, -2 / 7], version=2)
-    b = VersionedGroup(8, [2], [Completion([7, 7], lp[4:6], "abort"), Completion([], [], "stop")],
-                       [0.0, 0.1], [0.0, 0.2], version=4, token_versions=[[4, 5], []])
+    a = VersionedGroup(
+        3,
+        [2, 9],
+        [Completion([4, 5, 1], lp[:3], "stop"), Completion([6], lp[3:4], "length")],
+        [1.0, 1 / 3],
+        [0.25, -2 / 7],
+        version=2,
+    )
+    b = VersionedGroup(
+        8,
+        [2],
+        [Completion([7, 7], lp[4:6], "abort"), Completion([], [], "stop")],
+        [0.0, 0.1],
+        [0.0, 0.2],
+        version=4,
+        token_versions=[[4, 5], []],
+    )
     return [a, b]
 
 

@@ -1,4 +1,5 @@
 """The memory ledger: per-role bytes at each boundary, bounded history, table and timeline PNG."""
+
 from __future__ import annotations
 
 import pytest

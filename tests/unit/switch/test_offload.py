@@ -1,4 +1,5 @@
 """Offload round trips are bit-exact, move the bytes they claim, and reuse their host buffers."""
+
 from __future__ import annotations
 
 import copy
@@ -8,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from hybrid_rl.rollout.native.engine import NativeEngine
 from hybrid_rl.switch.offload import ModuleOffloader, OptimizerOffloader, optimizer_tensors
 from hybrid_rl.switch.phases import PhaseManager
 from hybrid_rl.types import SamplingParams
-from hybrid_rl.rollout.native.engine import NativeEngine
 
 
 def _train_steps(model_dir: str, steps: int, offload: bool) -> tuple[dict, list]:
@@ -21,8 +22,16 @@ def _train_steps(model_dir: str, steps: int, offload: bool) -> tuple[dict, list]
     model = load_causal_lm(model_dir)
     ref = copy.deepcopy(model).requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    pm = PhaseManager(model, opt, NativeEngine(model, pad_id=0, eos_id=1), torch.device("cpu"), ref=ref,
-                      offload_optimizer=offload, offload_ref=offload, always_copy=True)
+    pm = PhaseManager(
+        model,
+        opt,
+        NativeEngine(model, pad_id=0, eos_id=1),
+        torch.device("cpu"),
+        ref=ref,
+        offload_optimizer=offload,
+        offload_ref=offload,
+        always_copy=True,
+    )
     for step in range(steps):
         with pm.rollout() as engine:
             out = engine.generate([[4, 5, 6, 14], [7, 8, 14]], SamplingParams(max_new_tokens=3, seed=step))
@@ -100,8 +109,13 @@ def test_decide_offload_warns_for_missing_roles_and_auto_on_cpu(tiny_model_dir):
     args = dict(device=torch.device("cpu"), world_size=1, mixed_precision=False, prompt_tokens=4)
 
     def cfg(**offload):
-        return SimpleNamespace(offload=_offload_cfg(**offload), model=SimpleNamespace(path=tiny_model_dir),
-                               algorithm=SimpleNamespace(needs_ref_model=False), reward=SimpleNamespace(model_path=""))
+        return SimpleNamespace(
+            offload=_offload_cfg(**offload),
+            model=SimpleNamespace(path=tiny_model_dir),
+            algorithm=SimpleNamespace(needs_ref_model=False),
+            reward=SimpleNamespace(model_path=""),
+        )
+
     with pytest.warns(UserWarning, match="no reward model"):
         d = decide_offload(cfg(reward_model=True), **args)
     assert (d.optimizer, d.ref, d.params) == (False, False, False)
@@ -138,10 +152,15 @@ def test_module_offloader_frees_storage_reuses_its_host_buffer_and_round_trips(t
         assert all(now[k] is tensors[k] for k in tensors), "the same tensor objects come back"
         for name, t in tensors.items():
             assert t.untyped_storage().nbytes() > 0 and torch.equal(t, before[name]), name
-            assert not (t.untyped_storage().data_ptr() <= off._host.data_ptr() < t.untyped_storage().data_ptr()
-                        + t.untyped_storage().nbytes()), f"{name} must not alias the host buffer"
+            assert not (
+                t.untyped_storage().data_ptr()
+                <= off._host.data_ptr()
+                < t.untyped_storage().data_ptr() + t.untyped_storage().nbytes()
+            ), f"{name} must not alias the host buffer"
     assert host_ptrs[0] == host_ptrs[1], "the second offload must reuse the host buffer, not allocate another"
-    assert torch.equal(model(input_ids=torch.tensor([[4, 5]])).logits, tiny_model(input_ids=torch.tensor([[4, 5]])).logits)
+    assert torch.equal(
+        model(input_ids=torch.tensor([[4, 5]])).logits, tiny_model(input_ids=torch.tensor([[4, 5]])).logits
+    )
     # A module left offloaded by one offloader (a PhaseManager that is gone) comes back with the next one.
     ModuleOffloader(model, torch.device("cpu"), always_copy=True, free_storage=True).offload()
     again = ModuleOffloader(model, torch.device("cpu"), always_copy=True)
@@ -154,7 +173,7 @@ def test_sglang_kv_room_warns_when_the_optimizer_state_will_not_fit_beside_the_e
     a state that stays on the device must fit in free x (1 - mem_fraction)."""
     from hybrid_rl.switch.advice import sglang_kv_room_warning
 
-    GiB = 1024 ** 3
+    GiB = 1024**3
     opt, free = 14 * GiB, 70 * GiB  # 7B: 56 GiB of Adam state over 4 ranks; 70 GiB free at start-up
     assert sglang_kv_room_warning(opt, free, None, optimizer_offloaded=True) is None
     assert sglang_kv_room_warning(0, free, 0.9, optimizer_offloaded=False) is None

@@ -2,6 +2,7 @@
 released, optimizer and parameters back on the device, an interrupted SGLang weight sync closed) and
 the loader at the failed step's first batch, so calling step() again retries the same step. A closed
 trainer refuses to step."""
+
 from __future__ import annotations
 
 import pytest
@@ -85,8 +86,9 @@ def test_failures_in_score_and_while_entering_rollout(tiny_trainer_overrides, mo
 
 def test_validation_that_fails_returns_to_train(tiny_trainer_overrides):
     reward = FlakyReward()
-    tr = Trainer(load_config(None, [*tiny_trainer_overrides, "data.num_prompts=40", "data.val_split=0.2"]),
-                 reward_fn=reward)
+    tr = Trainer(
+        load_config(None, [*tiny_trainer_overrides, "data.num_prompts=40", "data.val_split=0.2"]), reward_fn=reward
+    )
     reward.fail = True
     with pytest.raises(RuntimeError, match="hiccup"):
         tr.validator.run(0)
@@ -109,9 +111,9 @@ def test_an_sglang_sync_that_fails_midway_is_closed_and_resent(tiny_model_dir, f
     """The stand-in runs the real transport: a bucket that fails leaves SGLang inside its weight-update
     session; recover() closes it and releases the weights, and the next rollout sends every parameter."""
     from hybrid_rl.models.loading import load_causal_lm, load_tokenizer
-    from hybrid_rl.types import SamplingParams
     from hybrid_rl.rollout.sglang.engine import SGLangEngine
     from hybrid_rl.switch.phases import PhaseManager
+    from hybrid_rl.types import SamplingParams
 
     tok = load_tokenizer(tiny_model_dir)
     policy = load_causal_lm(tiny_model_dir)
@@ -156,9 +158,9 @@ def test_ctrl_c_during_an_sglang_call_waits_for_it(tiny_model_dir, fake_sglang):
     import signal
 
     from hybrid_rl.models.loading import load_causal_lm, load_tokenizer
-    from hybrid_rl.types import SamplingParams
     from hybrid_rl.rollout.sglang.engine import SGLangEngine
     from hybrid_rl.switch.phases import PhaseManager
+    from hybrid_rl.types import SamplingParams
 
     tok = load_tokenizer(tiny_model_dir)
     policy = load_causal_lm(tiny_model_dir)
@@ -178,7 +180,10 @@ def test_ctrl_c_during_an_sglang_call_waits_for_it(tiny_model_dir, fake_sglang):
             with pm.rollout():
                 pass
         engine.engine.resume_memory_occupation = real
-        assert "weights" not in engine.released and "weights" not in engine.engine._debug_state()["ranks"][0]["offload_tags"]
+        assert (
+            "weights" not in engine.released
+            and "weights" not in engine.engine._debug_state()["ranks"][0]["offload_tags"]
+        )
         pm.recover()
         assert engine.released == {"weights", "kv_cache"} and pm.phase is Phase.TRAIN
         with pm.rollout() as eng:

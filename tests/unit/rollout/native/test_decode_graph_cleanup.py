@@ -6,6 +6,7 @@ c10/cuda/CUDACachingAllocator.cpp beginAllocateToPool / endAllocateToPool / rele
 on the shared pool (no more: the live graphs still use it), and must put the current stream back.
 The real capture runs in tests/gpu/test_native_engine_cuda.py.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -7,6 +7,7 @@ output is one token repeated. `sharp_model` adds seeded noise to every weight
 matrix: its predictions depend on the context, which makes "greedy == argmax of
 a full forward" and "engine logprobs == trainer logprobs" real checks.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,10 +16,10 @@ import pytest
 import torch
 
 from hybrid_rl.models.logprobs import build_sequences, position_ids, response_logprobs
-from hybrid_rl.types import SamplingParams
 from hybrid_rl.rollout.base import engine_class
-from hybrid_rl.rollout.native.lean_step import LeanStep
 from hybrid_rl.rollout.native.engine import NativeEngine, filter_logits
+from hybrid_rl.rollout.native.lean_step import LeanStep
+from hybrid_rl.types import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -38,7 +39,7 @@ def _full_logits(model, prompts, responses):
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids(attn), use_cache=False).logits
     T = ids.shape[1] - P
-    return logits[:, P - 1:P - 1 + T].float()
+    return logits[:, P - 1 : P - 1 + T].float()
 
 
 class ForceTokens(torch.nn.Module):
@@ -76,7 +77,7 @@ def test_greedy_equals_full_forward_argmax(engine, sharp_model):
     assert any(len(set(r)) > 1 for r in responses), "degenerate model: only repeated tokens"
     argmax = _full_logits(sharp_model, PROMPTS, responses).argmax(-1)
     for i, c in enumerate(comps):
-        assert c.token_ids == argmax[i, :len(c.token_ids)].tolist(), f"row {i}"
+        assert c.token_ids == argmax[i, : len(c.token_ids)].tolist(), f"row {i}"
         if c.finish_reason == "length":
             assert len(c.token_ids) == 10 and EOS not in c.token_ids
         else:
@@ -126,7 +127,7 @@ def test_engine_logprobs_match_trainer_recompute(engine, sharp_model, temperatur
         assert len(c.logprobs) == len(c.token_ids)
         assert all(lp <= 0 for lp in c.logprobs)
         got = torch.tensor(c.logprobs, dtype=torch.float32)
-        torch.testing.assert_close(got, logp_NT[i, :len(got)], atol=1e-5, rtol=0, msg=f"row {i}")
+        torch.testing.assert_close(got, logp_NT[i, : len(got)], atol=1e-5, rtol=0, msg=f"row {i}")
         if top_k > 0:  # every sampled token lies in the top-k of its position
             logits = _full_logits(sharp_model, [prompts[i]], [c.token_ids])[0]
             kth = logits.topk(top_k, dim=-1).values[:, -1]
@@ -154,7 +155,9 @@ def test_kv_cache_one_token_per_decode_call(sharp_model, monkeypatch, lean):
         # Stop checks after every token: the loop ends, and finished rows leave the batch, at once.
         eng = NativeEngine(sharp_model, pad_id=PAD, eos_id=EOS, stop_check_every=1, lean_step=lean)
         max_new = 9
-        comps = eng.generate(PROMPTS, SamplingParams(max_new_tokens=max_new, temperature=1.0, seed=1, stop_token_ids=(7, 9)))
+        comps = eng.generate(
+            PROMPTS, SamplingParams(max_new_tokens=max_new, temperature=1.0, seed=1, stop_token_ids=(7, 9))
+        )
     finally:
         handle.remove()
     assert eng.last_decode_path == ("lean" if lean else "forward")
@@ -202,8 +205,9 @@ def test_stop_on_eos(sharp_model):
     sp = SamplingParams(max_new_tokens=10, greedy=True)
     plain = NativeEngine(ForceTokens(sharp_model, {}, ban=[EOS]), pad_id=PAD, eos_id=EOS).generate(PROMPTS, sp)
     # Checks every 8 tokens: the schedule's rows are batch positions, which no drop moves before then.
-    eng = NativeEngine(ForceTokens(sharp_model, {3: [(0, EOS)], 5: [(2, EOS)]}, ban=[EOS]), pad_id=PAD, eos_id=EOS,
-                       stop_check_every=8)
+    eng = NativeEngine(
+        ForceTokens(sharp_model, {3: [(0, EOS)], 5: [(2, EOS)]}, ban=[EOS]), pad_id=PAD, eos_id=EOS, stop_check_every=8
+    )
     comps = eng.generate(PROMPTS, sp)
     for row, step in ((0, 3), (2, 5)):
         c = comps[row]
@@ -219,8 +223,9 @@ def test_stop_on_eos(sharp_model):
 
 def test_natural_eos_ends_completion(sharp_model):
     """Without any forcing, a sampled EOS is the last token and only EOS/stop ids end a row early."""
-    comps = NativeEngine(sharp_model, PAD, EOS).generate([p for p in PROMPTS for _ in range(4)],
-                                                         SamplingParams(max_new_tokens=12, seed=4))
+    comps = NativeEngine(sharp_model, PAD, EOS).generate(
+        [p for p in PROMPTS for _ in range(4)], SamplingParams(max_new_tokens=12, seed=4)
+    )
     stopped = [c for c in comps if c.finish_reason == "stop"]
     assert stopped and len(stopped) < len(comps)
     for c in comps:
@@ -241,7 +246,8 @@ def test_stop_on_extra_stop_token(sharp_model):
     sched = {2: [(r, STOP) for r in range(len(PROMPTS))]}
     go_on = NativeEngine(ForceTokens(sharp_model, sched, ban=[EOS]), pad_id=PAD, eos_id=EOS).generate(PROMPTS, sp)
     stop = NativeEngine(ForceTokens(sharp_model, sched, ban=[EOS]), pad_id=PAD, eos_id=EOS).generate(
-        PROMPTS, SamplingParams(max_new_tokens=8, greedy=True, stop_token_ids=(STOP,)))
+        PROMPTS, SamplingParams(max_new_tokens=8, greedy=True, stop_token_ids=(STOP,))
+    )
     for i, head in enumerate(heads):
         assert stop[i].token_ids == head + [STOP] and stop[i].finish_reason == "stop", f"row {i}"
         # Without the extra stop id the forced token is just a token: decoding goes on to the limit.
@@ -288,7 +294,9 @@ def _naive_filter(row, top_k, top_p):
     return keep
 
 
-@pytest.mark.parametrize("top_k,top_p", [(1, 1.0), (5, 1.0), (40, 1.0), (-1, 0.5), (-1, 0.9), (-1, 0.01), (10, 0.8), (3, 0.3)])
+@pytest.mark.parametrize(
+    "top_k,top_p", [(1, 1.0), (5, 1.0), (40, 1.0), (-1, 0.5), (-1, 0.9), (-1, 0.01), (10, 0.8), (3, 0.3)]
+)
 def test_filter_logits_matches_naive_loop(top_k, top_p):
     g = torch.Generator().manual_seed(top_k * 1000 + int(top_p * 100))
     logits = torch.randn(16, 40, generator=g, dtype=torch.float64) * 2

@@ -4,6 +4,7 @@ one big batch. On CPU the free memory is injected (`free_memory=`); on CUDA it i
 
 Legend: N sequences, P prompt tokens, T new tokens, S = P + T - 1 cache slots.
 """
+
 from __future__ import annotations
 
 import math
@@ -11,11 +12,18 @@ import math
 import pytest
 import torch
 
-from hybrid_rl.plan.memory import ModelArch, builtin_arch
-from hybrid_rl.plan.rollout_memory import RolloutShape, budget_for, decode_row_bytes, kv_row_bytes, native_budget, prefill_prompt_bytes
 from hybrid_rl.models.loading import model_config
-from hybrid_rl.types import SamplingParams
+from hybrid_rl.plan.memory import ModelArch, builtin_arch
+from hybrid_rl.plan.rollout_memory import (
+    RolloutShape,
+    budget_for,
+    decode_row_bytes,
+    kv_row_bytes,
+    native_budget,
+    prefill_prompt_bytes,
+)
 from hybrid_rl.rollout.native.engine import NativeEngine
+from hybrid_rl.types import SamplingParams
 from tests.unit.rollout.native.test_native_engine_speedups import MANY, PROMPTS, Recorder, assert_logprobs_match_trainer
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -81,8 +89,11 @@ def test_batch_cap_is_the_most_rows_the_free_memory_holds():
 def _per_row(model, P: int, T: int, top_p: bool = False) -> tuple[int, int, int]:
     shape = RolloutShape.of(ModelArch.from_hf_config(model_config(model).to_dict()))
     S, b = P + T - 1, 4
-    return (kv_row_bytes(shape, b, S), sum(decode_row_bytes(shape, b, S, T, top_p, graphs=False).values()),
-            prefill_prompt_bytes(shape, b, P))
+    return (
+        kv_row_bytes(shape, b, S),
+        sum(decode_row_bytes(shape, b, S, T, top_p, graphs=False).values()),
+        prefill_prompt_bytes(shape, b, P),
+    )
 
 
 @pytest.mark.parametrize("greedy", [True, False])
@@ -106,8 +117,16 @@ def test_engine_decodes_in_batches_of_at_most_the_cap_with_the_same_tokens(sharp
 
 
 def test_prefill_runs_in_chunks_of_prompts_that_fit(sharp_model):
-    prompts = [[5, 6, 7, 14], [8, 14], [11, 12, 13, 4, 5, 6, 14], [9, 9, 14], [4, 14], [6, 6, 6, 14],
-               [12, 14], [13, 5, 14]]  # 8 distinct prompts
+    prompts = [
+        [5, 6, 7, 14],
+        [8, 14],
+        [11, 12, 13, 4, 5, 6, 14],
+        [9, 9, 14],
+        [4, 14],
+        [6, 6, 6, 14],
+        [12, 14],
+        [13, 5, 14],
+    ]  # 8 distinct prompts
     T = 6
     sp = SamplingParams(max_new_tokens=T, seed=2)
     kv, dec, one = _per_row(sharp_model, 7, T)
@@ -151,8 +170,11 @@ def test_measured_free_memory_leaves_out_the_free_pieces_of_used_segments(monkey
     from hybrid_rl.rollout.native import decode_path
 
     GiB = 2**30
-    stats = {"reserved_bytes.all.current": 10 * GiB, "allocated_bytes.all.current": 4 * GiB,
-             "inactive_split_bytes.all.current": 5 * GiB}  # 1 GiB in wholly free segments
+    stats = {
+        "reserved_bytes.all.current": 10 * GiB,
+        "allocated_bytes.all.current": 4 * GiB,
+        "inactive_split_bytes.all.current": 5 * GiB,
+    }  # 1 GiB in wholly free segments
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 * GiB, 80 * GiB))
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: stats)
 

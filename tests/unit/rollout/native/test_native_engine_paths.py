@@ -2,6 +2,7 @@
 step, never over the Hugging Face forward; the forward's ready 4-D mask only for attention that
 takes one (flash-attention gets the 2-D mask). The capture itself needs a GPU (tests/gpu).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -11,11 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_rl.models.loading import load_causal_lm, model_config
-from hybrid_rl.types import SamplingParams
 from hybrid_rl.rollout.native.decode_graph import DecodeGraphs
 from hybrid_rl.rollout.native.decode_path import choose_decode_path
-from hybrid_rl.rollout.native.kv_cache import StaticKVCache
 from hybrid_rl.rollout.native.engine import NativeEngine
+from hybrid_rl.rollout.native.kv_cache import StaticKVCache
+from hybrid_rl.types import SamplingParams
 from tests.unit.rollout.native.test_native_engine import ForceTokens
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -25,15 +26,18 @@ PROMPTS = [[5, 6, 7, 14], [8, 14], [11, 12, 13, 4, 5, 6, 14], [9, 9, 14]]
 NO_LEAN = "model_type 'gemma' is not one of ('llama', 'mistral', 'qwen2', 'qwen3')"
 
 
-@pytest.mark.parametrize("device,graphs,lean_step,reason,want", [
-    ("cuda", None, None, None, "cuda_graph"),      # the default on CUDA: the lean step, captured
-    ("cuda", False, None, None, "lean"),
-    ("cuda", None, False, None, "forward"),        # no lean step: no graphs (said once), the forward
-    ("cuda", None, None, NO_LEAN, "forward"),
-    ("cpu", None, None, None, "lean"),
-    ("cpu", True, None, None, "lean"),             # asked for off CUDA: the engine warns, decodes eagerly
-    ("cpu", None, None, NO_LEAN, "forward"),
-])
+@pytest.mark.parametrize(
+    "device,graphs,lean_step,reason,want",
+    [
+        ("cuda", None, None, None, "cuda_graph"),  # the default on CUDA: the lean step, captured
+        ("cuda", False, None, None, "lean"),
+        ("cuda", None, False, None, "forward"),  # no lean step: no graphs (said once), the forward
+        ("cuda", None, None, NO_LEAN, "forward"),
+        ("cpu", None, None, None, "lean"),
+        ("cpu", True, None, None, "lean"),  # asked for off CUDA: the engine warns, decodes eagerly
+        ("cpu", None, None, NO_LEAN, "forward"),
+    ],
+)
 def test_graphs_only_over_the_lean_step(device, graphs, lean_step, reason, want):
     path = choose_decode_path(device, graphs, lean_step, reason, True, "sdpa")
     assert path.name == want
@@ -63,9 +67,17 @@ def test_decode_graphs_never_wrap_the_models_forward(sharp_model):
         DecodeGraphs(sharp_model, StaticKVCache(2, 4), torch.device("cpu"), capture=False, lean=None)
 
 
-@pytest.mark.parametrize("impl,mask_4d", [("sdpa", True), ("eager", True), ("flash_attention_2", False),
-                                          ("flash_attention_3", False), ("hybrid_rl_shared_prefix+sdpa", True),
-                                          ("hybrid_rl_shared_prefix+flash_attention_2", False)])
+@pytest.mark.parametrize(
+    "impl,mask_4d",
+    [
+        ("sdpa", True),
+        ("eager", True),
+        ("flash_attention_2", False),
+        ("flash_attention_3", False),
+        ("hybrid_rl_shared_prefix+sdpa", True),
+        ("hybrid_rl_shared_prefix+flash_attention_2", False),
+    ],
+)
 def test_ready_4d_mask_only_where_the_attention_takes_it(impl, mask_4d):
     assert choose_decode_path("cuda", False, False, None, True, impl).mask_4d is mask_4d
     # A sliding window needs transformers' own mask builder whatever the implementation.
@@ -75,11 +87,12 @@ def test_ready_4d_mask_only_where_the_attention_takes_it(impl, mask_4d):
 def _flash_stand_in(seen: list):
     """flash-attention's contract as transformers calls it: a 2-D padding mask (or None) and causal
     attention over the keys, never a 4-D mask. Computed with sdpa so the tokens can be compared."""
+
     def attend(module, q, k, v, attention_mask, scaling=None, dropout=0.0, **kw):
         seen.append(None if attention_mask is None else attention_mask.dim())
         if attention_mask is not None and attention_mask.dim() != 2:
             raise RuntimeError(f"flash-attention takes a 2-D padding mask, got {attention_mask.dim()}-D")
-        (B, H, Q, D), S = q.shape, k.shape[2]
+        (_, H, Q, _), S = q.shape, k.shape[2]
         k, v = k.repeat_interleave(H // k.shape[1], 1), v.repeat_interleave(H // v.shape[1], 1)
         allow = torch.ones(Q, S, dtype=torch.bool, device=q.device).tril(S - Q)[None, None]
         if attention_mask is not None:
@@ -87,6 +100,7 @@ def _flash_stand_in(seen: list):
         allow = allow | ~allow.any(-1, keepdim=True)  # a pad query with no key: any finite output (unpadded away)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allow, scale=scaling)
         return out.transpose(1, 2).contiguous(), None
+
     return attend
 
 
@@ -161,5 +175,5 @@ def test_the_decode_step_is_chosen_once_per_rollout(sharp_model, path, monkeypat
     assert [p.name for p in chosen] == [path] and eng.last_decode_path == path
     assert len(steps) == 2, "one step per batch"
     assert outside == [], f"decode calls outside the rollout's step: {outside}"
-    longest = [max(len(c.token_ids) for c in comps[i:i + 2]) for i in (0, 2)]
+    longest = [max(len(c.token_ids) for c in comps[i : i + 2]) for i in (0, 2)]
     assert [s.calls for s in steps] == [n - 1 for n in longest], "one step call per token after the first"

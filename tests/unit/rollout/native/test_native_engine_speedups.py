@@ -6,6 +6,7 @@ Legend: N sequences, P prompt tokens (left-padded), T new tokens, S = P + T - 1 
 The CUDA-graph capture itself needs a GPU (tests/gpu); here its fixed-shape step runs
 eagerly (`DecodeGraphs(capture=False)`), which exercises the same cache, masks and graph sizes.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -15,12 +16,13 @@ import pytest
 import torch
 
 from hybrid_rl.models.logprobs import build_sequences, response_logprobs
-from hybrid_rl.rollout.native import decode_loop, engine as native
-from hybrid_rl.types import SamplingParams
+from hybrid_rl.rollout.native import decode_loop
+from hybrid_rl.rollout.native import engine as native
 from hybrid_rl.rollout.native.decode_graph import DecodeGraphs
+from hybrid_rl.rollout.native.engine import NativeEngine
 from hybrid_rl.rollout.native.kv_cache import StaticKVCache, _SlotLayer
 from hybrid_rl.rollout.native.lean_step import LeanStep
-from hybrid_rl.rollout.native.engine import NativeEngine
+from hybrid_rl.types import SamplingParams
 from tests.unit.rollout.native.test_native_engine import ForceTokens as BaseForceTokens
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -78,9 +80,11 @@ class ForceTokens(BaseForceTokens):
 
 def counting(fn, counts: dict, key: str):
     """`fn`, counting its calls in counts[key]."""
+
     def wrapper(*args, **kwargs):
         counts[key] += 1
         return fn(*args, **kwargs)
+
     return wrapper
 
 
@@ -106,7 +110,7 @@ def assert_logprobs_match_trainer(model, prompts, comps, temperature):
         logp_NT, _ = response_logprobs(model, ids, attn, P, temperature)
     for i, c in enumerate(comps):
         got = torch.tensor(c.logprobs, dtype=torch.float32)
-        torch.testing.assert_close(got, logp_NT[i, :len(got)], atol=1e-5, rtol=0, msg=f"row {i}")
+        torch.testing.assert_close(got, logp_NT[i, : len(got)], atol=1e-5, rtol=0, msg=f"row {i}")
 
 
 def fixed_shape_engine(model, **kw):
@@ -174,7 +178,8 @@ def test_finished_rows_are_dropped_from_the_decode_batch(sharp_model, every):
     T = 12
     with Recorder(sharp_model) as rec:
         comps = NativeEngine(sharp_model, PAD, EOS, stop_check_every=every).generate(
-            MANY, SamplingParams(max_new_tokens=T, seed=4))
+            MANY, SamplingParams(max_new_tokens=T, seed=4)
+        )
     assert rec.shapes[0] == (len(PROMPTS), max(map(len, MANY))), "each distinct prompt is prefilled once"
     sizes = expected_batch_sizes(comps, T, every)
     assert [s[0] for s in rec.shapes[1:]] == sizes
@@ -193,8 +198,9 @@ def test_a_shared_prompt_is_prefilled_once_and_its_samples_match_a_separate_pref
     alone = {i: NativeEngine(sharp_model, PAD, EOS).generate([PROMPTS[i]], sp)[0] for i in set(order)}
     for row, i in enumerate(order):
         assert comps[row].token_ids == alone[i].token_ids, f"row {row} (prompt {i})"
-        torch.testing.assert_close(torch.tensor(comps[row].logprobs), torch.tensor(alone[i].logprobs),
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(comps[row].logprobs), torch.tensor(alone[i].logprobs), atol=1e-5, rtol=0
+        )
     assert_logprobs_match_trainer(sharp_model, prompts, comps, 1.0)
 
 
@@ -208,7 +214,9 @@ def test_tokens_after_a_stop_are_fed_as_pad(sharp_model):
     # Row 0 stops at step 1; no check comes before step 7, so it stays in the batch until then.
     wrapped = ForceTokens(sharp_model, {1: [(0, EOS)]}, ban=[EOS])
     with Recorder(sharp_model) as rec:
-        comps = NativeEngine(wrapped, PAD, EOS, stop_check_every=8).generate(PROMPTS, SamplingParams(max_new_tokens=10, seed=1))
+        comps = NativeEngine(wrapped, PAD, EOS, stop_check_every=8).generate(
+            PROMPTS, SamplingParams(max_new_tokens=10, seed=1)
+        )
     fed_row0 = [f[0] for f in rec.fed[1:8]]  # decode call k feeds token k-1
     assert fed_row0[1] == EOS and fed_row0[2:] == [PAD] * 5
     assert comps[0].token_ids[-1] == EOS and len(comps[0].token_ids) == 2
@@ -222,7 +230,8 @@ def test_stop_on_the_last_token_and_on_a_check_boundary(sharp_model, every):
     # row 2 on the token right after it; row 3 runs to the limit.
     sched = {T - 1: [(0, EOS)], 3: [(1, EOS)], 4: [(2, EOS)]}
     comps = NativeEngine(ForceTokens(sharp_model, sched, ban=[EOS]), PAD, EOS, stop_check_every=every).generate(
-        PROMPTS, SamplingParams(max_new_tokens=T, greedy=True))
+        PROMPTS, SamplingParams(max_new_tokens=T, greedy=True)
+    )
     assert [len(c.token_ids) for c in comps] == [T, 4, 5, T]
     assert (comps[0].finish_reason, comps[0].token_ids[-1], len(comps[0].token_ids)) == ("stop", EOS, T)
     assert (comps[1].finish_reason, len(comps[1].token_ids)) == ("stop", 4)
@@ -241,7 +250,9 @@ def test_logprobs_match_trainer_with_rows_dropped(sharp_model, top_k, top_p, tem
     make = fixed_shape_engine if fixed_shape else (lambda m, **kw: NativeEngine(m, PAD, EOS, **kw))
     eng = make(sharp_model, stop_check_every=2, lean_step=fixed_shape != "forward")
     # Three common words as extra stop ids: most rows stop, at many different steps.
-    sp = SamplingParams(max_new_tokens=T, temperature=temperature, top_k=top_k, top_p=top_p, seed=4, stop_token_ids=(4, 7, 9))
+    sp = SamplingParams(
+        max_new_tokens=T, temperature=temperature, top_k=top_k, top_p=top_p, seed=4, stop_token_ids=(4, 7, 9)
+    )
     with Recorder(sharp_model) as rec:
         comps = eng.generate(MANY, sp)
     assert eng.last_decode_path == ("cuda_graph" if fixed_shape else "lean")
@@ -306,8 +317,10 @@ def test_no_python_level_sync_grows_with_length(sharp_model, monkeypatch):
 
 
 # ---------------------------------------------------------------------------- sampling
-@pytest.mark.parametrize("top_k,top_p,sorts,topks", [(-1, 1.0, False, False), (4, 1.0, False, True),
-                                                      (-1, 0.9, True, False), (4, 0.9, True, True)])
+@pytest.mark.parametrize(
+    "top_k,top_p,sorts,topks",
+    [(-1, 1.0, False, False), (4, 1.0, False, True), (-1, 0.9, True, False), (4, 0.9, True, True)],
+)
 def test_vocabulary_sorted_only_for_top_p(sharp_model, monkeypatch, top_k, top_p, sorts, topks):
     calls = {"sort": 0, "topk": 0}
     for name in calls:  # both spellings: torch.sort(x) and x.sort()
@@ -382,8 +395,9 @@ def test_a_failed_graph_step_decodes_its_batch_again_through_the_lean_step(sharp
     sp = SamplingParams(max_new_tokens=7, seed=5)
     ref = NativeEngine(sharp_model, PAD, EOS, max_batch_size=2).generate(PROMPTS, sp)
     eng = fixed_shape_engine(sharp_model, max_batch_size=2)
-    eng._new_graphs = lambda cache, dev, lean: made.append(1) or FailsAtThirdToken(eng.model, cache, dev,
-                                                                                 capture=False, lean=lean)
+    eng._new_graphs = lambda cache, dev, lean: (
+        made.append(1) or FailsAtThirdToken(eng.model, cache, dev, capture=False, lean=lean)
+    )
     with Recorder(sharp_model) as rec, pytest.warns(UserWarning, match="decoding eagerly"):
         got = eng.generate(PROMPTS, sp)
     assert "capture failed" in eng.last_graph_error and FailsAtThirdToken.closed

@@ -4,6 +4,7 @@ The rules come from torch's c10/core/AllocatorConfig.cpp (see the module docstri
 set of PYTORCH_ALLOC_CONF, PYTORCH_CUDA_ALLOC_CONF, PYTORCH_HIP_ALLOC_CONF is parsed, an empty
 value counts as set, whitespace is dropped, a later item overrides an earlier one.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -18,29 +19,35 @@ def _expandable_in_env(env) -> bool:
     return A.expandable_segments(A.effective_conf(env)[1])
 
 
-@pytest.mark.parametrize("env, name, expandable", [
-    ({}, None, False),
-    ({"PYTORCH_CUDA_ALLOC_CONF": ON}, "PYTORCH_CUDA_ALLOC_CONF", True),
-    ({"PYTORCH_ALLOC_CONF": ON}, "PYTORCH_ALLOC_CONF", True),  # the name the old detection missed
-    ({"PYTORCH_ALLOC_CONF": "", "PYTORCH_CUDA_ALLOC_CONF": ON}, "PYTORCH_ALLOC_CONF", False),  # set, empty: wins
-    ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:64", "PYTORCH_CUDA_ALLOC_CONF": ON}, "PYTORCH_ALLOC_CONF", False),
-    ({"PYTORCH_HIP_ALLOC_CONF": ON}, "PYTORCH_HIP_ALLOC_CONF", True),
-    ({"PYTORCH_CUDA_ALLOC_CONF": "", "PYTORCH_HIP_ALLOC_CONF": ON}, "PYTORCH_CUDA_ALLOC_CONF", False),
-])
+@pytest.mark.parametrize(
+    "env, name, expandable",
+    [
+        ({}, None, False),
+        ({"PYTORCH_CUDA_ALLOC_CONF": ON}, "PYTORCH_CUDA_ALLOC_CONF", True),
+        ({"PYTORCH_ALLOC_CONF": ON}, "PYTORCH_ALLOC_CONF", True),  # the name the old detection missed
+        ({"PYTORCH_ALLOC_CONF": "", "PYTORCH_CUDA_ALLOC_CONF": ON}, "PYTORCH_ALLOC_CONF", False),  # set, empty: wins
+        ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:64", "PYTORCH_CUDA_ALLOC_CONF": ON}, "PYTORCH_ALLOC_CONF", False),
+        ({"PYTORCH_HIP_ALLOC_CONF": ON}, "PYTORCH_HIP_ALLOC_CONF", True),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "", "PYTORCH_HIP_ALLOC_CONF": ON}, "PYTORCH_CUDA_ALLOC_CONF", False),
+    ],
+)
 def test_the_first_set_variable_wins(env, name, expandable):
     assert A.effective_conf(env)[0] == name
     assert _expandable_in_env(env) is expandable
 
 
-@pytest.mark.parametrize("conf, expandable", [
-    ("expandable_segments:True", True),
-    (" expandable_segments : True ", True),  # torch drops whitespace
-    ("expandable_segments:True,expandable_segments:False", False),  # the last item wins
-    ("expandable_segments:False,max_split_size_mb:128,expandable_segments:True", True),
-    ("roundup_power2_divisions:[256:1,>:2],expandable_segments:True", True),  # commas inside a list
-    ("max_split_size_mb:128", False),
-    ("", False),
-])
+@pytest.mark.parametrize(
+    "conf, expandable",
+    [
+        ("expandable_segments:True", True),
+        (" expandable_segments : True ", True),  # torch drops whitespace
+        ("expandable_segments:True,expandable_segments:False", False),  # the last item wins
+        ("expandable_segments:False,max_split_size_mb:128,expandable_segments:True", True),
+        ("roundup_power2_divisions:[256:1,>:2],expandable_segments:True", True),  # commas inside a list
+        ("max_split_size_mb:128", False),
+        ("", False),
+    ],
+)
 def test_expandable_segments_are_read_as_torch_parses_them(conf, expandable):
     assert A.expandable_segments(conf) is expandable
 
@@ -56,8 +63,12 @@ def test_switching_keeps_every_other_setting():
 
 
 def test_the_engine_environment_loses_expandable_segments_under_every_name():
-    env = {"PYTORCH_ALLOC_CONF": "garbage_collection_threshold:0.6,expandable_segments:True",
-           "PYTORCH_CUDA_ALLOC_CONF": ON, "PYTORCH_HIP_ALLOC_CONF": "max_split_size_mb:64", "PATH": "/bin"}
+    env = {
+        "PYTORCH_ALLOC_CONF": "garbage_collection_threshold:0.6,expandable_segments:True",
+        "PYTORCH_CUDA_ALLOC_CONF": ON,
+        "PYTORCH_HIP_ALLOC_CONF": "max_split_size_mb:64",
+        "PATH": "/bin",
+    }
     updates = A.engine_env_updates(env)
     # torch_memory_saver checks PYTORCH_CUDA_ALLOC_CONF's text even where PYTORCH_ALLOC_CONF wins.
     assert updates == {"PYTORCH_ALLOC_CONF": "garbage_collection_threshold:0.6", "PYTORCH_CUDA_ALLOC_CONF": ""}

@@ -8,13 +8,13 @@ load_format="dummy", so only a complete sync can make them agree.
 Engines are module-scoped; the test that crashes an engine is the last to use it.
 Legend: P prompt tokens, T response tokens, V vocab.
 """
+
 from __future__ import annotations
 
 import base64
 import multiprocessing as mp
 import os
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,14 +65,18 @@ def engine2(make_engine):
 def check_matches_hf(engine, model) -> None:
     from fake_sglang_helpers import hf_greedy, hf_logprobs
 
-    greedy = engine.generate(input_ids=PROMPTS, sampling_params={"temperature": 0, "max_new_tokens": 8},
-                             return_logprob=True)
+    greedy = engine.generate(
+        input_ids=PROMPTS, sampling_params={"temperature": 0, "max_new_tokens": 8}, return_logprob=True
+    )
     for prompt, res in zip(PROMPTS, greedy):
         assert res["output_ids"] == hf_greedy(model, prompt, 8, EOS)
         lp = torch.tensor([x[0] for x in res["meta_info"]["output_token_logprobs"]])
         torch.testing.assert_close(lp, hf_logprobs(model, prompt, res["output_ids"], 1.0), atol=1e-5, rtol=0)
-    sampled = engine.generate(input_ids=PROMPTS, sampling_params={"temperature": 0.7, "top_k": 5, "top_p": 0.9,
-                                                                  "max_new_tokens": 8}, return_logprob=True)
+    sampled = engine.generate(
+        input_ids=PROMPTS,
+        sampling_params={"temperature": 0.7, "top_k": 5, "top_p": 0.9, "max_new_tokens": 8},
+        return_logprob=True,
+    )
     for prompt, res in zip(PROMPTS, sampled):
         lp = torch.tensor([x[0] for x in res["meta_info"]["output_token_logprobs"]])  # before top-k/top-p
         torch.testing.assert_close(lp, hf_logprobs(model, prompt, res["output_ids"], 0.7), atol=1e-5, rtol=0)
@@ -80,11 +84,10 @@ def check_matches_hf(engine, model) -> None:
 
 def _dtensor_and_patch_probe(port: int, out_q) -> None:
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, distribute_tensor
-
     from sglang.srt.utils.common import MultiprocessingSerializer as S
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -151,16 +154,36 @@ def test_allow_list_is_0_5_21s_exact_list():
 
     from sglang.srt.utils.common import MultiprocessingSerializer as S
 
-    admitted = [("torch", "device"), ("torch", "dtype"), ("functools", "partial"), ("copyreg", "__newobj_ex__"),
-                ("types", "SimpleNamespace"), ("torch._tensor", "_rebuild_from_type_v2"), ("torch", "FloatTensor"),
-                ("torch.cuda", "BoolTensor"), ("torch.sparse", "LongTensor"), ("torch", "QUInt8Storage"),
-                ("torch._utils", "_rebuild_device_tensor_from_numpy"), ("itertools", "repeat"), ("torch", "uint7")]
+    admitted = [
+        ("torch", "device"),
+        ("torch", "dtype"),
+        ("functools", "partial"),
+        ("copyreg", "__newobj_ex__"),
+        ("types", "SimpleNamespace"),
+        ("torch._tensor", "_rebuild_from_type_v2"),
+        ("torch", "FloatTensor"),
+        ("torch.cuda", "BoolTensor"),
+        ("torch.sparse", "LongTensor"),
+        ("torch", "QUInt8Storage"),
+        ("torch._utils", "_rebuild_device_tensor_from_numpy"),
+        ("itertools", "repeat"),
+        ("torch", "uint7"),
+    ]
     for module, name in admitted:
         assert S.deserialize(_global(module, name)) is getattr(__import__(module, fromlist=[name]), name)
-    refused = [("torch.multiprocessing.reductions", "rebuild_event"), ("torch._utils", "_rebuild_xla_tensor"),
-               ("torch._utils", "_rebuild_nested_tensor"), ("torch", "Storage"), ("torch", "TypedStorage"),
-               ("torch._tensor", "Tensor"), ("torch.sparse", "BoolTensor"), ("torch.cuda", "QInt8Storage"),
-               ("torch", "load"), ("builtins", "eval"), ("sglang.srt.utils.common", "MultiprocessingSerializer")]
+    refused = [
+        ("torch.multiprocessing.reductions", "rebuild_event"),
+        ("torch._utils", "_rebuild_xla_tensor"),
+        ("torch._utils", "_rebuild_nested_tensor"),
+        ("torch", "Storage"),
+        ("torch", "TypedStorage"),
+        ("torch._tensor", "Tensor"),
+        ("torch.sparse", "BoolTensor"),
+        ("torch.cuda", "QInt8Storage"),
+        ("torch", "load"),
+        ("builtins", "eval"),
+        ("sglang.srt.utils.common", "MultiprocessingSerializer"),
+    ]
     for module, name in refused:
         with pytest.raises(RuntimeError, match=re.escape(f"Blocked unsafe global ({module}.{name})")):
             S.deserialize(_global(module, name))
@@ -171,7 +194,6 @@ def test_allow_list_is_0_5_21s_exact_list():
 
 def test_allow_list_blocks_numpy_custom_classes_and_the_old_path():
     import numpy as np
-
     from sglang.srt.utils.common import MultiprocessingSerializer as S
 
     for obj in (np.zeros(3), _Custom(1), {"ok": torch.zeros(1), "bad": _Custom(2)}):
@@ -247,28 +269,36 @@ def test_engine_argument_errors(tiny_model_dir):
 # -- tp_size=1 ------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_generate_output_format(engine1):
-    one = engine1.generate(input_ids=PROMPTS[0], sampling_params={"max_new_tokens": 3, "ignore_eos": True},
-                           return_logprob=True)
+    one = engine1.generate(
+        input_ids=PROMPTS[0], sampling_params={"max_new_tokens": 3, "ignore_eos": True}, return_logprob=True
+    )
     assert isinstance(one, dict) and "text" not in one and len(one["output_ids"]) == 3
     meta = one["meta_info"]
     assert meta["finish_reason"] == {"type": "length", "length": 3}
     assert (meta["prompt_tokens"], meta["completion_tokens"], meta["output_token_logprobs_length"]) == (4, 3, 3)
     assert {"id", "cached_tokens", "weight_version", "e2e_latency", "input_token_logprobs"} <= set(meta)
-    assert all(isinstance(lp, float) and tok == t and text is None
-               for (lp, tok, text), t in zip(meta["output_token_logprobs"], one["output_ids"]))
+    assert all(
+        isinstance(lp, float) and tok == t and text is None
+        for (lp, tok, text), t in zip(meta["output_token_logprobs"], one["output_ids"])
+    )
     batch = engine1.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": 2, "n": 3})
     assert isinstance(batch, list) and len(batch) == 9
     assert [r["meta_info"]["prompt_tokens"] for r in batch] == [4, 4, 4, 2, 2, 2, 7, 7, 7]  # prompt-major
     assert [r["meta_info"]["cached_tokens"] for r in batch[:3]] == [3, 3, 3]  # the prompt is prefilled once
     assert "output_token_logprobs" not in batch[0]["meta_info"]
-    per_prompt = engine1.generate(input_ids=PROMPTS[:2], sampling_params=[{"max_new_tokens": 1},
-                                                                          {"max_new_tokens": 2}])
+    per_prompt = engine1.generate(input_ids=PROMPTS[:2], sampling_params=[{"max_new_tokens": 1}, {"max_new_tokens": 2}])
     assert [len(r["output_ids"]) for r in per_prompt] == [1, 2]
     # Default max_new_tokens is 128; without ignore_eos, EOS (from config.json) stops and is kept.
     for res in engine1.generate(input_ids=PROMPTS, sampling_params={}):
         reason, ids = res["meta_info"]["finish_reason"], res["output_ids"]
-        assert reason == {"type": "stop", "matched": EOS} and ids[-1] == EOS and EOS not in ids[:-1] \
-            or reason == {"type": "length", "length": 128} and len(ids) == 128 and EOS not in ids
+        assert (
+            reason == {"type": "stop", "matched": EOS}
+            and ids[-1] == EOS
+            and EOS not in ids[:-1]
+            or reason == {"type": "length", "length": 128}
+            and len(ids) == 128
+            and EOS not in ids
+        )
     assert len(engine1.generate(input_ids=[5], sampling_params={"ignore_eos": True})["output_ids"]) == 128
     with pytest.raises(ValueError, match="top_p"):
         engine1.generate(input_ids=[5], sampling_params={"top_p": 0.0})
@@ -284,11 +314,13 @@ def test_generate_output_format(engine1):
 
 @pytest.mark.slow
 def test_stop_token_is_included(engine1):
-    free = engine1.generate(input_ids=PROMPTS[2], sampling_params={"temperature": 0, "max_new_tokens": 6,
-                                                                    "ignore_eos": True})["output_ids"]
+    free = engine1.generate(
+        input_ids=PROMPTS[2], sampling_params={"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    )["output_ids"]
     stop = free[2]
-    cut = engine1.generate(input_ids=PROMPTS[2], sampling_params={"temperature": 0, "max_new_tokens": 6,
-                                                                   "stop_token_ids": [stop]})
+    cut = engine1.generate(
+        input_ids=PROMPTS[2], sampling_params={"temperature": 0, "max_new_tokens": 6, "stop_token_ids": [stop]}
+    )
     assert cut["output_ids"] == free[: free.index(stop) + 1]
     assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
 
@@ -519,10 +551,13 @@ def test_tp2_same_bytes_for_both_ranks_load_and_too_few_payloads_kill_the_engine
     try:
         # The producer keeps its buffers until the update returns, as the adapter does: each open
         # drops one reference the serialization added, so a second open needs the producer's.
-        buckets = [FlattenedTensorBucket(named_tensors=[(n, weights[n].clone()) for n in names])
-                   for names in h.chunks(sorted(weights))]
-        payloads = [S.serialize({"flattened_tensor": b.get_flattened_tensor(), "metadata": b.get_metadata()})
-                    for b in buckets]
+        buckets = [
+            FlattenedTensorBucket(named_tensors=[(n, weights[n].clone()) for n in names])
+            for names in h.chunks(sorted(weights))
+        ]
+        payloads = [
+            S.serialize({"flattened_tensor": b.get_flattened_tensor(), "metadata": b.get_metadata()}) for b in buckets
+        ]
         h.sync(engine, [[p, p] for p in payloads])  # the same bytes for both ranks
         ranks = engine._debug_state()["ranks"]
         assert [r["payloads_opened"] for r in ranks] == [2, 2]
@@ -531,8 +566,9 @@ def test_tp2_same_bytes_for_both_ranks_load_and_too_few_payloads_kill_the_engine
         check_matches_hf(engine, h.hf_model(tiny_model_dir, weights))
         assert engine.begin_weight_update()[0]
         with pytest.raises(EngineCrashed, match="IndexError"):
-            engine.update_weights_from_tensor([h.bucket_payload(weights, ["model.norm.weight"])],
-                                              load_format="flattened_bucket")
+            engine.update_weights_from_tensor(
+                [h.bucket_payload(weights, ["model.norm.weight"])], load_format="flattened_bucket"
+            )
     finally:
         torch.multiprocessing.set_sharing_strategy(strategy)
 
@@ -541,7 +577,6 @@ def test_tp2_same_bytes_for_both_ranks_load_and_too_few_payloads_kill_the_engine
 @pytest.mark.slow
 def test_checkpoint_weights_then_generate_after_release_crashes(make_engine, tiny_model_dir, h):
     from safetensors.torch import load_file
-
     from sglang.fake_errors import EngineCrashed
 
     engine = make_engine(tp_size=1, load_format="auto")
@@ -566,8 +601,9 @@ def test_wrong_shape_kills_the_engine(make_engine, h):
 
 
 # -- LoRA (note section 9) --------------------------------------------------------------------
-LORA_ARGS = dict(enable_lora=True, max_lora_rank=8, lora_target_modules=["q_proj", "v_proj"],
-                 enable_weights_cpu_backup=True)
+LORA_ARGS = dict(
+    enable_lora=True, max_lora_rank=8, lora_target_modules=["q_proj", "v_proj"], enable_weights_cpu_backup=True
+)
 LORA_CFG = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}  # scaling 2
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
 
@@ -591,7 +627,9 @@ def test_lora_server_argument_errors(tiny_model_dir):
     with pytest.raises(AssertionError, match="both --max-lora-rank and --lora-target-modules"):
         sglang.Engine(model_path=tiny_model_dir, enable_lora=True, max_lora_rank=8)
     with pytest.raises(AssertionError, match="only module"):
-        sglang.Engine(model_path=tiny_model_dir, enable_lora=True, max_lora_rank=8, lora_target_modules=["all", "q_proj"])
+        sglang.Engine(
+            model_path=tiny_model_dir, enable_lora=True, max_lora_rank=8, lora_target_modules=["all", "q_proj"]
+        )
     with pytest.raises(AssertionError, match="max_loras_per_batch"):
         sglang.Engine(model_path=tiny_model_dir, max_loras_per_batch=0)
 
@@ -610,13 +648,17 @@ def test_lora_adapter_applies_to_its_requests_only(lora_engine, tiny_model_dir, 
     lora = h.lora_tensors(weights, rank=4, targets=("q_proj", "v_proj"))
     res = engine.load_lora_adapter_from_tensors("a1", {n: t.clone() for n, t in lora.items()}, LORA_CFG)
     assert res.success and res.loaded_adapters == {"a1": "__tensor__"}, res
-    base, adapted = h.hf_model(tiny_model_dir, weights), h.hf_model(tiny_model_dir, h.merged_weights(weights, lora, 2.0))
+    base, adapted = (
+        h.hf_model(tiny_model_dir, weights),
+        h.hf_model(tiny_model_dir, h.merged_weights(weights, lora, 2.0)),
+    )
     mixed = check_adapted(engine, [adapted, base, adapted], ["a1", None, "a1"])
     plain = check_adapted(engine, base, None)
     assert mixed[0] != plain[0] and mixed[2] != plain[2], "the adapter must change the greedy tokens"
     # The trainer's route: one flattened payload per TP rank, a new name each time, then the old one unloaded.
-    assert engine.load_lora_adapter_from_tensors("a2", [h.bucket_payload(lora, sorted(lora))], LORA_CFG,
-                                                 load_format="flattened_bucket").success
+    assert engine.load_lora_adapter_from_tensors(
+        "a2", [h.bucket_payload(lora, sorted(lora))], LORA_CFG, load_format="flattened_bucket"
+    ).success
     assert engine.unload_lora_adapter("a1").success
     check_adapted(engine, adapted, "a2")
     with pytest.raises(ValueError, match="__tensor__"):  # its implicit reload reads the placeholder path
@@ -632,10 +674,13 @@ def test_lora_loads_refused_as_0_5_21_refuses_them(lora_engine, make_engine, h):
     lora = h.lora_tensors(weights, rank=4, targets=("q_proj", "v_proj"))
     fresh = lambda: {n: t.clone() for n, t in lora.items()}  # noqa: E731 - serializing moves a tensor into shm
     assert engine.load_lora_adapter_from_tensors("r1", fresh(), LORA_CFG).success
-    cases = [("r1", LORA_CFG, "already loaded"), ("r2", {**LORA_CFG, "r": 16}, "incompatible"),
-             ("r3", {**LORA_CFG, "target_modules": ["q_proj", "o_proj"]}, "incompatible"),
-             ("r4", {"r": 4, "target_modules": ["q_proj"]}, "lora_alpha"),
-             ("r5", {**LORA_CFG, "use_dora": True}, "DoRA")]
+    cases = [
+        ("r1", LORA_CFG, "already loaded"),
+        ("r2", {**LORA_CFG, "r": 16}, "incompatible"),
+        ("r3", {**LORA_CFG, "target_modules": ["q_proj", "o_proj"]}, "incompatible"),
+        ("r4", {"r": 4, "target_modules": ["q_proj"]}, "lora_alpha"),
+        ("r5", {**LORA_CFG, "use_dora": True}, "DoRA"),
+    ]
     for name, cfg, msg in cases:
         res = engine.load_lora_adapter_from_tensors(name, fresh(), cfg)
         assert not res.success and msg in res.error_message, (name, res)

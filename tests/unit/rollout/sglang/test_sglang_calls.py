@@ -2,6 +2,7 @@
 loop they go to one dedicated thread, and a new thread's current CUDA device is cuda:0 whatever the
 caller's is, so that thread must start on the engine's device. CPU only: torch.cuda.set_device is
 spied on (a torch.device("cuda", 1) is only a name here)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,6 +16,7 @@ from hybrid_rl.rollout.sglang.calls import EngineThread
 
 def _calls_in_a_cell(calls: EngineThread) -> list[str]:
     """Two calls made from inside a running loop (a notebook cell): the thread each ran on."""
+
     async def cell():
         return [calls.run(lambda: threading.current_thread().name) for _ in range(2)]
 
@@ -24,8 +26,9 @@ def _calls_in_a_cell(calls: EngineThread) -> list[str]:
         calls.close()
 
 
-@pytest.mark.parametrize("device,want", [(torch.device("cuda", 1), [torch.device("cuda", 1)]),
-                                         (torch.device("cpu"), []), (None, [])])
+@pytest.mark.parametrize(
+    "device,want", [(torch.device("cuda", 1), [torch.device("cuda", 1)]), (torch.device("cpu"), []), (None, [])]
+)
 def test_the_engine_thread_starts_on_the_engines_cuda_device(monkeypatch, device, want):
     set_on: list[tuple[str, object]] = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: set_on.append((threading.current_thread().name, d)))

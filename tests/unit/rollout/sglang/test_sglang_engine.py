@@ -6,6 +6,7 @@ stand-in's schedulers are real spawned processes that open the payloads through
 shared memory. The checklist of sglang-api.md section 6, rule by rule, where it
 concerns what the adapter sends.
 """
+
 from __future__ import annotations
 
 import copy
@@ -13,7 +14,9 @@ import copy
 import pytest
 import torch
 
-from tests.engine_helpers import PROMPTS, perturbed as _perturbed, rollout as _rollout
+from tests.engine_helpers import PROMPTS
+from tests.engine_helpers import perturbed as _perturbed
+from tests.engine_helpers import rollout as _rollout
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread", "fake_sglang")
 
@@ -61,7 +64,9 @@ def test_greedy_output_equals_the_native_engine_on_the_same_weights(setup):
 
     policy, engine, pm, tok = setup
     got = _rollout(pm, PROMPTS, _greedy())
-    want = NativeEngine(copy.deepcopy(policy), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id).generate(PROMPTS, _greedy())
+    want = NativeEngine(copy.deepcopy(policy), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id).generate(
+        PROMPTS, _greedy()
+    )
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
     for a, b in zip(got, want):
@@ -73,13 +78,17 @@ def test_a_stop_token_at_the_length_limit_finishes_as_stop(setup):
     token is a stop token; the engine maps it to 'stop', as the native engine decodes it, so rewards and the
     overlong filter see a finished answer. The stop token is a token of the greedy answer that did not occur
     before it (position k), and the limit k + 1."""
-    from hybrid_rl.types import SamplingParams
     from hybrid_rl.rollout.native.engine import NativeEngine
+    from hybrid_rl.types import SamplingParams
 
     policy, engine, pm, tok = setup
     free_all = _rollout(pm, PROMPTS, _greedy(8))
-    found = [(p, c.token_ids, k) for p, c in zip(PROMPTS, free_all) for k in range(1, len(c.token_ids))
-             if c.token_ids[k] not in c.token_ids[:k]]
+    found = [
+        (p, c.token_ids, k)
+        for p, c in zip(PROMPTS, free_all)
+        for k in range(1, len(c.token_ids))
+        if c.token_ids[k] not in c.token_ids[:k]
+    ]
     assert found, "the check needs a greedy answer with a token new at position k >= 1"
     prompt, free_ids, k = found[0]
     at_limit = SamplingParams(max_new_tokens=k + 1, greedy=True, stop_token_ids=(free_ids[k],))
@@ -90,8 +99,10 @@ def test_a_stop_token_at_the_length_limit_finishes_as_stop(setup):
     finally:
         engine.engine.generate = real_generate
     assert raw[0]["meta_info"]["finish_reason"]["type"] == "length", "the stand-in checks the length first, as SGLang"
-    want = NativeEngine(copy.deepcopy(policy), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id).generate([prompt], at_limit)[0]
-    assert got.token_ids == want.token_ids == free_ids[:k + 1]
+    want = NativeEngine(copy.deepcopy(policy), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id).generate(
+        [prompt], at_limit
+    )[0]
+    assert got.token_ids == want.token_ids == free_ids[: k + 1]
     assert got.finish_reason == want.finish_reason == "stop"
 
 
@@ -100,10 +111,10 @@ def test_min_new_tokens_bans_eos_and_the_extra_stops_like_the_native_engine(setu
     (skip_tokenizer_init=True refuses it): the first greedy token of a prompt, made a stop id, ends that row at
     once without it and is skipped for the first 3 tokens with it, as the native engine's loop does. SGLang's
     penalizer adds -inf to the logits before its sampler, so logprobs are the masked distribution's, as native."""
-    from hybrid_rl.types import SamplingParams
     from hybrid_rl.rollout.native.engine import NativeEngine
     from hybrid_rl.rollout.sglang.engine import SGLangEngine
     from hybrid_rl.switch.phases import PhaseManager
+    from hybrid_rl.types import SamplingParams
 
     policy, plain_engine, _, tok = setup
     with pytest.raises(ValueError, match="with_tokenizer=True"):
@@ -111,14 +122,17 @@ def test_min_new_tokens_bans_eos_and_the_extra_stops_like_the_native_engine(setu
     policy = copy.deepcopy(policy)
     engine = SGLangEngine(policy, tiny_model_dir, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, with_tokenizer=True)
     try:
-        pm = PhaseManager(policy, torch.optim.AdamW(policy.parameters(), lr=1e-3), engine, torch.device("cpu"),
-                          bucket_bytes=64 << 10)
+        pm = PhaseManager(
+            policy, torch.optim.AdamW(policy.parameters(), lr=1e-3), engine, torch.device("cpu"), bucket_bytes=64 << 10
+        )
         stop = _rollout(pm, PROMPTS, _greedy())[0].token_ids[0]
         plain = SamplingParams(max_new_tokens=8, greedy=True, stop_token_ids=(stop,))
         assert len(_rollout(pm, PROMPTS, plain)[0].token_ids) == 1
         sp = SamplingParams(max_new_tokens=8, greedy=True, stop_token_ids=(stop,), min_new_tokens=3)
         got = _rollout(pm, PROMPTS, sp)
-        want = NativeEngine(copy.deepcopy(policy), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id).generate(PROMPTS, sp)
+        want = NativeEngine(copy.deepcopy(policy), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id).generate(
+            PROMPTS, sp
+        )
     finally:
         engine.shutdown()
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
@@ -155,7 +169,7 @@ def test_sampled_logprobs_equal_the_trainers_at_the_sampling_temperature(setup):
         assert c.finish_reason in ("stop", "length") and len(c.logprobs) == len(c.token_ids) >= 1
         if c.finish_reason == "stop":
             assert c.token_ids[-1] == tok.eos_token_id, "the stop token is part of the completion"
-        torch.testing.assert_close(torch.tensor(c.logprobs), logp[i, :len(c.logprobs)], atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.tensor(c.logprobs), logp[i, : len(c.logprobs)], atol=1e-5, rtol=0)
 
 
 def test_weights_follow_the_policy_after_a_training_step(setup):
@@ -216,8 +230,13 @@ def test_a_dtensor_or_an_empty_bucket_never_reaches_the_engine():
 def test_sglang_output_maps_to_completions_like_the_native_engine():
     from hybrid_rl.rollout.sglang.engine import to_completion
 
-    out = {"output_ids": [5, 6, 1], "meta_info": {"finish_reason": {"type": "stop", "matched": 1},
-                                                   "output_token_logprobs": [(-0.5, 5, None), (-1.0, 6, None), (-2.0, 1, None)]}}
+    out = {
+        "output_ids": [5, 6, 1],
+        "meta_info": {
+            "finish_reason": {"type": "stop", "matched": 1},
+            "output_token_logprobs": [(-0.5, 5, None), (-1.0, 6, None), (-2.0, 1, None)],
+        },
+    }
     c = to_completion(out, 0)
     assert c.token_ids == [5, 6, 1] and c.logprobs == [-0.5, -1.0, -2.0] and c.finish_reason == "stop"
     out["meta_info"]["finish_reason"] = {"type": "length", "length": 3}
@@ -300,8 +319,8 @@ def test_a_cuda_export_runs_without_expandable_segments_and_restores_the_setting
     """CUDA IPC cannot export expandable segments: a session switches them off in the trainer's
     allocator and gives it its whole settings string back at the end, or at an abort. The device
     is played (only a CUDA engine switches); tests/gpu/test_sglang_cuda.py checks torch's side."""
-    from hybrid_rl.rollout.sglang import alloc_conf
     from hybrid_rl.models.weights import iter_weight_buckets
+    from hybrid_rl.rollout.sglang import alloc_conf
 
     policy, engine, pm, _ = setup
     settings, applied = ["max_split_size_mb:64,expandable_segments:True"], []
@@ -344,21 +363,27 @@ def test_schedulers_inherit_no_agent_store_and_no_expandable_segments(tiny_model
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     monkeypatch.setenv("FAKE_SGLANG_RENDEZVOUS_TIMEOUT_S", "15")
-    trainer_conf = {"PYTORCH_ALLOC_CONF": "max_split_size_mb:64, expandable_segments:True",
-                    "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    trainer_conf = {
+        "PYTORCH_ALLOC_CONF": "max_split_size_mb:64, expandable_segments:True",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    }
     for name, value in trainer_conf.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("PYTORCH_HIP_ALLOC_CONF", raising=False)
     tok = load_tokenizer(tiny_model_dir)
-    engine = SGLangEngine(load_causal_lm(tiny_model_dir), tiny_model_dir, pad_id=tok.pad_token_id,
-                          eos_id=tok.eos_token_id, tp_size=1)
+    engine = SGLangEngine(
+        load_causal_lm(tiny_model_dir), tiny_model_dir, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, tp_size=1
+    )
     try:
         assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True", "the trainer's own environment is restored"
         assert {n: os.environ[n] for n in trainer_conf} == trainer_conf
         ranks = engine.engine._debug_state()["ranks"]
         assert engine.released == {"weights", "kv_cache"} and len(ranks) == 1
-        assert ranks[0]["alloc_conf_env"] == {"PYTORCH_ALLOC_CONF": "max_split_size_mb:64",
-                                              "PYTORCH_CUDA_ALLOC_CONF": "", "PYTORCH_HIP_ALLOC_CONF": None}
+        assert ranks[0]["alloc_conf_env"] == {
+            "PYTORCH_ALLOC_CONF": "max_split_size_mb:64",
+            "PYTORCH_CUDA_ALLOC_CONF": "",
+            "PYTORCH_HIP_ALLOC_CONF": None,
+        }
     finally:
         engine.shutdown()
 
@@ -366,13 +391,16 @@ def test_schedulers_inherit_no_agent_store_and_no_expandable_segments(tiny_model
 def test_the_payload_list_is_checked_against_tp_size_before_sglang_sees_it(setup, monkeypatch):
     """SGLang 0.5.21 checks nothing: TP rank i opens payloads[i], so too few kills its scheduler (and
     this process), extras are dropped, and one payload for two ranks opens one handle twice."""
-    from hybrid_rl.runtime import distributed as D
-    from hybrid_rl.rollout.sglang.engine import check_payloads
     from hybrid_rl.models.weights import iter_weight_buckets
+    from hybrid_rl.rollout.sglang.engine import check_payloads
+    from hybrid_rl.runtime import distributed as D
 
     check_payloads([b"a", "b"], 2)
-    for bad, why in (([b"a"], "1 weight payloads for tp_size=2"), ([b"a", b"b", b"c"], "3 weight payloads"),
-                     ([b"a", b"a"], "same bytes")):
+    for bad, why in (
+        ([b"a"], "1 weight payloads for tp_size=2"),
+        ([b"a", b"b", b"c"], "3 weight payloads"),
+        ([b"a", b"a"], "same bytes"),
+    ):
         with pytest.raises(ValueError, match=why):
             check_payloads(bad, 2)
     policy, engine, pm, _ = setup
@@ -406,11 +434,13 @@ def test_sglang_0_5_17_without_a_weight_update_session(tiny_model_dir, monkeypat
     engine = SGLangEngine(policy, tiny_model_dir, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, tp_size=1)
     try:
         assert sglang.__version__ == "0.5.17" and not hasattr(engine.engine, "begin_weight_update")
-        pm = PhaseManager(policy, torch.optim.AdamW(policy.parameters(), lr=1e-3), engine, torch.device("cpu"),
-                          bucket_bytes=64 << 10)
+        pm = PhaseManager(
+            policy, torch.optim.AdamW(policy.parameters(), lr=1e-3), engine, torch.device("cpu"), bucket_bytes=64 << 10
+        )
         got = _rollout(pm, PROMPTS, _greedy())
         want = NativeEngine(copy.deepcopy(policy), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id).generate(
-            PROMPTS, _greedy())
+            PROMPTS, _greedy()
+        )
         # The engine starts on dummy weights: equal output means the session-less sync loaded them.
         assert [c.token_ids for c in got] == [c.token_ids for c in want]
     finally:

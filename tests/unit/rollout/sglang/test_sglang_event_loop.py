@@ -7,6 +7,7 @@ the first call fails: "This event loop is already running" for an Engine built i
 "Cannot run the event loop while another loop is running" for one built before. A cell is
 played by `asyncio.run` of a coroutine that calls the adapter synchronously, as cell code does.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -39,8 +40,9 @@ def _engine_and_phases(tiny_model_dir: str, policy: torch.nn.Module):
 
     tok = load_tokenizer(tiny_model_dir)
     engine = SGLangEngine(policy, tiny_model_dir, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, tp_size=1)
-    pm = PhaseManager(policy, torch.optim.AdamW(policy.parameters(), lr=1e-3), engine, torch.device("cpu"),
-                      bucket_bytes=64 << 10)
+    pm = PhaseManager(
+        policy, torch.optim.AdamW(policy.parameters(), lr=1e-3), engine, torch.device("cpu"), bucket_bytes=64 << 10
+    )
     return engine, pm
 
 
@@ -57,8 +59,8 @@ def _greedy_rollout(pm) -> list[list[int]]:
 
 def _native_greedy(tiny_model_dir: str, policy: torch.nn.Module) -> list[list[int]]:
     from hybrid_rl.models.loading import load_tokenizer
-    from hybrid_rl.types import SamplingParams
     from hybrid_rl.rollout.native.engine import NativeEngine
+    from hybrid_rl.types import SamplingParams
 
     tok = load_tokenizer(tiny_model_dir)
     native = NativeEngine(copy.deepcopy(policy), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id)
@@ -84,6 +86,7 @@ def test_an_engine_built_before_the_cell_works_inside_it_and_after(tiny_model_di
     policy = _policy(tiny_model_dir)
     engine, pm = _engine_and_phases(tiny_model_dir, policy)
     try:
+
         async def cell():
             return _greedy_rollout(pm)
 

@@ -6,6 +6,7 @@ engine's on the same adapted module, step after step, and the bytes of each sync
 Catches: the adapter not sent (a sync skipped), the base sent every step, generate without the adapter's
 lora_path or with a stale one, a partial adapter, an engine started without LoRA.
 """
+
 from __future__ import annotations
 
 import copy
@@ -48,7 +49,9 @@ def _greedy():
 def _native(policy, tok):
     from hybrid_rl.rollout.native.engine import NativeEngine
 
-    return NativeEngine(copy.deepcopy(policy), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id).generate(PROMPTS, _greedy())
+    return NativeEngine(copy.deepcopy(policy), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id).generate(
+        PROMPTS, _greedy()
+    )
 
 
 def _same(got, want):
@@ -66,8 +69,15 @@ def test_engine_starts_with_lora_from_the_policy(setup, tiny_model_dir):
     _, engine, _, _ = setup
     args = engine.engine.server_args
     assert (args.enable_lora, args.max_lora_rank, args.enable_weights_cpu_backup) == (True, RANK, True)
-    assert sorted(args.lora_target_modules) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
-                                                "v_proj"]
+    assert sorted(args.lora_target_modules) == [
+        "down_proj",
+        "gate_proj",
+        "k_proj",
+        "o_proj",
+        "q_proj",
+        "up_proj",
+        "v_proj",
+    ]
 
 
 def test_sglang_follows_the_adapters_step_by_step_adapter_bytes_only(setup):
@@ -90,8 +100,9 @@ def test_sglang_follows_the_adapters_step_by_step_adapter_bytes_only(setup):
     assert engine.adapter_name == "policy-v3"
     loaded = engine.engine._debug_state()["ranks"][0]["lora"]["loaded"]
     assert loaded == {"policy-v3": "__tensor__"}, "each push replaces the previous adapter"
-    assert len({tuple(map(tuple, o)) for o in outputs}) == 3 and base_tokens not in outputs, \
+    assert len({tuple(map(tuple, o)) for o in outputs}) == 3 and base_tokens not in outputs, (
         "the adapters must change the greedy tokens"
+    )
 
 
 def test_partial_or_misnamed_adapter_is_refused_before_sglang(setup):
@@ -103,15 +114,16 @@ def test_partial_or_misnamed_adapter_is_refused_before_sglang(setup):
         with pytest.raises(ValueError, match="missing"):
             engine.update_adapter(named[1:], adapter_config(policy))
         with pytest.raises(ValueError, match="unknown"):
-            engine.update_adapter(named + [("base_model.model.lm_head.lora_A.weight", named[0][1])],
-                                  adapter_config(policy))
+            engine.update_adapter(
+                named + [("base_model.model.lm_head.lora_A.weight", named[0][1])], adapter_config(policy)
+            )
     with pm.train():
         pass
 
 
 def test_sglang_lora_config_checks():
-    from hybrid_rl.models.lora import LoraSettings
     from hybrid_rl.loop.preflight import check_engine
+    from hybrid_rl.models.lora import LoraSettings
 
     check_engine(LoraSettings(rank=8, alpha=16.0), "sglang")
     check_engine(LoraSettings(rank=8, alpha=16.0, target_modules=["q_proj", "v_proj"]), "sglang")
@@ -129,9 +141,17 @@ def test_trainer_steps_with_lora_on_sglang_sync_the_adapter_only(tiny_model_dir,
     from hybrid_rl.models.lora import base_named_parameters
     from tests.checkpoint_helpers import ROOT, overrides
 
-    cfg = load_config(os.path.join(ROOT, "recipes", "grpo_tiny.yaml"),
-                      overrides(tiny_model_dir, str(tmp_path), f"model.lora.rank={RANK}", "rollout.engine=sglang",
-                                "trainer.total_steps=2", "optim.lr=2e-2"))
+    cfg = load_config(
+        os.path.join(ROOT, "recipes", "grpo_tiny.yaml"),
+        overrides(
+            tiny_model_dir,
+            str(tmp_path),
+            f"model.lora.rank={RANK}",
+            "rollout.engine=sglang",
+            "trainer.total_steps=2",
+            "optim.lr=2e-2",
+        ),
+    )
     trainer = Trainer(cfg)
     try:
         history = trainer.fit()

@@ -6,16 +6,18 @@ from its text, a mask shifted by one), an engine sized for single turns (max_mod
 max_new_tokens refuses the later turns' longer prompts), and engine log-probs that are not the trainer's
 recomputation of the tokens they belong to (logprobs misaligned with the mask's holes).
 """
+
 from __future__ import annotations
 
 import importlib.util
 import json
 
 import pytest
-import torch
 
-pytestmark = [pytest.mark.usefixtures("torch_one_thread"),
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not importable")]
+pytestmark = [
+    pytest.mark.usefixtures("torch_one_thread"),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not importable"),
+]
 MAX_EPISODE_TOKENS = 24
 
 
@@ -23,21 +25,36 @@ MAX_EPISODE_TOKENS = 24
 def run(tmp_path_factory):
     """Two steps of tiny_ask on vLLM; what vLLM returned per call, and each step's batch with the trainer's
     own log-probs of it (the policy that generated it, before the update)."""
-    from hybrid_rl import Trainer, load_config
     import hybrid_rl.trainer as trainer_mod
+    from hybrid_rl import Trainer, load_config
     from hybrid_rl.envs.tiny_ask import ask_rows, build_ask_model_dir
-    from hybrid_rl.rollout.vllm.engine import VLLMEngine
     from hybrid_rl.loop.update import score_logprobs
+    from hybrid_rl.rollout.vllm.engine import VLLMEngine
 
     root = tmp_path_factory.mktemp("ask_vllm")
     build_ask_model_dir(str(root / "model"), hidden_size=128)  # vLLM's CPU attention needs head_dim 32
     (root / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ask_rows(32, seed=0)))
-    cfg = load_config(None, [
-        f"model.path={root / 'model'}", "data.task=jsonl", f"data.path={root / 'rows.jsonl'}", "env.name=tiny_ask",
-        "rollout.engine=vllm", "rollout.max_turns=3", "rollout.max_new_tokens=3",
-        f"rollout.max_episode_tokens={MAX_EPISODE_TOKENS}", "rollout.n=4", "data.batch_size=4",
-        "trainer.total_steps=2", "optim.lr=3e-3", f"trainer.out_dir={root / 'out'}", "trainer.progress_bar=false",
-        "trainer.log_every=0", "trainer.device=cpu"])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={root / 'model'}",
+            "data.task=jsonl",
+            f"data.path={root / 'rows.jsonl'}",
+            "env.name=tiny_ask",
+            "rollout.engine=vllm",
+            "rollout.max_turns=3",
+            "rollout.max_new_tokens=3",
+            f"rollout.max_episode_tokens={MAX_EPISODE_TOKENS}",
+            "rollout.n=4",
+            "data.batch_size=4",
+            "trainer.total_steps=2",
+            "optim.lr=3e-3",
+            f"trainer.out_dir={root / 'out'}",
+            "trainer.progress_bar=false",
+            "trainer.log_every=0",
+            "trainer.device=cpu",
+        ],
+    )
     calls, steps = [], []
     generate, update = VLLMEngine.generate, trainer_mod.policy_update
 
@@ -94,12 +111,12 @@ def test_every_trained_token_is_one_vllm_generated_with_the_mask_exact(run):
         for i in range(len(batch)):
             row = batch.ids_NL[i].tolist()
             mask = batch.mask_NT[i].long().tolist()
-            assert all(m == 0 for m, a in zip(mask, batch.attn_NL[i, batch.P:].tolist()) if a == 0)
-            n = int(batch.attn_NL[i, batch.P:].sum())  # [pad prompt | response pad]: the episode's response
+            assert all(m == 0 for m, a in zip(mask, batch.attn_NL[i, batch.P :].tolist()) if a == 0)
+            n = int(batch.attn_NL[i, batch.P :].sum())  # [pad prompt | response pad]: the episode's response
             for s, e in _runs(mask):
-                prompt = tuple(t for t, a in zip(row[:batch.P + s], batch.attn_NL[i].tolist()) if a)
-                got = row[batch.P + s:batch.P + e]
-                match = [o for o in outputs.get(prompt, []) if o[:len(got)] == got]
+                prompt = tuple(t for t, a in zip(row[: batch.P + s], batch.attn_NL[i].tolist()) if a)
+                got = row[batch.P + s : batch.P + e]
+                match = [o for o in outputs.get(prompt, []) if o[: len(got)] == got]
                 assert match, f"row {i}: tokens {got} at {s} are not what vLLM sampled after that prefix"
                 cut = e == n and len(prompt) + len(got) == MAX_EPISODE_TOKENS
                 assert any(len(o) == len(got) for o in match) or cut, f"row {i}: a turn split by the mask at {e}"
@@ -117,5 +134,7 @@ def test_vllm_logprobs_are_the_trainers_on_generated_tokens(run):
         worst = max(worst, (mine[m] - batch.engine_logp_NT[m]).abs().max().item())
     assert worst < 1e-4, f"largest |vLLM - trainer| log-prob on a generated token: {worst:.2e}"
     assert all(h["rollout/logp_mismatch"] < 1e-4 for h in history)
-    print(f"\nvLLM episodes: 2 steps, reward {[round(h.get('reward/mean', float('nan')), 3) for h in history]}, "
-          f"max logprob mismatch {worst:.2e}, turns {history[-1]['episode/turns']:.2f}")
+    print(
+        f"\nvLLM episodes: 2 steps, reward {[round(h.get('reward/mean', float('nan')), 3) for h in history]}, "
+        f"max logprob mismatch {worst:.2e}, turns {history[-1]['episode/turns']:.2f}"
+    )

@@ -6,6 +6,7 @@ is the demo's width (hidden 128, head_dim 32): vLLM's CPU attention has no kerne
 heads of the conftest's tiny model (a config error, tested below). Skipped only where vllm cannot
 be imported.
 """
+
 from __future__ import annotations
 
 import copy
@@ -15,10 +16,14 @@ import os
 import pytest
 import torch
 
-from tests.engine_helpers import PROMPTS, perturbed as _perturbed, rollout as _rollout, vllm_model_dir
+from tests.engine_helpers import PROMPTS, vllm_model_dir
+from tests.engine_helpers import perturbed as _perturbed
+from tests.engine_helpers import rollout as _rollout
 
-pytestmark = [pytest.mark.usefixtures("torch_one_thread"),
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not importable")]
+pytestmark = [
+    pytest.mark.usefixtures("torch_one_thread"),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not importable"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +42,9 @@ def setup(wide_model_dir):
     policy = _perturbed(load_causal_lm(wide_model_dir), seed=1)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
     threads = torch.get_num_threads()
-    engine = VLLMEngine(policy, wide_model_dir, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, max_model_len=64,
-                        sequences=32)
+    engine = VLLMEngine(
+        policy, wide_model_dir, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, max_model_len=64, sequences=32
+    )
     pm = PhaseManager(policy, opt, engine, torch.device("cpu"), bucket_bytes=64 << 10)
     yield policy, engine, pm, tok, threads
     engine.shutdown()
@@ -53,7 +59,9 @@ def _greedy(max_new_tokens: int = 8):
 def _native(policy, tok, prompts, params):
     from hybrid_rl.rollout.native.engine import NativeEngine
 
-    return NativeEngine(copy.deepcopy(policy), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id).generate(prompts, params)
+    return NativeEngine(copy.deepcopy(policy), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id).generate(
+        prompts, params
+    )
 
 
 def _trainer_logprobs(policy, tok, prompts, completions, temperature):
@@ -89,7 +97,10 @@ def test_greedy_output_equals_the_native_engine_on_the_same_weights(setup):
     assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
     for a, b in zip(got, want):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
-    assert engine.sync_stats["bytes"] == sum(p.numel() * 4 for p in policy.parameters()) and engine.sync_stats["buckets"] > 1
+    assert (
+        engine.sync_stats["bytes"] == sum(p.numel() * 4 for p in policy.parameters())
+        and engine.sync_stats["buckets"] > 1
+    )
 
 
 def test_min_new_tokens_bans_eos_and_the_extra_stops_like_the_native_engine(setup):
@@ -123,7 +134,7 @@ def test_sampled_logprobs_equal_the_trainers_at_the_sampling_temperature(setup):
         assert c.finish_reason in ("stop", "length") and len(c.logprobs) == len(c.token_ids) >= 1
         if c.finish_reason == "stop":
             assert c.token_ids[-1] == tok.eos_token_id, "the stop token is part of the completion"
-        torch.testing.assert_close(torch.tensor(c.logprobs), logp[i, :len(c.logprobs)], atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(c.logprobs), logp[i, : len(c.logprobs)], atol=1e-4, rtol=0)
     assert len({tuple(c.token_ids) for c in got[0::3]}) > 1, "the samples of one prompt must not share a seed"
     again = _rollout(pm, prompts, SamplingParams(max_new_tokens=6, temperature=0.7, seed=3))
     assert [c.token_ids for c in again] == [c.token_ids for c in got], "a seed reproduces its samples"
@@ -143,7 +154,9 @@ def test_a_seed_fixes_the_samples_and_the_trainers_random_stream_is_untouched(se
     def sample(seed, trainer_seed):
         with pm.rollout() as e:
             torch.manual_seed(trainer_seed)
-            out = [c.token_ids for c in e.generate(prompts, SamplingParams(max_new_tokens=6, temperature=1.0, seed=seed))]
+            out = [
+                c.token_ids for c in e.generate(prompts, SamplingParams(max_new_tokens=6, temperature=1.0, seed=seed))
+            ]
             after = torch.rand(4)
         with pm.train():
             pass
@@ -186,12 +199,16 @@ def test_stop_token_ids_stop_generation_included(setup):
 
     policy, engine, pm, tok, _ = setup
     free = _rollout(pm, PROMPTS, _greedy(8))
-    found = [(p, c.token_ids, k) for p, c in zip(PROMPTS, free) for k in range(1, len(c.token_ids))
-             if c.token_ids[k] not in c.token_ids[:k] and c.token_ids[k] != tok.eos_token_id]
+    found = [
+        (p, c.token_ids, k)
+        for p, c in zip(PROMPTS, free)
+        for k in range(1, len(c.token_ids))
+        if c.token_ids[k] not in c.token_ids[:k] and c.token_ids[k] != tok.eos_token_id
+    ]
     assert found, "the check needs a greedy answer with a token new at position k >= 1"
     prompt, ids, k = found[0]
     got = _rollout(pm, [prompt], SamplingParams(max_new_tokens=8, greedy=True, stop_token_ids=(ids[k],)))[0]
-    assert got.token_ids == ids[:k + 1] and got.finish_reason == "stop"
+    assert got.token_ids == ids[: k + 1] and got.finish_reason == "stop"
     at_limit = _rollout(pm, [prompt], SamplingParams(max_new_tokens=k + 1, greedy=True, stop_token_ids=(ids[k],)))[0]
     assert at_limit.finish_reason == "stop", "a stop token at the length limit still stopped (native engine's rule)"
 
@@ -208,10 +225,12 @@ def test_weights_follow_the_policy_after_every_optimizer_step(setup):
             got = e.generate(PROMPTS, params)
         logp = _trainer_logprobs(policy, tok, PROMPTS, got, 1.0)
         for i, c in enumerate(got):
-            torch.testing.assert_close(torch.tensor(c.logprobs), logp[i, :len(c.logprobs)], atol=1e-4, rtol=0)
+            torch.testing.assert_close(torch.tensor(c.logprobs), logp[i, : len(c.logprobs)], atol=1e-4, rtol=0)
         with pm.train() as opt:
-            loss = -sum(logp_row[:len(c.logprobs)].sum() for logp_row, c in zip(
-                _trainer_logprobs_grad(policy, tok, PROMPTS, got), got))
+            loss = -sum(
+                logp_row[: len(c.logprobs)].sum()
+                for logp_row, c in zip(_trainer_logprobs_grad(policy, tok, PROMPTS, got), got)
+            )
             loss.backward()
             opt.step()
     after = _rollout(pm, PROMPTS, _greedy())
@@ -343,9 +362,20 @@ def test_trainer_runs_with_vllm_in_one_process_and_recovers_from_an_engine_error
     from hybrid_rl import Trainer, load_config
 
     setup[1].shutdown()
-    cfg = load_config(None, [f"model.path={wide_model_dir}", "data.batch_size=4", "rollout.n=2",
-                             "rollout.max_new_tokens=4", "trainer.total_steps=3", f"trainer.out_dir={tmp_path / 'run'}",
-                             "trainer.progress_bar=false", "trainer.device=cpu", "rollout.engine=vllm"])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={wide_model_dir}",
+            "data.batch_size=4",
+            "rollout.n=2",
+            "rollout.max_new_tokens=4",
+            "trainer.total_steps=3",
+            f"trainer.out_dir={tmp_path / 'run'}",
+            "trainer.progress_bar=false",
+            "trainer.device=cpu",
+            "rollout.engine=vllm",
+        ],
+    )
     trainer = Trainer(cfg)
     try:
         m = trainer.step()

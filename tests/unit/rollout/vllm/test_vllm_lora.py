@@ -5,6 +5,7 @@ sync; then each step pushes only the adapter, in memory. Its greedy output must 
 the same adapted policy, step after step, across the engine's release and resume, and equal vLLM's own
 directory route for the same adapter. The engine's own push (VLLMEngine.adapter) is what generate serves; the
 directory-route test swaps the request under `llm.generate`. The Trainer's sync is test_lora_vllm_trainer.py."""
+
 from __future__ import annotations
 
 import copy
@@ -16,8 +17,10 @@ import torch
 from tests.engine_helpers import PROMPTS, perturbed, vllm_model_dir
 from tests.lora_helpers import expected_adapter_numel, perturb_adapters
 
-pytestmark = [pytest.mark.usefixtures("torch_one_thread"),
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not importable")]
+pytestmark = [
+    pytest.mark.usefixtures("torch_one_thread"),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not importable"),
+]
 
 RANK = 8
 
@@ -37,8 +40,15 @@ def setup(wide_model_dir):
 
     tok = load_tokenizer(wide_model_dir)
     policy = apply_lora(perturbed(load_causal_lm(wide_model_dir), seed=1), LoraSettings(rank=RANK, alpha=16.0)).eval()
-    engine = VLLMEngine(load_causal_lm(wide_model_dir), wide_model_dir, pad_id=tok.pad_token_id,
-                        eos_id=tok.eos_token_id, max_model_len=64, sequences=8, engine_kwargs=engine_kwargs(RANK))
+    engine = VLLMEngine(
+        load_causal_lm(wide_model_dir),
+        wide_model_dir,
+        pad_id=tok.pad_token_id,
+        eos_id=tok.eos_token_id,
+        max_model_len=64,
+        sequences=8,
+        engine_kwargs=engine_kwargs(RANK),
+    )
     engine.resume(["weights"])
     engine.begin_weight_update()
     engine.update_weights(list(base_named_parameters(policy)))
@@ -60,7 +70,9 @@ def _greedy():
 def _native(policy, tok):
     from hybrid_rl.rollout.native.engine import NativeEngine
 
-    return NativeEngine(copy.deepcopy(policy), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id).generate(PROMPTS, _greedy())
+    return NativeEngine(copy.deepcopy(policy), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id).generate(
+        PROMPTS, _greedy()
+    )
 
 
 def _vllm(engine, plain_generate, request):

@@ -5,6 +5,7 @@ vLLM's worker refuses to start unless free device memory >= gpu_memory_utilizati
 even with kv_cache_memory_bytes set; the trainer's shards are already resident then, so the adapter must
 pass a fraction the free memory admits (v1/worker/utils.py request_memory).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -68,8 +69,9 @@ def test_engine_start_on_cuda_passes_a_utilization_the_free_memory_admits(monkey
     assert seen["gpu_memory_utilization"] * 80 * GIB <= 71 * GIB
 
 
-@pytest.mark.parametrize("value, expected", [(None, {}), (False, {"enforce_eager": False}),
-                                             (True, {"enforce_eager": True})])
+@pytest.mark.parametrize(
+    "value, expected", [(None, {}), (False, {"enforce_eager": False}), (True, {"enforce_eager": True})]
+)
 def test_enforce_eager_reaches_the_engine_only_when_set(monkeypatch, value, expected):
     """Catches: rollout.enforce_eager dropped on its way to vllm.LLM (the benchmark's --vllm-compile would then
     compare an eager engine with TRL's compiled one), or a null overriding vLLM's per-device default."""
