@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 NPROC ?= 2
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo lint test test-fast bench clean
 
 install: $(VENV)/.installed
 
@@ -22,6 +22,10 @@ $(VENV)/.installed: setup.py Makefile
 
 demo: install
 	$(VENV)/bin/torchrun --nproc_per_node=$(NPROC) recipes/grpo_tiny.py $(ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test: install
 	$(PY) -m pytest -q

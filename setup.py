@@ -44,6 +44,7 @@ setup(
             "tensorboard>=2.14",
             "math-verify>=0.9",
             "peft>=0.21.2,<0.22",
+            "ruff==0.17.6",  # `make lint`: pinned, since a new release may format differently
         ],
         # trl: only for benchmarks/grpo_step.py (our Trainer vs TRL's GRPOTrainer); never needed by the
         # library or the tests. trl 1.16.0 pulls accelerate, datasets, pandas, pyarrow, not torch.
@@ -52,7 +53,7 @@ setup(
             "pytest>=8",
             "pytest-timeout>=2.3",
             "triton>=3.3",
-            "ruff>=0.6",
+            "ruff==0.17.6",
             "tensorboard>=2.14",
             "math-verify>=0.9",
         ],
