@@ -1,18 +1,24 @@
 """A calculator tool: arithmetic evaluated by walking Python's AST over a whitelist, never `eval`.
 
 The expression comes from a policy being trained, so it is hostile input: `ast.parse` only
-builds a tree (it runs nothing), and the walk below accepts numbers, + - * / // % ** (and `^`,
-which people mean as a power), unary signs and parentheses; any other node (a name, a call, an
-attribute, a lambda, a string, a comprehension) is refused with the node's kind. Sizes are
-bounded before they are computed: the text length, the nesting depth, every intermediate's
-digit count and every power's result, so `9**9**9` is refused instead of eating the CPU.
+builds a tree (it runs nothing), and the walk below accepts numbers, + - * / // % **, unary
+signs and parentheses; any other node (a name, a call, an attribute, a lambda, a string, a
+comprehension) is refused with the node's kind. People write `^` for a power, so every `^`
+operator token becomes `**` before parsing: Python's own grammar then gives it a power's
+precedence and right associativity (2*3^2 is 18, 2^3^2 is 512, -2^2 is -4), which reading the
+parsed XOR node as a power would not. Sizes are bounded before they are computed: the text
+length, the nesting depth, every intermediate's digit count and every power's result, so
+`9**9**9` is refused instead of eating the CPU.
 Arithmetic is exact on fractions (0.1 + 0.2 is 0.3) and only the answer is shown as a decimal.
 """
+
 from __future__ import annotations
 
 import ast
+import io
 import math
 import re
+import tokenize
 from fractions import Fraction
 
 MAX_CHARS = 200  # a GSM8K step is a few dozen characters
@@ -50,10 +56,29 @@ def evaluate(expression: str) -> Fraction:
     if len(text) > MAX_CHARS:
         raise CalculatorError(f"expression longer than {MAX_CHARS} characters")
     try:
-        tree = ast.parse(text, mode="eval")
-    except (SyntaxError, ValueError, RecursionError, MemoryError) as err:
+        tree = ast.parse(_caret_as_power(text), mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError, tokenize.TokenError) as err:
         raise CalculatorError(f"not an arithmetic expression ({type(err).__name__})") from None
     return _walk(tree.body, 0)
+
+
+def _caret_as_power(text: str) -> str:
+    """`text` with every `^` operator written `**`.
+
+    Rewriting tokens rather than characters leaves a `^` inside a string or a comment alone, and `^=` (one
+    token) stays an assignment, which eval mode refuses."""
+    # tokenize numbers rows from 1 and columns in characters; StringIO's readline splits lines at "\n" only
+    line_starts = [0]
+    for line in text.split("\n"):
+        line_starts.append(line_starts[-1] + len(line) + 1)
+    carets = [
+        line_starts[tok.start[0] - 1] + tok.start[1]
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline)
+        if tok.exact_type == tokenize.CIRCUMFLEX
+    ]
+    for at in reversed(carets):  # right to left, so the offsets still to come stay valid
+        text = text[:at] + "**" + text[at + 1 :]
+    return text
 
 
 def _walk(node: ast.AST, depth: int) -> Fraction:
@@ -72,13 +97,13 @@ def _walk(node: ast.AST, depth: int) -> Fraction:
         return _UNARY[type(node.op)](_walk(node.operand, depth + 1))
     if isinstance(node, ast.BinOp):
         left, right = _walk(node.left, depth + 1), _walk(node.right, depth + 1)
-        if isinstance(node.op, (ast.Pow, ast.BitXor)):
+        if isinstance(node.op, ast.Pow):
             return _power(left, right)
         if type(node.op) in _BINARY:
             if right == 0 and isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)):
                 raise CalculatorError("division by zero")
             return _bounded(_BINARY[type(node.op)](left, right))
-    raise CalculatorError(f"{type(node).__name__} is not allowed; use numbers, + - * / // % ** and parentheses")
+    raise CalculatorError(f"{type(node).__name__} is not allowed; use numbers, + - * / // % ** ^ and parentheses")
 
 
 def _power(base: Fraction, exponent: Fraction) -> Fraction:
@@ -94,13 +119,13 @@ def _power(base: Fraction, exponent: Fraction) -> Fraction:
     size = max(abs(base.numerator), base.denominator)
     if size > 1 and abs(e) * math.log10(size) > MAX_DIGITS:
         raise CalculatorError(f"result too large (more than {MAX_DIGITS} digits)")
-    if size == 1 and abs(e) > 10 ** 6:  # (+-1) ** e: tiny result, but Fraction.__pow__ still loops over bits
+    if size == 1 and abs(e) > 10**6:  # (+-1) ** e: tiny result, but Fraction.__pow__ still loops over bits
         e = e % 2 if e >= 0 else -(abs(e) % 2)
-    return _bounded(base ** e)
+    return _bounded(base**e)
 
 
 def _bounded(value: Fraction) -> Fraction:
-    limit = 10 ** MAX_DIGITS
+    limit = 10**MAX_DIGITS
     if abs(value.numerator) >= limit or value.denominator >= limit:
         raise CalculatorError(f"number too large (more than {MAX_DIGITS} digits)")
     return value
@@ -114,9 +139,17 @@ def format_value(value: Fraction) -> str:
 
 
 def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression exactly and return the result.
+    """Exact arithmetic; no names, calls, /0, fractional powers, >60 digits.
+
+    The first paragraph and the Args line are the tool's description in every episode's system prompt, so
+    they stay short. In full: + - * / // % and ** or ^ on integers and decimals, unary signs and parentheses,
+    where ^ is a power with the precedence and right associativity of ** (2*3^2 is 18, 2^3^2 is 512, -2^2 is
+    -4); thousands separators (1,200) and the times and division signs are read too. Refused, with a message
+    saying why: names, calls, text, containers, comparisons, division by zero, exponents that are not whole
+    numbers, any value over 60 digits (final or intermediate), nesting deeper than 30 levels and expressions
+    longer than 200 characters. The answer is an integer, else a decimal of up to 10 significant digits.
 
     Args:
-        expression: Numbers with + - * / // % ** and parentheses, for example "(12 + 3) * 4 / 5".
+        expression: Numbers with + - * / // % ** ^ (power), decimals, parentheses, e.g. "3^2/4".
     """
     return format_value(evaluate(expression))

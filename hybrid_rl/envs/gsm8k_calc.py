@@ -7,6 +7,7 @@ the same verifier and their curves compare.
 
     env.name=gsm8k_calculator     (registered below)
 """
+
 from __future__ import annotations
 
 from hybrid_rl.envs.base import Step, register_env
@@ -14,8 +15,10 @@ from hybrid_rl.envs.calculator import calculator
 from hybrid_rl.envs.tools import ToolEnv
 from hybrid_rl.rewards.math import gsm8k_reward
 
-PREAMBLE = ("Solve the problem. Use the calculator tool for arithmetic when it helps; when you are done, "
-            "write the final answer after \"####\" without calling a tool.")
+PREAMBLE = (
+    "Solve the problem. Use the calculator tool for arithmetic when it helps; when you are done, "
+    'write the final answer after "####" without calling a tool.'
+)
 
 
 class GSM8KCalculatorEnv(ToolEnv):

@@ -17,6 +17,7 @@ them) and are counted in `metrics()`, which the episode runner sums into the rol
 The tool list is written into the system message by `reset` (`tool_system_prompt`), so it
 reaches the model under any chat template, not only templates that render a `tools` argument.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -69,19 +70,26 @@ def tool_schema(fn: Callable) -> dict:
         props[name] = {"type": _json_type(hints.get(name, str)), "description": docs.get(name, "")}
         if p.default is p.empty:
             required.append(name)
-    return {"type": "function", "function": {"name": fn.__name__, "description": description,
-                                             "parameters": {"type": "object", "properties": props,
-                                                            "required": required}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": fn.__name__,
+            "description": description,
+            "parameters": {"type": "object", "properties": props, "required": required},
+        },
+    }
 
 
 def tool_system_prompt(schemas: Sequence[dict], preamble: str = "") -> str:
     """A system message listing the tools and the call format, worded as Qwen2.5's template words it."""
     listed = "\n".join(json.dumps(s) for s in schemas)
-    return ((preamble + "\n\n" if preamble else "") + "# Tools\n\nYou may call one or more functions to assist "
-            "with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n"
-            f"<tools>\n{listed}\n</tools>\n\nFor each function call, return a json object with function name and "
-            "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+    return (
+        (preamble + "\n\n" if preamble else "") + "# Tools\n\nYou may call one or more functions to assist "
+        "with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n"
+        f"<tools>\n{listed}\n</tools>\n\nFor each function call, return a json object with function name and "
+        "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
 
 
 def parse_tool_calls(text: str) -> tuple[list[tuple[str, dict]], list[str]]:
@@ -130,8 +138,10 @@ class ToolEnv:
         self.counts = {"tool_calls": 0, "malformed_calls": 0, "tool_errors": 0}
 
     def reset(self, row: dict) -> list[dict]:
-        return [{"role": "system", "content": tool_system_prompt(self.schemas, self.preamble)},
-                {"role": "user", "content": str(row["prompt"])}]
+        return [
+            {"role": "system", "content": tool_system_prompt(self.schemas, self.preamble)},
+            {"role": "user", "content": str(row["prompt"])},
+        ]
 
     def step(self, completion: str) -> Step:
         calls, problems = parse_tool_calls(completion)
@@ -143,8 +153,9 @@ class ToolEnv:
             observation.append(self._message(self._call(name, args)))
         if len(calls) > self.max_calls_per_turn:
             self.counts["malformed_calls"] += len(calls) - self.max_calls_per_turn
-            observation.append(self._message(f"error: at most {self.max_calls_per_turn} tool calls per turn; "
-                                             "the rest were not run"))
+            observation.append(
+                self._message(f"error: at most {self.max_calls_per_turn} tool calls per turn; the rest were not run")
+            )
         return Step(observation, 0.0, False)
 
     def final(self, completion: str) -> Step:

@@ -4,6 +4,7 @@ The calculator takes text a policy wrote, so it is fed code-injection attempts: 
 refused with an error (never run, never hang), and through the tool environment that error is an
 observation for the model and a counted tool error, not an exception.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,21 +17,58 @@ from hybrid_rl.envs.gsm8k_calc import GSM8KCalculatorEnv, gsm8k_calculator
 from hybrid_rl.envs.tools import ToolEnv, parse_tool_calls, tool_schema
 
 
-@pytest.mark.parametrize("expression, value", [
-    ("(12 + 3) * 4 / 5", "12"), ("0.1 + 0.2", "0.3"), ("7 / 3", "2.333333333"), ("2^10", "1024"),
-    ("2 ** -3", "0.125"), ("-2 ** 2", "-4"), ("1,200 * 3", "3600"), ("17 // 5", "3"), ("17 % 5", "2"),
-    ("3 \u00d7 4 \u00f7 6", "2"), ("10**59", "1" + "0" * 59), ("(-1) ** (10**20)", "1"),
-])
+@pytest.mark.parametrize(
+    "expression, value",
+    [
+        ("(12 + 3) * 4 / 5", "12"),
+        ("0.1 + 0.2", "0.3"),
+        ("7 / 3", "2.333333333"),
+        ("2^10", "1024"),
+        ("2 ** -3", "0.125"),
+        ("-2 ** 2", "-4"),
+        ("1,200 * 3", "3600"),
+        ("17 // 5", "3"),
+        ("17 % 5", "2"),
+        ("3 \u00d7 4 \u00f7 6", "2"),
+        ("10**59", "1" + "0" * 59),
+        ("(-1) ** (10**20)", "1"),
+    ],
+)
 def test_calculator_arithmetic(expression, value):
     assert calculator(expression) == value
 
 
 INJECTIONS = [
-    "__import__('os').system('echo pwned')", "().__class__.__bases__[0].__subclasses__()", "lambda: 1",
-    "open('/etc/passwd').read()", "[x for x in range(10**9)]", "'a' * 10", "x", "abs(-1)", "(1).real",
-    "globals()", "exec('1')", "1 if 1 else 2", "1 < 2", "{1: 2}", "b'1'", "1j * 2", "True + 1",
-    "9 ** 9 ** 9", "10 ** 61", "2 ** 1000", "(10**40) * (10**40)", "1 / 0", "2 ** 0.5", "1 << 100",
-    "(" * 200 + "1" + ")" * 200, "1" * 300, "1e400", "", "a := 1", "__builtins__",
+    "__import__('os').system('echo pwned')",
+    "().__class__.__bases__[0].__subclasses__()",
+    "lambda: 1",
+    "open('/etc/passwd').read()",
+    "[x for x in range(10**9)]",
+    "'a' * 10",
+    "x",
+    "abs(-1)",
+    "(1).real",
+    "globals()",
+    "exec('1')",
+    "1 if 1 else 2",
+    "1 < 2",
+    "{1: 2}",
+    "b'1'",
+    "1j * 2",
+    "True + 1",
+    "9 ** 9 ** 9",
+    "10 ** 61",
+    "2 ** 1000",
+    "(10**40) * (10**40)",
+    "1 / 0",
+    "2 ** 0.5",
+    "1 << 100",
+    "(" * 200 + "1" + ")" * 200,
+    "1" * 300,
+    "1e400",
+    "",
+    "a := 1",
+    "__builtins__",
 ]
 
 
@@ -72,11 +110,14 @@ def test_schema_from_signature_and_docstring():
     assert s["name"] == "_weather" and s["description"] == "Look up the weather."
     assert s["parameters"]["properties"] == {
         "city": {"type": "string", "description": "The city's name."},
-        "days": {"type": "integer", "description": "How many days ahead, counting today."}}
+        "days": {"type": "integer", "description": "How many days ahead, counting today."},
+    }
     assert s["parameters"]["required"] == ["city"]
     calc = tool_schema(calculator)["function"]
-    assert calc["parameters"]["required"] == ["expression"] and "Numbers with" in \
-        calc["parameters"]["properties"]["expression"]["description"]
+    assert (
+        calc["parameters"]["required"] == ["expression"]
+        and "Numbers with" in calc["parameters"]["properties"]["expression"]["description"]
+    )
 
 
 def test_tool_without_docstring_is_refused():
@@ -88,10 +129,12 @@ def test_tool_without_docstring_is_refused():
 
 
 def test_parse_tool_calls_in_qwen25_format():
-    text = ('Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+2"}}\n</tool_call>\n'
-            '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"1\\"}"}</tool_call>'
-            "<tool_call>{not json}</tool_call><tool_call>[1]</tool_call><tool_call>{\"name\": \"c\", "
-            "\"arguments\": 3}</tool_call><tool_call>{\"name\": \"cut")
+    text = (
+        'Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+2"}}\n</tool_call>\n'
+        '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"1\\"}"}</tool_call>'
+        '<tool_call>{not json}</tool_call><tool_call>[1]</tool_call><tool_call>{"name": "c", '
+        '"arguments": 3}</tool_call><tool_call>{"name": "cut'
+    )
     calls, problems = parse_tool_calls(text)
     assert calls == [("calculator", {"expression": "2+2"}), ("calculator", {"expression": "1"})]
     assert len(problems) == 4 and "not valid JSON" in problems[0] and "not closed" in problems[-1]
@@ -103,9 +146,14 @@ def _call(name, **arguments):
 
 def test_tool_env_turns_every_failure_into_a_counted_observation():
     env = ToolEnv([calculator, _weather])
-    turn = (_call("calculator", expression="6*7") + _call("calculator", expression="__import__('os')")
-            + _call("_weather", city="nowhere") + _call("nope") + _call("_weather", town="x")
-            + "<tool_call>oops</tool_call>")
+    turn = (
+        _call("calculator", expression="6*7")
+        + _call("calculator", expression="__import__('os')")
+        + _call("_weather", city="nowhere")
+        + _call("nope")
+        + _call("_weather", town="x")
+        + "<tool_call>oops</tool_call>"
+    )
     step = env.step(turn)
     contents = [m["content"] for m in step.observation]
     assert all(m["role"] == "tool" for m in step.observation) and not step.done and step.reward == 0.0
