@@ -308,7 +308,7 @@ def failure_context(where: Callable[[], tuple[int, object]]) -> Iterator[None]:
 def _where(err: BaseException) -> str:
     """' at step S, last phase P, in A > B > C': the tag of `failure_context` and the library frames of the
     traceback."""
-    pkg = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # hybrid_rl/, this is runtime/
     chain = [
         getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
         for frame, _ in traceback.walk_tb(err.__traceback__)
