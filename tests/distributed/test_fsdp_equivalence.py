@@ -2,7 +2,10 @@
 
 Compared at every step: the loss, the gradient norm before clipping (AdamW's update is
 nearly blind to a gradient's scale, so a lost world-size factor or a skipped normaliser
-all-reduce shows in the norm, not in the weights), and the weights."""
+all-reduce shows in the norm, not in the weights), and the weights. Both sides run the same
+update on the same batch (its mask from `build_sequences`), so this pins sharding and the global
+normaliser, not the loss itself (tests/unit/test_batch.py and tests/unit/envs/test_episode_batch.py
+compare the update's gradient with a naive per-sequence loop)."""
 
 from __future__ import annotations
 

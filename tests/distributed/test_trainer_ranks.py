@@ -85,8 +85,12 @@ def test_each_rank_trains_on_the_advantages_of_its_own_groups(two_rank_step):
     assert r0["completions"] != r1["completions"], "ranks sample their own prompts with their own seeds"
     assert not torch.equal(r0["scores"], r1["scores"]), "the test needs ranks whose rewards differ"
     for r in (r0, r1):
+        # The mask from the completions' own token lists, not the batch's: a shifted mask must not cancel out.
+        T = r["mask_NT"].shape[1]
+        mask = torch.tensor([[float(t < len(ids)) for t in range(T)] for ids in r["completions"]])
+        assert torch.equal(r["mask_NT"], mask)
         want_N = grpo_advantages(r["scores"], torch.arange(len(r["scores"])) // 4)
-        torch.testing.assert_close(r["adv_NT"], want_N[:, None] * r["mask_NT"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(r["adv_NT"], want_N[:, None] * mask, rtol=1e-5, atol=1e-6)
         assert r["adv_NT"].abs().sum() > 0
 
 

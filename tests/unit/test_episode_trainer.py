@@ -81,6 +81,8 @@ def test_every_trained_token_is_one_the_engine_generated(ask_dir, tmp_path, monk
         for i, ep in enumerate(eps):
             row = tb.ids_NL[i][tb.attn_NL[i] == 1].tolist()
             assert row == ep.token_ids, f"episode {i}: the batch row is not the episode's tokens"
+            # ep.loss_mask is the runner's, not the batch's: tests/unit/envs/test_episodes.py replays it against
+            # the engine's own calls, so comparing the batch with it compares with an independent record.
             trained = tb.ids_NL[i, tb.P :][tb.mask_NT[i] == 1].tolist()
             generated = [t for t, m in zip(ep.response_ids, ep.loss_mask) if m]
             assert trained == generated and sum(ep.loss_mask) == len(generated)

@@ -3,7 +3,11 @@ entropy bonus, DAPO dynamic sampling / overlong shaping, epochs x mini-batches, 
 SCORE takes the old-policy log-probs at.
 
 Each test predicts a number from the pure functions in hybrid_rl/algorithms and checks
-the Trainer (or the sampler) produces it. One process, a tiny model, one thread.
+the Trainer (or the sampler) produces it. The inputs of a prediction come from outside the code under test:
+the loss mask from the completions' token lists (`_naive_mask`), the old policy's log-probs from the engine
+that sampled the tokens, the reference's from a forward of each sequence alone (`_naive_logprobs`); never from
+the batch the Trainer built, whose mask would carry its own bug into the expectation. One process, a tiny
+model, one thread.
 """
 
 from __future__ import annotations
@@ -67,6 +71,29 @@ def _rollouts(monkeypatch, trainer: Trainer) -> list:
     return seen
 
 
+def _naive_mask(completions, T: int, drop_truncated: bool = False) -> torch.Tensor:
+    """(N, T) 1.0 on each completion's own tokens (its stop token included), from the token lists alone."""
+    rows = []
+    for c in completions:
+        keep = not (drop_truncated and c.finish_reason == "length")
+        rows.append([1.0 if keep and t < len(c.token_ids) else 0.0 for t in range(T)])
+    return torch.tensor(rows)
+
+
+@torch.no_grad()
+def _naive_logprobs(model, prompt_ids, completions, G: int, T: int) -> torch.Tensor:
+    """(N, T) log-probs of each completion's tokens, each sequence run alone (no padding, no batch), 0 after."""
+    out = torch.zeros(len(completions), T)
+    for i, c in enumerate(completions):
+        if not c.token_ids:
+            continue
+        p = prompt_ids[i // G]
+        logits = model(input_ids=torch.tensor([p + c.token_ids])).logits[0].float()
+        lp = torch.log_softmax(logits[len(p) - 1 : -1], -1).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+        out[i, : len(lp)] = lp
+    return out
+
+
 def _perturb_ref(trainer: Trainer, scale: float = 0.05) -> None:
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -94,13 +121,20 @@ def test_kl_in_reward_changes_advantages_as_kl_penalty_rewards_says(tiny_trainer
     rollouts = _rollouts(monkeypatch, tr)
     updates = _capture(monkeypatch, trainer_mod, "policy_update")
     m = tr.step()
-    batch = updates[0][0]["batch"]
-    scores = rollouts[0].scores_N
-    kl_NT = kl_estimate(batch.old_logp_NT, batch.ref_logp_NT, "k3", mask_NT=batch.mask_NT)
+    batch, rollout = updates[0][0]["batch"], rollouts[0]
+    scores, comps = rollout.scores_N, rollout.completions
+    T = batch.mask_NT.shape[1]
+    # Independent inputs: the mask from the token lists, pi_old from the engine that sampled them (on-policy,
+    # the same weights; a different code path), the reference from each sequence run alone.
+    mask = _naive_mask(comps, T)
+    assert torch.equal(batch.mask_NT, mask)
+    old = torch.tensor([c.logprobs + [0.0] * (T - len(c.logprobs)) for c in comps])
+    ref = _naive_logprobs(tr.ref, rollout.prompt_ids, comps, 4, T)
+    kl_NT = kl_estimate(old, ref, "k3", mask_NT=mask)
     assert kl_NT.sum() > 1e-3, "the perturbed reference must give a measurable KL"
     group_ids = torch.arange(len(scores)) // 4
-    want = grpo_advantages(kl_penalty_rewards(scores, kl_NT, batch.mask_NT, coef), group_ids)
-    torch.testing.assert_close(batch.adv_NT, want[:, None] * batch.mask_NT, rtol=1e-4, atol=1e-5)
+    want = grpo_advantages(kl_penalty_rewards(scores, kl_NT, mask, coef), group_ids)
+    torch.testing.assert_close(batch.adv_NT, want[:, None] * mask, rtol=1e-4, atol=1e-5)
     assert not torch.allclose(want, grpo_advantages(scores, group_ids), atol=1e-3)
     assert m["reward/kl_penalty"] == pytest.approx(coef * kl_NT.sum().item() / len(scores), rel=1e-4)
     assert m["actor/kl_coef"] == coef and "actor/kl_loss" not in m, "the KL is in the reward, not the loss"
@@ -230,10 +264,29 @@ def test_overlong_filter_and_soft_penalty(tiny_trainer_overrides, monkeypatch):
     truncated = torch.tensor([c.finish_reason == "length" for c in s.completions])
     assert 0 < truncated.sum() < len(truncated), "a random policy truncates some completions, not all"
     assert torch.equal(batch.mask_NT.sum(1) == 0, truncated), "exactly the truncated rows leave the loss"
+    assert torch.equal(batch.mask_NT, _naive_mask(s.completions, batch.mask_NT.shape[1], drop_truncated=True))
+    kept_tokens = sum(len(c.token_ids) for c in s.completions if c.finish_reason != "length")
+    assert m["response/loss_tokens"] == kept_tokens / len(s.completions)
     lengths = torch.tensor([len(c.token_ids) for c in s.completions])
     torch.testing.assert_close(s.scores_N - s.rewards_N, overlong_penalty(lengths, 4, 2, 0.5))
     assert m["response/overlong_filtered"] == pytest.approx(truncated.float().mean().item())
     assert m["reward/overlong_penalty"] == pytest.approx(overlong_penalty(lengths, 4, 2, 0.5).mean().item(), abs=1e-6)
+
+
+def test_the_loss_trains_each_completions_own_tokens(tiny_trainer_overrides, monkeypatch):
+    """Catches: the single-turn loss mask shifted by a token (every completion shorter than the batch's longest
+    then also trains the pad after its stop token, with its advantage and a larger token-mean denominator):
+    the mask and `response/loss_tokens` are compared with the completions' token lists, exactly."""
+    updates = _capture(monkeypatch, trainer_mod, "policy_update")
+    tr = _trainer(tiny_trainer_overrides, "data.batch_size=8", "rollout.max_new_tokens=8")
+    rollouts = _rollouts(monkeypatch, tr)
+    m = tr.step()
+    comps, batch = rollouts[0].completions, updates[0][0]["batch"]
+    lengths = [len(c.token_ids) for c in comps]
+    assert min(lengths) < max(lengths) == batch.mask_NT.shape[1], "the test needs rows shorter than the longest"
+    assert torch.equal(batch.mask_NT, _naive_mask(comps, max(lengths)))
+    assert m["response/loss_tokens"] == sum(lengths) / len(comps)
+    assert m["response/length"] == sum(lengths) / len(comps)
 
 
 def test_overlong_buffer_longer_than_the_generation_is_refused(tiny_trainer_overrides):

@@ -375,6 +375,8 @@ def test_the_trainer_whitens_over_its_loss_mask(tiny_trainer_overrides, monkeypa
     )
     tr.step()
     (_, _, _, resp_mask), kwargs = calls[0]
+    # A wiring check: the whitening gets the mask the loss trains, whatever its values (they are pinned by
+    # hand in tests/unit/test_batch.py), so comparing with the batch's own mask is the point here.
     assert torch.equal(kwargs["stats_mask_NT"], seen["batch"].mask_NT)
     assert not torch.equal(resp_mask.bool(), seen["batch"].mask_NT.bool()), "the test needs truncated rows"
 

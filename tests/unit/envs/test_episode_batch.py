@@ -36,6 +36,16 @@ REWARDS = [1.0, 0.0, 0.2, 0.9]
 NORM_LENGTH = 8
 
 
+def _naive_adv() -> list[float]:
+    """GRPO's advantages of REWARDS by hand, group by group (G = 2): (r - mean) / (unbiased std + 1e-6)."""
+    out = []
+    for g in range(0, len(REWARDS), 2):
+        a, b = REWARDS[g : g + 2]
+        std = abs(a - b) / 2**0.5  # two samples: sqrt(((a - m)^2 + (b - m)^2) / 1)
+        out += [(a - (a + b) / 2) / (std + 1e-6), (b - (a + b) / 2) / (std + 1e-6)]
+    return out
+
+
 def _batch(engine_logp=None) -> RolloutBatch:
     comps = [
         Completion(ids, list(engine_logp[i]) if engine_logp else [-1.0] * len(ids), "stop")
@@ -122,8 +132,10 @@ def test_the_update_trains_generated_tokens_only(tiny_model, loss_agg, packing, 
     batch = _batch()
     train_batch, _ = advantage_stage(batch, None, None, 0.0, algo)
     _holes_are_masked(train_batch)
-    adv = [train_batch.adv_NT[i, 0].item() for i in range(len(EPISODES))]
-    assert (train_batch.adv_NT * (1 - train_batch.mask_NT)).abs().sum() == 0, "advantage under an observation"
+    adv = _naive_adv()  # by hand, not read back from the batch: a wrong advantage must not cancel out
+    hand_mask = torch.tensor([[float(m) for m in mask] + [0.0] * (6 - len(mask)) for _, mask in EPISODES])
+    torch.testing.assert_close(train_batch.adv_NT * hand_mask, torch.tensor(adv)[:, None] * hand_mask)
+    assert (train_batch.adv_NT * (1 - hand_mask)).abs().sum() == 0, "advantage under an observation"
     got, _ = _update_grads(tiny_model, train_batch, algo, packing, micro)
     _assert_close(got, _naive_grads(tiny_model, adv, algo))
 
@@ -150,7 +162,7 @@ def test_kl_in_the_loss_and_tis_weights_skip_the_holes(tiny_model, packing):
         [min(2.0, float(torch.exp(old[i, t] - engine[i][t]))) if m else 0.0 for t, m in enumerate(mask)]
         for i, (_, mask) in enumerate(EPISODES)
     ]
-    adv = [train_batch.adv_NT[i, 0].item() for i in range(len(EPISODES))]
+    adv = _naive_adv()
     got, metrics = _update_grads(tiny_model, train_batch, algo, packing, 4)
     _assert_close(got, _naive_grads(tiny_model, adv, algo, ref_logp=[ref[i] for i in range(4)], weights=weights))
     gen = [(i, t) for i, (_, mask) in enumerate(EPISODES) for t, m in enumerate(mask) if m]

@@ -33,6 +33,8 @@ def _step(model, batch_kwargs, old_from_scoring: bool):
 
 
 def test_skipping_the_scoring_forward_gives_the_same_step(tiny_model):
+    """Two paths of the update over one batch: it pins the on-policy shortcut, not the loss both compute (the
+    loss is compared with a naive loop in tests/unit/test_batch.py)."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, 15, (2 + i % 3,), generator=g).tolist() for i in range(6)]
     responses = [torch.randint(4, 15, (1 + i % 4,), generator=g).tolist() for i in range(6)]
@@ -102,7 +104,9 @@ def test_packed_token_budget_counts_each_rows_tokens_not_the_longest():
 @pytest.mark.parametrize("loss_agg", LOSS_AGG_MODES)
 def test_token_budget_and_packing_give_the_same_update_as_padded_rows(tiny_model, loss_agg):
     """Micro-batches by a token budget and padding-free forwards change neither the loss nor its
-    normaliser, in every aggregation mode: the same loss and gradient norm as padded row chunks."""
+    normaliser, in every aggregation mode: the same loss and gradient norm as padded row chunks. Every
+    variant reads the same mask (`build_sequences`); that mask and the loss over it are pinned by hand
+    and by a naive loop in tests/unit/test_batch.py."""
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(4, 15, (2 + i % 3,), generator=g).tolist() for i in range(8)]
     responses = [torch.randint(4, 15, (1 + (i * 5) % 7,), generator=g).tolist() for i in range(8)]

@@ -135,6 +135,7 @@ def test_correction_uses_the_generating_engines_logprobs():
     groups = [group(2, row=1, logps=gen_logps)]
     batch = to_rollout_batch(groups, rows=[{"q": 0}, {"q": 1}], pad_id=0, device=torch.device("cpu"))
     assert batch.rows == [{"q": 1}] and batch.rewards_N.tolist() == [1.0, 0.0]
+    assert batch.resp_mask_NT.tolist() == [[1.0, 1.0], [1.0, 1.0]]  # by hand: two 2-token completions
     old = torch.tensor([[-0.25, -1.5], [-2.0, -0.25]])  # the learner's log-probs at a later version
     weight, mask, _ = rollout_correction(old, batch.engine_logp_NT, batch.resp_mask_NT, "tis_token", cap=100.0)
     assert weight[0].tolist() == pytest.approx([math.exp(-0.25 + 0.5), math.exp(-1.5 + 1.0)])
