@@ -2,6 +2,7 @@
 
 advantages   outcome-reward advantage estimators (GRPO, Dr. GRPO, RLOO; token-level REINFORCE++) and their table
 returns      REINFORCE++'s token rewards and discounted returns
+gae          PPO with a critic: outcome token rewards, GAE advantages / returns, clipped value loss
 whitening    whitening over the valid tokens of every rank
 losses       per-token policy losses (PPO-clip / dual clip, GSPO, CISPO)
 aggregation  loss aggregation with a global normaliser (DP / grad-accum invariant)
@@ -31,6 +32,7 @@ from hybrid_rl.algorithms.aggregation import (
 )
 from hybrid_rl.algorithms.correction import CORRECTION_MODES, rollout_correction
 from hybrid_rl.algorithms.dapo import filter_groups, overlong_penalty, truncation_mask
+from hybrid_rl.algorithms.gae import explained_variance, gae_advantages_returns, outcome_token_rewards, value_loss
 from hybrid_rl.algorithms.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -77,4 +79,8 @@ __all__ = [
     "filter_groups",
     "overlong_penalty",
     "truncation_mask",
+    "outcome_token_rewards",
+    "gae_advantages_returns",
+    "value_loss",
+    "explained_variance",
 ]
