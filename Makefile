@@ -5,7 +5,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 NPROC ?= 2
 
-.PHONY: install demo lint test test-fast bench clean
+.PHONY: install demo lint test test-fast bench gpu-kit gpu-dry clean
+# What a lent GPU lacks, carried with the call (benchmarks/gpu_session.sh): pure-Python wheels (omegaconf and its
+# antlr4 runtime, the versions `make install` resolves here) and GSM8K, in .gpu_kit (git-ignored, ~5 MiB).
+GPU_KIT ?= .gpu_kit
+GPU_KIT_WHEELS ?= omegaconf==2.4.0 antlr4-python3-runtime==4.13.2
 
 install: $(VENV)/.installed
 
@@ -35,6 +39,13 @@ test-fast: install
 
 bench: install
 	$(PY) benchmarks/phase_swap.py
+
+gpu-kit: install
+	$(PY) benchmarks/gpu_kit.py --out $(GPU_KIT) $(GPU_KIT_WHEELS)
+
+# The GPU session's parts at tiny sizes on this CPU (CI runs it through tests/unit/benchmarks/test_gpu_session.py).
+gpu-dry: install
+	OUT=gpu_out PYTHON=$(PY) bash benchmarks/gpu_session.sh --dry
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -123,7 +123,7 @@ def worker_ours(a) -> None:
         if a.vllm_compile:  # vLLM's own default, which TRL's engine keeps: compiled on CPU too
             overrides.append("rollout.enforce_eager=false")
     cfg = load_config(os.path.join(ROOT, "recipes", "grpo_tiny.yaml"), overrides)
-    distributed.init(cfg.trainer.device, cfg.trainer.dist_timeout_s)
+    distributed.init(cfg.trainer.device, timeout_s=cfg.process_group_timeout_s)
     torch.set_num_threads(a.threads)
     trainer = Trainer(cfg)
     _send(out, {"ready": True, "threads": torch.get_num_threads()})

@@ -41,7 +41,7 @@ from typing import Optional
 
 import torch
 
-from hybrid_rl.models.fsdp import shard_model
+from hybrid_rl.models.fsdp import prepare_reference, shard_model
 from hybrid_rl.rollout.native.engine import NativeEngine
 from hybrid_rl.runtime import distributed as D
 from hybrid_rl.switch import memory
@@ -376,7 +376,10 @@ def build(args: argparse.Namespace, dev: torch.device):
     engine_module = copy.deepcopy(base).requires_grad_(False).eval() if args.engine in ("both", "copy") else None
     if engine_module is not None and args.mixed:
         engine_module.to(torch.bfloat16)
-    ref = copy.deepcopy(base).requires_grad_(False).eval() if args.ref else None
+    # The reference as the trainer builds it (models/fsdp.py): bf16 under mixed precision, so its offload and
+    # onload move the bytes a run moves.
+    ref_dtype = torch.bfloat16 if args.mixed else torch.float32
+    ref = prepare_reference(copy.deepcopy(base), ref_dtype) if args.ref else None
     policy = shard_model(base, dev, args.mixed)
     ref = shard_model(ref, dev, args.mixed) if ref is not None else None
     opt = torch.optim.AdamW(

@@ -24,6 +24,11 @@ STAGES = {
         "policy -> engine weights, bucketed (engines with their own copy: copy, sglang, vllm)",
     ),
     "offload_params": ("copy", "d2h", "policy shards -> host"),
+    "empty_cache": (
+        "free",
+        None,
+        "gc + empty_cache before an engine with its own memory resumes, and after the sync; bytes given back (CUDA)",
+    ),
     "resume_kv": (
         "flag",
         None,
@@ -36,7 +41,15 @@ STAGES = {
     "offload_ref": ("copy", "d2h", "reference weights device -> host"),
     "onload_optimizer": ("copy", "h2d", "AdamW m, v host -> device (CPU: clone into fresh memory)"),
 }
-TO_ROLLOUT = ("zero_grad", "offload_optimizer", "resume_weights", "sync_weights", "offload_params", "resume_kv")
+TO_ROLLOUT = (
+    "zero_grad",
+    "offload_optimizer",
+    "resume_weights",
+    "sync_weights",
+    "offload_params",
+    "empty_cache",
+    "resume_kv",
+)
 TO_TRAIN = ("release_engine", "onload_params", "onload_optimizer")
 SCORE = ("onload_ref", "offload_ref")
 

@@ -12,6 +12,9 @@ prompts, one after the other, and the table shows generated tokens per second:
        graph on CUDA, elsewhere through the lean step (`rollout/native/lean_step.py`);
   forward  the same engine with the lean step off (lean_step=False): each token through
        the model's Hugging Face forward (`--paths old,forward,new` to include it);
+  lean the same engine with CUDA graphs off (cuda_graphs=False, `rollout.cuda_graphs=false`): the lean
+       step run eagerly, what `new` is on CPU; on CUDA `--paths lean,new` measures eager against graphs
+       (graphs read every cache slot up to the longest row each step and are captured per batch);
   vllm the vLLM engine (rollout/vllm/engine.py, `--paths new,vllm`): an in-process vllm.LLM holding
        the same weights (synced once), eager on CPU; its prefill is timed as a 1-token generate.
 
@@ -29,6 +32,7 @@ their current length, left padding not counted) over the measured step time, aga
 
     python benchmarks/rollout_throughput.py                     # CPU, ~2-3 minutes
     python benchmarks/rollout_throughput.py --device cuda --models 0.1b,0.5b --new-tokens 128,512
+    python benchmarks/rollout_throughput.py --device cuda --models 1.5b --batch 64,512 --new-tokens 512 --paths lean,new
 
 Prints a human table, then one JSON object as the last line. `main(argv) -> dict`.
 Legend: N sequences (the batch), P prompt tokens, T new tokens, V vocab.
@@ -59,6 +63,7 @@ MODELS = {
     "tiny": (128, 2, 512, 4, 2),
     "0.1b": (1024, 8, 2816, 16, 4),  # 123M parameters at V = 32000, as benchmarks/phase_swap.py
     "0.5b": (896, 24, 4864, 14, 2),  # Qwen2.5-0.5B's shape (GPU)
+    "1.5b": (1536, 28, 8960, 12, 2),  # Qwen2.5-1.5B's shape (GPU; benchmarks/gpu_session.sh)
 }
 # HBM peak by GPU name; the first key found in torch.cuda.get_device_name wins.
 PEAK_TBS = {"H200": 4.8, "H100 PCIe": 2.0, "H100 NVL": 3.9, "H100": 3.35}
@@ -77,8 +82,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         "(default: CPU tiny 32,128 and 0.1b 16; CUDA 128,512 for every model)",
     )
     p.add_argument("--scenarios", default="full,ragged")
-    p.add_argument("--paths", default="old,new", help="comma list of old, forward, new, vllm")
-    p.add_argument("--batch", type=int, default=64, help="N")
+    p.add_argument("--paths", default="old,new", help="comma list of old, forward, lean, new, vllm")
+    p.add_argument("--batch", default="64", help="N, or a comma list of N (each a case of its own)")
     p.add_argument(
         "--prompt-len",
         type=int,
@@ -104,14 +109,15 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--peak-tbs", type=float, default=None, help="HBM peak in TB/s (default: looked up for H100/H200)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    if args.batch <= 0 or (args.prompt_len or 2) <= 1 or args.repeats <= 0:
+    args.batch = [int(n) for n in str(args.batch).split(",")]
+    if min(args.batch) <= 0 or (args.prompt_len or 2) <= 1 or args.repeats <= 0:
         p.error("--batch and --repeats must be > 0, --prompt-len > 1")
     args.models = args.models.split(",")
     if bad := [m for m in args.models if m not in MODELS]:
         p.error(f"unknown model(s) {bad}; valid: {sorted(MODELS)}")
     args.scenarios, args.paths = args.scenarios.split(","), args.paths.split(",")
-    if bad := [x for x in args.paths if x not in ("old", "forward", "new", "vllm")]:
-        p.error(f"unknown path(s) {bad}; valid: old, forward, new, vllm")
+    if bad := [x for x in args.paths if x not in ("old", "forward", "lean", "new", "vllm")]:
+        p.error(f"unknown path(s) {bad}; valid: old, forward, lean, new, vllm")
     return args
 
 
@@ -142,7 +148,8 @@ def build_model(name: str, vocab: int, dtype: torch.dtype, device: torch.device,
         max_position_embeddings=max(512, max_len),
     )
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg).to(device=device, dtype=dtype).eval()
+    with torch.device(device):  # initialised where it runs: a 1.5B model's init on the host takes a minute
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
 
 
 @torch.no_grad()
@@ -210,7 +217,13 @@ def run_case(model, path: str, prompts, sp: SamplingParams, eos_id: int, dev, re
     engine = (
         vllm_engine
         if path == "vllm"
-        else NativeEngine(model, PAD, eos_id, lean_step=False if path == "forward" else None)
+        else NativeEngine(
+            model,
+            PAD,
+            eos_id,
+            lean_step=False if path == "forward" else None,
+            cuda_graphs=False if path == "lean" else None,
+        )
     )
     times, captures, comps = [], [], None
     for _ in range(repeats):
@@ -295,83 +308,89 @@ def main(argv: Optional[list[str]] = None) -> dict:
         Ts = lengths_for(args, name, dev)
         model = build_model(name, args.vocab, dtype, dev, args.prompt_len + max(Ts))
         n_params = sum(p.numel() for p in model.parameters())
-        lens = torch.randint(args.prompt_len // 2, args.prompt_len + 1, (args.batch,), generator=g).tolist()
-        prompts = [torch.randint(3, args.vocab, (n,), generator=g).tolist() for n in lens]
-        pre_s = prefill_seconds(model, prompts, dev)
-        # Warm-up (allocator, kernels, first-call overheads), and a check that both paths agree.
-        greedy = SamplingParams(max_new_tokens=4, greedy=True)
-        native_greedy = [c.token_ids for c in NativeEngine(model, PAD, -1).generate(prompts, greedy)]
-        same = [c.token_ids for c in legacy_generate(model, prompts, greedy, PAD, -1)] == native_greedy
-        vllm_engine, same_vllm, pre_vllm = None, None, None
-        if "vllm" in args.paths:
-            vllm_engine = vllm_bench.synced_engine(
-                model, vllm_bench.config_dir(model.config, type(model).__name__), args.prompt_len + max(Ts), args.batch
-            )
-            same_vllm = [c.token_ids for c in vllm_engine.generate(prompts, greedy)] == native_greedy
-            pre_vllm = vllm_prefill_seconds(vllm_engine, prompts)
-        for T in Ts:
-            for scen in args.scenarios:
-                # ragged: the top ~4/T of the vocabulary ids stop a row (eos_id -1 never matches).
-                stops = (
-                    tuple(range(args.vocab - max(1, round(4 * args.vocab / T)), args.vocab)) if scen == "ragged" else ()
+        for N in args.batch:
+            lens = torch.randint(args.prompt_len // 2, args.prompt_len + 1, (N,), generator=g).tolist()
+            prompts = [torch.randint(3, args.vocab, (n,), generator=g).tolist() for n in lens]
+            pre_s = prefill_seconds(model, prompts, dev)
+            # Warm-up (allocator, kernels, first-call overheads), and a check that both paths agree.
+            greedy = SamplingParams(max_new_tokens=4, greedy=True)
+            native_greedy = [c.token_ids for c in NativeEngine(model, PAD, -1).generate(prompts, greedy)]
+            same = [c.token_ids for c in legacy_generate(model, prompts, greedy, PAD, -1)] == native_greedy
+            vllm_engine, same_vllm, pre_vllm = None, None, None
+            if "vllm" in args.paths:
+                vllm_engine = vllm_bench.synced_engine(
+                    model, vllm_bench.config_dir(model.config, type(model).__name__), args.prompt_len + max(Ts), N
                 )
-                sp = SamplingParams(max_new_tokens=T, temperature=1.0, stop_token_ids=stops, seed=args.seed)
-                for path in args.paths:
-                    r = run_case(model, path, prompts, sp, -1, dev, args.repeats, vllm_engine)
-                    pre = pre_vllm if path == "vllm" else pre_s
-                    decode_s = max(r["seconds"] - pre, 1e-9)
-                    steady_s = max(decode_s - r["capture_s"], 1e-9)  # decode without the graph captures
-                    nbytes, steps = useful_bytes(model, r["comps"], lens, dtype.itemsize)
-                    row = {
-                        "model": name,
-                        "params": n_params,
-                        "T": T,
-                        "scenario": scen,
-                        "path": path,
-                        "tokens": r["tokens"],
-                        "longest": max(len(c.token_ids) for c in r["comps"]),
-                        "generate_s": round(r["seconds"], 4),
-                        "prefill_s": round(pre, 4),
-                        "decode_s": round(decode_s, 4),
-                        "decode_tokens_per_s": round(r["tokens"] / decode_s, 1),
-                        "tokens_per_s_with_prefill": round(r["tokens"] / r["seconds"], 1),
-                        "step_ms": round(1e3 * decode_s / max(steps, 1), 3),
-                        "greedy_old_eq_new": same,
-                        "greedy_native_eq_vllm": same_vllm if path == "vllm" else None,
-                        "decode_path": r["decode_path"],
-                        "graph_error": r["graph_error"],
-                        "capture_s": round(r["capture_s"], 4),
-                        "decode_tokens_per_s_excl_capture": round(r["tokens"] / steady_s, 1),
-                        "roofline_frac": round(nbytes / decode_s / (peak * 1e12), 4)
-                        if peak and dev.type == "cuda"
-                        else None,
-                        "roofline_frac_excl_capture": (
-                            round(nbytes / steady_s / (peak * 1e12), 4) if peak and dev.type == "cuda" else None
-                        ),
-                    }
-                    rows.append(row)
-                    print(
-                        f"  {name} T={T} {scen} {path}: {row['decode_tokens_per_s']} decode tok/s",
-                        file=sys.stderr,
-                        flush=True,
+                same_vllm = [c.token_ids for c in vllm_engine.generate(prompts, greedy)] == native_greedy
+                pre_vllm = vllm_prefill_seconds(vllm_engine, prompts)
+            for T in Ts:
+                for scen in args.scenarios:
+                    # ragged: the top ~4/T of the vocabulary ids stop a row (eos_id -1 never matches).
+                    stops = (
+                        tuple(range(args.vocab - max(1, round(4 * args.vocab / T)), args.vocab))
+                        if scen == "ragged"
+                        else ()
                     )
-        if vllm_engine is not None:
-            vllm_engine.shutdown()
+                    sp = SamplingParams(max_new_tokens=T, temperature=1.0, stop_token_ids=stops, seed=args.seed)
+                    for path in args.paths:
+                        r = run_case(model, path, prompts, sp, -1, dev, args.repeats, vllm_engine)
+                        pre = pre_vllm if path == "vllm" else pre_s
+                        decode_s = max(r["seconds"] - pre, 1e-9)
+                        steady_s = max(decode_s - r["capture_s"], 1e-9)  # decode without the graph captures
+                        nbytes, steps = useful_bytes(model, r["comps"], lens, dtype.itemsize)
+                        row = {
+                            "model": name,
+                            "params": n_params,
+                            "batch": N,
+                            "T": T,
+                            "scenario": scen,
+                            "path": path,
+                            "tokens": r["tokens"],
+                            "longest": max(len(c.token_ids) for c in r["comps"]),
+                            "generate_s": round(r["seconds"], 4),
+                            "prefill_s": round(pre, 4),
+                            "decode_s": round(decode_s, 4),
+                            "decode_tokens_per_s": round(r["tokens"] / decode_s, 1),
+                            "tokens_per_s_with_prefill": round(r["tokens"] / r["seconds"], 1),
+                            "step_ms": round(1e3 * decode_s / max(steps, 1), 3),
+                            "greedy_old_eq_new": same,
+                            "greedy_native_eq_vllm": same_vllm if path == "vllm" else None,
+                            "decode_path": r["decode_path"],
+                            "graph_error": r["graph_error"],
+                            "capture_s": round(r["capture_s"], 4),
+                            "decode_tokens_per_s_excl_capture": round(r["tokens"] / steady_s, 1),
+                            "roofline_frac": round(nbytes / decode_s / (peak * 1e12), 4)
+                            if peak and dev.type == "cuda"
+                            else None,
+                            "roofline_frac_excl_capture": (
+                                round(nbytes / steady_s / (peak * 1e12), 4) if peak and dev.type == "cuda" else None
+                            ),
+                        }
+                        rows.append(row)
+                        print(
+                            f"  {name} N={N} T={T} {scen} {path}: {row['decode_tokens_per_s']} decode tok/s",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+            if vllm_engine is not None:
+                vllm_engine.shutdown()
         del model, vllm_engine
+
+    def case(r: dict) -> str:
+        return f"{r['model']}/N={r['batch']}/T={r['T']}/{r['scenario']}"
 
     def ratios(num: str, den: str, key: str = "decode_tokens_per_s") -> dict:
         out = {}
         for r in rows:
             if r["path"] == num:
-                o = next(
-                    (o for o in rows if o["path"] == den and all(o[k] == r[k] for k in ("model", "T", "scenario"))),
-                    None,
-                )
+                o = next((o for o in rows if o["path"] == den and case(o) == case(r)), None)
                 if o:
-                    out[f"{r['model']}/T={r['T']}/{r['scenario']}"] = round(r[key] / o[key], 2)
+                    out[case(r)] = round(r[key] / o[key], 2)
         return out
 
     speedups, vllm_vs_new = ratios("new", "old"), ratios("vllm", "new", "tokens_per_s_with_prefill")
+    # Graphs against the eager lean step, each with its capture (what a rollout pays: graphs are captured per call)
+    graphs_vs_lean = ratios("new", "lean")
     roof = bool(peak and dev.type == "cuda")
     print(
         f"\nrollout throughput: batch {args.batch}, prompts {args.prompt_len // 2}..{args.prompt_len} tokens, "
@@ -379,16 +398,18 @@ def main(argv: Optional[list[str]] = None) -> dict:
         f"median of {args.repeats}" + (f", HBM peak {peak} TB/s" if roof else "")
     )
     print(
-        f"{'model':>6} {'T':>5} {'scenario':>8} {'path':>7} {'tokens':>7} {'longest':>7} {'generate s':>10} "
+        f"{'model':>6} {'N':>5} {'T':>5} {'scenario':>8} {'path':>7} {'tokens':>7} {'longest':>7} {'generate s':>10} "
         f"{'decode s':>9} {'decode tok/s':>12} {'tok/s w/ prefill':>16} {'step ms':>8} {'ratio':>12}"
         + (f" {'capture s':>9} {'roofline':>8} {'roofline excl capture':>21}" if roof else "")
     )
     for r in rows:
-        key = f"{r['model']}/T={r['T']}/{r['scenario']}"
+        key = case(r)
         ratio = f"new/old {speedups[key]}x" if r["path"] == "new" and key in speedups else ""
+        ratio = f"new/lean {graphs_vs_lean[key]}x" if r["path"] == "new" and key in graphs_vs_lean else ratio
         ratio = f"/new {vllm_vs_new[key]}x" if r["path"] == "vllm" and key in vllm_vs_new else ratio
         line = (
-            f"{r['model']:>6} {r['T']:>5} {r['scenario']:>8} {r['path']:>7} {r['tokens']:>7} {r['longest']:>7} "
+            f"{r['model']:>6} {r['batch']:>5} {r['T']:>5} {r['scenario']:>8} {r['path']:>7} {r['tokens']:>7} "
+            f"{r['longest']:>7} "
             f"{r['generate_s']:>10.3f} {r['decode_s']:>9.3f} {r['decode_tokens_per_s']:>12.1f} "
             f"{r['tokens_per_s_with_prefill']:>16.1f} {r['step_ms']:>8.2f} {ratio:>12}"
         )
@@ -429,6 +450,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         },
         "results": rows,
         "speedup_new_over_old": speedups,
+        "graphs_over_lean": graphs_vs_lean,
         "vllm_over_new_with_prefill": vllm_vs_new,
     }
     print(json.dumps(res))

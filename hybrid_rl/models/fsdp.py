@@ -80,6 +80,21 @@ def prepare_policy(model: torch.nn.Module, gradient_checkpointing: bool) -> torc
     return model
 
 
+def prepare_reference(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Ready the frozen reference (a `load_sharded` prepare function, before sharding): no gradients, eval mode,
+    parameters in `dtype`, the inference dtype (bf16 under mixed precision, as verl builds its reference).
+
+    It never trains, so it needs no fp32 master: in fp32 it would hold, offload and onload twice the bytes the
+    planner bills (ref = b*N, plan/memory.py) for the same forward, since FSDP2's mixed precision casts every
+    gathered parameter to bf16 anyway. Buffers keep their dtype, as `from_pretrained(dtype=bf16)` leaves them
+    (the rotary inv_freq stays fp32), so the reference computes what the policy computes. On several ranks the
+    meta parameters are cast here and rank 0's fp32 state dict is copied into the bf16 shards (a cast)."""
+    model.requires_grad_(False).eval()
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    return model
+
+
 def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
     """Every dropout of `model` at probability 0: the dropout modules, and the float rates attention
     modules keep as attributes and pass to the attention function in train mode (`attention_dropout`)."""

@@ -28,6 +28,7 @@ import contextlib
 import json
 import os
 import re
+import sys
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -127,9 +128,13 @@ def check_model_dir(settings: LoraSettings, path: str) -> Optional[dict[str, tup
 
 # -- the adapted policy ---------------------------------------------------------------------------
 def lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    from peft.tuners.lora import LoraLayer
-
-    return [m for m in model.modules() if isinstance(m, LoraLayer)]
+    """The peft LoRA layers of `model` ([] for a model without adapters). peft is read from sys.modules, never
+    imported: only peft can inject these layers, so where it was never imported there are none, and an engine
+    asking a LoRA-free policy (SGLang's start, model.lora.rank=0) must run where peft is not installed."""
+    tuners = sys.modules.get("peft.tuners.lora")
+    if tuners is None:
+        return []
+    return [m for m in model.modules() if isinstance(m, tuners.LoraLayer)]
 
 
 def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:

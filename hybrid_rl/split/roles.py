@@ -38,7 +38,7 @@ def setup(cfg, device: torch.device) -> Optional[SplitComm]:
             "config key 'trainer.val_every' / 'trainer.val_before_train': validation is not wired into "
             "the split placement yet (the learners hold no engine); set both off or use colocated"
         )
-    return setup_split(t.rollout_ranks, device, t.dist_timeout_s, reward_model=bool(cfg.reward.model_path))
+    return setup_split(t.rollout_ranks, device, cfg.process_group_timeout_s, reward_model=bool(cfg.reward.model_path))
 
 
 def learner_side(

@@ -1,14 +1,19 @@
 """The memory ledger: bytes resident on the compute device per role, at every phase boundary.
 
 Counts come from the tensors themselves (so they work on CPU and match the planner's
-formulas), and on CUDA also from the allocator (`memory_allocated` and the peak
-since the previous boundary). `ROLES` is imported from `hybrid_rl.plan.memory`, its one
+formulas), and on CUDA also from the allocator: `memory_allocated` (live tensors) and
+`memory_reserved` (what the allocator holds from the device, its cache included), each with
+its peak since the previous boundary. Reserved is the number another process competes with:
+SGLang sizes its pool from what is free at its start and cannot use this process's cache,
+which is why the phase switch gives the cache back (`release_cached`) before an engine
+with its own memory resumes. `ROLES` is imported from `hybrid_rl.plan.memory`, its one
 definition: the ledger and the plan cannot drift apart, and the planner stays
 torch-free for `python -m hybrid_rl.plan`.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass, field
 from typing import Optional
@@ -18,7 +23,7 @@ import torch
 from hybrid_rl.plan.memory import ROLES
 from hybrid_rl.switch.offload import local_bytes, optimizer_tensors
 
-__all__ = ["ROLES", "MemoryLedger", "Snapshot", "grad_bytes", "module_bytes", "optimizer_bytes"]
+__all__ = ["ROLES", "MemoryLedger", "Snapshot", "grad_bytes", "module_bytes", "optimizer_bytes", "release_cached"]
 
 
 def _on(t: torch.Tensor, device: torch.device) -> bool:
@@ -40,6 +45,20 @@ def optimizer_bytes(opt: torch.optim.Optimizer, device: torch.device) -> int:
     return sum(local_bytes(v) for _, _, v in optimizer_tensors(opt) if _on(v, device))
 
 
+def release_cached(device: torch.device) -> int:
+    """Give the device memory torch's allocator caches (freed, but kept for reuse) back to the driver, so that
+    another process or memory pool can have it; returns the bytes given back (0 off CUDA). The collection first:
+    a reference cycle can keep a freed tensor's block alive; the sync: a block still in use by queued kernels is
+    not released. Acts on the current device, the rank's own (distributed.init sets it)."""
+    if device.type != "cuda":
+        return 0
+    gc.collect()
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_reserved(device)
+    torch.cuda.empty_cache()
+    return max(0, before - torch.cuda.memory_reserved(device))
+
+
 @dataclass
 class Snapshot:
     label: str  # "<phase>:<moment>", e.g. "rollout:generated"
@@ -47,6 +66,8 @@ class Snapshot:
     roles: dict[str, int]
     allocated: Optional[int] = None  # CUDA allocator, bytes
     peak: Optional[int] = None  # CUDA peak since the previous snapshot
+    reserved: Optional[int] = None  # CUDA allocator: bytes held from the device (live + cached)
+    reserved_peak: Optional[int] = None  # its peak since the previous snapshot
 
     @property
     def total(self) -> int:
@@ -67,7 +88,9 @@ class MemoryLedger:
         if self.device.type == "cuda":
             snap.allocated = torch.cuda.memory_allocated(self.device)
             snap.peak = torch.cuda.max_memory_allocated(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
+            snap.reserved = torch.cuda.memory_reserved(self.device)
+            snap.reserved_peak = torch.cuda.max_memory_reserved(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)  # both peaks
         self.snapshots.append(snap)
         if self.snapshots[0].rollout < rollout - self.keep_rollouts + 1:
             self.snapshots = [s for s in self.snapshots if s.rollout > rollout - self.keep_rollouts]
@@ -86,16 +109,22 @@ class MemoryLedger:
         if snaps and snaps[-1].allocated is not None:
             out["memory/cuda_allocated"] = float(snaps[-1].allocated)
             out["memory/cuda_peak"] = float(max(s.peak or 0 for s in snaps))
+            out["memory/cuda_reserved"] = float(snaps[-1].reserved or 0)
+            out["memory/cuda_reserved_peak"] = float(max(s.reserved_peak or 0 for s in snaps))
         return out
 
     def table(self, rollout: int) -> str:
         snaps = self.rollout_snapshots(rollout)
-        head = f"{'boundary':<22}" + "".join(f"{r:>16}" for r in ROLES) + f"{'total':>12}   (MB)"
-        rows = [head]
+        cuda = bool(snaps) and snaps[0].allocated is not None  # the allocator's view beside the roles' sum
+        head = f"{'boundary':<22}" + "".join(f"{r:>16}" for r in ROLES) + f"{'total':>12}"
+        head += f"{'allocated':>12}{'reserved':>12}{'reserved peak':>15}" if cuda else ""
+        rows = [head + "   (MB)"]
         for s in snaps:
-            rows.append(
-                f"{s.label:<22}" + "".join(f"{s.roles[r] / 1e6:>16.2f}" for r in ROLES) + f"{s.total / 1e6:>12.2f}"
-            )
+            row = f"{s.label:<22}" + "".join(f"{s.roles[r] / 1e6:>16.2f}" for r in ROLES) + f"{s.total / 1e6:>12.2f}"
+            if cuda:
+                reserved, reserved_peak = (s.reserved or 0) / 1e6, (s.reserved_peak or 0) / 1e6
+                row += f"{s.allocated / 1e6:>12.2f}{reserved:>12.2f}{reserved_peak:>15.2f}"
+            rows.append(row)
         return "\n".join(rows)
 
     def write_report(self, rollout: int, out_dir: str, header: str) -> None:

@@ -3,8 +3,8 @@
 Roles: optimizer state, policy parameter shards, reference model, reward model.
 Gradients are never offloaded: the phase switch frees them (set_to_none).
 
-On CUDA the host side is pinned memory, allocated once (per optimizer tensor; one flat
-buffer per module) and reused every step (no allocator churn, no leak), and every copy
+On CUDA the host side is pinned memory, one flat buffer per optimizer and per module, allocated
+once and reused every step (no allocator churn, no leak), and every copy
 of a move is issued non-blocking with one synchronisation at the end. On CPU the device *is* the host,
 so a move is a no-op unless `always_copy` is set (tests and the CPU benchmark use it
 to run and time the same code path). Every move returns the bytes it copied.
@@ -54,36 +54,49 @@ class _Layout:
 
 
 class OptimizerOffloader:
-    """Offload / onload one optimizer's state tensors (all of them, in one sync)."""
+    """Offload / onload one optimizer's state tensors (all of them, in one sync).
+
+    The host side is ONE flat buffer (pinned on CUDA) holding every state tensor at its own aligned offset, allocated
+    at the first offload and reused by every later one; while offloaded, each state entry is a view into it. Not a
+    buffer per tensor: torch's pinned allocator rounds every request up to a power of two and keeps each block for
+    good, so hundreds of per-tensor blocks (two per parameter for AdamW) cost hundreds of page-locking calls and
+    could hold up to twice the state in pinned memory, while one block is rounded once (ModuleOffloader does the
+    same). A state that changes shape (a parameter group added) gets a new buffer of the new size."""
+
+    _ALIGN = 512  # bytes between the starts of two tensors in the buffer (DMA-friendly; any dtype view is aligned)
 
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, always_copy: bool = False):
         self.optimizer, self.device, self.always_copy = optimizer, torch.device(device), always_copy
         self.pin = self.device.type == "cuda"
-        self._host: dict[tuple[int, str], torch.Tensor] = {}  # reused host buffers
+        self._host: torch.Tensor | None = None  # the flat uint8 buffer, reused
         self._layouts: dict[tuple[int, str], _Layout] = {}
         self.on_device = True
 
-    def _host_buffer(self, key: tuple[int, str], local: torch.Tensor) -> torch.Tensor:
-        buf = self._host.get(key)
-        if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
-            buf = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=self.pin)
-            self._host[key] = buf
-        return buf
+    def _plan(self) -> tuple[list[tuple[dict, str, torch.Tensor, torch.Tensor, int]], int]:
+        """(state, key, value, its local tensor, byte offset in the buffer) per state tensor, and the buffer's size."""
+        entries, total = [], 0
+        for state, key, value in optimizer_tensors(self.optimizer):
+            local = value.to_local() if hasattr(value, "to_local") else value
+            entries.append((state, key, value, local, total))
+            total += -(-local.numel() * local.element_size() // self._ALIGN) * self._ALIGN
+        return entries, total
 
     def offload(self) -> int:
         if not self.on_device:
             return 0
         moved = 0
         if self.device.type != "cpu" or self.always_copy:
-            for state, key, value in optimizer_tensors(self.optimizer):
-                k = (id(state), key)
-                local = value.to_local() if hasattr(value, "to_local") else value
+            entries, total = self._plan()
+            if self._host is None or self._host.numel() != total:
+                self._host = torch.empty(total, dtype=torch.uint8, device="cpu", pin_memory=self.pin and total > 0)
+            for state, key, value, local, offset in entries:
                 if hasattr(value, "to_local"):
-                    self._layouts[k] = _Layout(value)
-                buf = self._host_buffer(k, local)
-                buf.copy_(local, non_blocking=self.pin)
-                state[key] = buf
-                moved += local.numel() * local.element_size()
+                    self._layouts[(id(state), key)] = _Layout(value)
+                nbytes = local.numel() * local.element_size()
+                host = self._host[offset : offset + nbytes].view(local.dtype).view(local.shape)
+                host.copy_(local, non_blocking=self.pin)
+                state[key] = host
+                moved += nbytes
             _sync(self.device)
         self.on_device = False
         return moved
@@ -107,7 +120,7 @@ class OptimizerOffloader:
         return moved
 
     def host_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._host.values())
+        return 0 if self._host is None else self._host.numel()
 
 
 class ModuleOffloader:

@@ -7,12 +7,14 @@ States and the only legal moves (one training step goes round the cycle):
                          ROLLOUT --reward()--> REWARD --(leave)--> ROLLOUT   (a stage nested in ROLLOUT)
 
 to ROLLOUT: zero grads (set_to_none) -> offload optimizer state (if configured) ->
-            engine.resume(["weights"]) -> sync weights inside engine.begin/end_weight_update
-            (skipped when the engine runs the policy module itself) -> engine.resume(["kv_cache"])
-            (+ offload policy shards, offload.params, for engines with their own copy)
+            [give back the allocator's cache] -> engine.resume(["weights"]) -> sync weights inside
+            engine.begin/end_weight_update (skipped when the engine runs the policy module itself)
+            (+ offload policy shards, offload.params, for engines with their own copy) ->
+            [give back the allocator's cache] -> engine.resume(["kv_cache"])
 leaving ROLLOUT: engine.release(["kv_cache", "weights"]) (+ onload policy shards)
 to REWARD:  (inside ROLLOUT, after a round is generated) engine.release(["kv_cache"]) ->
-            onload the reward model (offload.reward_model); leaving REWARD: offload it -> resume the KV cache
+            onload the reward model (offload.reward_model); leaving REWARD: offload it -> [give back the
+            allocator's cache] -> resume the KV cache
 to SCORE:   onload the reference model; leaving SCORE: offload it (if configured)
 to TRAIN:   onload optimizer state
 
@@ -25,6 +27,14 @@ weights stay (synced once per step) and only its KV cache, the rollout's largest
 is released, so the reward model takes the KV cache's place instead of stacking on it:
 REWARD holds engine weights + reward model (+ whatever is not offloaded), never the KV cache.
 A run without a reward model never enters it (rule rewards need no device memory).
+
+[give back the allocator's cache]: only for an engine with its own memory (not the native engine decoding with
+the policy): SGLang runs in other processes and vLLM allocates from its own pool, so neither can use what torch's
+allocator here holds freed but cached (activations, gradients, the offloaded reference's and the sync buckets'
+blocks); SGLang sizes its pool from what is free when it starts, and an out-of-memory error in its scheduler kills
+the rank. So gc + synchronize + empty_cache (`memory.release_cached`) before each engine resume and after the sync,
+as verl (aggressive_empty_cache) and slime do; the stage `empty_cache` counts the bytes given back. The native
+engine allocates its KV cache from this same allocator, which would only have to ask the driver again.
 
 Every stage is timed and its bytes counted into `self.stats` (drained per step), and
 the memory ledger records the bytes per role at each boundary:
@@ -202,6 +212,7 @@ class PhaseManager:
             self.optimizer.zero_grad(set_to_none=True)
         if self.opt_offload is not None:
             self._move("offload_optimizer", self.opt_offload.offload)
+        self._give_back_cache()
         with self._stage("resume_weights") as moved:
             self.engine.resume(["weights"])
             # The native engine gathers the policy's shards (bytes moved); an engine with its own
@@ -212,6 +223,7 @@ class PhaseManager:
                 moved[0] = self._sync_weights()
             if self.param_offload is not None:
                 self._move("offload_params", self.param_offload.offload)
+            self._give_back_cache()  # the buckets, and the shards offload.params just moved out
         with self._stage("resume_kv"):
             self.engine.resume(["kv_cache"])
         self._kv_peak = 0
@@ -226,6 +238,13 @@ class PhaseManager:
             if self.param_offload is not None:
                 self._move("onload_params", self.param_offload.onload)
             self.inside = None
+
+    def _give_back_cache(self) -> None:
+        """Before an engine with its own memory resumes, and after the sync: the module docstring says why."""
+        if self.device.type != "cuda" or self.zero_copy:
+            return
+        with self._stage("empty_cache") as moved:
+            moved[0] = memory.release_cached(self.device)
 
     def _sync_weights(self) -> int:
         """Send the policy to an engine with its own copy; returns the bytes sent. Shards are cast to the engine's
@@ -283,6 +302,7 @@ class PhaseManager:
             reshard(self.reward_model)
             if self.rm_offload is not None:
                 self._move("offload_reward_model", self.rm_offload.offload)
+            self._give_back_cache()  # the reward model's activations (and its blocks, when offloaded)
             with self._stage("resume_kv_after_reward"):
                 self.engine.resume(["kv_cache"])
             self.inside = Phase.ROLLOUT

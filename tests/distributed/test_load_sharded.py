@@ -1,6 +1,7 @@
 """`models.fsdp.load_sharded` on 2 real gloo ranks: only rank 0 reads the weights; every rank ends with
 the same whole model as a plain load (parameters, the non-persistent rotary buffer, the generation
-config, tied embeddings), the policy trainable with gradient checkpointing, the reference frozen."""
+config, tied embeddings), the policy trainable with gradient checkpointing, the reference frozen and in bf16
+(`prepare_reference`: its meta parameters cast, rank 0's fp32 weights copied into the bf16 shards, buffers fp32)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ pytestmark = pytest.mark.slow
 
 
 def _load_on_rank(rank: int, model_dir: str):
+    import functools
+
     from hybrid_rl.models import fsdp
     from hybrid_rl.runtime import distributed as D
 
@@ -25,7 +28,7 @@ def _load_on_rank(rank: int, model_dir: str):
         torch.device("cpu"),
         False,
         "sdpa",
-        [lambda m: m.gradient_checkpointing_enable(), lambda m: m.requires_grad_(False)],
+        [lambda m: m.gradient_checkpointing_enable(), functools.partial(fsdp.prepare_reference, dtype=torch.bfloat16)],
     )
     out = {"reads": len(reads)}
     for name, model in (("policy", policy), ("ref", ref)):
@@ -56,9 +59,9 @@ def test_only_rank_0_reads_and_every_rank_holds_the_model(tiny_model_dir):
             m = r[name]
             assert m["state"].keys() == want_state.keys()
             for k, v in want_state.items():
-                assert torch.equal(m["state"][k], v), (name, k)
+                assert torch.equal(m["state"][k], v if name == "policy" else v.to(torch.bfloat16)), (name, k)
             for k, v in want_buffers.items():
-                assert torch.equal(m["buffers"][k], v), (name, k)
+                assert m["buffers"][k].dtype == v.dtype and torch.equal(m["buffers"][k], v), (name, k)
             assert m["generation"] == plain.generation_config.to_dict() and m["tied"] and m["sharded"]
         assert r["policy"]["trainable"] == {True} and r["policy"]["checkpointing"]
         assert r["ref"]["trainable"] == {False} and not r["ref"]["checkpointing"]

@@ -57,10 +57,31 @@ def test_one_gpu_step_in_bf16(tiny_model_dir, tmp_path):
         # bf16 forward in the engine and the trainer: close, not exact.
         assert last["rollout/logp_mismatch"] < 0.1
         assert last["memory/optimizer_peak"] > 0
+        # The reference in bf16 (models/fsdp.py prepare_reference): 2 bytes a parameter, as the planner bills it.
+        assert all(p.dtype == torch.bfloat16 for p in trainer.ref.parameters())
+        assert last["memory/ref_peak"] == 2 * sum(p.numel() for p in trainer.ref.parameters())
+        # The ledger reads the allocator's reserved bytes beside the allocated ones (what another process sees).
+        assert last["memory/cuda_reserved"] >= last["memory/cuda_allocated"] > 0
+        assert last["memory/cuda_reserved_peak"] >= last["memory/cuda_reserved"]
         # The rollout replayed CUDA graphs of the lean step on the FSDP2 policy, with no fallback.
         assert trainer.engine.last_decode_path == "cuda_graph", trainer.engine.last_graph_error
         params = list(trainer.policy.parameters())
         assert params[0].device.type == "cuda"
+    finally:
+        D.shutdown()
+
+
+def test_rollout_cuda_graphs_false_decodes_the_lean_step_eagerly(tiny_model_dir, tmp_path):
+    """rollout.cuda_graphs=false reaches the engine: the rollout decodes eagerly on CUDA (the GPU script's eager
+    side of its eager-against-graphs measurement)."""
+    from hybrid_rl import Trainer, load_config
+    from hybrid_rl.runtime import distributed as D
+
+    overrides = _overrides(tiny_model_dir, str(tmp_path)) + ["trainer.total_steps=1", "rollout.cuda_graphs=false"]
+    try:
+        trainer = Trainer(load_config(None, overrides))
+        trainer.fit()
+        assert trainer.engine.last_decode_path == "lean", trainer.engine.last_decode_path
     finally:
         D.shutdown()
 

@@ -17,6 +17,10 @@ stream is untouched. Each row still gets its own draws (a prompt's samples diffe
 Guarantee: the same weights, prompts (the group's, in order) and seed give the same tokens; a sample
 depends on the whole call (the other prompts, their order, tp_size), no longer on its prompt, seed and
 index alone as it did with a seed per request.
+That is the CPU build (Model Runner V1). On CUDA vLLM runs Model Runner V2 (pinned: setup.RUNNER_ENV), whose
+sampler never reads torch's generators: each request gets an explicit seed derived from the call's
+(setup.request_seeds), which V2 hashes with the position at no cost; a request without one would take its
+seed from NumPy's global stream.
 Logprobs come back as vLLM's FlatLogprobs (`flat_logprobs`: flat lists instead of a dict and a Logprob
 object per token), read without building those objects (~4% of the same rollout).
 
@@ -90,6 +94,41 @@ def to_completion(out: Any, index: int, stop_ids: Iterable[int] = ()) -> Complet
         return Completion(token_ids=ids, logprobs=list(flat), finish_reason=kind)
     logprobs = [float(lp[t].logprob) for t, lp in zip(ids, lps)]  # list of {token: Logprob} (or top-k entries)
     return Completion(token_ids=ids, logprobs=logprobs, finish_reason=kind)
+
+
+def build_requests(requests: list, stop_ids, device: torch.device) -> tuple[list, list, list, int]:
+    """(vLLM prompts, their SamplingParams, their stop ids, the call's seed) for the group's requests, a list of
+    (prompt ids, our SamplingParams) in rank order; `stop_ids(params)` gives a request's stop ids.
+
+    On CPU one vLLM SamplingParams per rank's request, shared by its prompts (vLLM copies it per request anyway),
+    without a seed: the call's stream is seeded (module docstring, "Sampling stream"). On CUDA one per prompt, each
+    with its own seed (setup.request_seeds), the same on every rank of the group."""
+    from vllm import SamplingParams as VSP
+    from vllm.inputs import TokensPrompt
+
+    call_seed = S.group_seed(p.seed for _, p in requests)
+    seeds = iter(S.request_seeds(call_seed, sum(len(ids) for ids, _ in requests), device))
+    prompts, sampling, stops = [], [], []
+    for ids, p in requests:
+        stop = stop_ids(p)
+        fields = dict(
+            max_tokens=p.max_new_tokens,
+            temperature=0.0 if p.greedy else p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k if p.top_k > 0 else 0,
+            stop_token_ids=stop,
+            logprobs=0,
+            flat_logprobs=True,
+            detokenize=False,
+            min_tokens=p.min_new_tokens,
+        )
+        shared = VSP(**fields)
+        for one in ids:
+            seed = next(seeds)
+            prompts.append(TokensPrompt(prompt_token_ids=one))
+            sampling.append(shared if seed is None else VSP(**fields, seed=seed))
+            stops.append(stop)
+    return prompts, sampling, stops, call_seed
 
 
 @contextlib.contextmanager
@@ -169,6 +208,7 @@ class VLLMEngine:
     # -- start-up -------------------------------------------------------------
     def _start(self, model_path, max_model_len, max_num_seqs, mem_fraction, prefix_caching, seed, extra):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process
+        os.environ[S.RUNNER_ENV] = "1" if S.model_runner_v2(self.device) else "0"  # setup.py: why pinned
         cuda = self.device.type == "cuda"
         args = dict(
             model=model_path,
@@ -205,6 +245,15 @@ class VLLMEngine:
                     "of max_model_len tokens, not enough free memory, or a vLLM build for another device"
                 ) from err
         self.process_changes = guard.changes
+        runs_v2 = llm.llm_engine.vllm_config.use_v2_model_runner
+        if runs_v2 != S.model_runner_v2(self.device):
+            self.llm = llm
+            self.shutdown()  # keeps the trainer's process group
+            raise RuntimeError(
+                f"vLLM runs Model Runner {'V2' if runs_v2 else 'V1'} on {self.device}, not the one the adapter seeds "
+                f"its requests for ({S.RUNNER_ENV} is read once per process: an earlier engine, or a feature only "
+                "one runner has, decided it); start the engine in a fresh process"
+            )
         return llm
 
     @property
@@ -354,31 +403,10 @@ class VLLMEngine:
         if self.tp_size > 1:  # the whole group generates the same requests (external_launcher's rule)
             requests = [None] * self.tp_size
             torch.distributed.all_gather_object(requests, (list(map(list, prompt_ids)), params), group=self.group)
-        from vllm import SamplingParams as VSP
-        from vllm.inputs import TokensPrompt
-
-        prompts, sampling, stops = [], [], []
-        for ids, p in requests:
-            stop = self._stop_ids(p)
-            # One SamplingParams per rank's request, shared by its prompts (vLLM copies it per request anyway);
-            # no per-request seed: the call's stream is seeded below (module docstring, "Sampling stream").
-            vsp = VSP(
-                max_tokens=p.max_new_tokens,
-                temperature=0.0 if p.greedy else p.temperature,
-                top_p=p.top_p,
-                top_k=p.top_k if p.top_k > 0 else 0,
-                stop_token_ids=stop,
-                logprobs=0,
-                flat_logprobs=True,
-                detokenize=False,
-                min_tokens=p.min_new_tokens,
-            )
-            prompts += [TokensPrompt(prompt_token_ids=one) for one in ids]
-            sampling += [vsp] * len(ids)
-            stops += [stop] * len(ids)
+        prompts, sampling, stops, call_seed = build_requests(requests, self._stop_ids, self.device)
         outs = []
         if prompts:
-            with S.sampling_stream(S.group_seed(p.seed for _, p in requests), self.device):
+            with S.sampling_stream(call_seed, self.device):
                 outs = self.llm.generate(prompts, sampling, use_tqdm=False, lora_request=self.lora_request)
         if len(outs) != len(prompts):
             raise RuntimeError(f"vLLM returned {len(outs)} results for {len(prompts)} prompts")

@@ -1,7 +1,8 @@
 """What the vLLM engine (rollout/vllm/engine.py) needs settled before vLLM starts: the checks that raise a
 config error before a model is built, the KV-cache budget, and a guard around what vLLM's start-up
-does to this process; and, around each generate, the seeded sampling stream (rollout/vllm/engine.py's
-docstring says why one stream per call, not a seed per request).
+does to this process; around each generate, the seeded sampling stream (rollout/vllm/engine.py's
+docstring says why one stream per call, not a seed per request, on CPU); and the model runner, pinned, with the
+per-request seeds it takes on CUDA.
 
 What starting vLLM 0.32 (CPU build, in-process) does to the process, measured on this machine and
 read in its source (platforms/cpu.py, v1/worker/cpu_worker.py, utils/torch_utils.py):
@@ -218,6 +219,33 @@ def group_seed(seeds: Iterable[int]) -> int:
     for s in seeds:
         mixed = (mixed * 1_000_003 + int(s)) % (1 << 63)
     return mixed
+
+
+# vLLM 0.32 picks its model runner by probing (config/vllm.py `use_v2_model_runner`): Model Runner V2 on CUDA where
+# Triton imports and no feature it lacks is on, V1 otherwise (always on the CPU build, which has no Triton CPU
+# backend). The two draw sampling noise differently (request_seeds), so the adapter pins the one it is written for
+# rather than let an installed Triton or a feature flag decide; the variable is read once per process.
+RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def model_runner_v2(device: torch.device) -> bool:
+    """The runner the adapter runs vLLM with: V2 on CUDA (its sampler takes per-request seeds at no cost), V1 on CPU."""
+    return device.type == "cuda"
+
+
+def request_seeds(call_seed: int, n: int, device: torch.device) -> list[Optional[int]]:
+    """vLLM `seed=` for each of a call's n requests (in the group's order): explicit on CUDA, None on CPU.
+
+    CUDA (Model Runner V2): each request's noise is a hash of its own seed and position (v1/worker/gpu/sample/
+    gumbel.py), and a request without a seed gets one from NumPy's global generator (sample/states.py
+    `add_request`: np.random.randint), which neither sampling_stream nor the trainer seeds per call: runs would
+    not repeat, and the TP ranks of a group would sample the same tokens only while their NumPy streams happen to
+    agree. A seed per request costs V2 nothing. CPU (V1): a per-request seed makes vLLM keep a torch.Generator per
+    request and loop over them at every step (engine.py's docstring), so there the call's stream is seeded instead.
+    Every rank computes the same seeds from the group's call seed."""
+    if not model_runner_v2(device):
+        return [None] * n
+    return [(call_seed * 1_000_003 + i) % (1 << 63) for i in range(n)]
 
 
 @contextlib.contextmanager

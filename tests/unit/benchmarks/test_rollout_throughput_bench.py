@@ -78,7 +78,40 @@ def test_script_reports_every_case_on_cpu(bench, capsys):
             assert r["tokens"] == N * T
         assert r["decode_tokens_per_s"] > 0 and r["roofline_frac"] is None  # the roofline is GPU-only
     assert rows[("full", "new")]["decode_path"] == "lean"
-    assert set(res["speedup_new_over_old"]) == {f"tiny/T={T}/full", f"tiny/T={T}/ragged"}
+    assert set(res["speedup_new_over_old"]) == {f"tiny/N={N}/T={T}/full", f"tiny/N={N}/T={T}/ragged"}
+    assert res["graphs_over_lean"] == {} and all(r["batch"] == N for r in rows.values())
     # No vllm path asked for: no vLLM column (its rows are tested in test_vllm_benchmarks.py).
     assert res["vllm_over_new_with_prefill"] == {} and all(r["greedy_native_eq_vllm"] is None for r in rows.values())
     assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith('{"benchmark": "rollout_throughput"')
+
+
+@pytest.mark.slow
+def test_lean_against_graphs_at_several_batch_sizes(bench):
+    """What benchmarks/gpu_session.sh asks at the 1.5B shape (`--batch 64,512 --paths lean,new`), tiny on CPU: a
+    case per batch size, the lean path with graphs off, and the graphs-over-lean ratio per case.
+    Catches: cases of two batch sizes merged under one key."""
+    res = bench.main(
+        ["--models", "tiny", "--new-tokens", "4", "--batch", "2,3", "--prompt-len", "6", "--vocab", "64"]
+        + ["--scenarios", "full", "--paths", "lean,new", "--device", "cpu"]
+    )
+    assert [(r["batch"], r["path"]) for r in res["results"]] == [(2, "lean"), (2, "new"), (3, "lean"), (3, "new")]
+    assert all(r["tokens"] == r["batch"] * 4 for r in res["results"])
+    assert set(res["graphs_over_lean"]) == {"tiny/N=2/T=4/full", "tiny/N=3/T=4/full"}
+
+
+def test_the_lean_path_is_the_engine_with_graphs_off(bench, monkeypatch):
+    """Catches: the lean path built with CUDA graphs left to the engine (on CUDA it would compare graphs with
+    graphs; on CPU both decode eagerly, so only the engine's arguments show it)."""
+
+    class Built(Exception):
+        pass
+
+    def spy(*args, **kwargs):
+        raise Built(kwargs)
+
+    monkeypatch.setattr(bench, "NativeEngine", spy)
+    with pytest.raises(Built) as lean:
+        bench.run_case(None, "lean", [], None, -1, torch.device("cpu"), 1)
+    with pytest.raises(Built) as graphs:
+        bench.run_case(None, "new", [], None, -1, torch.device("cpu"), 1)
+    assert (lean.value.args[0]["cuda_graphs"], graphs.value.args[0]["cuda_graphs"]) == (False, None)

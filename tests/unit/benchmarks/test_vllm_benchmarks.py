@@ -134,10 +134,10 @@ def test_rollout_throughput_vllm_rows_next_to_the_native_engine(bench_path, caps
     assert rows[("full", "vllm")]["greedy_native_eq_vllm"] is True
     assert rows[("full", "new")]["greedy_native_eq_vllm"] is None
     for key, ratio in res["vllm_over_new_with_prefill"].items():
-        model, t, scen = key.split("/")
+        model, n, t, scen = key.split("/")
         want = rows[(scen, "vllm")]["tokens_per_s_with_prefill"] / rows[(scen, "new")]["tokens_per_s_with_prefill"]
         assert ratio == pytest.approx(want, abs=0.006), key
-    assert set(res["vllm_over_new_with_prefill"]) == {f"tiny/T={T}/full", f"tiny/T={T}/ragged"}
+    assert set(res["vllm_over_new_with_prefill"]) == {f"tiny/N={N}/T={T}/full", f"tiny/N={N}/T={T}/ragged"}
     assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith('{"benchmark": "rollout_throughput"')
 
 

@@ -181,6 +181,50 @@ def test_group_seed_is_one_value_per_group_that_every_seed_moves():
     assert 0 <= group_seed([-1, 2**70]) < 2**63
 
 
+def test_cuda_requests_carry_their_own_seeds_and_cpu_requests_share_the_calls_stream():
+    """vLLM's CUDA runner (Model Runner V2) samples each request from its own seed and, for a request without one,
+    draws that seed from NumPy's global generator: the torch stream the call seeds is never read there. So on CUDA
+    every request carries a seed derived from the group's call seed (the same on every TP rank, another for
+    another seed), and on CPU none does (V1 would keep a generator per seeded request).
+    Catches: CUDA requests sent without seeds (runs that do not repeat, TP ranks that agree by accident), seeds
+    that repeat across a call's requests or ignore the call's seed, and seeds on CPU."""
+    from vllm.sampling_params import SamplingType
+
+    from hybrid_rl.rollout.vllm.engine import build_requests
+    from hybrid_rl.types import SamplingParams
+
+    def group(seed0: int, seed1: int):  # two ranks' requests, gathered in rank order
+        return [
+            ([[4, 5, 6], [7, 8]], SamplingParams(max_new_tokens=4, temperature=0.7, seed=seed0)),
+            ([[9, 10]], SamplingParams(max_new_tokens=4, temperature=0.7, seed=seed1)),
+        ]
+
+    def stops(p):
+        return [1]
+
+    cuda = torch.device("cuda")
+    prompts, sampling, _, call_seed = build_requests(group(3, 4), stops, cuda)
+    seeds = [sp.seed for sp in sampling]
+    assert len(prompts) == 3 and all(isinstance(s, int) for s in seeds) and len(set(seeds)) == 3
+    assert all(sp.sampling_type == SamplingType.RANDOM_SEED for sp in sampling)
+    assert [sp.seed for sp in build_requests(group(3, 4), stops, cuda)[1]] == seeds, "every rank computes the same"
+    assert not set(seeds) & {sp.seed for sp in build_requests(group(3, 5), stops, cuda)[1]}, "another call seed"
+    assert all(0 <= s < 2**63 for s in seeds), "V2 keeps seeds in an int64 array"
+    _, cpu_sampling, _, cpu_seed = build_requests(group(3, 4), stops, torch.device("cpu"))
+    assert cpu_seed == call_seed and all(sp.seed is None for sp in cpu_sampling)
+    assert cpu_sampling[0] is cpu_sampling[1], "on CPU a rank's prompts share one SamplingParams"
+
+
+def test_the_model_runner_is_pinned(setup):
+    """Catches: the runner left to vLLM's probe (an installed Triton or a feature flag would pick V1 on CUDA, whose
+    sampler loops over per-request generators in Python, or V2 where the seeds are not given)."""
+    from hybrid_rl.rollout.vllm import setup as S
+
+    _, engine, _, _, _ = setup
+    assert os.environ[S.RUNNER_ENV] == "0" and engine.llm.llm_engine.vllm_config.use_v2_model_runner is False
+    assert S.model_runner_v2(torch.device("cuda")) and not S.model_runner_v2(torch.device("cpu"))
+
+
 def test_with_top_k_the_engine_returns_the_filtered_distributions_logprobs(setup):
     """The README's statement: with top-k on, vLLM's logprob is under the renormalised top-k distribution,
     never below the trainer's full-vocabulary log_softmax(logits / T)."""
