@@ -106,7 +106,15 @@ def run_side(tree: str, yaml_text: str, nproc: int, steps: int, work: str) -> li
         raise RuntimeError(f"PYTHONPATH={tree} imported hybrid_rl from {where}, not from that tree")
     print(f"  {tree}: hybrid_rl from {where}, {nproc} process(es)", file=sys.stderr)
     out_dir = os.path.join(work, "out")
-    args = overrides(steps, out_dir, os.path.join(work, "tiny_qwen2"))
+    model_dir = os.path.join(work, "tiny_qwen2")
+    # The recipe's own model, built by the tree's code: a recipe refuses a model.path with no model unless told
+    # to create it (--create-model), a flag older trees do not know.
+    build = (
+        "import sys; from hybrid_rl.data.digits import DIGIT_WORDS; from hybrid_rl.models.tiny import "
+        "build_tiny_model_dir as b; b(sys.argv[1], DIGIT_WORDS, hidden_size=128, num_layers=2, seed=0)"
+    )
+    subprocess.run([sys.executable, "-c", build, model_dir], env=env, cwd=work, check=True)
+    args = overrides(steps, out_dir, model_dir)
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = (
         [sys.executable, script]

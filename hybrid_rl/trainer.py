@@ -48,14 +48,14 @@ from hybrid_rl.loop.rollout_stage import RolloutStage
 from hybrid_rl.loop.run_state import Checkpointer, RunState, find_resume
 from hybrid_rl.loop.update import UpdateSettings, policy_update, score_logprobs, scores_old_policy
 from hybrid_rl.loop.validation import Validator, check_val_set
-from hybrid_rl.models.fsdp import load_sharded, prepare_policy
+from hybrid_rl.models.fsdp import load_sharded, prepare_policy, prepare_reference
 from hybrid_rl.models.loading import load_tokenizer, model_eos_ids
 from hybrid_rl.models.lora import adapters_disabled, policy_loading, trainable_parameters
+from hybrid_rl.observability.dashboard import draw_run, phase_memory
 from hybrid_rl.observability.loggers import build_loggers, check_loggers, console_write, interactive
 from hybrid_rl.observability.metrics import (
     StageTimer,
     bottleneck,
-    plot_curve,
     run_history,
     split_summary,
     step_time_metrics,
@@ -95,7 +95,7 @@ class Trainer:
         """The device and process-wide settings; everything a user can get wrong is checked before a model is
         built, and the checkpoint to resume from is found and checked before anything is built or written."""
         cfg = self.cfg
-        self.device = D.init(cfg.trainer.device, cfg.trainer.dist_timeout_s)
+        self.device = D.init(cfg.trainer.device, timeout_s=cfg.process_group_timeout_s)
         if self.device.type == "cpu" and cfg.trainer.keep_host_memory:
             keep_freed_blocks()
         validate_runtime(cfg, D.world_size())
@@ -176,7 +176,8 @@ class Trainer:
         longest_prompt = max(len(self.encode(r)) for r in rows[:256])
         self.offload = decide_offload(cfg, self.device, D.world_size(), self._mixed, prompt_tokens=longest_prompt)
         as_policy = functools.partial(prepare_policy, gradient_checkpointing=cfg.model.gradient_checkpointing)
-        as_ref = lambda m: m.requires_grad_(False).eval()  # noqa: E731
+        # The reference in the inference dtype: bf16 under mixed precision, what the planner bills (models/fsdp.py)
+        as_ref = functools.partial(prepare_reference, dtype=torch.bfloat16 if self._mixed else torch.float32)
         # LoRA: a frozen base (inference dtype) + fp32 adapters; its reference is the base, adapters off (_score)
         load, as_policy, dtype = policy_loading(cfg.model, as_policy, self._mixed)
         own_ref = cfg.algorithm.needs_ref_model and not cfg.model.lora.enabled
@@ -292,7 +293,8 @@ class Trainer:
         )
         if D.is_main():
             os.makedirs(self.out_dir, exist_ok=True)
-            save_config(cfg, os.path.join(self.out_dir, "config.yaml"))
+            used, reward_line = self.rewards.recorded(cfg)  # the reward that runs, not a name it replaced
+            save_config(used, os.path.join(self.out_dir, "config.yaml"), reward_line)
         resume_step = resume_meta["step"] if resume_meta else None
         self.loggers = build_loggers(cfg, console_write, resume_step) if D.is_main() else []
         ckpt.remove_stale_temporaries(cfg.trainer.checkpoint_root)
@@ -336,7 +338,13 @@ class Trainer:
 
             longest = max(len(self.encode(row)) for row in [*train_rows, *val_rows])
             return build_for_trainer(self.cfg, self.policy, tok, longest, bool(val_rows), weights_dtype)
-        return engine_cls(self.policy, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, weights_dtype=weights_dtype)
+        return engine_cls(
+            self.policy,
+            pad_id=tok.pad_token_id,
+            eos_id=tok.eos_token_id,
+            weights_dtype=weights_dtype,
+            cuda_graphs=r.cuda_graphs,
+        )
 
     def _build_rollout_rank(self, rows: list[dict]) -> None:
         """A split rollout rank: its own copy of the policy under the configured engine, the rollout stage on
@@ -418,6 +426,8 @@ class Trainer:
         if self.split:
             metrics.update(self.learner_side.rates(metrics))
         metrics.update(self.phases.ledger.rollout_metrics(self.phases.rollouts))
+        snaps = self.phases.ledger.rollout_snapshots(self.phases.rollouts)
+        metrics.update(phase_memory((s.label, s.total) for s in snaps))  # the dashboard's memory over the run
         self.state.ledger_rollout = self.phases.rollouts
         self.state.step += 1
         metrics["step"] = self.state.step
@@ -473,8 +483,9 @@ class Trainer:
         """Run `steps` more steps (default: up to trainer.total_steps); returns the metrics history.
 
         SIGTERM / SIGINT finish the current step, write a checkpoint, close the loggers and
-        raise `TrainingInterrupted` (a SystemExit with status 128 + signal); a second signal
-        stops at once. Checkpoints every `trainer.save_every` steps and after the last one."""
+        raise `TrainingInterrupted` (an ordinary exception naming the checkpoint and how to continue; a recipe
+        exits with status 128 + signal); a second signal stops at once. Checkpoints every `trainer.save_every`
+        steps and after the last one."""
         from tqdm.auto import tqdm
 
         t, state = self.cfg.trainer, self.state
@@ -522,7 +533,7 @@ class Trainer:
             bar.close()
             if D.is_main() and state.history:  # the curve and split of the whole run, a resumed one too
                 whole = run_history(self.out_dir, state.history)
-                plot_curve(whole, os.path.join(self.out_dir, "reward_curve.png"))
+                draw_run(whole, self.out_dir)  # dashboard.png, reward_curve.png
                 self.phases.ledger.write_report(state.ledger_rollout, self.out_dir, self.offload.message)
                 print(split_summary(whole))
             if interrupted is not None:  # last: under torchrun only torchrun's report of the signal follows

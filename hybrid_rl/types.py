@@ -47,6 +47,16 @@ class Completion:
     logprobs: list[float]
     finish_reason: str  # "stop" | "length"
 
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens the model sampled: what `response/length` counts (an episode's observations are not)."""
+        return len(self.token_ids)
+
+    @property
+    def truncated(self) -> bool:
+        """Cut by a length limit instead of ending by itself: what `response/truncated` counts."""
+        return self.finish_reason == "length"
+
 
 def response_bodies(completions: Sequence[Completion], stop_ids: set[int]) -> list[list[int]]:
     """Each completion's tokens without a final stop token: what rewards and validation read."""

@@ -22,7 +22,6 @@ else the native engine (the log says which). On CPU, with a tiny model substitut
         algorithm.mini_batch_size=0 trainer.micro_batch_size=16 trainer.total_steps=4 trainer.val_every=2
 """
 
-import argparse
 import importlib.util
 import os
 import sys
@@ -30,7 +29,7 @@ import sys
 from omegaconf import OmegaConf
 
 from hybrid_rl import Trainer, load_config
-from hybrid_rl.config.checks import command_line
+from hybrid_rl.config.checks import RecipeParser, command_line
 from hybrid_rl.observability.metrics import reward_summary, run_history
 from hybrid_rl.plan.from_config import PromptTokens, config_fixes, plan_from_config, prompt_tokens_for_plan
 from hybrid_rl.plan.memory import GIB, PHASES
@@ -100,7 +99,7 @@ def verdict(plan, fixes) -> str:
 
 def parse_args(argv: list[str]):
     """(the recipe's flags, the key=value overrides)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = RecipeParser(__doc__, "recipes/grpo_7b.yaml")
     parser.add_argument("--dry-run", action="store_true", help="print the config and memory plan; load nothing")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs to plan for (default: the ranks, 8 on --dry-run)")
     parser.add_argument(
@@ -109,10 +108,9 @@ def parse_args(argv: list[str]):
         default=None,
         help="GPU memory in GiB to plan for (default: measured, 80 on --dry-run); as python -m hybrid_rl.plan",
     )
-    args, overrides = parser.parse_known_args(argv)
-    if any(a.split("=")[0] == "--gpu-mem-gb" for a in overrides):
+    if any(a.split("=")[0] == "--gpu-mem-gb" for a in argv):
         parser.error("--gpu-mem-gb is --gpu-mem-gib here and in python -m hybrid_rl.plan (the value is GiB)")
-    return args, overrides
+    return parser.parse(argv)
 
 
 @distributed.report_failures
@@ -134,7 +132,7 @@ def main(argv: list[str]) -> dict:
         if refusal:
             sys.exit(refusal)
         return {"dry_run": True, "fits": True, "phase_totals": plan.phase_totals}
-    device = distributed.init(cfg.trainer.device, cfg.trainer.dist_timeout_s)
+    device = distributed.init(cfg.trainer.device, timeout_s=cfg.process_group_timeout_s)
     gpu_mem = args.gpu_mem_gib
     if gpu_mem is None and device.type == "cuda":
         import torch

@@ -38,6 +38,19 @@ def _resolve(path: str) -> str:
     return newest
 
 
+def verified(path: str) -> str:
+    """The checkpoint the CLI exports, checked against its manifest: a step_* directory must be intact (the
+    error names each damaged file and the older checkpoint to use); a checkpoints root gives its newest intact
+    one, naming any newer damaged one it skips. (One process: the verification's collectives are no-ops.)"""
+    if os.path.isfile(os.path.join(path, "meta.json")) or ckpt.is_step_dir(path):
+        ckpt.check_intact(path, os.path.dirname(os.path.normpath(path)))
+        return path
+    newest, damaged = ckpt.newest_intact(path)
+    for skipped, problems in damaged:
+        print(f"export: skipping damaged {skipped} ({ckpt.describe_damage(problems)})", file=sys.stderr)
+    return newest or path
+
+
 def _target_dtype(config, dtype: str) -> torch.dtype:
     if dtype != "auto":
         return DTYPES[dtype]
@@ -164,7 +177,7 @@ def main(argv: list[str]) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        out = export_checkpoint(args.checkpoint, args.out, args.dtype, args.merge)
+        out = export_checkpoint(verified(args.checkpoint), args.out, args.dtype, args.merge)
     except (ckpt.CheckpointError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

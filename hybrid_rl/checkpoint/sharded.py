@@ -11,12 +11,17 @@ One checkpoint is a directory `<root>/step_00000010` holding
     hf/            config.json + tokenizer of the policy: what `python -m hybrid_rl.export` needs
     meta.json      step, world size, model fingerprint, format version, and the resolved config of
                    the run that wrote it (checked on resume)
+    manifest.json  every other file with its size and SHA-256 (checkpoint/manifest.py), written last
 
 Commit protocol: everything is written into `<root>/.tmp-step_00000010`; after every rank
-has written its part (a failure anywhere is agreed on by all ranks), rank 0 writes
-meta.json and renames the directory into place. A rename is atomic, so a crash or a full
-disk while saving leaves the previous checkpoints as they were, and `latest` never
-returns a partial one. A checkpoint resumes only on the world size that wrote it: the
+has written its part (a failure anywhere is agreed on by all ranks), the ranks hash the files
+(each its share), rank 0 writes meta.json, then the manifest (atomically), and renames the
+directory into place. A rename is atomic, so a crash or a full disk while saving leaves the
+previous checkpoints as they were, and `latest` never returns a partial one; a failed save says
+where it failed, what the checkpoint needed (bytes) and what is kept. Resume verifies a checkpoint
+against its manifest first (`damage`): `trainer.resume=auto` skips a damaged one for the newest
+intact one, saying so, and damaged or later checkpoints are moved to `<root>/set_aside/`, never
+deleted. A checkpoint resumes only on the world size that wrote it: the
 per-rank RNG streams and the rank slices of each batch are what make resume bit-exact,
 and they do not reshard (DCP could reshard the weights, but the run would not be the
 same run); `check_compatible` refuses it before anything is built or overwritten.
@@ -25,6 +30,7 @@ same run); `check_compatible` refuses it before anything is built or overwritten
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import random
@@ -36,8 +42,11 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
+from hybrid_rl.checkpoint import manifest
 from hybrid_rl.runtime import distributed as D
+from hybrid_rl.runtime.errors import UserError
 
 FORMAT = 1
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -81,6 +90,7 @@ RESUMABLE_CHANGES = (
     "model.attn_implementation",
     "rollout.mem_fraction",
     "rollout.bucket_mb",
+    "rollout.cuda_graphs",  # the same decode step, captured or eager (graphs pad the batch: not bit-exact)
     "reward.max_tokens_per_micro_batch",
 )
 # The model fields that decide whether saved shards fit the model being built.
@@ -98,8 +108,13 @@ _MODEL_KEYS = (
 )
 
 
-class CheckpointError(RuntimeError):
-    pass
+# What a failed read or write raises: DCP's CheckpointException (its ranks' errors) derives from BaseException.
+_FAILURES = (Exception, CheckpointException)
+SET_ASIDE = "set_aside"  # <root>/set_aside/: damaged checkpoints and those after an older one resumed
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint that cannot be written or resumed; the message names it, what is wrong and what to do."""
 
 
 def step_dir(root: str, step: int) -> str:
@@ -116,6 +131,14 @@ def complete_checkpoints(root: str) -> list[tuple[int, str]]:
         if m and os.path.isfile(os.path.join(root, name, "meta.json")):
             found.append((int(m.group(1)), os.path.join(root, name)))
     return sorted(found)
+
+
+def checkpoint_dirs(root: str) -> list[tuple[int, str]]:
+    """(step, path) of every step_* directory under `root`, complete or damaged, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    found = [(int(m.group(1)), os.path.join(root, n)) for n in os.listdir(root) if (m := _STEP_DIR.match(n))]
+    return sorted(p for p in found if os.path.isdir(p[1]))
 
 
 def latest(root: str) -> Optional[str]:
@@ -136,8 +159,16 @@ def read_meta(path: str) -> dict:
             f"checkpoint {path!r} is incomplete (no meta.json: its save did not finish); "
             "resume from an older one, or trainer.resume=auto to take the newest complete one"
         )
-    with open(meta_path) as f:
-        meta = json.load(f)
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(
+            f"checkpoint {path!r} is damaged: meta.json does not parse ({type(err).__name__}: {err}); resume from "
+            "an older one, or trainer.resume=auto to take the newest intact one"
+        ) from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"checkpoint {path!r} is damaged: meta.json holds no JSON object")
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path!r} has format {meta.get('format')}, this library reads {FORMAT}")
     return meta
@@ -208,6 +239,110 @@ def check_compatible(path: str, config: dict, model_config: dict, world_size: in
             "or start a new run in another trainer.out_dir"
         )
     return meta
+
+
+# -- verify -------------------------------------------------------------------
+def damage(path: str) -> list[str]:
+    """What is wrong with checkpoint `path`, one phrase per file ([] when intact). Collective: every rank calls
+    it; rank 0 reads meta.json and the manifest and checks presence and sizes, then each rank hashes its share
+    of the files (checkpoint/manifest.py)."""
+    problems, files = None, None
+    if D.is_main():
+        problems, files = _cheap_damage(path)
+    problems, files = D.broadcast_object_from((problems, files), 0)
+    if problems or not files:
+        return problems
+    names = sorted(files)[D.rank() :: D.world_size()]
+    mine = manifest.checksum_problems(path, {n: files[n] for n in names})
+    return sorted(p for part in D.all_gather_object(mine) for p in part)
+
+
+def _cheap_damage(path: str) -> tuple[list[str], Optional[dict]]:
+    """(problems found without reading the files, the manifest's entries or None)."""
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        return ["meta.json is missing"], None
+    except (OSError, ValueError) as err:
+        return [f"meta.json does not parse ({type(err).__name__}: {err})"], None
+    if not isinstance(meta, dict):
+        return ["meta.json holds no JSON object"], None
+    try:
+        files = manifest.read(path)
+    except ValueError as err:
+        return [str(err)], None
+    if files is None:  # written before manifests
+        return manifest.legacy_problems(path, int(meta.get("world_size", 1))), None
+    return manifest.size_problems(path, files), files
+
+
+def describe_damage(problems: list[str]) -> str:
+    return "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
+
+
+def newest_intact(root: str) -> tuple[Optional[str], list[tuple[str, list[str]]]]:
+    """(the newest intact checkpoint under `root` or None, [(path, problems)] of the damaged ones newer than it).
+    Collective. Raises when checkpoints exist and none is intact: starting over silently would lose the run."""
+    found = D.broadcast_object_from(checkpoint_dirs(root) if D.is_main() else None, 0)
+    damaged = []
+    for _, path in reversed(found):
+        problems = damage(path)
+        if not problems:
+            return path, damaged
+        damaged.append((path, problems))
+    if damaged:
+        detail = " | ".join(f"{os.path.basename(p)}: {describe_damage(pr)}" for p, pr in damaged)
+        raise CheckpointError(
+            f"no intact checkpoint under {root} (trainer.resume=auto): {detail}. Nothing was moved or deleted. To "
+            f"start over, run with trainer.resume=none in another trainer.out_dir (or move the step_* directories "
+            f"out of {root})"
+        )
+    return None, []
+
+
+def check_intact(path: str, root: str) -> None:
+    """Raise (every rank) naming each damaged file of checkpoint `path` and the command that recovers: the
+    newest intact checkpoint older than it (verified here, only when `path` is damaged)."""
+    if D.broadcast_object_from(os.path.isdir(path) if D.is_main() else None, 0):
+        problems = damage(path)
+    else:
+        problems = []  # read_meta names a path that does not exist
+    if not problems:
+        return
+    older = [p for _, p in D.broadcast_object_from(checkpoint_dirs(root) if D.is_main() else None, 0)]
+    if is_step_dir(path):
+        older = [p for p in older if _step_of(p) < _step_of(os.path.normpath(path))]
+    fallback = next((p for p in reversed(older) if not damage(p)), None)
+    fix = (
+        f"resume from the newest intact one before it: trainer.resume={fallback}"
+        if fallback
+        else "no intact checkpoint precedes it: start over with trainer.resume=none in another trainer.out_dir"
+    )
+    raise CheckpointError(f"checkpoint {path!r} is damaged: {describe_damage(problems)}. To recover, {fix}")
+
+
+def _step_of(path: str) -> int:
+    return int(_STEP_DIR.match(os.path.basename(path)).group(1))
+
+
+def is_step_dir(path: str) -> bool:
+    """`path` is named as a checkpoint (step_00000010), whatever it holds."""
+    return bool(_STEP_DIR.match(os.path.basename(os.path.normpath(path))))
+
+
+def set_aside(path: str, reason: str) -> str:
+    """Rank 0: move checkpoint `path` to `<its root>/set_aside/<name>-<reason>` (a free name); returns where.
+    Nothing a checkpoint holds is deleted by resume: the user decides."""
+    root, name = os.path.split(os.path.normpath(path))
+    target = os.path.join(root, SET_ASIDE, f"{name}-{reason}")
+    n = 1
+    while os.path.exists(target + ("" if n == 1 else f".{n}")):
+        n += 1
+    target += "" if n == 1 else f".{n}"
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    os.replace(path, target)
+    return target
 
 
 # -- RNG ----------------------------------------------------------------------
@@ -283,6 +418,10 @@ def save(
 
     final = step_dir(root, step)
     tmp = os.path.join(root, f".tmp-step_{step:08d}")
+    model_sd, optim_sd = _state_dicts(model, optimizer, trainable_only)
+    # What the weights and optimizer state take on disk, every rank's: the full-disk message names it.
+    need = int(D.all_reduce_sum(torch.tensor([_tensor_bytes(model_sd, optim_sd)], dtype=torch.float64)).item())
+    commit = _Commit(root, tmp, final, need)
     failure: Optional[BaseException] = None
     if D.is_main():
         try:
@@ -290,10 +429,9 @@ def save(
             shutil.rmtree(tmp, ignore_errors=True)  # a save of this step that crashed earlier
             os.makedirs(tmp)
             write_hf(os.path.join(tmp, "hf"))
-        except OSError as err:
+        except _FAILURES as err:  # every rank must hear of it, whatever it is
             failure = err
-    _agree(failure, tmp, final, "preparing")
-    model_sd, optim_sd = _state_dicts(model, optimizer, trainable_only)
+    commit.agree(failure, "preparing")
     try:
         with quiet_single_process():
             dcp_save(
@@ -303,25 +441,27 @@ def save(
                 process_group=D.scope_group(),
             )  # split: the learner ranks
         torch.save(rank_state, os.path.join(tmp, f"rank_{D.rank():05d}.pt"))
-    except Exception as err:  # DCP raises on every rank when one rank's write fails
+    except _FAILURES as err:  # DCP raises on every rank when one rank's write fails
         failure = err
     del model_sd, optim_sd
-    _agree(failure, tmp, final, "writing")
+    commit.agree(failure, "writing")
+    files = None
     if D.is_main():
         try:
-            # Ranks on other nodes write through their own view of `root`: without a shared
-            # filesystem their parts are not here, and the checkpoint must not look complete.
-            absent = [
-                f"rank_{r:05d}.pt"
-                for r in range(D.world_size())
-                if not os.path.isfile(os.path.join(tmp, f"rank_{r:05d}.pt"))
-            ]
-            if absent or not os.path.isfile(os.path.join(tmp, "state", ".metadata")):
-                raise OSError(
-                    f"{', '.join(absent) or 'state/.metadata'} missing from {tmp!r} after every rank wrote "
-                    "its part: trainer.out_dir / trainer.checkpoint_dir must be on a filesystem that every "
-                    "node sees"
-                )
+            files = _written_files(tmp)
+        except _FAILURES as err:
+            failure = err
+    commit.agree(failure, "checking")
+    files = D.broadcast_object_from(files, 0)
+    entries: dict = {}
+    try:  # each rank hashes its share of the files: a big checkpoint is not read by one rank alone
+        entries = manifest.describe(tmp, files[D.rank() :: D.world_size()])
+    except _FAILURES as err:
+        failure = err
+    commit.agree(failure, "checksumming")
+    entries = {k: v for part in D.all_gather_object(entries) for k, v in part.items()}
+    if D.is_main():
+        try:
             with open(os.path.join(tmp, "meta.json"), "w") as f:
                 json.dump(
                     {
@@ -336,26 +476,134 @@ def save(
                 )
                 f.flush()
                 os.fsync(f.fileno())
+            entries.update(manifest.describe(tmp, ["meta.json"]))
+            manifest.write(tmp, entries)  # last, atomically: a checkpoint with a manifest is whole
             _replace_dir(tmp, final)
-        except OSError as err:
+        except _FAILURES as err:
             failure = err
-    _agree(failure, tmp, final, "committing")
+    commit.agree(failure, "committing")
     return final
 
 
-def _agree(failure: Optional[BaseException], tmp: str, final: str, what: str) -> None:
-    """All ranks learn whether any rank failed; then every rank raises together (nobody waits forever)."""
-    failed = D.all_reduce_max(torch.tensor([0.0 if failure is None else float(D.rank() + 1)]))
-    if failed.item() == 0:
-        return
-    if D.is_main():
-        shutil.rmtree(tmp, ignore_errors=True)
-    bad_rank = int(failed.item()) - 1  # the highest failing rank
-    cause = f": {type(failure).__name__}: {failure}" if failure is not None else f" (see rank {bad_rank}'s log)"
-    raise CheckpointError(
-        f"saving checkpoint {final!r} failed while {what} on rank {bad_rank}{cause}. The temporary "
-        f"directory {tmp!r} was removed; earlier checkpoints are untouched"
-    ) from failure
+def _tensor_bytes(*state_dicts: dict) -> float:
+    """Bytes of this rank's tensors (its shards) in nested state dicts."""
+    total = 0
+    for sd in state_dicts:
+        for v in flatten(sd).values():
+            if torch.is_tensor(v):
+                local = v.to_local() if hasattr(v, "to_local") else v
+                total += local.numel() * local.element_size()
+    return float(total)
+
+
+def _written_files(tmp: str) -> list[str]:
+    """Rank 0, after every rank wrote its part: the files to list in the manifest; OSError when a part is absent."""
+    # Ranks on other nodes write through their own view of `root`: without a shared
+    # filesystem their parts are not here, and the checkpoint must not look complete.
+    absent = [
+        f"rank_{r:05d}.pt" for r in range(D.world_size()) if not os.path.isfile(os.path.join(tmp, f"rank_{r:05d}.pt"))
+    ]
+    if absent or not os.path.isfile(os.path.join(tmp, "state", ".metadata")):
+        raise OSError(
+            f"{', '.join(absent) or 'state/.metadata'} missing from {tmp!r} after every rank wrote "
+            "its part: trainer.out_dir / trainer.checkpoint_dir must be on a filesystem that every "
+            "node sees"
+        )
+    return manifest.listing(tmp)
+
+
+class _Commit:
+    """One save's failure protocol: every rank learns whether any rank failed at a stage, then all raise together
+    (nobody waits forever) with one message: where it failed, what the checkpoint needed, what was kept."""
+
+    def __init__(self, root: str, tmp: str, final: str, need: int):
+        self.root, self.tmp, self.final, self.need = root, tmp, final, need
+
+    def agree(self, failure: Optional[BaseException], what: str) -> None:
+        failed = D.all_reduce_max(torch.tensor([0.0 if failure is None else float(D.rank() + 1)]))
+        if failed.item() == 0:
+            return
+        free = _free_bytes(self.root)  # before the partial checkpoint's removal frees its bytes
+        if D.is_main():
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        bad_rank = int(failed.item()) - 1  # the highest failing rank
+        raise CheckpointError(self.message(failure, what, bad_rank, free)) from failure
+
+    def message(self, failure: Optional[BaseException], what: str, bad_rank: int, free: Optional[int]) -> str:
+        head = f"saving checkpoint {self.final!r} failed while {what} on rank {bad_rank}"
+        space = f"the checkpoint needs about {human_bytes(self.need)} ({self.need} bytes of weights and optimizer)"
+        if free is not None:
+            space += f" and {human_bytes(free)} are free there"
+        if failure is None:
+            cause = f" (see rank {bad_rank}'s log; {space})"
+        elif disk_full(failure, free, self.need):
+            where = _failed_path(failure) or self.tmp
+            cause = f": the disk is full at {where} ({_first_line(failure)}); {space}"
+        else:  # (DCP's CheckpointException only wraps what a rank raised: its last line names that)
+            kind = "" if isinstance(failure, CheckpointException) else f"{type(failure).__name__}: "
+            cause = f": {kind}{_first_line(failure)}"
+        kept = [s for s, _ in complete_checkpoints(self.root)]
+        many = "s" if len(kept) > 1 else ""
+        kept_text = (
+            f"the checkpoint{many} of step{many} {', '.join(map(str, kept))} under {self.root}, untouched (resume "
+            f"from step {kept[-1]} with trainer.resume=auto)"
+            if kept
+            else "no earlier checkpoint exists"
+        )
+        fix = " Free space, or set trainer.checkpoint_dir to a larger disk." if "disk is full" in cause else ""
+        return f"{head}{cause}. Kept: {kept_text}; the partial {self.tmp!r} was removed.{fix}"
+
+
+def disk_full(err: BaseException, free: Optional[int], need: int) -> bool:
+    """True when `err` (or what caused it) is the disk or a quota running out. torch's zip writer reports a short
+    write as `unexpected pos ... vs ...` without the errno: then a filesystem with less room than the checkpoint
+    needs is the cause."""
+    seen = set()
+    e: Optional[BaseException] = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return "unexpected pos" in str(err) and free is not None and free < need
+
+
+def _failed_path(err: BaseException) -> Optional[str]:
+    e: Optional[BaseException] = err
+    while e is not None:
+        if isinstance(e, OSError) and e.filename:
+            return str(e.filename)
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _first_line(err: BaseException) -> str:
+    """The line of `err` that says what failed: DCP's CheckpointException lists each rank's traceback, whose last
+    line is the error itself."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()] or [type(err).__name__]
+    return (lines[-1] if isinstance(err, CheckpointException) else lines[0])[:300]
+
+
+def _free_bytes(path: str) -> Optional[int]:
+    """Free bytes on the filesystem holding `path` (its nearest existing parent), None if unknown."""
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    try:
+        return shutil.disk_usage(path or ".").free
+    except OSError:
+        return None
+
+
+def human_bytes(n: float) -> str:
+    if n < 1000:
+        return f"{n:.0f} bytes"
+    for unit in ("KB", "MB", "GB"):
+        n /= 1000
+        if n < 1000 or unit == "GB":
+            break
+    return f"{n:.2f} {unit}"
 
 
 def _replace_dir(tmp: str, final: str) -> None:
@@ -382,12 +630,27 @@ def prune(root: str, keep_last: int) -> list[str]:
     return removed
 
 
-def remove_stale_temporaries(root: str) -> None:
-    """Rank 0: temporaries left by a save that crashed (never loadable, only in the way)."""
-    if D.is_main() and os.path.isdir(root):
-        for name in os.listdir(root):
-            if name.startswith(".tmp-step_") or name.endswith(".old"):
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+def remove_stale_temporaries(root: str) -> list[str]:
+    """Rank 0: remove what a save that was killed left (never loadable, only in the way), saying so; returns the
+    lines said. A `step_*.old` whose checkpoint is missing (killed between the two renames of a re-save) is the
+    only copy of that step: it is renamed back, not removed."""
+    said: list[str] = []
+    if not (D.is_main() and os.path.isdir(root)):
+        return said
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if name.endswith(".old") and _STEP_DIR.match(name[:-4]) and not os.path.exists(path[:-4]):
+            os.replace(path, path[:-4])
+            said.append(f"checkpoint: restored {path[:-4]} from {name}, left by a save stopped while replacing it")
+        elif name.startswith(".tmp-step_") or name.endswith(".old"):
+            shutil.rmtree(path, ignore_errors=True)
+            said.append(
+                f"checkpoint: removed {path}, left by a save that did not finish (never a complete checkpoint; the "
+                "complete ones are untouched)"
+            )
+    for line in said:
+        print(line, flush=True)
+    return said
 
 
 @contextlib.contextmanager
@@ -433,9 +696,24 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, tr
     options = _options(trainable_only)
     model_sd, optim_sd = _state_dicts(model, optimizer, trainable_only)  # creates the optimizer state to load into
     state = {"model": model_sd, "optim": optim_sd}
-    with quiet_single_process():
+    # Verified before (`damage`), so an error here is a file changed since, or a checkpoint without a manifest:
+    # name the checkpoint and the part, never only torch's words from deep inside it.
+    with _reading(path, "state/ (the weights and optimizer state)"), quiet_single_process():
         dcp_load(
             state, checkpoint_id=os.path.join(path, "state"), no_dist=not D.is_dist(), process_group=D.scope_group()
         )
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
-    return torch.load(rank_file, weights_only=True)
+    with _reading(path, os.path.basename(rank_file)):
+        return torch.load(rank_file, weights_only=True)
+
+
+@contextlib.contextmanager
+def _reading(path: str, part: str) -> Iterator[None]:
+    try:
+        yield
+    except _FAILURES as err:
+        raise CheckpointError(
+            f"checkpoint {path!r} is damaged: reading {part} failed ({type(err).__name__}: {_first_line(err)}); "
+            "resume from an older one (trainer.resume=<its step_* directory>), or move this one out of the "
+            "checkpoint directory and use trainer.resume=auto"
+        ) from err

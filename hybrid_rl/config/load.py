@@ -17,6 +17,11 @@ from omegaconf.errors import OmegaConfBaseException
 
 from hybrid_rl.config.checks import literal_choices
 from hybrid_rl.config.schema import Config
+from hybrid_rl.runtime.errors import UserError
+
+
+class OverrideError(UserError, ValueError):
+    """A command-line argument that is not `key.sub=value`."""
 
 
 def _annotation_at(key: str) -> Any:
@@ -94,16 +99,35 @@ def load_config(
             layers += _with_preset(OmegaConf.load(yaml_path))
         bad = [o for o in overrides if "=" not in o]
         if bad:
-            raise ValueError(f"command-line override {bad[0]!r} is not of the form key.sub=value")
+            raise OverrideError(
+                f"command-line override {bad[0]!r} is not of the form key.sub=value (no spaces around '='; "
+                f"a flag of the recipe starts with --, see --help)"
+            )
         layers += _with_preset(OmegaConf.from_dotlist(list(overrides)))
         merged = OmegaConf.merge(*layers)
         return OmegaConf.to_object(merged)  # runs every __post_init__
     except OmegaConfBaseException as err:
+        if not getattr(err, "full_key", None):  # a merge error names no key (`model.lora=3`): find the override
+            err = _failing_override(overrides) or err
         raise _schema_error(err) from None
 
 
-def save_config(cfg: Config, path: str) -> None:
-    """Write the resolved config as YAML (the run directory's record of what ran)."""
+def _failing_override(overrides: Sequence[str]) -> Optional[OmegaConfBaseException]:
+    """The error of the first override that fails alone, tagged with its key (OmegaConf's merge errors of a whole
+    section carry none), or None."""
+    for o in overrides:
+        try:
+            OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist([o]))
+        except OmegaConfBaseException as err:
+            err.full_key = err.full_key or o.split("=", 1)[0]
+            err.msg = err.msg or str(err).splitlines()[0]
+            return err
+    return None
+
+
+def save_config(cfg: Config, path: str, comment: str = "") -> None:
+    """Write the resolved config as YAML (the run directory's record of what ran), `comment` as its first lines."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
+        f.write("".join(f"# {line}\n" for line in comment.splitlines()))
         f.write(OmegaConf.to_yaml(OmegaConf.structured(cfg)))

@@ -13,11 +13,18 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Optional, Union
 
-from hybrid_rl.config.checks import check, check_choices, clip_bound, one_of
+from hybrid_rl.config.checks import check, check_choices, clip_bound, one_of, strict_sections
 
 # `model.lora.*`: what the keys do is models/lora.py (peft); the checks that need the model's layers or the
 # engine run before a model is built (loop/preflight.py).
 LORA_ALL_LINEAR = "all-linear"
+# trainer.dist_timeout_s: null (Config.process_group_timeout_s). The floor is torch's default for gloo groups and
+# accelerate's for every group: start-up, a checkpoint write and a first compile also sit between collectives. The
+# bound on one decode step is a slow one: a large batch of a large model decodes a token in 20-100 ms on a GPU
+# (batches the native engine splits for memory run one after the other), so a rollout's every token at 250 ms
+# still ends well inside the timeout; 32k new tokens get 8192 s.
+DIST_TIMEOUT_FLOOR_S = 1800
+DECODE_STEP_BOUND_MS = 250
 
 
 @dataclass
@@ -160,6 +167,10 @@ class RolloutConfig:
     kv_cache_bytes: Optional[int] = None  # vllm: KV bytes per rank; null = one batch's need (planner's formula; README)
     enable_prefix_caching: bool = False  # vllm: reuse the KV of shared prompt prefixes (off: a sync would stale it)
     enforce_eager: Optional[bool] = None  # vllm: null = eager on CPU, graphs on CUDA; false compiles on CPU (README)
+    # native: the lean decode step replayed as CUDA graphs. null = on CUDA where the lean step runs; false = eager
+    # (graphs read every cache slot of the longest row each step and are captured per batch: at large batches eager
+    # can win, benchmarks/gpu_session.sh measures both); true = required (an error where they cannot run)
+    cuda_graphs: Optional[bool] = None
     bucket_mb: int = 512  # weight sync: size of one flat bucket (peak extra memory of a sync)
     # sglang: how long the other ranks of an engine's group wait on its owner (a whole rollout's generate)
     engine_timeout_s: int = 3600
@@ -200,6 +211,12 @@ class RolloutConfig:
         )
         check(self.bucket_mb > 0, "rollout.bucket_mb", f"must be > 0, got {self.bucket_mb}")
         check(self.engine_timeout_s > 0, "rollout.engine_timeout_s", f"must be > 0, got {self.engine_timeout_s}")
+        check(
+            self.cuda_graphs is None or self.engine == "native",
+            "rollout.cuda_graphs",
+            f"is the native engine's (rollout.engine={self.engine!r}); vLLM's is rollout.enforce_eager, SGLang "
+            "captures its own",
+        )
 
 
 ClipBound = Optional[Union[int, float, str]]  # a number, null (that side off) or "auto"
@@ -458,7 +475,10 @@ class TrainerConfig:
     out_dir: str = "runs/default"
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    dist_timeout_s: int = 300
+    # Seconds a rank waits in a collective before the job fails (every process group). A rank that finishes its
+    # rollout first waits in the next collective for the slowest one's, so null derives it from the rollout:
+    # Config.process_group_timeout_s (docs/failures.md). A number fixes it.
+    dist_timeout_s: Optional[int] = None
     # CPU device: glibc malloc keeps freed activation buffers for the next step instead of
     # unmapping them and page-faulting them back (runtime/host_malloc.py); resident memory stays at its peak.
     keep_host_memory: bool = True
@@ -500,7 +520,11 @@ class TrainerConfig:
             "trainer.max_tokens_per_micro_batch",
             f"must be >= 0 (0 = off: micro_batch_size rows), got {self.max_tokens_per_micro_batch}",
         )
-        check(self.dist_timeout_s > 0, "trainer.dist_timeout_s", "must be > 0")
+        check(
+            self.dist_timeout_s is None or self.dist_timeout_s > 0,
+            "trainer.dist_timeout_s",
+            f"must be > 0 seconds, or null (derived from the rollout), got {self.dist_timeout_s}",
+        )
         check(self.log_every >= 0, "trainer.log_every", f"must be >= 0 (0 = no console lines), got {self.log_every}")
         check(len(set(self.loggers)) == len(self.loggers), "trainer.loggers", f"names a logger twice: {self.loggers}")
         check(self.val_every >= 0, "trainer.val_every", f"must be >= 0 (0 = never), got {self.val_every}")
@@ -582,3 +606,19 @@ class Config:
                 else f"algorithm.advantage={a.advantage} takes its baseline from a prompt's group"
             )
             check(n >= 2, "rollout.n", f"needs at least 2 samples per prompt ({why}), got {n}")
+
+    @property
+    def process_group_timeout_s(self) -> int:
+        """trainer.dist_timeout_s, or for null the longest rollout a step can run at DECODE_STEP_BOUND_S a decode step
+        (rollout.max_new_tokens, times rollout.max_turns with an environment and algorithm.max_sampling_rounds with
+        dynamic sampling), at least DIST_TIMEOUT_FLOOR_S: the other ranks wait that long for the slowest one's."""
+        if self.trainer.dist_timeout_s is not None:
+            return self.trainer.dist_timeout_s
+        r, a = self.rollout, self.algorithm
+        steps = r.max_new_tokens * (r.max_turns if self.env.enabled else 1)
+        steps *= a.max_sampling_rounds if a.dynamic_sampling else 1
+        return max(DIST_TIMEOUT_FLOOR_S, -(-steps * DECODE_STEP_BOUND_MS // 1000))
+
+
+# After every section is defined: a field set from Python is checked by name and type (config/checks.py).
+strict_sections(Config)

@@ -5,8 +5,12 @@ and counted (never truncated).
 
 from __future__ import annotations
 
+import difflib
 import json
+import unicodedata
 from typing import Optional, Sequence
+
+from hybrid_rl.data.rows import DataError
 
 
 def use_chat_template(tokenizer, setting: Optional[bool], model_path: str) -> bool:
@@ -59,7 +63,7 @@ class PromptEncoder:
                 self.conversation(row), tokenize=False, add_generation_prompt=True
             )
         if row.get("messages") is not None:
-            raise ValueError(
+            raise DataError(
                 "a row holds chat messages but data.chat_template=false: messages need the "
                 "tokenizer's chat template (data.chat_template=null or true)"
             )
@@ -78,8 +82,9 @@ class PromptEncoder:
             ids = self._ids[key] = self.tokenizer(self.render(row), add_special_tokens=False).input_ids
         return ids
 
-    def encode_all(self, rows: Sequence[dict], source: str) -> list[int]:
-        """Encode every row's prompt in one tokenizer call; returns the lengths. A template that fails names the row."""
+    def encode_all(self, rows: Sequence[dict], source: str, check: bool = True) -> list[int]:
+        """Encode every row's prompt in one tokenizer call; returns the lengths. A template that fails names the row;
+        so does a prompt the tokenizer cannot encode (`check`: off where an environment builds the prompts)."""
         todo: dict[str, int] = {}
         for i, r in enumerate(rows):
             key = self._key(r)
@@ -90,15 +95,55 @@ class PromptEncoder:
             try:
                 texts.append(self.render(rows[i]))
             except Exception as err:  # jinja errors and whatever else a template raises
-                raise ValueError(
+                raise DataError(
                     f"the prompt of {source} row {i} cannot be rendered ({type(err).__name__}: {err}); "
                     f"fix the row or the chat template of the tokenizer in {self.model_path!r}, or set "
                     "data.chat_template=false (plain-text prompts only)"
                 ) from err
         if texts:
-            for key, ids in zip(todo, self.tokenizer(texts, add_special_tokens=False).input_ids):
+            encoded = self.tokenizer(texts, add_special_tokens=False).input_ids
+            decoded = self.tokenizer.batch_decode(encoded, skip_special_tokens=False) if check else texts
+            for (key, i), text, ids, back in zip(todo.items(), texts, encoded, decoded):
+                if check:
+                    self._check_encodable(text, ids, back, f"{source} row {i}")
                 self._ids[key] = ids
         return [len(self._ids[self._key(r)]) for r in rows]
+
+    def _check_encodable(self, text: str, ids: list[int], back: str, where: str) -> None:
+        """Refuse a prompt the tokenizer cannot represent: text that does not come back when its tokens are
+        decoded (a word-level vocabulary such as the tiny models' drops unknown words or maps them to its unknown
+        token), or no token at all. The model would otherwise train on a prompt other than the row's. Whitespace
+        and Unicode compatibility forms are the tokenizer's to normalise: they are compared away."""
+        lost = _lost_text(text, back)
+        if ids and not lost:
+            return
+        if not ids:
+            what = "it encodes to no token at all"
+        else:
+            shown = ", ".join(repr(p) for p in lost[:5]) + (", ..." if len(lost) > 5 else "")
+            what = f"its vocabulary has no token for {shown}"
+        raise DataError(
+            f"the prompt of {where} cannot be encoded by the tokenizer of {self.model_path!r}: {what}; prompt: "
+            f"{text[:80]!r}. Use a model whose tokenizer covers the data (the tiny digits model knows only the "
+            "digits 0-9 and '=': README, Supported models), or fix the row"
+        )
+
+
+def _lost_text(text: str, back: str) -> list[str]:
+    """The pieces of `text` missing from `back` (its tokens decoded), whitespace and NFKC forms aside; each as it
+    reads in `text` (spaces inside a piece kept)."""
+
+    def squeeze(x: str) -> str:
+        return "".join(unicodedata.normalize("NFKC", x).split())
+
+    if squeeze(text) == squeeze(back):
+        return []
+    # Each kept character with the index of the character of `text` it came from (NFKC may expand one into two).
+    chars = [(n, i) for i, c in enumerate(text) for n in unicodedata.normalize("NFKC", c) if not n.isspace()]
+    a = "".join(n for n, _ in chars)
+    ops = difflib.SequenceMatcher(None, a, squeeze(back), autojunk=False).get_opcodes()
+    pieces = [text[chars[i1][1] : chars[i2 - 1][1] + 1] for op, i1, i2, _, _ in ops if op in ("delete", "replace")]
+    return list(dict.fromkeys(p for p in pieces if p)) or ["(text its tokens decode differently)"]
 
 
 def drop_long_prompts(rows: list[dict], lengths: Sequence[int], max_tokens: int) -> tuple[list[dict], int]:

@@ -18,6 +18,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from hybrid_rl.data.rows import DataError, DataFileMissing
+
 HUB_NAME, HUB_CONFIG = "openai/gsm8k", "main"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -51,7 +53,7 @@ def _from_dir(directory: str) -> RawSplits:
 
     train, test = _split_file(directory, "train"), _split_file(directory, "test")
     if train is None:
-        raise FileNotFoundError(
+        raise DataFileMissing(
             f"data.path {directory!r} holds no train.jsonl or train.parquet (GSM8K layout: "
             'train.jsonl and test.jsonl of {"question", "answer"} rows)'
         )
@@ -82,7 +84,7 @@ def load_splits(path: str = "") -> RawSplits:
         return _from_hub()
     except Exception as err:  # ImportError (no `datasets`) or no network: say what was tried
         tried = ", ".join(default_dirs())
-        raise FileNotFoundError(
+        raise DataFileMissing(
             f"GSM8K not found: no train.jsonl in {tried}, and {HUB_NAME} could not be loaded "
             f"through `datasets` ({type(err).__name__}: {err}). Set data.path to a directory "
             "holding train.jsonl and test.jsonl"
@@ -101,15 +103,15 @@ def make_row(raw: dict, i: int, instruction: str, source: str) -> dict:
     """A GSM8K row for training (module docstring); a row without question or `#### answer` is an error."""
     question, answer = (raw.get("question"), raw.get("answer")) if isinstance(raw, dict) else (None, None)
     if not isinstance(question, str) or not question.strip():
-        raise ValueError(
+        raise DataError(
             f"{source}: row {i} has no non-empty string under 'question' (GSM8K rows are "
             f'{{"question", "answer"}}); row: {str(raw)[:120]}'
         )
     if not isinstance(answer, str):
-        raise ValueError(f"{source}: row {i} has no string under 'answer'; row: {str(raw)[:120]}")
+        raise DataError(f"{source}: row {i} has no string under 'answer'; row: {str(raw)[:120]}")
     truth = final_answer(answer)
     if truth is None:
-        raise ValueError(
+        raise DataError(
             f"{source}: row {i}: the answer does not end in '#### <number>' (GSM8K's final-answer "
             f"format, which the strict reward checks against); answer: {answer[-120:]!r}"
         )

@@ -9,6 +9,7 @@ from typing import Callable, Optional
 
 from hybrid_rl.config.schema import Config
 from hybrid_rl.data.chat import PromptEncoder, drop_long_prompts, prompt_limit
+from hybrid_rl.data.rows import DataError
 from hybrid_rl.runtime import distributed as D
 
 
@@ -27,11 +28,12 @@ def prepare_rows(
     max_position_embeddings, or None. Raises when no prompt is short enough, saying what to change."""
     if check_rows is not None:
         check_rows(rows, source)
-    lengths = encode.encode_all(rows, source)
+    # With an environment the episodes' prompts are what its reset() returns (envs/episodes.py), not these texts.
+    lengths = encode.encode_all(rows, source, check=not cfg.env.enabled)
     limit, limit_why, fix = prompt_limit(cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens, max_positions)
     kept, dropped = drop_long_prompts(rows, lengths, limit)
     if not kept:
-        raise ValueError(
+        raise DataError(
             f"every {what} prompt of {source} is longer than {limit_why} "
             f"(the shortest has {min(lengths)} tokens); {fix}"
         )

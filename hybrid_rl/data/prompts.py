@@ -19,7 +19,7 @@ import random
 from dataclasses import dataclass
 from typing import Optional
 
-from hybrid_rl.data.rows import read_rows
+from hybrid_rl.data.rows import DataError, read_rows
 
 
 @dataclass
@@ -76,7 +76,7 @@ def split_rows(rows: list[dict], fraction: float, seed: int) -> tuple[list[dict]
     """(train, held-out) with round(fraction * len) held-out rows, chosen by `seed`; both keep file order."""
     n_val = round(fraction * len(rows))
     if n_val < 1 or n_val >= len(rows):
-        raise ValueError(
+        raise DataError(
             f"data.val_split={fraction} of {len(rows)} rows leaves {n_val} to validate on and "
             f"{len(rows) - n_val} to train on; both need at least one"
         )
@@ -124,12 +124,12 @@ def _check_messages(messages: list, where: str) -> None:
     """A conversation to prompt with: chat messages ({"role", "content": str}) ending in a user turn."""
     for j, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise ValueError(
+            raise DataError(
                 f"{where}: message {j} is not a chat message with a role in {ROLES} and a string "
                 f"content: {str(m)[:120]}"
             )
     if messages[-1]["role"] != "user":
-        raise ValueError(
+        raise DataError(
             f"{where}: the last message is a {messages[-1]['role']!r} turn; a prompt ends with the user "
             "turn the model answers"
         )
@@ -144,13 +144,13 @@ def _check_row(
     if isinstance(value, list) and value:
         _check_messages(value, f"{source}: row {i} ({key!r}, config key 'data.prompt_key')")
     elif not isinstance(value, str) or not value.strip():
-        raise ValueError(
+        raise DataError(
             f"{source}: row {i} has neither a non-empty string nor a list of chat messages under {key!r} "
             f"(config key 'data.prompt_key'); row: {str(row)[:120]}"
         )
     answer = lookup(row, answer_key) if answer_key else None
     if answer_key and answer in (None, ""):
-        raise ValueError(
+        raise DataError(
             f"{source}: row {i} has no {answer_key!r} (config key 'data.answer_key'); row: {str(row)[:120]}"
         )
     out = dict(row)
@@ -176,9 +176,9 @@ class PromptLoader:
 
     def __init__(self, rows: list[dict], batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0):
         if batch_size % world_size:
-            raise ValueError(f"data.batch_size={batch_size} does not divide over {world_size} ranks")
+            raise DataError(f"data.batch_size={batch_size} does not divide over {world_size} ranks")
         if len(rows) < batch_size:
-            raise ValueError(f"dataset has {len(rows)} prompts, fewer than data.batch_size={batch_size}")
+            raise DataError(f"dataset has {len(rows)} prompts, fewer than data.batch_size={batch_size}")
         self.rows, self.batch_size, self.rank, self.world = rows, batch_size, rank, world_size
         self.seed, self.epoch, self.cursor = seed, 0, 0
         self._order: Optional[list[int]] = None

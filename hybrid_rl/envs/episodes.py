@@ -104,6 +104,18 @@ class EpisodeCompletion(Completion):
         """What a rule reward reads: the turns as the environment saw them, one per line (never the observations)."""
         return "\n".join(self.episode.turn_texts) if self.episode is not None else ""
 
+    @property
+    def generated_tokens(self) -> int:
+        """The tokens of its turns (loss mask 1), not the observations between them."""
+        return sum(self.loss_mask)
+
+    @property
+    def truncated(self) -> bool:
+        """Cut by the runner (max_turns, max_episode_tokens, a timeout), not ended by the environment's done. An
+        episode the environment ended keeps finish_reason "length" when its last turn was cut (the overlong rules
+        read that), but it ended as the environment decides, which is what a user reads `truncated` for."""
+        return self.episode.end != "done" if self.episode is not None else self.finish_reason == "length"
+
 
 class EpisodeRunner:
     """Runs the G episodes of each row to their end; one object per run (it owns the step threads)."""

@@ -114,11 +114,11 @@ class GroupCollector:
         if not parts or "rule" in parts:
             correct_N = parts["rule"] if parts else rewards_N
             self._seen.add("reward/accuracy", (correct_N >= self.success_threshold - 1e-9).sum(), n)
-        lengths = [len(c.token_ids) for c in completions]
+        lengths = [c.generated_tokens for c in completions]
         self._seen.add("response/length", sum(lengths), n)
         self._seen.add_max("response/length_max", max(lengths, default=0))
         self._seen.add_min("response/length_min", min(lengths, default=0))
-        self._seen.add("response/truncated", sum(c.finish_reason == "length" for c in completions), n)
+        self._seen.add("response/truncated", sum(c.truncated for c in completions), n)
 
     def need_another_round(self) -> bool:
         """True while dynamic sampling is on, rounds remain and any rank still lacks groups."""

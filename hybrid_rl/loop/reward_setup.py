@@ -21,6 +21,7 @@ Legend: N completions, row-major: `group_size` per dataset row.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Optional, Sequence
@@ -54,6 +55,7 @@ class RewardSetup:
     module: Optional[torch.nn.Module] = None  # the sharded reward model, once `build_model` loaded it
     scorer: Optional[RewardModelScorer] = None
     env: Optional[EnvSetup] = None  # the episodes' environment (env.*), or None: single-turn completions
+    python_fn: Optional[Callable] = None  # the function passed as Trainer(cfg, reward_fn=...), if any
 
     @classmethod
     def resolve(cls, cfg: Config, reward_fn: Optional[RewardFn] = None) -> "RewardSetup":
@@ -94,7 +96,35 @@ class RewardSetup:
             max_tokens_per_micro_batch=r.max_tokens_per_micro_batch,
             overlong=(max_new, buffer, a.overlong_penalty_factor),
             env=env,
+            python_fn=reward_fn,
         )
+
+    def recorded(self, cfg: Config) -> tuple[Config, str]:
+        """(the config as this run used it, a line saying which reward ran): what the run directory's config.yaml
+        records. A key the run did not read is blanked where the file still loads: reward.name beside reward.fn,
+        and a function passed from Python is recorded as reward.fn=module:qualname."""
+        r, w = cfg.reward, self.weights
+        used = copy.deepcopy(cfg)
+        parts = []
+        if "rule" in w:
+            if self.python_fn is not None:
+                fn = self.python_fn
+                where = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__name__)}"
+                rule = f"{where} (a Python function passed as Trainer(cfg, reward_fn=...))"
+                used.reward.fn, used.reward.name = where, ""
+            elif r.fn:
+                rule = f"reward.fn={r.fn}"
+                used.reward.name = ""
+            else:
+                rule = f"reward.name={r.name}"
+            parts.append(f"rule x {w['rule']:g} = {rule}")
+        if "model" in w:
+            parts.append(f"model x {w['model']:g} = reward.model_path={r.model_path}")
+        if "env" in w:
+            env = f"env.name={cfg.env.name}" if cfg.env.name else f"env.fn={cfg.env.fn}"
+            parts.append(f"env x {w['env']:g} = the summed step rewards of {env}")
+        unused = "" if "rule" in w else " (no rule reward: reward.name and reward.fn below were not used)"
+        return used, "reward used: " + "; ".join(parts) + unused
 
     def rule_rewards(
         self, rows: Sequence[dict], completions: Sequence[Completion], group_size: int, tokenizer, stop_ids: set[int]

@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 from typing import Callable, Optional
 
+import torch
+
 from hybrid_rl.batch import RolloutBatch
 from hybrid_rl.config.schema import Config
 from hybrid_rl.data.prompts import PromptLoader
@@ -156,7 +158,10 @@ def reduce_episode_metrics(acc: MeanAccumulator) -> dict[str, float]:
         missing = episodes - sum(acc.counts.get(name, []))
         if missing > 0:
             acc.add(name, 0.0, missing)
-    return acc.reduce()
+    out = acc.reduce()
+    # The step's episodes over every rank and round: the console turns rates into counts with it.
+    out["episode/count"] = float(D.all_reduce_sum(torch.tensor([float(episodes)], dtype=torch.float64)).item())
+    return out
 
 
 def group_prompts(

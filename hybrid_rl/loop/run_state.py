@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -78,39 +79,73 @@ def plain_config(cfg: Config) -> dict:
 
 
 def find_resume(cfg: Config, model_config: dict) -> tuple[Optional[str], Optional[dict]]:
-    """(path, meta) of the checkpoint `trainer.resume` names, checked against this run; (None, None) if none.
-    Runs before anything is built or written (every rank; rank 0 decides the path)."""
+    """(path, meta) of the checkpoint `trainer.resume` names, verified (checkpoint/manifest.py) and checked
+    against this run; (None, None) if none. Runs before anything is built (every rank; rank 0 decides).
+
+    auto: the newest intact checkpoint; newer damaged ones are named with what is wrong and set aside. A path:
+    refused when damaged (naming the command that recovers); when older than the newest, the later ones are
+    set aside (said). Only once every check passed is anything moved, and nothing is ever deleted."""
     t = cfg.trainer
-    path = None
-    if t.resume != "none":
-        path = ckpt.latest(t.checkpoint_root) if t.resume == "auto" else t.resume
+    root = t.checkpoint_root
+    path, damaged = None, []
+    if t.resume == "auto":
+        path, damaged = ckpt.newest_intact(root)
+    elif t.resume != "none":
+        path = t.resume
+        ckpt.check_intact(path, root)
     path = D.broadcast_object_from(path, 0)  # every rank resumes from what rank 0 found
     meta = None
     if path is not None:
         meta = ckpt.check_compatible(path, plain_config(cfg), model_config, D.world_size(), t.resume_ignore)
-    _refuse_later_checkpoints(t.checkpoint_root, meta["step"] if meta else 0)
+    if meta is None:
+        _refuse_later_checkpoints(root)
+    else:
+        _set_aside_later(root, path, meta["step"], dict(damaged))
     return path, meta
 
 
-def _refuse_later_checkpoints(root: str, start: int) -> None:
-    """Raise (every rank) when the checkpoint directory holds complete checkpoints after `start`.
+def _refuse_later_checkpoints(root: str) -> None:
+    """Raise (every rank) when a fresh run (trainer.resume=none) finds checkpoints in its checkpoint directory.
 
-    They belong to another run (trainer.resume=none in a used out_dir) or to the later steps of
-    this one (resuming an older checkpoint): the new run's checkpoints would be mixed with them,
-    `keep_last` would prune the new ones first (it keeps the highest steps), and a later
-    resume=auto would take the other run's. Nothing is deleted: the user moves them or picks
-    another out_dir."""
-    later = [step for step, _ in ckpt.complete_checkpoints(root) if step > start] if D.is_main() else None
+    They belong to another run: the new run's checkpoints would be mixed with them, `keep_last` would prune
+    the new ones first (it keeps the highest steps), and a later resume=auto would take the other run's.
+    Nothing is moved or deleted: the user picks another out_dir or moves them."""
+    later = [step for step, _ in ckpt.checkpoint_dirs(root)] if D.is_main() else None
     later = D.broadcast_object_from(later, 0)
     if later:
         steps = ", ".join(str(s) for s in later[:5]) + (", ..." if len(later) > 5 else "")
-        what = "a fresh run (trainer.resume=none)" if start == 0 else f"a run resumed at step {start}"
         raise ckpt.CheckpointError(
-            f"{root} holds checkpoints after step {start} (steps {steps}) that {what} would mix with its own: "
-            f"keep_last would delete the new ones first and a later trainer.resume=auto would take the old "
+            f"{root} holds checkpoints (steps {steps}) that a fresh run (trainer.resume=none) would mix with its "
+            f"own: keep_last would delete the new ones first and a later trainer.resume=auto would take the old "
             f"ones. Use another trainer.out_dir, resume the newest with trainer.resume=auto, or move those "
             f"step_* directories out of {root}"
         )
+
+
+def _set_aside_later(root: str, path: str, start: int, damaged: dict[str, list[str]]) -> None:
+    """Rank 0: move the checkpoints after step `start` to <root>/set_aside/ (the run goes on from `start`: its
+    new checkpoints must not mix with them), saying what moved where and why; damaged ones are named with what
+    is wrong. Nothing is deleted."""
+    if D.is_main():
+        later = [p for step, p in ckpt.checkpoint_dirs(root) if step > start]
+        for p in later:
+            problems = damaged.get(p)
+            where = ckpt.set_aside(p, "damaged" if problems else f"after-step-{start}")
+            why = (
+                f"is damaged ({ckpt.describe_damage(problems)})"
+                if problems
+                else f"comes after step {start}, which this run resumes from"
+            )
+            print(f"checkpoint: {os.path.basename(p)} {why}; moved to {where} (kept, not deleted)", flush=True)
+        if damaged:
+            print(f"checkpoint: resuming from {path}, the newest intact checkpoint", flush=True)
+        elif later:
+            print(
+                f"checkpoint: resuming from {path} as trainer.resume asks; the {len(later)} later checkpoint(s) are "
+                f"kept in {os.path.join(root, ckpt.SET_ASIDE)} (delete them yourself once unneeded)",
+                flush=True,
+            )
+    D.barrier()
 
 
 class Checkpointer:

@@ -124,8 +124,8 @@ class Validator:
                 n = len(mine)
                 acc.add("val/pass@1", (rewards_B >= threshold).sum(), n)
                 acc.add("val/reward_mean", rewards_B.sum(), n)
-                acc.add("val/response_length", sum(len(c.token_ids) for c in greedy), n)
-                acc.add("val/truncated", sum(c.finish_reason == "length" for c in greedy), n)
+                acc.add("val/response_length", sum(c.generated_tokens for c in greedy), n)
+                acc.add("val/truncated", sum(c.truncated for c in greedy), n)
                 s_texts, s_rewards = [], torch.zeros(0, dtype=torch.float64)
                 if k:
                     seed = r.seed + 1_000_003 * step + 7919 * D.rank() + start

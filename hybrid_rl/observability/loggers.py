@@ -162,7 +162,8 @@ def build_loggers(cfg, write=print, resume_step: Optional[int] = None) -> list[L
     t = cfg.trainer
     loggers: list[Logger] = [JsonlLogger(os.path.join(t.out_dir, "metrics.jsonl"), resume_step)]
     if "console" in t.loggers:
-        loggers.append(ConsoleLogger(t.log_every, write, console_legend(cfg.reward.success_threshold)))
+        legend = console_legend(cfg.reward.success_threshold, episodes=cfg.env.enabled)
+        loggers.append(ConsoleLogger(t.log_every, write, legend))
     if "tensorboard" in t.loggers:
         loggers.append(TensorBoardLogger(os.path.join(t.out_dir, "tensorboard"), resume_step))
     if "wandb" in t.loggers:

@@ -120,12 +120,34 @@ def format_line(m: dict) -> str:
         ("bottleneck", "{}"),
     ]
     label = {"time/step": "time"}
-    return "  ".join(
+    line = "  ".join(
         f"{label.get(k, k.replace('/mean', '').split('/')[-1])}={fmt.format(m[k])}" for k, fmt in keys if k in m
     )
+    return line + episode_troubles(m)
 
 
-def console_legend(success_threshold: float | None) -> str:
+def episode_troubles(m: dict) -> str:
+    """What went wrong in the step's episodes, when anything did: environment steps past env.timeout_s, tool calls
+    that raised, calls that did not parse; each as a count and a share ('' in a step without any). Metrics hold
+    them as means per episode (episode/*); the step's episode count turns them back into counts."""
+    n = m.get("episode/count")
+    if not n:
+        return ""
+    timeouts = round(m.get("episode/end_timeout", 0.0) * n)
+    calls = round(m.get("episode/tool_calls", 0.0) * n)
+    errors = round(m.get("episode/tool_errors", 0.0) * n)
+    malformed = round(m.get("episode/malformed_calls", 0.0) * n)
+    parts = []
+    if timeouts:
+        parts.append(f"timeouts={timeouts} ({100 * timeouts / n:.0f}% of {n:.0f} episodes)")
+    if errors:
+        parts.append(f"tool_errors={errors} ({100 * errors / max(calls, 1):.0f}% of {calls} calls)")
+    if malformed:
+        parts.append(f"malformed_calls={malformed} ({100 * malformed / (calls + malformed):.0f}% of call attempts)")
+    return "".join(f"  {p}" for p in parts)
+
+
+def console_legend(success_threshold: float | None, episodes: bool = False) -> str:
     """What the console columns mean (printed once, before the first step line; docs/metrics.md has them all).
     accuracy counts a sample only at the reward's "correct" threshold, so it can sit at 0 while partial credit
     (reward) climbs: the digits demo pays 1.0 only for three right digits AND stopping after them."""
@@ -139,8 +161,16 @@ def console_legend(success_threshold: float | None) -> str:
         f"reaches {thr} (full marks only: partial credit moves reward, not accuracy); truncated = share cut off "
         "at rollout.max_new_tokens (they never stopped); length = mean response tokens; kl_ref, entropy, "
         "clip_frac, grad_norm: the update's; time = seconds per step; bottleneck = the phase that took most "
-        "of it (docs/metrics.md)"
+        "of it" + EPISODE_LEGEND * episodes + " (docs/metrics.md)"
     )
+
+
+# What the console's columns mean in a multi-turn run (env.*), added to the legend.
+EPISODE_LEGEND = (
+    "; episodes: length counts the model's own tokens (not observations), truncated the episodes cut by "
+    "rollout.max_turns, rollout.max_episode_tokens or a timeout, and timeouts, tool_errors and malformed_calls "
+    "show (count, share) in a step that has any"
+)
 
 
 def format_val_line(m: dict) -> str:
@@ -154,32 +184,6 @@ def format_val_line(m: dict) -> str:
         return f"{v:.3f}" if isinstance(v, float) else f"{v}"
 
     return "  ".join(head + [f"{k[4:]}={value(k, m[k])}" for k in names])
-
-
-def plot_curve(history: Sequence[dict], path: str, key: str = "reward/mean") -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [h["step"] for h in history]
-    values = [h[key] for h in history]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, values, lw=1, alpha=0.5, label=key)
-    w = max(1, len(values) // 20)
-    if len(values) >= w:
-        smooth = [
-            sum(values[max(0, i - w + 1) : i + 1]) / len(values[max(0, i - w + 1) : i + 1]) for i in range(len(values))
-        ]
-        ax.plot(steps, smooth, lw=2, label=f"{key} (running mean, {w})")
-    ax.set_xlabel("step")
-    ax.set_ylabel(key)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 # Wall-clock buckets of one step, in the order they happen.

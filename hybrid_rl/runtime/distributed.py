@@ -35,6 +35,8 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 import torch.distributed as dist
 
+from hybrid_rl.runtime.errors import UserError
+
 
 def is_dist() -> bool:
     return dist.is_available() and dist.is_initialized()
@@ -271,7 +273,8 @@ def report_failures(main: _F) -> _F:
         try:
             return call(*args, **kwargs)
         except Exception as err:
-            if env_world_size() > 1:
+            # A UserError (a clean stop on a signal, a refused resume) says itself what happened, on every rank.
+            if env_world_size() > 1 and not isinstance(err, UserError):
                 print(failure_line(err), file=sys.stderr, flush=True)
             raise
 

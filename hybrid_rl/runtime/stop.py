@@ -11,10 +11,14 @@ import threading
 import torch
 
 from hybrid_rl.runtime import distributed as D
+from hybrid_rl.runtime.errors import UserError
 
 
-class TrainingInterrupted(SystemExit):
-    """A run stopped by a signal after writing a checkpoint; exit status 128 + signal number.
+class TrainingInterrupted(UserError):
+    """A run stopped by a signal (Ctrl-C, SIGTERM) after writing a checkpoint: its message names the
+    checkpoint and how to continue. An ordinary exception, not SystemExit, so that Ctrl-C in a notebook reads
+    as what happened (not `SystemExit: 130`) and leaves the kernel's session as it was; a recipe's
+    `command_line` exits with `exit_status` = 128 + signal, as a process stopped by that signal would.
 
     `announce` prints the message; `Trainer.fit` calls it after its own closing lines (the curve, the
     time split), so that it is the last thing the library prints: under torchrun, only torchrun's
@@ -23,15 +27,19 @@ class TrainingInterrupted(SystemExit):
     def __init__(self, signum: int, step: int, checkpoint: str):
         name = signal.Signals(signum).name
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        self.exit_status = self.code = 128 + signum
+        self.announced = False
         self.message = (
-            f"interrupted by {name} after step {step}; checkpoint {checkpoint} written. "
-            "Run the same command again to resume (trainer.resume=auto)"
+            f"interrupted by {name} after step {step}; checkpoint {checkpoint} written. To continue, run the same "
+            "command again, or in Python build a new Trainer(cfg) and call fit() (trainer.resume=auto, the "
+            "default, resumes from the newest checkpoint)"
         ) + under_torchrun_note()
-        super().__init__(128 + signum)
+        super().__init__(self.message)
 
     def announce(self) -> None:
         if D.is_main():
             print(self.message, flush=True)
+        self.announced = True
 
 
 def under_torchrun_note() -> str:

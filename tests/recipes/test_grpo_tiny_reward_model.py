@@ -23,6 +23,7 @@ def test_recipe_with_a_reward_model_raises_the_models_reward(tmp_path):
         sys.executable,
         os.path.join(ROOT, "recipes", "grpo_tiny.py"),
         f"reward.model_path={rm_dir}",
+        "--create-model",
         f"model.path={tmp_path / 'model'}",
         f"trainer.out_dir={out}",
         "trainer.total_steps=20",

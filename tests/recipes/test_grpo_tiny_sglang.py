@@ -56,6 +56,7 @@ def _run(root, name: str, *overrides: str) -> list[dict]:
         "--nproc_per_node=2",
         f"--master_port={free_port()}",
         os.path.join(ROOT, "recipes", "grpo_tiny.py"),
+        "--create-model",
         f"model.path={root / 'model'}",
         f"trainer.out_dir={out}",
         f"trainer.total_steps={STEPS}",

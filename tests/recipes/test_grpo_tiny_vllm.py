@@ -50,6 +50,7 @@ def test_recipe_with_vllm_learns(tmp_path):
         "--nproc_per_node=2",
         f"--master_port={free_port()}",
         os.path.join(ROOT, "recipes", "grpo_tiny.py"),
+        "--create-model",
         f"model.path={tmp_path / 'model'}",
         f"trainer.out_dir={out}",
         f"trainer.total_steps={STEPS}",

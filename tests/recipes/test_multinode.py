@@ -34,6 +34,7 @@ def test_two_launchers_one_process_each(tmp_path):
     logs.mkdir()
     env = {"WRITE_AUDIT_DIRS": os.pathsep.join([str(run), str(model)]), "WRITE_AUDIT_LOG": str(logs / "rank{rank}.tsv")}
     overrides = [
+        "--create-model",
         f"model.path={model}",
         f"trainer.out_dir={run}",
         "trainer.total_steps=3",

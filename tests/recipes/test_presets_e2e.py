@@ -76,6 +76,7 @@ def test_dapo_two_ranks_agree_on_the_kept_groups(tmp_path, tiny_model_dir):
         "--nproc_per_node=2",
         f"--master_port={free_port()}",
         os.path.join(ROOT, "recipes", "grpo_tiny.py"),
+        "--create-model",
         f"model.path={tmp_path / 'model'}",
         f"trainer.out_dir={out}",
         "algorithm.preset=dapo",

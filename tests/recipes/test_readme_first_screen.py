@@ -98,21 +98,19 @@ def test_make_demo_with_args_writes_what_the_readme_lists(clone, readme):
 
 
 def test_the_notebook_example(clone, readme):
+    """Exactly as written (issue 39: a lowered copy once hid that the example's 100 held-out prompts did not fill
+    its default validation batch of 128); only a line printing what it returned is added after it."""
     code = _block_with(readme, "python", "trainer.save_pretrained")
-    # The README's own knobs, lowered: 2 steps with validation after each. The batch sizes stay the
-    # example's: a lowered data.batch_size also lowers the validation batch and hid that the example's
-    # 100 held-out prompts did not fill its default validation batch of 128 (a newcomer's first error).
-    small = code.replace('"trainer.total_steps=50"', '"trainer.total_steps=2"').replace(
-        '"trainer.val_every=25"', '"trainer.val_every=1"'
-    )
-    assert small != code and "total_steps=2" in small and "val_every=1" in small, "the example's overrides changed"
-    small += "\nimport json; print('HISTORY', json.dumps([sorted(h) for h in history]))\n"
+    code += "\nimport json; print('HISTORY', json.dumps([sorted(h) for h in history]))\n"
     script_path = os.path.join(clone, "notebook_example.py")
     with open(script_path, "w") as f:
-        f.write(small)
-    out = _bash(clone, "source .venv/bin/activate && python notebook_example.py")
+        f.write(code)
+    out = _bash(clone, "source .venv/bin/activate && python notebook_example.py", timeout=480)
     history = json.loads(out.split("HISTORY ", 1)[1].splitlines()[0])
-    assert len(history) == 2 and all("val/pass@1" in keys and "reward/mean" in keys for keys in history)
+    steps = int(re.search(r'"trainer\.total_steps=(\d+)"', code).group(1))
+    every = int(re.search(r'"trainer\.val_every=(\d+)"', code).group(1))
+    assert len(history) == steps and all("reward/mean" in keys for keys in history)
+    assert [i + 1 for i, keys in enumerate(history) if "val/pass@1" in keys] == list(range(every, steps + 1, every))
     assert os.path.isfile(os.path.join(clone, "runs", "notebook", "model", "config.json"))
 
 

@@ -41,6 +41,7 @@ def _command(tmp_path, total: int) -> list[str]:
         "--nproc_per_node=2",
         f"--master_port={free_port()}",
         os.path.join(ROOT, "recipes", "grpo_tiny.py"),
+        "--create-model",
         f"model.path={tmp_path / 'model'}",
         f"trainer.out_dir={tmp_path / 'run'}",
         f"trainer.total_steps={total}",

@@ -41,6 +41,8 @@ K = 3
     ids=["plain", "epoch_boundary", "optimizer_offload", "dynamic_sampling", "adaptive_kl_warmup"],
 )
 def test_resume_is_bit_exact(tiny_model_dir, tmp_path, extra, offload_copies):
+    """A comparison of two runs of the same code: it pins what a checkpoint carries, and is blind to what both
+    runs compute alike (the batch's loss mask: tests/unit/test_batch.py; the loss: tests/unit/loop/)."""
     result = straight_and_resumed(tiny_model_dir, str(tmp_path), K, *extra, offload_copies=offload_copies)
     if "data.num_prompts=12" in extra:
         assert result["loader"][1]["epoch"] >= 1, "the run must cross the epoch boundary"
@@ -66,35 +68,37 @@ def two_checkpoints(tiny_model_dir, tmp_path):
 
 
 def test_auto_takes_newest_complete_and_ignores_partial(two_checkpoints, tiny_model_dir):
+    """A killed save leaves a temporary (removed at start, said); a step dir without meta.json is damaged: auto
+    skips it for the newest intact one and sets it aside (test_damaged_checkpoint.py has the other damages)."""
     from hybrid_rl.checkpoint import sharded as C
 
     tr, out = two_checkpoints
     root = os.path.join(out, "checkpoints")
     assert [s for s, _ in C.complete_checkpoints(root)] == [2, 4]
-    # A crash mid-save leaves a temporary and perhaps a step dir without meta.json: neither counts.
     shutil.copytree(os.path.join(root, "step_00000004"), os.path.join(root, "step_00000006"))
     os.remove(os.path.join(root, "step_00000006", "meta.json"))
     os.makedirs(os.path.join(root, ".tmp-step_00000008", "state"))
     resumed = _trainer(tiny_model_dir, out, "trainer.total_steps=6")
     assert resumed.step_idx == 4 and resumed.resume_from.endswith("step_00000004")
     assert not os.path.exists(os.path.join(root, ".tmp-step_00000008")), "stale temporaries are removed at start"
-    with pytest.raises(C.CheckpointError, match="incomplete"):
-        _trainer(tiny_model_dir, out, f"trainer.resume={os.path.join(root, 'step_00000006')}")
+    aside = os.path.join(root, "set_aside", "step_00000006-damaged")
+    assert os.path.isdir(aside) and not os.path.exists(os.path.join(root, "step_00000006"))
+    with pytest.raises(C.CheckpointError, match=r"is damaged: meta\.json is missing\. To recover.*step_00000004"):
+        _trainer(tiny_model_dir, out, f"trainer.resume={aside}")
 
 
 def test_refuses_to_mix_with_later_checkpoints(two_checkpoints, tiny_model_dir, tmp_path):
-    """A fresh run in a used out_dir, or a resume of an older checkpoint, would write its checkpoints
-    next to later ones: keep_last (highest steps kept) would delete the new ones as soon as they are
-    written. Both are refused before anything is written; elsewhere a fresh run starts at step 0."""
+    """A fresh run in a used out_dir would write its checkpoints next to another run's: keep_last (highest
+    steps kept) would delete the new ones as soon as they are written. Refused before anything is written;
+    elsewhere a fresh run starts at step 0. (Resuming an older checkpoint sets the later ones aside:
+    test_damaged_checkpoint.py.)"""
     from hybrid_rl.checkpoint import sharded as C
 
     _, out = two_checkpoints
     root = os.path.join(out, "checkpoints")
     before = _unchanged(out)
-    with pytest.raises(C.CheckpointError, match=r"after step 0 \(steps 2, 4\).*another trainer\.out_dir"):
+    with pytest.raises(C.CheckpointError, match=r"holds checkpoints \(steps 2, 4\).*another trainer\.out_dir"):
         _trainer(tiny_model_dir, out, "trainer.resume=none")
-    with pytest.raises(C.CheckpointError, match=r"after step 2 \(steps 4\)"):
-        _trainer(tiny_model_dir, out, f"trainer.resume={os.path.join(root, 'step_00000002')}")
     assert _unchanged(out) == before
     assert [s for s, _ in C.complete_checkpoints(root)] == [2, 4]
     fresh = _trainer(tiny_model_dir, str(tmp_path / "elsewhere"), "trainer.resume=none")
@@ -159,9 +163,16 @@ def test_refuses_other_config_world_and_model_before_writing(two_checkpoints, ti
     meta["world_size"] = 2
     with open(meta_path, "w") as f:
         json.dump(meta, f)
+    _rewrite_manifest(os.path.dirname(meta_path))  # as if saved so: an edit alone reads as damage
     with pytest.raises(C.CheckpointError, match=r"written by 2 ranks, this run has 1"):
         _trainer(tiny_model_dir, out, "trainer.total_steps=6")
     assert _unchanged(out) == before
+
+
+def _rewrite_manifest(path):
+    from hybrid_rl.checkpoint import manifest
+
+    manifest.write(path, manifest.describe(path, manifest.listing(path)))
 
 
 def test_length_of_a_decaying_lr_is_part_of_the_run(tiny_model_dir, tmp_path):

@@ -85,6 +85,9 @@ def test_a_rank_file_with_the_old_counter_names_still_loads(tiny_trainer_overrid
     saved = torch.load(rank_file, weights_only=True)
     saved["switch_step"], saved["ledger_step"] = saved.pop("switch_rollouts"), saved.pop("ledger_rollout")
     torch.save(saved, rank_file)
+    from hybrid_rl.checkpoint import manifest
+
+    manifest.write(path, manifest.describe(path, manifest.listing(path)))  # as that old save wrote it
     fresh = Trainer(load_config(None, tiny_trainer_overrides))
     fresh.checkpointer.restore(path)
     assert (fresh.phases.rollouts, fresh.state.ledger_rollout) == (5, 4)

@@ -79,9 +79,13 @@ def test_tiny_recipe_says_when_it_makes_a_random_model_and_summarises_a_finished
     out.mkdir()
     _jsonl(out / "metrics.jsonl", [{"step": s, "reward/mean": 0.5, "time/step": 1.0} for s in (1, 2)])
     args = [f"model.path={tmp_path / 'model'}", f"trainer.out_dir={out}", "trainer.device=cpu"]
-    summary = grpo_tiny.main(args)
+    # A model.path given on the command line that holds no model is a typo until the user says otherwise.
+    with pytest.raises(ValueError, match=r"config key 'model\.path': .*holds no model.*--create-model"):
+        grpo_tiny.main(args)
+    assert not (tmp_path / "model").exists()
+    summary = grpo_tiny.main(["--create-model", *args])
     printed = capsys.readouterr().out
-    assert "NOTE: model.path=" in printed and "RANDOM-weight" in printed
+    assert "NOTE: creating a RANDOM-weight tiny Qwen2 at model.path=" in printed
     assert "over 2 steps (0 of them in this process" in printed and summary["steps"] == 2
     grpo_tiny.main(args)
     assert "RANDOM-weight" not in capsys.readouterr().out  # the directory exists now: used as it is
