@@ -134,6 +134,8 @@ class TrainBatch:
     weight_NT: torch.Tensor | None = None  # rollout-correction importance weight (TIS), detached
     engine_logp_NT: torch.Tensor | None = None  # the sampler's log-probs, for the mismatch metric
     group_size: int = 1  # rows per prompt, laid out contiguously (G); mini-batches are shuffled group by group
+    values_NT: torch.Tensor | None = None  # PPO (algorithm.advantage=gae): the critic's values in SCORE, 0 on padding
+    returns_NT: torch.Tensor | None = None  # PPO: GAE's returns, the critic's regression target
 
     def __len__(self) -> int:
         return self.ids_NL.shape[0]

@@ -41,6 +41,7 @@ from hybrid_rl.data.chat import PromptEncoder, use_chat_template
 from hybrid_rl.data.prepare import prepare_rows
 from hybrid_rl.data.prompts import PromptLoader, load_datasets
 from hybrid_rl.loop.advantage_stage import advantage_stage
+from hybrid_rl.loop.critic_update import CriticSettings, critic_update, score_values
 from hybrid_rl.loop.lr_schedule import lr_factor, optimizer_steps
 from hybrid_rl.loop.preflight import validate_runtime
 from hybrid_rl.loop.reward_setup import RewardSetup
@@ -51,6 +52,7 @@ from hybrid_rl.loop.validation import Validator, check_val_set
 from hybrid_rl.models.fsdp import load_sharded, prepare_policy, prepare_reference
 from hybrid_rl.models.loading import load_tokenizer, model_eos_ids
 from hybrid_rl.models.lora import adapters_disabled, policy_loading, trainable_parameters
+from hybrid_rl.models.value import ValueModel, load_value_model
 from hybrid_rl.observability.dashboard import draw_run, phase_memory
 from hybrid_rl.observability.loggers import build_loggers, check_loggers, console_write, interactive
 from hybrid_rl.observability.metrics import (
@@ -192,11 +194,33 @@ class Trainer:
             mesh=self.split.mesh if self.split else None,
         )
         self.policy, self.ref = models[0], (models[1] if len(models) > 1 else None)
+        self.critic = self._build_critic() if cfg.has_critic else None
         if not self.split:  # a split run's reward model lives on its rollout ranks (split/roles.py)
             self.rewards.build_model(rows[:2], self.device, self._mixed)
 
+    def _build_critic(self) -> torch.nn.Module:
+        """PPO's critic (issue 36): critic.path (default the policy's directory, with a fresh value head), built
+        and sharded like the policy; fp32 master weights, bf16 compute under mixed precision."""
+        cfg = self.cfg
+        path = cfg.critic.path or cfg.model.path
+        as_critic = functools.partial(prepare_policy, gradient_checkpointing=cfg.model.gradient_checkpointing)
+        load = functools.partial(
+            load_value_model, path, torch.float32, cfg.model.attn_implementation, seed=cfg.trainer.seed
+        )
+        (critic,) = load_sharded(
+            path,
+            self.device,
+            self._mixed,
+            cfg.model.attn_implementation,
+            [as_critic],
+            load=load,
+            model_class=ValueModel,
+            mesh=self.split.mesh if self.split else None,
+        )
+        return critic
+
     def _build_optimizer(self) -> None:
-        """AdamW, its lr schedule over the run's optimizer steps, and the update's settings."""
+        """AdamW, its lr schedule over the run's optimizer steps, and the update's settings (the critic's too)."""
         cfg, o = self.cfg, self.cfg.optim
         self.optimizer = torch.optim.AdamW(
             trainable_parameters(self.policy), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
@@ -214,6 +238,19 @@ class Trainer:
             ),
         )
         self.update_settings = UpdateSettings.from_config(cfg)
+        self.critic_optimizer = self.critic_scheduler = None
+        if self.critic is not None:
+            c = cfg.critic
+            self.critic_optimizer = torch.optim.AdamW(
+                self.critic.parameters(), lr=c.lr, betas=tuple(c.betas), eps=c.eps, weight_decay=c.weight_decay
+            )
+            self.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.critic_optimizer,
+                functools.partial(
+                    lr_factor, warmup=c.lr_warmup_steps, total=total, kind=c.lr_schedule, min_ratio=c.min_lr_ratio
+                ),
+            )
+            self.critic_settings = CriticSettings.from_config(cfg)
 
     def _build_engine_and_phases(self, train_rows: list[dict], val_rows: list[dict]) -> None:
         """The rollout engine and the phase switch that moves memory between it and training."""
@@ -243,6 +280,10 @@ class Trainer:
             lora=cfg.model.lora.enabled,
             reward_model=self.rewards.module,
             offload_reward_model=self.offload.reward_model,
+            critic=self.critic,
+            critic_optimizer=self.critic_optimizer,
+            offload_critic=cfg.critic.offload_params,
+            offload_critic_optimizer=cfg.critic.offload_optimizer,
         )
 
     def _build_collaborators(self, val_rows: list[dict], resume_meta: Optional[dict]) -> None:
@@ -270,6 +311,7 @@ class Trainer:
             self.state,
             self.phases,
             self.tokenizer,
+            critic=(self.critic, self.critic_optimizer, self.critic_scheduler) if self.critic is not None else None,
         )
         self.validator = Validator(
             cfg,
@@ -397,19 +439,14 @@ class Trainer:
             if batch is not None:
                 with self.phases.score() as ref, timer("score"):
                     old_logp_NT, ref_logp_NT = self._score(batch, ref)
+                    values_NT = self._values(batch)
                 with timer("advantage"):
-                    train_batch, shaping = advantage_stage(batch, old_logp_NT, ref_logp_NT, kl_coef, self.cfg.algorithm)
+                    train_batch, shaping = advantage_stage(
+                        batch, old_logp_NT, ref_logp_NT, kl_coef, self.cfg.algorithm, values_NT=values_NT
+                    )
                 with self.phases.train() as optimizer, timer("train"):  # a new mini-batch shuffle every step
                     metrics.update(
-                        policy_update(
-                            policy=self.policy,
-                            optimizer=optimizer,
-                            scheduler=self.scheduler,
-                            batch=train_batch,
-                            settings=self.update_settings,
-                            kl_coef=kl_coef,
-                            seed=self.cfg.trainer.seed + self.state.step,
-                        )
+                        self._update(optimizer, train_batch, kl_coef, seed=self.cfg.trainer.seed + self.state.step)
                     )
                 metrics.update(shaping.reduce())
                 metrics["actor/kl_coef"] = kl_coef
@@ -435,6 +472,51 @@ class Trainer:
         return metrics
 
     # -- SCORE ----------------------------------------------------------------
+    def _update(self, optimizer: torch.optim.Optimizer, batch, kl_coef: float, seed: int) -> dict:
+        """TRAIN: the actor's update (not while PPO's critic warms up: critic.warmup_steps), then the critic's over
+        the same mini-batches (the same seed gives the same rows)."""
+        metrics = {}
+        if self.critic is None or self.state.step >= self.cfg.critic.warmup_steps:
+            metrics.update(
+                policy_update(
+                    policy=self.policy,
+                    optimizer=optimizer,
+                    scheduler=self.scheduler,
+                    batch=batch,
+                    settings=self.update_settings,
+                    kl_coef=kl_coef,
+                    seed=seed,
+                )
+            )
+        if self.critic is not None:
+            metrics.update(
+                critic_update(
+                    critic=self.critic,
+                    optimizer=self.critic_optimizer,
+                    scheduler=self.critic_scheduler,
+                    batch=batch,
+                    settings=self.critic_settings,
+                    seed=seed,
+                )
+            )
+            metrics["critic/warmup"] = float(self.state.step < self.cfg.critic.warmup_steps)
+        return metrics
+
+    def _values(self, batch: RolloutBatch) -> Optional[torch.Tensor]:
+        """SCORE: the critic's values of the batch's response tokens (PPO), None without a critic."""
+        if self.critic is None:
+            return None
+        tc = self.cfg.trainer
+        return score_values(
+            self.critic,
+            batch.ids_NL,
+            batch.attn_NL,
+            batch.P,
+            tc.micro_batch_size,
+            tc.max_tokens_per_micro_batch,
+            batch.group_size,
+        )
+
     def _score(self, batch: RolloutBatch, ref: Optional[torch.nn.Module]):
         """(old_logp_NT or None, ref_logp_NT or None) for the batch's response tokens."""
         tc = self.cfg.trainer

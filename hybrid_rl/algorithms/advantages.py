@@ -39,6 +39,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from hybrid_rl.algorithms.gae import gae_advantages_returns, outcome_token_rewards
 from hybrid_rl.algorithms.returns import check_token_kl, discounted_returns, token_rewards
 from hybrid_rl.algorithms.whitening import ReduceSum, stats_mask, whiten_valid
 
@@ -287,6 +288,8 @@ class AdvantageInputs:
     kl_coef: float = 0.0
     reduce_sum: ReduceSum | None = None
     stats_mask_NT: Tensor | None = None
+    values_NT: Tensor | None = None  # the critic's values (estimators with `critic`)
+    lam: float = 1.0  # GAE's lambda (estimators with `critic`)
 
 
 @dataclass(frozen=True)
@@ -299,6 +302,7 @@ class Estimator:
     token_level: one value per token, whitened over the valid tokens of every rank
         (reduce_sum and stats_mask_NT apply); else one value per sequence, broadcast.
     group_baseline: its baseline comes from the prompt's group (needs >= 2 samples per prompt).
+    critic: its baseline is a learned value per token (values_NT, lam): PPO with a critic.
     """
 
     fn: Callable[[AdvantageInputs], Tensor]
@@ -306,6 +310,7 @@ class Estimator:
     discounted: bool = False
     token_level: bool = False
     group_baseline: bool = True
+    critic: bool = False
 
 
 def _per_sequence(seq_fn: Callable[..., Tensor]) -> Callable[[AdvantageInputs], Tensor]:
@@ -338,6 +343,21 @@ def _reinforce_pp_baseline(x: AdvantageInputs) -> Tensor:
     )
 
 
+def _gae(x: AdvantageInputs) -> Tensor:
+    rewards_NT = outcome_token_rewards(x.scores_N, x.mask_NT, kl_NT=x.kl_NT, kl_coef=x.kl_coef)
+    adv_NT, _ = gae_advantages_returns(
+        rewards_NT,
+        x.values_NT,
+        x.mask_NT,
+        x.gamma,
+        x.lam,
+        eps=x.eps,
+        reduce_sum=x.reduce_sum,
+        stats_mask_NT=x.stats_mask_NT,
+    )
+    return adv_NT
+
+
 ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
     "grpo": Estimator(_per_sequence(grpo_advantages)),
     "drgrpo": Estimator(_per_sequence(drgrpo_advantages)),
@@ -345,6 +365,9 @@ ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
     # REINFORCE++ whitens over the whole batch: no group baseline, so one sample per prompt is its usual setting.
     "reinforce_pp": Estimator(_reinforce_pp, token_kl=True, discounted=True, token_level=True, group_baseline=False),
     "reinforce_pp_baseline": Estimator(_reinforce_pp_baseline, token_level=True),
+    # PPO with a critic (issue 36): GAE over token rewards (the outcome on the last generated token, the KL per
+    # token when it is in the reward) against the critic's values; one sample per prompt works.
+    "gae": Estimator(_gae, token_kl=True, discounted=True, token_level=True, group_baseline=False, critic=True),
 }
 # Estimators whose result is per token (the others give one value per sequence).
 TOKEN_LEVEL_ESTIMATORS = frozenset(n for n, e in ADVANTAGE_ESTIMATORS.items() if e.token_level)
@@ -374,6 +397,8 @@ def compute_advantages(
     kl_coef: float = 0.0,
     reduce_sum: ReduceSum | None = None,
     stats_mask_NT: Tensor | None = None,
+    values_NT: Tensor | None = None,
+    lam: float = 1.0,
 ) -> Tensor:
     """Advantages of any estimator in ADVANTAGE_ESTIMATORS as a (N, T) tensor.
 
@@ -408,6 +433,13 @@ def compute_advantages(
         raise ValueError(
             f"advantage estimator {name!r} has no discount; gamma={gamma} applies only to {_names('discounted')}"
         )
+    if est.critic != (values_NT is not None):
+        raise ValueError(
+            f"advantage estimator {name!r} "
+            + ("needs the critic's values_NT" if est.critic else f"takes no values_NT (only {_names('critic')})")
+        )
+    if not est.critic and lam != 1.0:
+        raise ValueError(f"advantage estimator {name!r} has no lambda; lam={lam} applies only to {_names('critic')}")
     return est.fn(
         AdvantageInputs(
             scores_N,
@@ -419,6 +451,8 @@ def compute_advantages(
             kl_coef=kl_coef,
             reduce_sum=reduce_sum,
             stats_mask_NT=stats_mask_NT,
+            values_NT=values_NT,
+            lam=lam,
         )
     )
 

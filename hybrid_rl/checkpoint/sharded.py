@@ -405,12 +405,15 @@ def save(
     meta: dict,
     write_hf,
     trainable_only: bool = False,
+    extra: Optional[dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]] = None,
 ) -> str:
     """Write checkpoint `step` under `root` on every rank; returns its path once complete.
 
     rank_state: this rank's state (torch-saveable, weights_only-loadable). meta: JSON-safe
     (rank 0's is written). write_hf(dir): rank 0 writes the model config and tokenizer there.
     trainable_only: the weights that train and nothing else (LoRA: the adapters; the frozen base is model.path's).
+    extra: more trained models by name, each with its optimizer (PPO's critic: {"critic": (critic, its AdamW)}),
+    saved beside the policy as state/'s "<name>" and "<name>_optim".
     On any failure every rank raises `CheckpointError` and nothing under `root` changes
     except the removal of the temporary directory.
     """
@@ -419,8 +422,9 @@ def save(
     final = step_dir(root, step)
     tmp = os.path.join(root, f".tmp-step_{step:08d}")
     model_sd, optim_sd = _state_dicts(model, optimizer, trainable_only)
+    state = {"model": model_sd, "optim": optim_sd, **_extra_state(extra)}
     # What the weights and optimizer state take on disk, every rank's: the full-disk message names it.
-    need = int(D.all_reduce_sum(torch.tensor([_tensor_bytes(model_sd, optim_sd)], dtype=torch.float64)).item())
+    need = int(D.all_reduce_sum(torch.tensor([_tensor_bytes(*state.values())], dtype=torch.float64)).item())
     commit = _Commit(root, tmp, final, need)
     failure: Optional[BaseException] = None
     if D.is_main():
@@ -435,7 +439,7 @@ def save(
     try:
         with quiet_single_process():
             dcp_save(
-                {"model": model_sd, "optim": optim_sd},
+                state,
                 checkpoint_id=os.path.join(tmp, "state"),
                 no_dist=not D.is_dist(),
                 process_group=D.scope_group(),
@@ -443,7 +447,7 @@ def save(
         torch.save(rank_state, os.path.join(tmp, f"rank_{D.rank():05d}.pt"))
     except _FAILURES as err:  # DCP raises on every rank when one rank's write fails
         failure = err
-    del model_sd, optim_sd
+    del model_sd, optim_sd, state
     commit.agree(failure, "writing")
     files = None
     if D.is_main():
@@ -670,6 +674,14 @@ def _options(trainable_only: bool):
     return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
 
 
+def _extra_state(extra: Optional[dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]]) -> dict:
+    """{"<name>": model state, "<name>_optim": its optimizer's} for each extra trained model."""
+    out = {}
+    for name, (m, o) in (extra or {}).items():
+        out[name], out[f"{name}_optim"] = _state_dicts(m, o, False)
+    return out
+
+
 def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool) -> tuple[dict, dict]:
     """(model, optimizer) state dicts of a checkpoint. torch's ignore_frozen_params keeps a tied weight's second
     name (a tied LM head: the frozen embedding again), so the model's is filtered by requires_grad here too."""
@@ -682,9 +694,15 @@ def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer, train
     return model_sd, optim_sd
 
 
-def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool = False) -> dict:
+def load(
+    path: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trainable_only: bool = False,
+    extra: Optional[dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]] = None,
+) -> dict:
     """Load weights and optimizer state (in place, this rank's shards) and return this rank's state.
-    trainable_only: as `save` wrote it (LoRA: the adapters; the base stays as model.path loaded it)."""
+    trainable_only, extra: as `save` wrote them (LoRA: the adapters; the base stays as model.path loaded it)."""
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
@@ -695,7 +713,7 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, tr
         )
     options = _options(trainable_only)
     model_sd, optim_sd = _state_dicts(model, optimizer, trainable_only)  # creates the optimizer state to load into
-    state = {"model": model_sd, "optim": optim_sd}
+    state = {"model": model_sd, "optim": optim_sd, **_extra_state(extra)}
     # Verified before (`damage`), so an error here is a file changed since, or a checkpoint without a manifest:
     # name the checkpoint and the part, never only torch's words from deep inside it.
     with _reading(path, "state/ (the weights and optimizer state)"), quiet_single_process():
@@ -703,6 +721,8 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, tr
             state, checkpoint_id=os.path.join(path, "state"), no_dist=not D.is_dist(), process_group=D.scope_group()
         )
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
+    for name, (m, o) in (extra or {}).items():
+        set_state_dict(m, o, model_state_dict=state[name], optim_state_dict=state[f"{name}_optim"])
     with _reading(path, os.path.basename(rank_file)):
         return torch.load(rank_file, weights_only=True)
 

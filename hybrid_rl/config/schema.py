@@ -224,7 +224,7 @@ ClipBound = Optional[Union[int, float, str]]  # a number, null (that side off) o
 # out rather than built from them: the schema stays importable without torch and readable by a type checker.
 # tests/unit/config/test_config.py checks each against its table, so a name added to one and not the other fails there.
 Preset = Literal["", "dapo", "drgrpo", "grpo", "gspo"]
-AdvantageName = Literal["drgrpo", "grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo"]
+AdvantageName = Literal["drgrpo", "gae", "grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo"]
 PolicyLoss = Literal["cispo", "gspo", "ppo_clip"]
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
@@ -270,7 +270,8 @@ class AlgorithmConfig:
     ppo_epochs: int = 1
     mini_batch_size: int = 0  # sequences per optimizer step over all ranks; 0 = the whole batch
     adv_eps: float = 1e-6
-    gamma: float = 1.0  # discount of the token-level returns (reinforce_pp); 1 = undiscounted, as in the paper
+    gamma: float = 1.0  # discount of the token-level returns (reinforce_pp, gae); 1 = undiscounted, as in the paper
+    lam: float = 1.0  # GAE's lambda (advantage=gae, PPO with a critic): 1 = Monte Carlo returns less the value
 
     def __post_init__(self) -> None:
         from hybrid_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS
@@ -304,11 +305,18 @@ class AlgorithmConfig:
         )
         check(self.ppo_epochs >= 1, "algorithm.ppo_epochs", "must be >= 1")
         check(self.mini_batch_size >= 0, "algorithm.mini_batch_size", "must be >= 0 (0 = whole batch)")
-        check(0 < self.gamma <= 1, "algorithm.gamma", f"must be in (0, 1], got {self.gamma}")
+        check(0 <= self.gamma <= 1, "algorithm.gamma", f"must be in [0, 1], got {self.gamma}")
         check(
             self.gamma == 1 or ADVANTAGE_ESTIMATORS[self.advantage].discounted,
             "algorithm.gamma",
-            f"a discount needs token-level returns: set algorithm.advantage=reinforce_pp (got {self.advantage!r})",
+            f"a discount needs token-level returns: set algorithm.advantage=reinforce_pp or gae "
+            f"(got {self.advantage!r})",
+        )
+        check(0 <= self.lam <= 1, "algorithm.lam", f"must be in [0, 1], got {self.lam}")
+        check(
+            self.lam == 1 or ADVANTAGE_ESTIMATORS[self.advantage].critic,
+            "algorithm.lam",
+            f"is GAE's lambda: set algorithm.advantage=gae (got {self.advantage!r})",
         )
 
     def clip_bounds(self) -> tuple[Optional[float], Optional[float]]:
@@ -390,6 +398,46 @@ class OffloadConfig:
     params: bool = False
     reward_model: bool = False  # reward model (reward.model_path) on host outside the REWARD stage
     auto: bool = False  # ignore the flags above and take the planner's advice (python -m hybrid_rl.plan)
+
+
+@dataclass
+class CriticConfig:
+    """`critic.*`: PPO's value model (algorithm.advantage=gae; issue 36), a second trainable FSDP2 model with its
+    own AdamW. Any value set here with another estimator is refused (Config.__post_init__)."""
+
+    path: str = ""  # the critic's model directory; "" = the policy's, with a fresh value head (as verl does)
+    lr: float = 1e-5  # verl's PPO examples: critic 1e-5 against an actor's 1e-6
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    lr_warmup_steps: int = 0  # optimizer steps of linear lr warm-up (the critic's own)
+    min_lr_ratio: float = 0.0
+    cliprange_value: Optional[float] = 0.5  # |V - V_old| clip of the value loss (verl's default); null = none
+    warmup_steps: int = 0  # steps that train the critic only: the actor is not updated (verl's critic_warmup)
+    offload_params: bool = False  # critic weights on host outside SCORE and TRAIN (during ROLLOUT)
+    offload_optimizer: bool = False  # critic optimizer state on host outside TRAIN
+
+    def __post_init__(self) -> None:
+        check_choices(self, "critic")
+        check(self.lr > 0, "critic.lr", f"must be > 0, got {self.lr}")
+        check(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            "critic.betas",
+            "must be two numbers in [0, 1)",
+        )
+        check(self.eps > 0, "critic.eps", "must be > 0")
+        check(self.weight_decay >= 0, "critic.weight_decay", "must be >= 0")
+        check(self.grad_clip > 0, "critic.grad_clip", f"must be > 0, got {self.grad_clip}")
+        check(self.lr_warmup_steps >= 0, "critic.lr_warmup_steps", "must be >= 0")
+        check(0 <= self.min_lr_ratio <= 1, "critic.min_lr_ratio", "must be in [0, 1]")
+        check(
+            self.cliprange_value is None or self.cliprange_value > 0,
+            "critic.cliprange_value",
+            f"must be > 0 or null (no clip), got {self.cliprange_value}",
+        )
+        check(self.warmup_steps >= 0, "critic.warmup_steps", "must be >= 0 (steps that train the critic only)")
 
 
 @dataclass
@@ -586,9 +634,27 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     env: EnvConfig = field(default_factory=EnvConfig)  # multi-turn episodes (issue 28); unset = single turn
+    critic: CriticConfig = field(default_factory=CriticConfig)  # PPO's value model (algorithm.advantage=gae)
+
+    @property
+    def has_critic(self) -> bool:
+        """PPO with a critic: the estimator's baseline is a learned value (algorithm.advantage=gae)."""
+        from hybrid_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS
+
+        return ADVANTAGE_ESTIMATORS[self.algorithm.advantage].critic
 
     def __post_init__(self) -> None:
         """Checks across sections."""
+        if not self.has_critic:
+            default = CriticConfig()
+            changed = [f.name for f in fields(CriticConfig) if getattr(self.critic, f.name) != getattr(default, f.name)]
+            check(
+                not changed,
+                f"critic.{changed[0]}" if changed else "critic",
+                f"configures PPO's critic, which only algorithm.advantage=gae trains (got "
+                f"{self.algorithm.advantage!r}); set algorithm.advantage=gae or drop the critic.* keys",
+            )
+
         check(
             self.env.enabled or "env" not in self.reward.weights,
             "reward.weights",

@@ -49,6 +49,8 @@ def validate_runtime(cfg: Config, world_size: int) -> None:
     """Checks that need the machine (paths, ranks); raised before any model is built."""
     check(bool(cfg.model.path), "model.path", "is empty; point it at a local Hugging Face model directory")
     _check_model_dir(cfg.model.path, "model.path", "model")
+    if cfg.has_critic and cfg.critic.path:
+        _check_model_dir(cfg.critic.path, "critic.path", "critic")
     if cfg.reward.model_path:
         _check_model_dir(cfg.reward.model_path, "reward.model_path", "reward model")
     # model.lora.*: the engine serves adapters, model.path is no adapter directory, every target matches a

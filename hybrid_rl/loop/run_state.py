@@ -148,6 +148,15 @@ def _set_aside_later(root: str, path: str, start: int, damaged: dict[str, list[s
     D.barrier()
 
 
+def _restore_schedule(optimizer: torch.optim.Optimizer, scheduler, saved: dict) -> None:
+    """The scheduler's saved position; the optimizer state brought the lr the saved schedule set for the next step,
+    and this run's schedule decides it (the same value unless trainer.resume_ignore let a decaying schedule's
+    length change)."""
+    scheduler.load_state_dict(saved)
+    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * factor(scheduler.last_epoch)
+
+
 class Checkpointer:
     """Saves and restores a run's checkpoints (checkpoint/sharded.py) from the parts they hold.
 
@@ -165,8 +174,11 @@ class Checkpointer:
         state: RunState,
         phases,
         tokenizer,
+        critic: Optional[tuple[torch.nn.Module, torch.optim.Optimizer, object]] = None,
     ):
+        """critic: PPO's (critic, its optimizer, its lr scheduler), saved and restored beside the policy."""
         self.cfg, self.model_config = cfg, model_config
+        self.critic = critic
         self.policy, self.optimizer, self.scheduler = policy, optimizer, scheduler
         self.state, self.phases, self.tokenizer = state, phases, tokenizer
         self.saved_step: Optional[int] = None  # the step of the last checkpoint this process wrote or loaded
@@ -177,9 +189,13 @@ class Checkpointer:
         return {
             **self.state.state_dict(),
             "scheduler": self.scheduler.state_dict(),
+            **({"critic_scheduler": self.critic[2].state_dict()} if self.critic else {}),
             "switch_rollouts": self.phases.rollouts,
             "rng": ckpt.rng_state(),
         }
+
+    def _extra(self) -> Optional[dict]:
+        return {"critic": self.critic[:2]} if self.critic else None
 
     def save(self) -> str:
         """Write a sharded checkpoint of this step (every rank calls it, between steps); returns its path."""
@@ -198,6 +214,7 @@ class Checkpointer:
                 meta,
                 lambda d: write_hf_metadata(self.policy, self.tokenizer, d, source_dtype),
                 trainable_only=self.cfg.model.lora.enabled,
+                extra=self._extra(),
             )  # LoRA: adapters, not the frozen base
         ckpt.prune(t.checkpoint_root, t.keep_last)
         D.barrier()
@@ -208,16 +225,16 @@ class Checkpointer:
 
     def restore(self, path: str) -> None:
         with self.phases.checkpointable():
-            saved = ckpt.load(path, self.policy, self.optimizer, trainable_only=self.cfg.model.lora.enabled)
+            saved = ckpt.load(
+                path, self.policy, self.optimizer, trainable_only=self.cfg.model.lora.enabled, extra=self._extra()
+            )
         try:
             self.state.load_state_dict(saved)
         except ValueError as err:
             raise ckpt.CheckpointError(f"checkpoint {path!r} {err}") from None
-        self.scheduler.load_state_dict(saved["scheduler"])
-        # The optimizer state brought the lr the saved schedule set for the next step; this run's schedule
-        # decides it (the same value unless trainer.resume_ignore let a decaying schedule's length change).
-        for group, base, factor in zip(self.optimizer.param_groups, self.scheduler.base_lrs, self.scheduler.lr_lambdas):
-            group["lr"] = base * factor(self.scheduler.last_epoch)
+        _restore_schedule(self.optimizer, self.scheduler, saved["scheduler"])
+        if self.critic:
+            _restore_schedule(self.critic[1], self.critic[2], saved["critic_scheduler"])
         self.phases.rollouts = saved[_renamed(saved, "switch_rollouts", "switch_step")]
         ckpt.set_rng_state(saved["rng"])
         self.saved_step, self.path = self.state.step, path

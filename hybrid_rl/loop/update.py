@@ -158,27 +158,26 @@ def policy_update(
                 "the KL is placed in the loss (algorithm.kl_placement=loss, kl_coef > 0) "
                 "but the batch has no reference log-probs"
             )
-        mb_local = (algo.mini_batch_size or len(batch) * D.world_size()) // D.world_size()
         acc = MeanAccumulator()
-        gen = torch.Generator().manual_seed(seed)
         ends = response_ends(batch.mask_NT)
-        for epoch in range(algo.ppo_epochs):
-            shuffle = algo.ppo_epochs > 1 or mb_local < len(batch)
-            order = shuffled_rows(len(batch), batch.group_size, gen) if shuffle else torch.arange(len(batch))
-            for m0 in range(0, len(batch), mb_local):
-                _mini_batch(
-                    policy,
-                    optimizer,
-                    scheduler,
-                    batch,
-                    order[m0 : m0 + mb_local],
-                    ends,
-                    settings,
-                    kl_coef,
-                    epoch == 0,
-                    acc,
-                )
+        for epoch, rows_M in mini_batch_rows(len(batch), batch.group_size, algo.ppo_epochs, algo.mini_batch_size, seed):
+            _mini_batch(policy, optimizer, scheduler, batch, rows_M, ends, settings, kl_coef, epoch == 0, acc)
         return acc.reduce()
+
+
+def mini_batch_rows(
+    n: int, group_size: int, epochs: int, mini_batch_size: int, seed: int
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """(epoch, rows_M) of each optimizer step over this rank's n rows: `epochs` passes, each cut into
+    mini-batches of mini_batch_size / world rows (0: the whole batch), shuffled a group at a time when there is
+    more than one step. The same seed gives the same mini-batches: the critic trains on the actor's."""
+    mb_local = (mini_batch_size or n * D.world_size()) // D.world_size()
+    gen = torch.Generator().manual_seed(seed)
+    for epoch in range(epochs):
+        shuffle = epochs > 1 or mb_local < n
+        order = shuffled_rows(n, group_size, gen) if shuffle else torch.arange(n)
+        for m0 in range(0, n, mb_local):
+            yield epoch, order[m0 : m0 + mb_local]
 
 
 def _mini_batch(

@@ -15,6 +15,7 @@ Parameter count N (``count_parameters``): exact, from the architecture:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -197,6 +198,14 @@ def lora_param_count(arch: ModelArch, rank: int, target_modules: Any = "all-line
     }
     names = LORA_PROJECTIONS if target_modules == "all-linear" else [t for t in target_modules if t in widths]
     return arch.num_hidden_layers * sum(rank * sum(widths[t]) for t in names)
+
+
+def critic_param_count(arch: ModelArch) -> int:
+    """Parameters of PPO's critic over `arch` (models/value.py): the body without its LM head, and a value head of
+    h weights and one bias."""
+    if arch.num_params is not None:
+        return int(arch.num_params)
+    return count_parameters(dataclasses.replace(arch, num_labels=1, tie_word_embeddings=False)) + 1
 
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}

@@ -130,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--offload", type=_offload, default={}, help=f"comma list of {','.join(OFFLOAD_FLAGS)} (or 'all' / 'none')"
     )
+    p.add_argument(
+        "--critic",
+        action="store_true",
+        help="PPO with a critic (algorithm.advantage=gae): a second learner of the policy's architecture (16N more)",
+    )
     p.add_argument("--reward-model", help="reward model: built-in name or HF config path")
     p.add_argument(
         "--reward-params", type=_param_count, help="reward model parameter count (instead of --reward-model)"
@@ -275,6 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         kw = dict(
             tp_size=args.tp,
             reward_arch=rm,
+            critic_arch=arch if args.critic else None,
             gpu_mem_gib=args.gpu_mem_gib,
             lora_params=lora,
             train_micro_batch=args.train_micro_batch,

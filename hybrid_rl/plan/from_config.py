@@ -72,9 +72,15 @@ def plan_from_config(
         suggestion = suggest_offload(arch, n_gpus, dtype, sequences, context, flags, **kw)
         flags = suggestion["offload"]
     else:
-        flags = {**flags, **{f: flags[f] or getattr(cfg.offload, f) for f in OFFLOAD_FLAGS}}
+        flags = {**flags, **{f: flags[f] or _configured(cfg, f) for f in OFFLOAD_FLAGS}}
         suggestion = suggest_offload(arch, n_gpus, dtype, sequences, context, flags, **kw)
     return plan_memory(arch, n_gpus, dtype, sequences, context, flags, **kw), suggestion
+
+
+def _configured(cfg, flag: str) -> bool:
+    """The configured offload flag: offload.* for the policy's roles, critic.offload_* for PPO's critic."""
+    critic = {"critic": "offload_params", "critic_optimizer": "offload_optimizer"}
+    return getattr(cfg.critic, critic[flag]) if flag in critic else getattr(cfg.offload, flag)
 
 
 def _plan_args(cfg, n_gpus: int, gpu_mem_gib: float, prompt_tokens: int, mixed_precision: Optional[bool]):
@@ -94,6 +100,8 @@ def _plan_args(cfg, n_gpus: int, gpu_mem_gib: float, prompt_tokens: int, mixed_p
         gradient_checkpointing=cfg.model.gradient_checkpointing,
         engine=ro.engine,
         lora_params=lora_param_count(arch, lora.rank, lora.target_modules) if lora.enabled else 0,
+        # PPO's critic (critic.path, default the policy's directory): a second learner
+        critic_arch=config_arch(cfg.critic.path or cfg.model.path, "critic.path") if cfg.has_critic else None,
     )
     if ro.engine == "native":  # it decodes what fits: its prefill, sampler and graph pools are billed too
         kw.update(
@@ -107,6 +115,7 @@ def _plan_args(cfg, n_gpus: int, gpu_mem_gib: float, prompt_tokens: int, mixed_p
         kw.update(mem_fraction=ro.mem_fraction)
     dtype = "bf16" if mixed_precision else "fp32"
     absent = {"optimizer": False, "params": False, "ref": not has_ref, "reward_model": not has_rm}
+    absent.update(critic=not cfg.has_critic, critic_optimizer=not cfg.has_critic)
     return arch, dtype, cfg.data.batch_size * ro.n, plan_context(cfg, prompt_tokens)[0], absent, kw
 
 

@@ -17,6 +17,8 @@ rollout tensor-parallel size; R = G/tp rollout data-parallel ranks):
   optimizer       8N (Adam m + v, fp32)    /G      -> learner = 16N either way
   ref             b*N                      /G
   reward_model    b*N_rm (second model)    /G
+  critic          6N_c (b=2) / 4N_c fp32   /G  (PPO: a second learner; its grads in the grads row,
+  critic_optimizer 8N_c                    /G   2N_c / 4N_c: 16N_c with them)
   engine_weights  b*N (one copy; R copies  /tp (each rank holds a TP slice)
                   on the node)
   kv_cache        2*L*K*d*b per token      * ceil(batch/R)*context tokens,
@@ -54,6 +56,8 @@ the phase that uses them):
   kv_cache        -      yes      -       -       (engine sleeps / is released)
   ref             flag   flag     flag    yes     ref
   reward_model    flag   flag     yes     flag    reward_model
+  critic          yes    flag     flag    yes     critic
+  critic_optimizer yes   flag     flag    flag    critic_optimizer
 
 ("flag": resident unless that offload flag is set.)  SGLang (``engine="sglang"`` with
 ``mem_fraction``) sizes its KV pool once, at start-up: mem_fraction_static of the memory free then
@@ -89,6 +93,7 @@ from hybrid_rl.plan.arch import (  # noqa: F401
     ModelArch,
     builtin_arch,
     count_parameters,
+    critic_param_count,
     dtype_bytes,
     load_arch,
 )
@@ -96,9 +101,19 @@ from hybrid_rl.plan.rollout_memory import HEADROOM, bill_native_rollout, bill_sg
 
 # The one definition of the memory roles: the runtime ledger (switch/memory.py) imports it
 # from here, because this module is torch-free and the ledger is not.
-ROLES = ("policy_weights", "grads", "optimizer", "engine_weights", "kv_cache", "ref", "reward_model")
+ROLES = (
+    "policy_weights",
+    "grads",
+    "optimizer",
+    "engine_weights",
+    "kv_cache",
+    "ref",
+    "reward_model",
+    "critic",
+    "critic_optimizer",
+)
 PHASES = ("train", "rollout", "reward", "score")
-OFFLOAD_FLAGS = ("optimizer", "ref", "reward_model", "params")  # also the suggestion order
+OFFLOAD_FLAGS = ("optimizer", "ref", "reward_model", "params", "critic_optimizer", "critic")  # the suggestion order
 GB = 10**9
 GIB = 2**30
 MARGIN_FIXED_GIB = 2.0  # CUDA context + NCCL buffers per GPU (module docstring: why)
@@ -110,6 +125,8 @@ def margin_bytes(cap: int) -> int:
     return int(MARGIN_FIXED_GIB * GIB + MARGIN_FRACTION * cap)
 
 
+CRITIC_ROLES = ("critic", "critic_optimizer")
+
 # role -> (phases that use it, offload flag that parks it on CPU otherwise; None = freed)
 RESIDENCY: dict[str, tuple[frozenset, str | None]] = {
     "policy_weights": (frozenset({"train", "score"}), "params"),
@@ -119,6 +136,9 @@ RESIDENCY: dict[str, tuple[frozenset, str | None]] = {
     "kv_cache": (frozenset({"rollout"}), None),
     "ref": (frozenset({"score"}), "ref"),
     "reward_model": (frozenset({"reward"}), "reward_model"),
+    # PPO's critic (issue 36): its weights in SCORE (values) and TRAIN, its Adam state in TRAIN.
+    "critic": (frozenset({"score", "train"}), "critic"),
+    "critic_optimizer": (frozenset({"train"}), "critic_optimizer"),
 }
 
 
@@ -174,11 +194,14 @@ def activation_estimate(arch: ModelArch, dtype: str, micro_batch: int, context: 
 
 
 def phase_residency(per_gpu: Mapping[str, int], offload: Mapping[str, bool]) -> dict[str, dict[str, int]]:
-    """phase -> {role: bytes} of the roles on the GPU in that phase (RESIDENCY rules)."""
+    """phase -> {role: bytes} of the roles on the GPU in that phase (RESIDENCY rules); a run without PPO's critic
+    has no critic roles at all."""
     out: dict[str, dict[str, int]] = {}
     for phase in PHASES:
         out[phase] = {}
         for role in ROLES:
+            if role in CRITIC_ROLES and not per_gpu.get(role):
+                continue
             used_in, flag = RESIDENCY[role]
             if phase in used_in or (flag is not None and not offload.get(flag, False)):
                 out[phase][role] = int(per_gpu.get(role, 0))
@@ -266,6 +289,7 @@ def plan_memory(
     kv_cache_budget: int | None = None,
     mem_fraction: float | None = None,
     lora_params: int = 0,
+    critic_arch: ModelArch | None = None,
 ) -> MemoryPlan:
     """Per-role bytes per GPU, per-phase residency and fit flags (module docstring). native_*: the
     native engine's rollout: prompt tokens, sampler, decode path, samples sharing a prefill (`rollout_memory.py`).
@@ -273,7 +297,9 @@ def plan_memory(
     engine: rollout.engine; "vllm" bills the KV cache vLLM allocates, from kv_cache_budget (rollout.kv_cache_bytes,
     per GPU) or mem_fraction (rollout.mem_fraction, its gpu_memory_utilization), else from batch and context;
     "sglang" with mem_fraction bills the pool SGLang sizes at start-up (module docstring).
-    lora_params: the adapter parameters of a LoRA run (plan.arch.lora_param_count; 0 = the whole policy trains)."""
+    lora_params: the adapter parameters of a LoRA run (plan.arch.lora_param_count; 0 = the whole policy trains).
+    critic_arch: PPO's critic (algorithm.advantage=gae): a second learner, 16N_c like the policy's, its weights
+    in SCORE and TRAIN, its Adam state in TRAIN, its gradients in the grads row."""
     _check_plan_args(
         n_gpus=n_gpus,
         batch=batch,
@@ -290,10 +316,24 @@ def plan_memory(
     b = dtype_bytes(dtype)
     n = count_parameters(arch)
     n_rm = count_parameters(reward_arch) if reward_arch is not None else 0
+    n_c = critic_param_count(critic_arch) if critic_arch is not None else 0
     cap = int(gpu_mem_gib * GIB)
     margin = margin_bytes(cap)
     per_gpu, notes = _role_bytes_per_gpu(
-        arch, dtype, n, n_rm, batch, context, n_gpus, tp_size, cap, engine, kv_cache_budget, mem_fraction, lora_params
+        arch,
+        dtype,
+        n,
+        n_rm,
+        batch,
+        context,
+        n_gpus,
+        tp_size,
+        cap,
+        engine,
+        kv_cache_budget,
+        mem_fraction,
+        lora_params,
+        n_c,
     )
     phases = phase_residency(per_gpu, off)
     if reward_arch is None:
@@ -343,6 +383,7 @@ def plan_memory(
             "ref": 0 if lora_params else b * n,
             "engine_copy": b * (n + lora_params),
             "reward_model": b * n_rm,
+            **({"critic": 16 * n_c} if n_c else {}),
             "engine_replicas": n_gpus // tp_size,
         },
         activations_estimate=act,
@@ -401,6 +442,7 @@ def _role_bytes_per_gpu(
     kv_cache_budget: int | None,
     mem_fraction: float | None,
     lora_params: int = 0,
+    n_critic: int = 0,
 ) -> tuple[dict[str, int], list[str]]:
     """Bytes per GPU of each role in ROLES order (the module docstring's table), for a policy of n and
     a reward model of n_rm parameters; and vLLM's note on how its KV cache was sized, if any.
@@ -416,9 +458,12 @@ def _role_bytes_per_gpu(
         "optimizer": 8 * n,
         "ref": b * n,
         "reward_model": b * n_rm,
+        "critic": (6 if mixed else 4) * n_critic,
+        "critic_optimizer": 8 * n_critic,
     }
     if lora_params:  # the module docstring's LoRA line
         whole.update(policy_weights=b * n + 4 * lora_params, grads=4 * lora_params, optimizer=8 * lora_params, ref=0)
+    whole["grads"] += b * n_critic  # the critic's gradients live (and are freed) with the policy's
     per_gpu = {r: math.ceil(v / n_gpus) for r, v in whole.items()}
     per_gpu["engine_weights"] = math.ceil(b * (n + lora_params) / tp_size)
     per_gpu["kv_cache"] = kv_cache_bytes(arch, dtype, batch, context, n_gpus, tp_size)
@@ -461,8 +506,9 @@ def suggest_offload(
     "message"}; when nothing fits, "phase"/"shortfall_bytes" name the worst phase
     with every flag set."""
     base = normalize_offload(offload)
-    has_rm = kw.get("reward_arch") is not None
-    cands = [f for f in OFFLOAD_FLAGS if not base[f] and (f != "reward_model" or has_rm)]
+    absent = {"reward_model"} if kw.get("reward_arch") is None else set()
+    absent |= {"critic", "critic_optimizer"} if kw.get("critic_arch") is None else set()
+    cands = [f for f in OFFLOAD_FLAGS if not base[f] and f not in absent]
     subsets = sorted(
         (tuple(f for j, f in enumerate(cands) if m >> j & 1) for m in range(1 << len(cands))),
         key=lambda s: (len(s), [OFFLOAD_FLAGS.index(f) for f in s]),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from hybrid_rl.plan.arch import DTYPE_BYTES
 from hybrid_rl.plan.fixes import Fix
-from hybrid_rl.plan.memory import GB, OFFLOAD_FLAGS, PHASES, RESIDENCY, ROLES, MemoryPlan
+from hybrid_rl.plan.memory import CRITIC_ROLES, GB, OFFLOAD_FLAGS, PHASES, RESIDENCY, ROLES, MemoryPlan
 
 
 def _gb(x: int) -> str:
@@ -50,7 +50,8 @@ def _header_lines(plan: MemoryPlan) -> list[str]:
         f"bill (whole model): learner {_learner(plan)} = {_gb(b['learner'])} GB, reference = {_gb(b['ref'])} GB, "
         f"inference copy = {_gb(b['engine_copy'])} GB (x{b['engine_replicas']} replicas on the GPUs = "
         f"{_gb(plan.total['engine_weights'])} GB)"
-        + (f", reward model = {_gb(b['reward_model'])} GB" if plan.reward_params else ""),
+        + (f", reward model = {_gb(b['reward_model'])} GB" if plan.reward_params else "")
+        + (f", critic 16N_c = {_gb(b['critic'])} GB (PPO)" if b.get("critic") else ""),
     ]
 
 
@@ -63,7 +64,9 @@ def _table_lines(plan: MemoryPlan, phases: tuple[str, ...]) -> list[str]:
     w = _ROLE_COLUMN
     head = f"{'role':<{w}}{'per GPU':>10}{'total':>11} |" + "".join(f"{p:>10}" for p in phases)
     lines = [head + "   (GB)", "-" * len(head)]
-    rows = list(ROLES) + (["activations_estimate"] if plan.activations_estimate else [])
+    # PPO's critic rows only in a plan that has one (GRPO and its relatives train no critic)
+    rows = [r for r in ROLES if r not in CRITIC_ROLES or plan.per_gpu.get(r)]
+    rows += ["activations_estimate"] if plan.activations_estimate else []
     rows += ["rollout_working"] if plan.native_rollout else []
     for role in rows:
         pg, tot = _role_bytes(plan, role)

@@ -15,8 +15,9 @@ leaving ROLLOUT: engine.release(["kv_cache", "weights"]) (+ onload policy shards
 to REWARD:  (inside ROLLOUT, after a round is generated) engine.release(["kv_cache"]) ->
             onload the reward model (offload.reward_model); leaving REWARD: offload it -> [give back the
             allocator's cache] -> resume the KV cache
-to SCORE:   onload the reference model; leaving SCORE: offload it (if configured)
-to TRAIN:   onload optimizer state
+to SCORE:   onload the reference model (and the critic's weights); leaving SCORE: offload the reference
+to TRAIN:   onload optimizer state (and the critic's weights and optimizer state)
+PPO's critic (critic.offload_params / critic.offload_optimizer): both leave the device on the way to ROLLOUT.
 
 Why the reward model scores in a stage nested in ROLLOUT, not in SCORE or a phase of its own:
 with dynamic sampling (loop/dynamic_sampling.py) each round's rewards decide whether another round is
@@ -88,7 +89,8 @@ class SwitchStats:
 
 
 class PhaseManager:
-    """Owns the residency of policy, optimizer state, reference and reward models and engine memory.
+    """Owns the residency of policy, optimizer state, reference and reward models, PPO's critic and its optimizer
+    state, and engine memory.
 
     always_copy: on CPU, run the offload copies anyway (tests, the CPU benchmark).
     """
@@ -108,8 +110,22 @@ class PhaseManager:
         reward_model: Optional[torch.nn.Module] = None,
         offload_reward_model: bool = False,
         lora: bool = False,
+        critic: Optional[torch.nn.Module] = None,
+        critic_optimizer: Optional[torch.optim.Optimizer] = None,
+        offload_critic: bool = False,
+        offload_critic_optimizer: bool = False,
     ):
         self.policy, self.optimizer, self.engine, self.ref = policy, optimizer, engine, ref
+        # PPO's critic (issue 36): its weights are used in SCORE and TRAIN, its optimizer state in TRAIN.
+        self.critic, self.critic_optimizer = critic, critic_optimizer
+        self.critic_offload = (
+            O.ModuleOffloader(critic, device, always_copy) if critic is not None and offload_critic else None
+        )
+        self.critic_opt_offload = (
+            O.OptimizerOffloader(critic_optimizer, device, always_copy)
+            if critic_optimizer is not None and offload_critic_optimizer
+            else None
+        )
         self.lora = lora  # the policy carries peft adapters over a frozen base (models/lora.py)
         self.reward_model = reward_model
         self.device = device
@@ -189,15 +205,24 @@ class PhaseManager:
             # The native engine's figure is its last rollout's cache, freed since; an engine whose release frees
             # nothing (vLLM on CPU) says so with kv_cache_kept, and its cache counts in every phase.
             kv = engine.get("kv_cache", 0) if getattr(self.engine, "kv_cache_kept", False) else 0
-        rm = self.reward_model
+        rm, critic = self.reward_model, self.critic
+        critic_grads = memory.grad_bytes(critic, self.device) if critic is not None else 0
         return {
             "policy_weights": self._policy_bytes if here(self.param_offload) else 0,
-            "grads": memory.grad_bytes(self.policy, self.device),
+            "grads": memory.grad_bytes(self.policy, self.device) + critic_grads,
             "optimizer": memory.optimizer_bytes(self.optimizer, self.device) if here(self.opt_offload) else 0,
             "engine_weights": engine.get("engine_weights", 0),
             "kv_cache": kv,
             "ref": memory.module_bytes(self.ref, self.device) if self.ref is not None and here(self.ref_offload) else 0,
             "reward_model": memory.module_bytes(rm, self.device) if rm is not None and here(self.rm_offload) else 0,
+            "critic": memory.module_bytes(critic, self.device)
+            if critic is not None and here(self.critic_offload)
+            else 0,
+            "critic_optimizer": (
+                memory.optimizer_bytes(self.critic_optimizer, self.device)
+                if self.critic_optimizer is not None and here(self.critic_opt_offload)
+                else 0
+            ),
         }
 
     def snapshot(self, label: str) -> None:
@@ -210,8 +235,11 @@ class PhaseManager:
         self.rollouts += 1
         with self._stage("zero_grad"):
             self.optimizer.zero_grad(set_to_none=True)
+            if self.critic_optimizer is not None:
+                self.critic_optimizer.zero_grad(set_to_none=True)
         if self.opt_offload is not None:
             self._move("offload_optimizer", self.opt_offload.offload)
+        self._critic_off()
         self._give_back_cache()
         with self._stage("resume_weights") as moved:
             self.engine.resume(["weights"])
@@ -238,6 +266,17 @@ class PhaseManager:
             if self.param_offload is not None:
                 self._move("onload_params", self.param_offload.onload)
             self.inside = None
+
+    def _critic_off(self) -> None:
+        """Entering ROLLOUT: the critic's optimizer state and weights leave the device where configured."""
+        if self.critic_opt_offload is not None:
+            self._move("offload_critic_optimizer", self.critic_opt_offload.offload)
+        if self.critic_offload is not None:
+            self._move("offload_critic", self.critic_offload.offload)
+
+    def _critic_weights_on(self) -> None:
+        if self.critic_offload is not None:
+            self._move("onload_critic", self.critic_offload.onload)  # a no-op when on the device
 
     def _give_back_cache(self) -> None:
         """Before an engine with its own memory resumes, and after the sync: the module docstring says why."""
@@ -312,6 +351,7 @@ class PhaseManager:
         self._transition(Phase.SCORE)
         if self.ref_offload is not None:
             self._move("onload_ref", self.ref_offload.onload)
+        self._critic_weights_on()  # SCORE computes the critic's values
         self.phase, self.inside = Phase.SCORE, Phase.SCORE
         self.snapshot("score:ready")
         try:
@@ -322,6 +362,8 @@ class PhaseManager:
             reshard(self.policy)
             if self.ref is not None:
                 reshard(self.ref)
+            if self.critic is not None:
+                reshard(self.critic)
             if self.ref_offload is not None:
                 self._move("offload_ref", self.ref_offload.offload)
             self.inside = None
@@ -331,6 +373,9 @@ class PhaseManager:
         self._transition(Phase.TRAIN)
         if self.opt_offload is not None:
             self._move("onload_optimizer", self.opt_offload.onload)
+        self._critic_weights_on()
+        if self.critic_opt_offload is not None:
+            self._move("onload_critic_optimizer", self.critic_opt_offload.onload)
         self.phase, self.inside = Phase.TRAIN, Phase.TRAIN
         self.snapshot("train:ready")
         try:
@@ -359,8 +404,12 @@ class PhaseManager:
         if self.phase is not Phase.TRAIN:
             with self.train():  # legal from ROLLOUT and SCORE: onloads the optimizer
                 pass
-        elif self.opt_offload is not None:
-            self._move("onload_optimizer", self.opt_offload.onload)
+        else:
+            if self.opt_offload is not None:
+                self._move("onload_optimizer", self.opt_offload.onload)
+            self._critic_weights_on()
+            if self.critic_opt_offload is not None:
+                self._move("onload_critic_optimizer", self.critic_opt_offload.onload)
         self.pop_stats()  # the failed step's switch time is nobody's
         self.failed_phase = failed
 
@@ -386,11 +435,19 @@ class PhaseManager:
         checkpoint reads or writes them, then back where the switch keeps them."""
         if self.inside is not None:
             raise PhaseError(f"cannot checkpoint inside the {self.inside.value} phase; save between steps")
-        opt_was_off = self.opt_offload is not None and not self.opt_offload.on_device
-        if opt_was_off:
-            self._move("onload_optimizer", self.opt_offload.onload)
+        parked = [
+            (name, off)
+            for name, off in (
+                ("optimizer", self.opt_offload),
+                ("critic", self.critic_offload),
+                ("critic_optimizer", self.critic_opt_offload),
+            )
+            if off is not None and not off.on_device
+        ]
+        for name, off in parked:
+            self._move(f"onload_{name}", off.onload)
         try:
             yield
         finally:
-            if opt_was_off:
-                self._move("offload_optimizer", self.opt_offload.offload)
+            for name, off in parked:
+                self._move(f"offload_{name}", off.offload)

@@ -84,7 +84,8 @@ NAIVE_SEQ = {
     "drgrpo": naive_drgrpo,
     "rloo": naive_rloo,
 }
-NAMES = sorted(ADVANTAGE_ESTIMATORS)
+# The critic-free estimators (gae's baseline is a learned value: test_gae.py and test_gae_is_a_table_entry below).
+NAMES = sorted(n for n, e in ADVANTAGE_ESTIMATORS.items() if not e.critic)
 SEQ_FNS = {"grpo": grpo_advantages, "drgrpo": drgrpo_advantages, "rloo": rloo_advantages}
 T = 5
 
@@ -179,7 +180,7 @@ def test_all_equal_groups_give_exact_zero(name):
         assert torch.equal(adv_NT[:7], torch.zeros(7, 3, dtype=dtype))
 
 
-@pytest.mark.parametrize("name", sorted(TOKEN_LEVEL_ESTIMATORS))
+@pytest.mark.parametrize("name", sorted(TOKEN_LEVEL_ESTIMATORS & set(NAMES)))
 def test_token_level_all_equal_batch_is_zero(name):
     mask = torch.tensor(_mask(4, 6))
     adv = compute_advantages(name, torch.full((6,), 0.3), torch.arange(6), mask)
@@ -228,17 +229,19 @@ def test_empty_batch(name):
 
 
 def test_registry_keys():
-    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"}
-    assert TOKEN_LEVEL_ESTIMATORS == {"reinforce_pp", "reinforce_pp_baseline"}
+    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"}
+    assert TOKEN_LEVEL_ESTIMATORS == {"reinforce_pp", "reinforce_pp_baseline", "gae"}
     assert set(SEQ_FNS) == set(ADVANTAGE_ESTIMATORS) - TOKEN_LEVEL_ESTIMATORS
 
 
 def test_flags_say_what_each_estimator_takes():
     """The trainer and the config ask these flags instead of naming an estimator. Only REINFORCE++ has token
-    returns (a per-token KL reward, a discount) and no group baseline (so it may run with one sample per prompt)."""
-    assert {n for n in NAMES if takes_token_kl(n)} == {"reinforce_pp"}
-    assert {n for n, e in ADVANTAGE_ESTIMATORS.items() if e.discounted} == {"reinforce_pp"}
-    assert {n for n, e in ADVANTAGE_ESTIMATORS.items() if not e.group_baseline} == {"reinforce_pp"}
+    returns (a per-token KL reward, a discount) and no group baseline (so it may run with one sample per prompt),
+    and GAE the same plus a critic's values."""
+    assert {n for n in ADVANTAGE_ESTIMATORS if takes_token_kl(n)} == {"reinforce_pp", "gae"}
+    assert {n for n, e in ADVANTAGE_ESTIMATORS.items() if e.discounted} == {"reinforce_pp", "gae"}
+    assert {n for n, e in ADVANTAGE_ESTIMATORS.items() if not e.group_baseline} == {"reinforce_pp", "gae"}
+    assert {n for n, e in ADVANTAGE_ESTIMATORS.items() if e.critic} == {"gae"}
     with pytest.raises(ValueError, match="valid names"):
         takes_token_kl("ppo")
 
@@ -306,3 +309,27 @@ def test_bad_mask_raises(name):
         compute_advantages(name, torch.zeros(4), torch.zeros(4, dtype=torch.long), torch.ones(4))
     with pytest.raises(ValueError, match="mask_NT"):
         compute_advantages(name, torch.zeros(4), torch.zeros(4, dtype=torch.long), torch.ones(3, T))
+
+
+def test_gae_is_a_table_entry():
+    """compute_advantages("gae") is GAE over the outcome token rewards against the critic's values (the same
+    numbers as the two functions of algorithms/gae.py called by hand); values are required for it and refused
+    for the critic-free estimators, and so is lam."""
+    from hybrid_rl.algorithms.gae import gae_advantages_returns, outcome_token_rewards
+
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(4, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0, 1, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [0, 1, 1, 0, 0]], dtype=torch.float64)
+    values = torch.randn(4, 5, generator=g, dtype=torch.float64) * mask
+    kl = torch.rand(4, 5, generator=g, dtype=torch.float64) * mask
+    ids = torch.arange(4)
+    got = compute_advantages("gae", scores, ids, mask, gamma=0.9, lam=0.8, kl_NT=kl, kl_coef=0.1, values_NT=values)
+    rewards = outcome_token_rewards(scores, mask, kl_NT=kl, kl_coef=0.1)
+    want, _ = gae_advantages_returns(rewards, values, mask, 0.9, 0.8)
+    assert torch.allclose(got, want, atol=1e-12)
+    with pytest.raises(ValueError, match="needs the critic's values_NT"):
+        compute_advantages("gae", scores, ids, mask)
+    with pytest.raises(ValueError, match="takes no values_NT"):
+        compute_advantages("grpo", scores, ids, mask, values_NT=values)
+    with pytest.raises(ValueError, match="no lambda"):
+        compute_advantages("reinforce_pp", scores, ids, mask, lam=0.9)

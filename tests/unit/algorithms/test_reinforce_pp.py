@@ -196,7 +196,7 @@ def test_integer_scores_bool_mask_and_empty_batches():
     adv = reinforce_pp_advantages(torch.tensor([1, 0]), mask)
     assert adv.dtype == torch.float32
     _assert_close(adv, naive_reinforce_pp([1.0, 0.0], mask.int().tolist()), atol=1e-6)
-    for name in sorted(TOKEN_LEVEL_ESTIMATORS):
+    for name in sorted(TOKEN_LEVEL_ESTIMATORS - {"gae"}):  # gae takes a critic's values: test_gae.py
         for n, t in ((0, 4), (3, 0)):
             out = compute_advantages(name, torch.zeros(n), torch.zeros(n, dtype=torch.long), torch.ones(n, t))
             assert out.shape == (n, t)

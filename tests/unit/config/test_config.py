@@ -417,7 +417,8 @@ def test_a_value_outside_the_annotation_is_refused_with_the_choices(section, nam
 def test_every_value_of_the_annotation_is_accepted(section, name, choices, is_list):
     for choice in choices:
         value = f"['{choice}']" if is_list else f"'{choice}'"  # quoted: preset '' is none, a bare `key=` is null
-        cfg = load_config(None, [f"{section}.{name}={value}", "data.path=rows.jsonl"])
+        ppo = ["algorithm.advantage=gae"] if section == "critic" else []  # critic.* is PPO's
+        cfg = load_config(None, [f"{section}.{name}={value}", "data.path=rows.jsonl", *ppo])
         assert getattr(getattr(cfg, section), name) == ([choice] if is_list else choice)
 
 
