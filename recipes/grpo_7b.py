@@ -1,8 +1,10 @@
-"""GRPO on GSM8K with Qwen2.5-7B-Instruct on one 8-GPU node (settings and their sources: grpo_7b.yaml).
+"""GRPO on GSM8K with Qwen2.5-7B-Instruct on one 8-GPU node (settings and their sources: grpo_7b.yaml);
+PPO with a critic, verl's PPO settings, with --config recipes/ppo_7b.yaml.
 
     torchrun --nproc_per_node=8 recipes/grpo_7b.py model.path=/models/Qwen2.5-7B-Instruct [key.sub=value ...]
     python recipes/grpo_7b.py --dry-run [--gpus 8] [--gpu-mem-gib 80] [key.sub=value ...]
     python recipes/grpo_7b.py --dry-run env.name=gsm8k_calculator   (multi-turn, with a calculator tool)
+    python recipes/grpo_7b.py --config recipes/ppo_7b.yaml --dry-run [--gpus 1]   (PPO: actor, critic, ...)
 
 --dry-run prints the resolved config and the memory plan, loads no weights, and exits
 non-zero when a phase would not fit, after the ranked changes that would make it fit
@@ -101,6 +103,11 @@ def parse_args(argv: list[str]):
     """(the recipe's flags, the key=value overrides)."""
     parser = RecipeParser(__doc__, "recipes/grpo_7b.yaml")
     parser.add_argument("--dry-run", action="store_true", help="print the config and memory plan; load nothing")
+    parser.add_argument(
+        "--config",
+        default=os.path.join(HERE, "grpo_7b.yaml"),
+        help="the recipe's YAML (default recipes/grpo_7b.yaml; recipes/ppo_7b.yaml is PPO with a critic)",
+    )
     parser.add_argument("--gpus", type=int, default=None, help="GPUs to plan for (default: the ranks, 8 on --dry-run)")
     parser.add_argument(
         "--gpu-mem-gib",
@@ -118,7 +125,7 @@ def main(argv: list[str]) -> dict:
     # 1. Config: the YAML next to this file, the engine this machine can run, then the command line.
     args, overrides = parse_args(argv)
     engine_overrides, engine_note = choose_engine(overrides)
-    cfg = load_config(os.path.join(HERE, "grpo_7b.yaml"), engine_overrides + env_overrides(overrides) + overrides)
+    cfg = load_config(args.config, engine_overrides + env_overrides(overrides) + overrides)
 
     # 2. Memory plan: refuse to start when a phase does not fit.
     if args.dry_run:

@@ -363,3 +363,23 @@ def test_dry_run_with_the_calculator_environment_bills_whole_episodes(capsys):
     out = capsys.readouterr().out
     assert "max_episode_tokens: 3072" in out and "batch 5120 seqs x context 3072 tokens" in out
     assert grpo_7b.env_overrides(["rollout.n=4"]) == [] and grpo_7b.env_overrides(["env.name="]) == []
+
+
+def test_ppo_dry_run_bills_the_critic_fits_8_gpus_and_ranks_fixes_on_1(capsys):
+    """Issue 36: recipes/ppo_7b.yaml (verl's PPO settings) bills the critic as a second learner, 16N_c: the body
+    without its LM head plus a value head of h + 1 (Qwen2.5-7B: N less the untied 152,064 x 3,584 head, plus
+    3,585), resident in SCORE and TRAIN; 8 GPUs fit, 1 GPU refuses with the ranked change. Catches: the critic
+    unbilled, billed with an LM head, or missing from SCORE."""
+    ppo = ["--config", os.path.join(os.path.dirname(grpo_7b.__file__), "ppo_7b.yaml"), "--dry-run"]
+    result = grpo_7b.main(ppo)
+    out = capsys.readouterr().out
+    assert result["fits"] is True and "advantage: gae" in out
+    n_critic = 7_615_616_512 - 152_064 * 3_584 + 3_584 + 1
+    assert f"critic 16N_c = {16 * n_critic / 1e9:,.2f} GB (PPO)" in out, out[-3000:]
+    row = re.search(r"^critic +([\d.]+) +([\d.,]+) \| +([\d.]+) +(\S+) +([\d.]+)", out, re.M)
+    assert row and row.group(4) == row.group(1) and row.group(5) == row.group(1), "resident in every phase here"
+    assert abs(float(row.group(1)) - 6 * n_critic / 8 / 1e9) < 0.01  # bf16 + fp32 masters, over 8 GPUs
+    assert re.search(r"^critic_optimizer +([\d.]+)", out, re.M).group(1) == f"{8 * n_critic / 8 / 1e9:.2f}"
+    with pytest.raises(SystemExit, match="refusing to start.*suggested change: --gpus"):
+        grpo_7b.main(ppo + ["--gpus", "1"])
+    assert "to fit (" in capsys.readouterr().out
