@@ -93,6 +93,13 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         help="a frozen reference copy, resident only inside SCORE",
     )
     p.add_argument(
+        "--critic",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="PPO: a critic (value model of the policy's architecture) with AdamW state, weights and optimizer "
+        "offloaded during ROLLOUT (critic.offload_params / offload_optimizer)",
+    )
+    p.add_argument(
         "--train-step",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -251,7 +258,9 @@ def timed_generate(engine: NativeEngine, prompts: list[list[int]], sp: SamplingP
     }
 
 
-def run_engine(mode: str, args, dev, policy, opt, ref, engine_module, train_ids, prompts, sp, shared: dict) -> dict:
+def run_engine(
+    mode: str, args, dev, policy, opt, ref, engine_module, train_ids, prompts, sp, shared: dict, critic=None
+) -> dict:
     """Warm-up + k cycles with one engine; returns per-stage samples and the last ledger.
     shared["copyref"]: the reference-copy buffers, kept across engines (first touch is slow)."""
     if mode == "sglang":
@@ -292,6 +301,10 @@ def run_engine(mode: str, args, dev, policy, opt, ref, engine_module, train_ids,
         offload_ref=True,
         bucket_bytes=int(args.bucket_mb * (1 << 20)),
         always_copy=dev.type == "cpu",
+        critic=critic[0] if critic else None,
+        critic_optimizer=critic[1] if critic else None,
+        offload_critic=bool(critic),
+        offload_critic_optimizer=bool(critic),
     )
     assert pm.zero_copy == (mode == "zero-copy")
     split = vllm_bench.SyncSplit(engine) if mode == "vllm" else None  # where vLLM's sync time goes
@@ -390,7 +403,22 @@ def build(args: argparse.Namespace, dev: torch.device):
     train_ids = torch.randint(3, cfg.vocab_size, (1, args.train_tokens), generator=g).to(dev)
     train_step(policy, opt, train_ids)  # real AdamW state (m, v) to move
     cfg.architectures = [type(base).__name__]  # what vLLM reads to pick its model class (sharding renames the type)
-    return cfg, policy, opt, ref, engine_module, prompts, train_ids
+    critic = build_critic(cfg, dev, args, train_ids) if args.critic else None
+    return cfg, policy, opt, ref, engine_module, prompts, train_ids, critic
+
+
+def build_critic(cfg, dev: torch.device, args, train_ids: torch.Tensor):
+    """PPO's critic as the trainer builds it (models/value.py, sharded like the policy), with real AdamW state."""
+    from hybrid_rl.models.value import ValueModel, response_values
+
+    with torch.device(dev):
+        critic = ValueModel.from_config(cfg, torch.float32, "sdpa", seed=args.seed)
+    critic = shard_model(critic, dev, args.mixed)
+    opt = torch.optim.AdamW(critic.parameters(), lr=1e-5, foreach=True)
+    attn = torch.ones_like(train_ids)
+    response_values(critic, train_ids, attn, train_ids.shape[1] // 2).mean().backward()
+    opt.step()
+    return critic, opt
 
 
 def _config_dir(cfg) -> str:
@@ -406,7 +434,7 @@ def _config_dir(cfg) -> str:
 
 def run(args: argparse.Namespace, dev: torch.device) -> tuple[dict, dict[str, str]]:
     load_start = os.getloadavg()
-    cfg, policy, opt, ref, engine_module, prompts, train_ids = build(args, dev)
+    cfg, policy, opt, ref, engine_module, prompts, train_ids, critic = build(args, dev)
     # eos_id=-1 and no stop tokens: every row decodes exactly T tokens, the same work each cycle.
     sp = SamplingParams(max_new_tokens=args.new_tokens, seed=args.seed)
     modes = ["zero-copy", "copy"] if args.engine == "both" else [args.engine]
@@ -414,7 +442,7 @@ def run(args: argparse.Namespace, dev: torch.device) -> tuple[dict, dict[str, st
     if "sglang" in modes or "vllm" in modes:
         shared["model_dir"] = _config_dir(cfg)
     raw = {
-        mode: run_engine(mode, args, dev, policy, opt, ref, engine_module, train_ids, prompts, sp, shared)
+        mode: run_engine(mode, args, dev, policy, opt, ref, engine_module, train_ids, prompts, sp, shared, critic)
         for mode in modes
     }
     shared.clear()

@@ -40,6 +40,10 @@ STAGES = {
     "onload_ref": ("copy", "h2d", "reference weights host -> device"),
     "offload_ref": ("copy", "d2h", "reference weights device -> host"),
     "onload_optimizer": ("copy", "h2d", "AdamW m, v host -> device (CPU: clone into fresh memory)"),
+    "offload_critic_optimizer": ("copy", "d2h", "PPO: the critic's AdamW m, v -> host (--critic)"),
+    "offload_critic": ("copy", "d2h", "PPO: the critic's weights -> host (--critic)"),
+    "onload_critic": ("copy", "h2d", "PPO: the critic's weights host -> device, for SCORE's values (--critic)"),
+    "onload_critic_optimizer": ("copy", "h2d", "PPO: the critic's AdamW m, v host -> device (--critic)"),
 }
 TO_ROLLOUT = (
     "zero_grad",
@@ -49,9 +53,11 @@ TO_ROLLOUT = (
     "offload_params",
     "empty_cache",
     "resume_kv",
+    "offload_critic_optimizer",
+    "offload_critic",
 )
-TO_TRAIN = ("release_engine", "onload_params", "onload_optimizer")
-SCORE = ("onload_ref", "offload_ref")
+TO_TRAIN = ("release_engine", "onload_params", "onload_optimizer", "onload_critic_optimizer")
+SCORE = ("onload_ref", "offload_ref", "onload_critic")
 
 
 def max_over_ranks(per_rank: list[dict]) -> dict:

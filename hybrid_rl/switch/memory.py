@@ -116,11 +116,13 @@ class MemoryLedger:
     def table(self, rollout: int) -> str:
         snaps = self.rollout_snapshots(rollout)
         cuda = bool(snaps) and snaps[0].allocated is not None  # the allocator's view beside the roles' sum
-        head = f"{'boundary':<22}" + "".join(f"{r:>16}" for r in ROLES) + f"{'total':>12}"
+        w = {r: max(16, len(r) + 2) for r in ROLES}  # every column wider than its name
+        head = f"{'boundary':<22}" + "".join(f"{r:>{w[r]}}" for r in ROLES) + f"{'total':>12}"
         head += f"{'allocated':>12}{'reserved':>12}{'reserved peak':>15}" if cuda else ""
         rows = [head + "   (MB)"]
         for s in snaps:
-            row = f"{s.label:<22}" + "".join(f"{s.roles[r] / 1e6:>16.2f}" for r in ROLES) + f"{s.total / 1e6:>12.2f}"
+            cells = "".join(f"{s.roles[r] / 1e6:>{w[r]}.2f}" for r in ROLES)
+            row = f"{s.label:<22}" + cells + f"{s.total / 1e6:>12.2f}"
             if cuda:
                 reserved, reserved_peak = (s.reserved or 0) / 1e6, (s.reserved_peak or 0) / 1e6
                 row += f"{s.allocated / 1e6:>12.2f}{reserved:>12.2f}{reserved_peak:>15.2f}"

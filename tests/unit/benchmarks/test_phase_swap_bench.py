@@ -152,3 +152,21 @@ def test_script_prints_table_then_json_last_line():
     res = json.loads(lines[-1])
     assert res["benchmark"] == "phase_swap" and res["device"] == "cpu"
     assert res["engines"]["copy"]["stages"]["sync_weights"]["bytes"] == res["model"]["param_bytes"]
+
+
+def test_critic_stages_move_the_critics_bytes(bench):
+    """--critic (PPO, issue 36): the critic's weights leave in ROLLOUT and come back for SCORE, its AdamW state leaves
+    and comes back for TRAIN; each stage moves the critic's own bytes, counted here from the policy's (the critic is
+    the same body without the LM head, plus an h + 1 value head; fp32). Catches: a critic stage missing, or moving
+    another model's bytes."""
+    res = bench.main([*TINY, "--k", "1", "--warmup", "0", "--engine", "zero-copy", "--critic", "--json-only"])
+    st = res["engines"]["zero-copy"]["stages"]
+    hidden = 64
+    # The benchmark's Qwen2 ties its LM head to the embedding: dropping the head drops no parameter.
+    critic_bytes = (res["model"]["params"] + hidden + 1) * 4
+    assert st["offload_critic"]["bytes"] == st["onload_critic"]["bytes"]
+    assert critic_bytes <= st["offload_critic"]["bytes"] <= critic_bytes * 1.01  # + rotary buffers
+    assert st["offload_critic_optimizer"]["bytes"] == st["onload_critic_optimizer"]["bytes"] == 2 * critic_bytes
+    rows = {r["boundary"]: r for r in res["engines"]["zero-copy"]["ledger_last_cycle"]}
+    assert rows["rollout:ready"]["critic"] == 0 and rows["score:ready"]["critic"] == critic_bytes
+    assert rows["train:ready"]["critic_optimizer"] == 2 * critic_bytes
