@@ -157,3 +157,34 @@ def test_resume_mid_run_is_bit_exact(ask_dir, tmp_path):
     assert [clean(m) for m in full[2:]] == [clean(m) for m in rest]
     for (n, a), (_, b) in zip(straight.policy.named_parameters(), second.policy.named_parameters()):
         assert torch.equal(a, b), n
+
+
+def test_ppo_over_episodes_skips_the_observation_holes(ask_dir, tmp_path, monkeypatch):
+    """PPO with a critic (issue 36) on two-turn episodes: with gamma = lam = 1 and no KL, GAE's return on every
+    generated token is the episode's outcome, so each row's returns are one constant over its generated tokens and
+    0 on its observation holes and padding; the critic trains on that batch. Catches: holes that take a reward or a
+    return, values bootstrapped across turns as if the observation were generated."""
+    import hybrid_rl.trainer as trainer_mod
+
+    seen = []
+    real = trainer_mod.critic_update
+
+    def spy(**kw):
+        seen.append(kw["batch"])
+        return real(**kw)
+
+    monkeypatch.setattr(trainer_mod, "critic_update", spy)
+    trainer = Trainer(_cfg(ask_dir, tmp_path, "algorithm.advantage=gae", "data.batch_size=8"))
+    metrics = [trainer.step(), trainer.step()][-1]
+    trainer.close()
+    holes = 0
+    for batch in seen:
+        mask, ret = batch.mask_NT, batch.returns_NT
+        for r in range(len(batch)):
+            on = ret[r][mask[r] != 0]
+            assert on.numel() > 0 and torch.allclose(on, on[0].expand_as(on), atol=1e-6), (r, on)
+            assert torch.all(ret[r][mask[r] == 0] == 0)
+            gen = (mask[r] != 0).nonzero().flatten()
+            holes += int(gen[-1] - gen[0] + 1 - gen.numel())  # observation tokens between the first and last turn
+    assert holes > 0, "the episodes must hold observation tokens between their turns"
+    assert "critic/vf_loss" in metrics
