@@ -165,6 +165,36 @@ def _write_merged(model: torch.nn.Module, dtype: torch.dtype, tokenizer, out: st
     return write_hf_dir(model, {k: v.to(dtype) for k, v in model.state_dict().items()}, tokenizer, out)
 
 
+# -- PPO's critic (issue 36), on request: the run's critic directory + the checkpoint's critic weights
+def export_critic(checkpoint: str, out: str) -> str:
+    """Write the critic of a PPO checkpoint (algorithm.advantage=gae) to `out` as models/value.py saves one (the
+    body as a Hugging Face directory, value_head.safetensors beside it); returns `out`. The body's architecture is
+    read from the run's critic.path (or model.path), which must still hold it, as for a LoRA export's base."""
+    from torch.distributed.checkpoint import load as dcp_load
+    from transformers import AutoTokenizer
+
+    from hybrid_rl.models.value import load_value_model, save_value_model
+
+    path = _resolve(checkpoint)
+    cfg = ckpt.read_meta(path).get("config", {})
+    if cfg.get("algorithm", {}).get("advantage") != "gae":
+        raise ckpt.CheckpointError(
+            f"checkpoint {path!r} has no critic: its run trained algorithm.advantage="
+            f"{cfg.get('algorithm', {}).get('advantage')!r}, not gae; drop --critic"
+        )
+    base = cfg.get("critic", {}).get("path") or cfg["model"]["path"]
+    if not os.path.isfile(os.path.join(base, "config.json")):
+        raise ckpt.CheckpointError(
+            f"checkpoint {path!r}: the critic's architecture is read from {base!r} (the run's critic.path or "
+            "model.path), which is not here; put that directory back (or link it) and export again"
+        )
+    model = load_value_model(base)
+    wanted = {n: p.detach() for n, p in model.named_parameters()}
+    with ckpt.quiet_single_process():
+        dcp_load({"critic": wanted}, checkpoint_id=os.path.join(path, "state"), no_dist=True)  # in place
+    return save_value_model(model, out, AutoTokenizer.from_pretrained(os.path.join(path, "hf")))
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m hybrid_rl.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a step_* checkpoint directory, or a checkpoints root (its newest)")
@@ -175,9 +205,15 @@ def main(argv: list[str]) -> int:
         action="store_true",
         help="a LoRA checkpoint: write the base with the adapters merged (default: a peft adapter dir)",
     )
+    parser.add_argument(
+        "--critic", metavar="DIR", help="a PPO checkpoint: also write its critic (body + value head) to DIR"
+    )
     args = parser.parse_args(argv)
     try:
-        out = export_checkpoint(verified(args.checkpoint), args.out, args.dtype, args.merge)
+        checkpoint = verified(args.checkpoint)
+        out = export_checkpoint(checkpoint, args.out, args.dtype, args.merge)
+        if args.critic:
+            print(f"wrote {export_critic(checkpoint, args.critic)} (the critic)")
     except (ckpt.CheckpointError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -186,3 +186,28 @@ def test_bad_ppo_settings_name_the_key(tiny_model_dir, tmp_path, extra, match):
     with pytest.raises(ValueError, match=match):
         Trainer(load_config(None, overrides(tiny_model_dir, str(tmp_path), *PPO, *extra)))
     assert not os.path.exists(os.path.join(str(tmp_path), "checkpoints")), "nothing written"
+
+
+def test_the_export_writes_the_critic_on_request(tiny_model_dir, tmp_path):
+    """python -m hybrid_rl.export <ckpt> <dir> --critic <dir2>: the policy as always, and the trained critic, which
+    load_value_model reads back equal to the Trainer's (head included). Catches: the critic exported untrained (a
+    fresh head, the policy's body), or the flag accepted for a run without a critic."""
+    from hybrid_rl.checkpoint.export import main as export_main
+    from hybrid_rl.models.value import load_value_model
+
+    tr = _trainer(tiny_model_dir, str(tmp_path / "run"), "trainer.total_steps=1", "trainer.save_every=1")
+    tr.fit()
+    trained = _local(tr.critic)
+    tr.close()
+    ckpt = str(tmp_path / "run" / "checkpoints")
+    assert export_main([ckpt, str(tmp_path / "policy"), "--critic", str(tmp_path / "critic")]) == 0
+    back = _local(load_value_model(str(tmp_path / "critic")))
+    assert set(back) == set(trained) and not _moved(trained, back)
+    fresh = _local(load_value_model(tiny_model_dir))
+    assert _moved(fresh, back), "the export must carry the trained critic, not a fresh one"
+    grpo = Trainer(load_config(None, overrides(tiny_model_dir, str(tmp_path / "grpo"), "trainer.total_steps=1")))
+    grpo.fit()
+    grpo.save_checkpoint()
+    grpo.close()
+    code = export_main([str(tmp_path / "grpo" / "checkpoints"), str(tmp_path / "p2"), "--critic", str(tmp_path / "c2")])
+    assert code == 2
