@@ -573,3 +573,23 @@ def test_more_tp_ranks_than_kv_heads_is_noted():
     ]
     assert "tp_size 4 > 2 KV heads" in noted[0]
     assert "KV heads are replicated" not in noted[1]
+
+
+def test_the_70b_bill_gains_the_critics_16n():
+    """PPO (issue 36): the critic is a second learner, 16 bytes per parameter like the policy (bf16 weights with
+    fp32 masters 6N_c, grads 2N_c in the grads row, Adam 8N_c), its weights used in SCORE and TRAIN and its Adam
+    state in TRAIN, each parked on the host by its own flag. Hand-computed for 70e9 parameters on 8 GPUs.
+    Catches: the critic unbilled, its grads or optimizer forgotten, resident in the wrong phases."""
+    n = int(70e9)
+    arch = ModelArch(num_params=n)
+    plan = plan_memory(arch, n_gpus=8, dtype="bf16", batch=64, context=4096, critic_arch=arch)
+    assert plan.bill["critic"] == 1120 * GB == plan.bill["learner"]
+    assert plan.per_gpu["critic"] == 6 * n / 8 and plan.per_gpu["critic_optimizer"] == 8 * n / 8
+    assert plan.per_gpu["grads"] == (2 * n + 2 * n) / 8  # the policy's and the critic's
+    assert "critic" in plan.phases["score"] and "critic" in plan.phases["train"]
+    assert "critic_optimizer" in plan.phases["train"] and "critic_optimizer" in plan.phases["rollout"]  # no flag
+    parked = plan_memory(arch, 8, "bf16", 64, 4096, {"critic": True, "critic_optimizer": True}, critic_arch=arch)
+    assert "critic" not in parked.phases["rollout"] and "critic_optimizer" not in parked.phases["score"]
+    assert parked.phases["train"]["critic"] == 6 * n / 8 and parked.phases["score"]["critic"] == 6 * n / 8
+    grpo = plan_memory(arch, n_gpus=8, dtype="bf16", batch=64, context=4096)
+    assert "critic" not in grpo.bill and not any("critic" in p for p in grpo.phases.values())
