@@ -138,8 +138,15 @@ def _suggestion_line(plan: MemoryPlan, suggestion: dict) -> str:
 
 
 def _flags(plan: MemoryPlan, offload: dict) -> list[str]:
-    """The set offload flags of roles the run has (no reward_model flag without a reward model)."""
-    return [f for f in OFFLOAD_FLAGS if offload.get(f) and (f != "reward_model" or plan.reward_params)]
+    """The set offload flags of roles the run has (no reward_model flag without a reward model, no critic flags
+    without PPO's critic)."""
+    return [
+        f
+        for f in OFFLOAD_FLAGS
+        if offload.get(f)
+        and (f != "reward_model" or plan.reward_params)
+        and (f not in CRITIC_ROLES or plan.per_gpu.get(f))
+    ]
 
 
 def native_rollout_lines(plan: MemoryPlan) -> list[str]:
