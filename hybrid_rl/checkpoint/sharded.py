@@ -187,7 +187,9 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: tree}
 
 
-def check_compatible(path: str, config: dict, model_config: dict, world_size: int, ignore=()) -> dict:
+def check_compatible(
+    path: str, config: dict, model_config: dict, world_size: int, ignore=(), defaults: Optional[dict] = None
+) -> dict:
     """Raise `CheckpointError` naming what differs if the run in `config` cannot resume from `path`.
 
     config: the new run's resolved config as a nested dict; model_config: its model's
@@ -212,6 +214,10 @@ def check_compatible(path: str, config: dict, model_config: dict, world_size: in
         )
     saved = flatten(meta["config"])
     new = flatten(config)
+    # A key the checkpoint's config lacks was added to the schema after it was written: the run that wrote it ran
+    # with what that key's default does, so only another value is a change (`defaults`: the schema's own config).
+    for k, v in flatten(defaults or {}).items():
+        saved.setdefault(k, v)
     allowed = tuple(RESUMABLE_CHANGES) + tuple(ignore)
     if new.get("optim.lr_schedule", "constant") != "constant" and "trainer.total_steps" not in ignore:
         # A decaying lr spans the run's length: another total_steps changes the lr of every later

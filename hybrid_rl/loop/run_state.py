@@ -96,7 +96,9 @@ def find_resume(cfg: Config, model_config: dict) -> tuple[Optional[str], Optiona
     path = D.broadcast_object_from(path, 0)  # every rank resumes from what rank 0 found
     meta = None
     if path is not None:
-        meta = ckpt.check_compatible(path, plain_config(cfg), model_config, D.world_size(), t.resume_ignore)
+        meta = ckpt.check_compatible(
+            path, plain_config(cfg), model_config, D.world_size(), t.resume_ignore, defaults=plain_config(Config())
+        )
     if meta is None:
         _refuse_later_checkpoints(root)
     else:

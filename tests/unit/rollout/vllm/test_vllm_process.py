@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -59,6 +60,8 @@ def test_engine_start_on_cuda_passes_a_utilization_the_free_memory_admits(monkey
     class Spy:
         def __init__(self, **kw):
             seen.update(kw)
+            # what the adapter reads back after the start: the runner it pinned for CUDA (V2)
+            self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(use_v2_model_runner=True))
 
     monkeypatch.setattr(vllm, "LLM", Spy)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (71 * GIB, 80 * GIB))
