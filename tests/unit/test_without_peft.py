@@ -25,7 +25,8 @@ sys.modules["peft"] = None  # as if peft were not installed
 engine, out = sys.argv[1], sys.argv[2]
 recipe = runpy.run_path(sys.argv[3], run_name="recipe")
 summary = recipe["main"](["--create-model", f"trainer.out_dir={out}", f"model.path={out}/model",
-    "trainer.total_steps=1", "data.batch_size=4", "rollout.n=2", "rollout.max_new_tokens=4", "trainer.device=cpu", "trainer.progress_bar=false",
+    "trainer.total_steps=1", "data.batch_size=4", "rollout.n=2", "rollout.max_new_tokens=4", "trainer.device=cpu",
+    "trainer.progress_bar=false",
     "trainer.save_every=0", "trainer.val_every=0", "trainer.val_before_train=false", f"rollout.engine={engine}"])
 loaded = [m for m, mod in sys.modules.items() if mod is not None and m.split(".")[0] == "peft"]
 print(json.dumps({"peft_loaded": loaded, "out_dir": summary["out_dir"]}))
