@@ -110,8 +110,12 @@ def run_side(tree: str, yaml_text: str, nproc: int, steps: int, work: str) -> li
     # The recipe's own model, built by the tree's code: a recipe refuses a model.path with no model unless told
     # to create it (--create-model), a flag older trees do not know.
     build = (
-        "import sys; from hybrid_rl.data.digits import DIGIT_WORDS; from hybrid_rl.models.tiny import "
-        "build_tiny_model_dir as b; b(sys.argv[1], DIGIT_WORDS, hidden_size=128, num_layers=2, seed=0)"
+        "import sys\n"
+        "try:\n    from hybrid_rl.data.digits import DIGIT_WORDS\n"
+        "except ImportError:  # a tree from before the layout move (issue 35)\n"
+        "    from hybrid_rl.rewards.toy import DIGIT_WORDS\n"
+        "from hybrid_rl.models.tiny import build_tiny_model_dir as b\n"
+        "b(sys.argv[1], DIGIT_WORDS, hidden_size=128, num_layers=2, seed=0)\n"
     )
     subprocess.run([sys.executable, "-c", build, model_dir], env=env, cwd=work, check=True)
     args = overrides(steps, out_dir, model_dir)
