@@ -21,7 +21,7 @@ from hybrid_rl.algorithms.aggregation import masked_sum, normalizer_count
 from hybrid_rl.algorithms.gae import value_loss
 from hybrid_rl.batch import TrainBatch, micro_batches, response_ends, trimmed
 from hybrid_rl.config.schema import Config
-from hybrid_rl.loop.update import mini_batch_rows, train_mode
+from hybrid_rl.loop.update import mini_batch_rows, per_token_in_micro_batches, train_mode
 from hybrid_rl.models.value import response_values
 from hybrid_rl.observability.metrics import MeanAccumulator
 from hybrid_rl.runtime import distributed as D
@@ -67,16 +67,16 @@ def score_values(
 ) -> torch.Tensor:
     """values_NT (float32, 0 on padding) of the rollout's response tokens under `critic`, in micro-batches cut
     as the update's (rows by a row count or a token budget, each trimmed to its longest response)."""
-    N, T = ids_NL.shape[0], ids_NL.shape[1] - P
-    resp_mask_NT = attn_NL[:, P:]
-    ends = response_ends(resp_mask_NT)
-    values_NT = torch.zeros((N, T), dtype=torch.float32, device=ids_NL.device)
-    for micro in micro_batches(list(range(N)), ends, P, micro_batch_size, max_tokens, False, group_size):
-        rows = torch.tensor(micro, device=ids_NL.device)
-        Tm = max(1, max(ends[r] for r in micro))
-        v = response_values(critic, ids_NL[rows, : P + Tm], attn_NL[rows, : P + Tm], P)
-        values_NT[rows, :Tm] = v * resp_mask_NT[rows, :Tm]
-    return values_NT
+    return per_token_in_micro_batches(
+        lambda ids, attn: response_values(critic, ids, attn, P),
+        ids_NL,
+        attn_NL,
+        P,
+        micro_batch_size,
+        max_tokens,
+        False,
+        group_size,
+    )
 
 
 def critic_update(

@@ -79,17 +79,41 @@ def score_logprobs(
     Same micro-batches and trimming as the update (`micro_batches`, `trimmed`): rows by length
     under a token budget, each micro-batch cut to its longest response.
     """
+    forward = logprob_function(packing)
+    return per_token_in_micro_batches(
+        lambda ids, attn: forward(model, ids, attn, P, temperature)[0],
+        ids_NL,
+        attn_NL,
+        P,
+        micro_batch_size,
+        max_tokens,
+        packing,
+        group_size,
+    )
+
+
+def per_token_in_micro_batches(
+    forward,
+    ids_NL: torch.Tensor,
+    attn_NL: torch.Tensor,
+    P: int,
+    micro_batch_size: int,
+    max_tokens: int = 0,
+    packing: bool = False,
+    group_size: int = 1,
+) -> torch.Tensor:
+    """(N, T) fp32 of `forward(ids, attn)` over the response tokens (0 on padding), in the update's micro-batches:
+    rows by a row count or a token budget, each micro-batch cut to its longest response. SCORE's log-probs and
+    PPO's values (loop/critic_update.py) both go through here."""
     N, T = ids_NL.shape[0], ids_NL.shape[1] - P
     resp_mask_NT = attn_NL[:, P:]
     ends = response_ends(resp_mask_NT)
-    forward = logprob_function(packing)
-    logp_NT = torch.zeros((N, T), dtype=torch.float32, device=ids_NL.device)
+    out_NT = torch.zeros((N, T), dtype=torch.float32, device=ids_NL.device)
     for micro in micro_batches(list(range(N)), ends, P, micro_batch_size, max_tokens, packing, group_size):
         rows = torch.tensor(micro, device=ids_NL.device)
         Tm = max(1, max(ends[r] for r in micro))  # the micro-batch's longest response
-        logp, _ = forward(model, ids_NL[rows, : P + Tm], attn_NL[rows, : P + Tm], P, temperature)
-        logp_NT[rows, :Tm] = logp * resp_mask_NT[rows, :Tm]
-    return logp_NT
+        out_NT[rows, :Tm] = forward(ids_NL[rows, : P + Tm], attn_NL[rows, : P + Tm]) * resp_mask_NT[rows, :Tm]
+    return out_NT
 
 
 @contextlib.contextmanager
