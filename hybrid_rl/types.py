@@ -45,7 +45,7 @@ class Completion:
 
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "abort" (a partial rollout stopped it unfinished: tokens so far)
 
     @property
     def generated_tokens(self) -> int:
@@ -56,6 +56,54 @@ class Completion:
     def truncated(self) -> bool:
         """Cut by a length limit instead of ending by itself: what `response/truncated` counts."""
         return self.finish_reason == "length"
+
+
+@dataclass(frozen=True)
+class PartialRequest:
+    """What a partial rollout (issue 37, `rollout.partial`) asks of an engine beside the prompts.
+
+    Row i may continue a carried sample whose generated prefix already ends `prompt_ids[i]` (ids, never
+    re-tokenized text): it samples at most `max_new_tokens[i]` more tokens (the sample's budget less its prefix),
+    and no stop token before `min_new_tokens[i]`. `group_of[i]` names its group. The engine stops decoding once
+    `groups_needed` groups have every row they sent finished ("stop" or "length"), and returns each unfinished row
+    as it stands: finish_reason "abort", the tokens and log-probs it sampled so far (possibly none). With
+    groups_needed at least the number of groups, every row runs to its end, as without a PartialRequest.
+    `SamplingParams.max_new_tokens` must be at least the largest budget (engines size their cache from it).
+    """
+
+    max_new_tokens: tuple[int, ...]
+    min_new_tokens: tuple[int, ...]
+    group_of: tuple[int, ...]
+    groups_needed: int
+
+    def __post_init__(self) -> None:
+        n = len(self.max_new_tokens)
+        if len(self.min_new_tokens) != n or len(self.group_of) != n:
+            raise ValueError(
+                f"PartialRequest: max_new_tokens, min_new_tokens and group_of need one entry per row, got "
+                f"{n}, {len(self.min_new_tokens)} and {len(self.group_of)}"
+            )
+        for i, (hi, lo) in enumerate(zip(self.max_new_tokens, self.min_new_tokens)):
+            if hi < 1 or not 0 <= lo <= hi:
+                raise ValueError(f"PartialRequest row {i}: needs 0 <= min_new_tokens={lo} <= max_new_tokens={hi}, >= 1")
+        if self.groups_needed < 0:
+            raise ValueError(f"PartialRequest: groups_needed must be >= 0, got {self.groups_needed}")
+
+    def check(self, n_prompts: int, params: SamplingParams) -> None:
+        """Refuse a request that does not match its prompts or its sampling parameters."""
+        if len(self.max_new_tokens) != n_prompts:
+            raise ValueError(f"PartialRequest has {len(self.max_new_tokens)} rows for {n_prompts} prompts")
+        if self.max_new_tokens and max(self.max_new_tokens) > params.max_new_tokens:
+            raise ValueError(
+                f"PartialRequest: a row's budget {max(self.max_new_tokens)} exceeds "
+                f"SamplingParams.max_new_tokens={params.max_new_tokens}"
+            )
+
+
+def groups_complete(group_of: Sequence[int], finished: Sequence[bool]) -> int:
+    """How many groups have every row finished: the stop rule of a PartialRequest, on the host."""
+    open_groups = {g for g, f in zip(group_of, finished) if not f}
+    return len(set(group_of) - open_groups)
 
 
 def response_bodies(completions: Sequence[Completion], stop_ids: set[int]) -> list[list[int]]:

@@ -15,14 +15,20 @@ from typing import Iterable, Protocol, Sequence
 
 import torch
 
-from hybrid_rl.types import Completion, SamplingParams
+from hybrid_rl.types import Completion, PartialRequest, SamplingParams
 
 TAGS = ("weights", "kv_cache")
 
 
 class RolloutEngine(Protocol):
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """One completion per prompt, in the order of `prompt_ids`: callers match them by position."""
+    def generate(
+        self, prompt_ids: list[list[int]], params: SamplingParams, partial: PartialRequest | None = None
+    ) -> list[Completion]:
+        """One completion per prompt, in the order of `prompt_ids`: callers match them by position.
+
+        partial (rollout.partial): per-row budgets and the early stop; unfinished rows come back "abort".
+        After each call an engine sets `last_tail_s` (seconds of the call during which fewer than half of its
+        rows were still decoding) and `last_generated_tokens` (tokens it sampled), or leaves them None."""
         ...
 
     def begin_weight_update(self) -> None:
