@@ -16,14 +16,15 @@ K stop ids.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from hybrid_rl.rollout.native.kv_cache import StaticKVCache
 from hybrid_rl.rollout.native.sampler import sample_tokens
-from hybrid_rl.types import Completion, SamplingParams
+from hybrid_rl.types import Completion, PartialRequest, SamplingParams, groups_complete
 
 
 def alive_rows(done_M: torch.Tensor) -> torch.Tensor:
@@ -71,12 +72,82 @@ class Prefilled:
     P: int
 
 
+@dataclass
+class RowLimits:
+    """A partial rollout's per-row limits (types.PartialRequest) for one decode batch, and what the loop saw.
+
+    max_new_N / min_new_N: each row's budget and minimum (max_new_N <= T); stop(alive): asked at each stop check
+    with the original indices of the rows still decoding, True to stop now (the group rule, engine.py). After the
+    loop: aborted_N marks the rows stopped unfinished, `stopped_at` the tokens each of them holds."""
+
+    max_new_N: torch.Tensor
+    min_new_N: torch.Tensor
+    stop: Callable[[torch.Tensor], bool]
+    aborted_N: Optional[torch.Tensor] = None
+    stopped_at: int = 0
+
+
+@dataclass
+class DecodeStats:
+    """What the token loop measured: seconds at the checks where fewer than half of the batch's rows were
+    still decoding (the rollout's tail, measured at the stop checks)."""
+
+    tail_s: float = 0.0
+
+
+class GroupStop:
+    """A PartialRequest's stop rule over the engine's decode batches, on the host: a row is finished once its batch
+    returned it "stop" or "length"; rows of a batch not yet run are unfinished. Asked at each stop check of the
+    running batch with its rows still decoding; re-counts only when that set changed."""
+
+    def __init__(self, partial: PartialRequest):
+        self.partial = partial
+        self.finished = [False] * len(partial.group_of)
+        self._last: tuple[int, bool] = (-1, False)
+
+    def enough(self) -> bool:
+        return groups_complete(self.partial.group_of, self.finished) >= self.partial.groups_needed
+
+    def limits(self, start: int, n: int, dev: torch.device) -> RowLimits:
+        """One decode batch's RowLimits (rows start..start+n of the request)."""
+        p = self.partial
+
+        def stop(alive_A: torch.Tensor) -> bool:
+            if alive_A.numel() == self._last[0]:  # rows only ever finish: the same count is the same set
+                return self._last[1]
+            alive = set(alive_A.tolist())
+            for i in range(n):
+                self.finished[start + i] = i not in alive
+            self._last = (alive_A.numel(), self.enough())
+            return self._last[1]
+
+        self._last = (-1, False)
+        max_new = torch.tensor(p.max_new_tokens[start : start + n], device=dev)
+        min_new = torch.tensor(p.min_new_tokens[start : start + n], device=dev)
+        return RowLimits(max_new, min_new, stop)
+
+    def record(self, start: int, done: list[Completion]) -> None:
+        """A batch's results: its finished rows count for the next batches' rule."""
+        for i, c in enumerate(done):
+            self.finished[start + i] = c.finish_reason != "abort"
+
+
 def decode(
-    batch: Prefilled, step, sp: SamplingParams, u_NT: torch.Tensor | None, stop_K: torch.Tensor, pad_id: int, every: int
+    batch: Prefilled,
+    step,
+    sp: SamplingParams,
+    u_NT: torch.Tensor | None,
+    stop_K: torch.Tensor,
+    pad_id: int,
+    every: int,
+    limits: RowLimits | None = None,
+    stats: DecodeStats | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """toks_NT, lps_NT (pad / 0 after a row's stop). Per token: sample (u_NT: the rows' uniforms, None
     for greedy), check for stops every `every` tokens (dropping finished rows), then `step`, the
-    rollout's one step function: step(ids_M1, pos_M1, attn_MS, t) -> logits_MV."""
+    rollout's one step function: step(ids_M1, pos_M1, attn_MS, t) -> logits_MV. limits: a partial rollout's
+    per-row budgets and early stop (a row that reaches its budget is done; the rows alive when `limits.stop`
+    says so are marked in `limits.aborted_N`)."""
     cache, attn_NS, pos_M1, P = batch.cache, batch.attn_NS, batch.pos_N1, batch.P
     logits_MV, batch.logits_NV = batch.logits_NV, None  # the (N, V) prefill logits die at the first step
     (N, _), T, dev = attn_NS.shape, sp.max_new_tokens, attn_NS.device
@@ -84,19 +155,38 @@ def decode(
     lps_NT = torch.zeros((N, T), dtype=torch.float32, device=dev)
     rows_M = torch.arange(N, device=dev)  # original row of each live row
     done_M = torch.zeros(N, dtype=torch.bool, device=dev)
+    if limits is not None:
+        min_until = int(limits.min_new_N.max()) if N else 0  # host: the last step where some row bans its stops
+        is_stop_V = torch.zeros(logits_MV.shape[-1], dtype=torch.bool, device=dev).index_fill(0, stop_K, True)
+    tick = time.perf_counter()
     for t in range(T):
-        if t < sp.min_new_tokens:  # stops banned: the draw and its logprob see them at -inf, as vLLM's min_tokens
+        if limits is not None:
+            if t < min_until:  # each row's own min_new_tokens
+                ban_M = (t < limits.min_new_N[rows_M])[:, None] & is_stop_V
+                logits_MV = logits_MV.masked_fill(ban_M, float("-inf"))
+        elif t < sp.min_new_tokens:  # stops banned: the draw and its logprob see them at -inf, as vLLM's min_tokens
             logits_MV = logits_MV.index_fill(-1, stop_K, float("-inf"))
         tok_M, lp_M = sample_tokens(logits_MV, sp, None if u_NT is None else u_NT[rows_M, t].unsqueeze(1))
         tok_M = torch.where(done_M, pad_id, tok_M)
         toks_NT[rows_M, t] = tok_M
         lps_NT[rows_M, t] = lp_M
         done_M = done_M | torch.isin(tok_M, stop_K)
+        if limits is not None:
+            done_M = done_M | (limits.max_new_N[rows_M] <= t + 1)  # the row's budget is spent
         if t == T - 1:
             break
         if (t + 1) % every == 0:
             alive_A = alive_rows(done_M)
+            if stats is not None:
+                now = time.perf_counter()
+                if 2 * alive_A.numel() < N:
+                    stats.tail_s += now - tick
+                tick = now
             if alive_A.numel() == 0:
+                break
+            if limits is not None and limits.stop(rows_M[alive_A]):
+                limits.aborted_N = torch.zeros(N, dtype=torch.bool, device=dev).index_fill(0, rows_M[alive_A], True)
+                limits.stopped_at = t + 1
                 break
             keep = rows_to_keep(alive_A, done_M, step.fixed_shape)
             if keep is not None:
@@ -111,14 +201,23 @@ def decode(
     return toks_NT, lps_NT
 
 
-def to_completions(toks_NT: torch.Tensor, lps_NT: torch.Tensor, stop_K: torch.Tensor) -> list[Completion]:
-    """Each row cut after its first stop id ("stop"), else whole ("length")."""
+def to_completions(
+    toks_NT: torch.Tensor, lps_NT: torch.Tensor, stop_K: torch.Tensor, limits: RowLimits | None = None
+) -> list[Completion]:
+    """Each row cut after its first stop id ("stop"), else whole ("length"); with `limits`, a row is whole at its
+    own budget, and a row the early stop cut holds the tokens it sampled ("abort")."""
     toks, lps = toks_NT.tolist(), lps_NT.tolist()
     stops = set(stop_K.tolist())
+    budgets = None if limits is None else limits.max_new_N.tolist()
+    aborted = None if limits is None or limits.aborted_N is None else limits.aborted_N.tolist()
     out = []
-    for row, lrow in zip(toks, lps):
-        n, reason = len(row), "length"
-        for j, tok in enumerate(row):
+    for i, (row, lrow) in enumerate(zip(toks, lps)):
+        if aborted is not None and aborted[i]:
+            n = limits.stopped_at
+            out.append(Completion(token_ids=row[:n], logprobs=lrow[:n], finish_reason="abort"))
+            continue
+        n, reason = len(row) if budgets is None else budgets[i], "length"
+        for j, tok in enumerate(row[:n]):
             if tok in stops:
                 n, reason = j + 1, "stop"
                 break

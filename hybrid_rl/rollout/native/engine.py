@@ -50,7 +50,15 @@ from hybrid_rl.models.logprobs import left_pad, position_ids
 from hybrid_rl.plan.memory import ModelArch
 from hybrid_rl.plan.rollout_memory import RolloutShape, native_budget
 from hybrid_rl.rollout.base import check_tags
-from hybrid_rl.rollout.native.decode_loop import Prefilled, check_every, decode, to_completions
+from hybrid_rl.rollout.native.decode_loop import (
+    DecodeStats,
+    GroupStop,
+    Prefilled,
+    RowLimits,
+    check_every,
+    decode,
+    to_completions,
+)
 from hybrid_rl.rollout.native.decode_path import (
     DecodePath,
     ForwardStep,
@@ -65,7 +73,7 @@ from hybrid_rl.rollout.native.decode_path import (
 from hybrid_rl.rollout.native.kv_cache import StaticKVCache
 from hybrid_rl.rollout.native.lean_step import LeanStep, unsupported_reason
 from hybrid_rl.rollout.native.sampler import _draw, filter_logits, sample_tokens  # noqa: F401  (re-exported: tests and benchmarks import them from here)
-from hybrid_rl.types import Completion, SamplingParams
+from hybrid_rl.types import Completion, PartialRequest, SamplingParams
 
 
 class NativeEngine:
@@ -188,18 +196,28 @@ class NativeEngine:
 
     # -- decoding -------------------------------------------------------------
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def generate(
+        self, prompt_ids: list[list[int]], params: SamplingParams, partial: PartialRequest | None = None
+    ) -> list[Completion]:
         """Completions of the prompts (host lists: nothing made here reaches autograd).
 
         Inference mode, not just no_grad: the decode loop runs thousands of small ops, and
         skipping their version counters and view tracking saves 4-7% of a CPU rollout.
+
+        partial (rollout.partial): each row's own budget and minimum, and the early stop once
+        `partial.groups_needed` groups have finished; a decode batch that starts after that returns its
+        rows unstarted ("abort", no tokens). A continued row is prefilled whole (prompt + its carried prefix):
+        its cache is recomputed under the current weights, as AReaL's interrupted requests are.
         """
         if not self._weights_ready or not self._kv_ready:
             raise RuntimeError("engine memory is released; call resume(['weights', 'kv_cache']) before generate")
         if any(len(p) == 0 for p in prompt_ids):
             raise ValueError("every prompt needs at least one token")
+        self.last_tail_s, self.last_generated_tokens = 0.0, 0
         if not prompt_ids:  # a rank with no rows this round (an uneven validation split)
             return []
+        if partial is not None:
+            partial.check(len(prompt_ids), params)
         dev, N, T = self._device(), len(prompt_ids), params.max_new_tokens
         path = self._decode_path(dev)  # once per rollout: the token loop never chooses
         rows, prefill_rows = self._batch_limits(prompt_ids, params, dev, path)
@@ -209,14 +227,25 @@ class NativeEngine:
         u_NT = None if params.greedy else torch.rand((N, T), generator=gen, dtype=torch.float64, device=dev)
         self.last_kv_bytes, self.last_capture_s = 0, 0.0
         self.last_batch_rows, self.last_prefill_rows = rows, prefill_rows
+        stop = GroupStop(partial) if partial is not None else None
+        stats = DecodeStats()
         out: list[Completion] = []
         for start in range(0, N, rows):
             batch, u = prompt_ids[start : start + rows], None if u_NT is None else u_NT[start : start + rows]
-            done = self._try_batch(batch, params, u, path, prefill_rows)
+            if stop is not None and stop.enough():  # the step has its groups: the rest wait, unstarted
+                out += [Completion([], [], "abort") for _ in batch]
+                continue
+            limits = None if stop is None else stop.limits(start, len(batch), dev)
+            done = self._try_batch(batch, params, u, path, prefill_rows, limits, stats)
             if done is None:  # its CUDA graphs failed: this batch again, and the rest, through the lean step
                 path = replace(path, name="lean")
-                done = self._generate_batch(batch, params, u, path, prefill_rows)
+                limits = None if stop is None else stop.limits(start, len(batch), dev)
+                done = self._generate_batch(batch, params, u, path, prefill_rows, limits, stats)
+            if stop is not None:
+                stop.record(start, done)
             out += done
+        self.last_tail_s = stats.tail_s
+        self.last_generated_tokens = sum(len(c.token_ids) for c in out)
         return out
 
     def _try_batch(
@@ -226,11 +255,13 @@ class NativeEngine:
         u_NT: torch.Tensor | None,
         path: DecodePath,
         prefill_rows: int,
+        limits: RowLimits | None = None,
+        stats: DecodeStats | None = None,
     ) -> list[Completion] | None:
         """The batch's completions, or None when its CUDA graphs failed (said once; graphs stay off on this
         engine). Returning, not retrying here, frees the failed batch's cache (the error's frames hold it)."""
         try:
-            return self._generate_batch(prompts, sp, u_NT, path, prefill_rows)
+            return self._generate_batch(prompts, sp, u_NT, path, prefill_rows, limits, stats)
         except GraphDecodeFailed as err:
             self.last_graph_error, self._graphs_failed = str(err), True
             warnings.warn(
@@ -349,6 +380,8 @@ class NativeEngine:
         u_NT: torch.Tensor | None,
         path: DecodePath,
         prefill_rows: int,
+        limits: RowLimits | None = None,
+        stats: DecodeStats | None = None,
     ) -> list[Completion]:
         """Completions of one decode batch: prefill, build `path`'s step, run the token loop with it."""
         dev = self._device()
@@ -357,13 +390,13 @@ class NativeEngine:
         step = self._decode_step(path, batch.cache, dev, batch.P)
         every = check_every(self.stop_check_every, dev.type)
         try:
-            toks_NT, lps_NT = decode(batch, step, sp, u_NT, stop_K, self.pad_id, every)
+            toks_NT, lps_NT = decode(batch, step, sp, u_NT, stop_K, self.pad_id, every, limits, stats)
         finally:
             self.last_capture_s += step.capture_s
         self.last_kv_bytes = max(self.last_kv_bytes, batch.cache.nbytes())
         self.last_decode_path = path.name
         del batch, step  # the cache (and any graphs) before the host copies
-        return to_completions(toks_NT, lps_NT, stop_K)
+        return to_completions(toks_NT, lps_NT, stop_K, limits)
 
     def _prefill_batch(self, prompts: list[list[int]], T: int, dev: torch.device, prefill_rows: int) -> Prefilled:
         """The cache allocated at its final size and filled with the prompts.
