@@ -24,6 +24,7 @@ Legend: B prompts per step (global), G samples per prompt, N sequences, T tokens
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -43,6 +44,7 @@ from hybrid_rl.data.prompts import PromptLoader, load_datasets
 from hybrid_rl.loop.advantage_stage import advantage_stage
 from hybrid_rl.loop.critic_update import CriticSettings, critic_update, score_values
 from hybrid_rl.loop.lr_schedule import lr_factor, optimizer_steps
+from hybrid_rl.loop.partial import PartialRollouts
 from hybrid_rl.loop.preflight import validate_runtime
 from hybrid_rl.loop.reward_setup import RewardSetup
 from hybrid_rl.loop.rollout_stage import RolloutStage
@@ -167,8 +169,15 @@ class Trainer:
                 else FixedKLController(a.kl_coef)
             ),
             reward_norm=self.rewards.norm,
+            partial=self._partial_pool() if cfg.rollout.partial else None,
         )
         return rows, val_rows
+
+    def _partial_pool(self) -> PartialRollouts:
+        """rollout.partial's pool of carried samples for this rank (loop/partial.py)."""
+        r = self.cfg.rollout
+        groups = self.cfg.data.batch_size // D.world_size()
+        return PartialRollouts(r.n, groups, r.partial_over, r.partial_stop, r.max_new_tokens, r.min_new_tokens)
 
     def _build_models(self, rows: list[dict]) -> None:
         """The offload plan, the policy and the frozen reference it starts as (only rank 0 reads the weights,
@@ -418,8 +427,16 @@ class Trainer:
                 "build a new Trainer(cfg): trainer.resume=auto continues from the newest checkpoint"
             )
         loader, loader_state = self.state.loader, self.state.loader.state_dict()
+        pool = self.state.partial
+        pool_state = copy.deepcopy(pool.state_dict()) if pool is not None else None
+
+        def undo() -> None:  # the step's prompts and carried samples as they were before it
+            loader.load_state_dict(loader_state)
+            if pool is not None:
+                pool.load_state_dict(pool_state)
+
         where = lambda: (self.state.step + 1, self.phases.failed_phase or self.phases.phase)  # for failure_line
-        with D.failure_context(where), self.phases.recovering(undo=lambda: loader.load_state_dict(loader_state)):
+        with D.failure_context(where), self.phases.recovering(undo=undo):
             return self._step()
 
     def _step(self) -> dict:
@@ -432,6 +449,10 @@ class Trainer:
             with self.phases.rollout() as engine:
                 if self.split:  # batch `step` from the rollout ranks, this learner's share (split/learner.py)
                     batch, metrics = self.learner_side.batch(self.state.step, timer)
+                elif self.state.partial is not None:  # rollout.partial: carried samples continue (loop/partial.py)
+                    batch, metrics = self.rollout_stage.run_partial(
+                        engine, self.state.partial, self.state.loader, self.state.step, timer, self.phases.reward
+                    )
                 else:
                     batch, metrics = self.rollout_stage.run(
                         engine, self.state.loader, self.state.step, timer, model_phase=self.phases.reward
@@ -534,8 +555,9 @@ class Trainer:
                 batch.group_size,
             )
 
-        # split with k > 0: the batch's generating weights are not the policy's, the recompute is pi_old
-        stale = bool(self.split) and self.cfg.trainer.max_staleness > 0
+        # split with k > 0, or carried samples (rollout.partial): the batch's generating weights are not all the
+        # policy's, the recompute is pi_old
+        stale = (bool(self.split) and self.cfg.trainer.max_staleness > 0) or self.cfg.rollout.partial
         old = (
             score(self.policy) if stale or scores_old_policy(self.cfg.algorithm, len(batch) * D.world_size()) else None
         )

@@ -176,9 +176,16 @@ class RolloutConfig:
     engine_timeout_s: int = 3600
     max_turns: int = 4  # with env.*: model turns per episode at most (each a generate call of <= max_new_tokens)
     max_episode_tokens: int = 1024  # with env.*: prompt + every turn + every observation, at most
+    # Partial rollouts (loop/partial.py, docs/partial_rollouts.md): a rollout stops once enough groups have finished;
+    # the unfinished samples are carried, with their tokens, log-probs and versions, and continued in the next one
+    partial: bool = False
+    partial_over: float = 1.5  # groups in flight per rank: ceil(partial_over x the rank's data.batch_size groups)
+    partial_stop: float = 1.0  # stop once this fraction of the rank's data.batch_size groups have every sample done
 
     def __post_init__(self) -> None:
         check_choices(self, "rollout")
+        check(self.partial_over >= 1, "rollout.partial_over", f"must be >= 1, got {self.partial_over}")
+        check(0 < self.partial_stop <= 1, "rollout.partial_stop", f"must be in (0, 1], got {self.partial_stop}")
         check(self.max_turns >= 1, "rollout.max_turns", f"must be >= 1, got {self.max_turns}")
         check(
             self.max_episode_tokens >= 2, "rollout.max_episode_tokens", f"must be >= 2, got {self.max_episode_tokens}"
@@ -660,6 +667,8 @@ class Config:
             "reward.weights",
             "has an 'env' weight but no environment is set; set env.name or env.fn",
         )
+        if self.rollout.partial:
+            self._check_partial()
         a, n = self.algorithm, self.rollout.n
         # An estimator without a group baseline (REINFORCE++ whitens over the whole batch) runs with one sample.
         from hybrid_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS
@@ -672,6 +681,31 @@ class Config:
                 else f"algorithm.advantage={a.advantage} takes its baseline from a prompt's group"
             )
             check(n >= 2, "rollout.n", f"needs at least 2 samples per prompt ({why}), got {n}")
+
+    def _check_partial(self) -> None:
+        """What rollout.partial cannot run with, each refused naming the key."""
+        check(
+            not self.env.enabled,
+            "rollout.partial",
+            "continues single-turn completions; a multi-turn episode (env.*) is not carried: set rollout.partial=false",
+        )
+        check(
+            not self.algorithm.dynamic_sampling,
+            "rollout.partial",
+            "and algorithm.dynamic_sampling both decide which groups a step trains; set one of them false",
+        )
+        check(
+            self.trainer.placement == "colocated",
+            "rollout.partial",
+            "carries samples in the colocated placement; the split placement's rollout ranks do not carry them yet: "
+            "set trainer.placement=colocated or rollout.partial=false",
+        )
+        check(
+            self.trainer.max_staleness >= 1,
+            "trainer.max_staleness",
+            "must be >= 1 with rollout.partial: a sample carried to the next step holds tokens one version old "
+            "(0 would drop every carried sample); e.g. 2",
+        )
 
     @property
     def process_group_timeout_s(self) -> int:

@@ -8,11 +8,13 @@ the LoRA adapter (each engine's own rule, from its folder), the split placement'
 
 from __future__ import annotations
 
+import inspect
 import os
 
 from hybrid_rl.config.checks import check
 from hybrid_rl.config.schema import Config, LoraSettings
 from hybrid_rl.models.lora import check_model_dir
+from hybrid_rl.rollout.base import engine_class
 from hybrid_rl.rollout.sglang.lora import check_targets
 from hybrid_rl.rollout.vllm.lora import max_lora_rank
 from hybrid_rl.split.placement import check_placement
@@ -36,6 +38,18 @@ def check_engine(settings: LoraSettings, engine: str) -> None:
         )
 
 
+def check_partial_engine(engine: str) -> None:
+    """rollout.partial needs an engine that continues a sample from token ids and stops early (a `partial`
+    argument to generate: rollout/base.py)."""
+    params = inspect.signature(engine_class(engine).generate).parameters
+    check(
+        "partial" in params,
+        "rollout.partial",
+        f"rollout.engine={engine!r} cannot stop a rollout early or continue a carried sample (its generate takes "
+        "no PartialRequest); use rollout.engine=native or set rollout.partial=false",
+    )
+
+
 def _check_model_dir(path: str, key: str, what: str) -> None:
     check(os.path.isdir(path), key, f"directory {path!r} does not exist; give a local Hugging Face {what} directory")
     check(
@@ -56,6 +70,8 @@ def validate_runtime(cfg: Config, world_size: int) -> None:
     # model.lora.*: the engine serves adapters, model.path is no adapter directory, every target matches a
     # Linear no narrower than the rank (the model built on the meta device from config.json: no weights read)
     check_engine(cfg.model.lora, cfg.rollout.engine)
+    if cfg.rollout.partial:
+        check_partial_engine(cfg.rollout.engine)
     check_model_dir(cfg.model.lora, cfg.model.path)
     if cfg.rollout.engine in ("sglang", "vllm"):
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))

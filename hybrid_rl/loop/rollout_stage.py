@@ -14,6 +14,7 @@ batch's groups to the learner ranks.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Callable, Optional
 
 import torch
@@ -23,6 +24,7 @@ from hybrid_rl.config.schema import Config
 from hybrid_rl.data.prompts import PromptLoader
 from hybrid_rl.envs.episodes import EpisodeCompletion, episode_metrics
 from hybrid_rl.loop.dynamic_sampling import GroupCollector
+from hybrid_rl.loop.partial import PartialRollouts
 from hybrid_rl.loop.reward_setup import RewardSetup
 from hybrid_rl.observability.loggers import log_rollouts
 from hybrid_rl.observability.metrics import MeanAccumulator, StageTimer
@@ -71,6 +73,62 @@ class RolloutStage:
         kept, metrics = groups.finish()
         if self.env is not None:
             metrics.update(reduce_episode_metrics(episodes))
+        metrics.update(engine_metrics(engine))
+        return self._batch(kept, metrics, step)
+
+    def run_partial(
+        self, engine, pool: PartialRollouts, loader: PromptLoader, step: int, timer: StageTimer, model_phase=None
+    ) -> tuple[Optional[RolloutBatch], dict]:
+        """rollout.partial (loop/partial.py): stale groups dropped, the pool refilled, one engine call that stops
+        once enough groups are done; the oldest complete groups (as many on every rank) scored and batched, the
+        rest carried in `pool`."""
+        G = self.cfg.rollout.n
+        dropped_groups, dropped = pool.drop_stale(step, self.cfg.trainer.max_staleness)
+        pool.refill(step, loader, self.encode)
+        plan = pool.plan()
+        with timer("rollout"):
+            if plan.prompt_ids and plan.request.groups_needed > 0:
+                params = replace(self.sampling_params(step, 0), max_new_tokens=max(plan.request.max_new_tokens))
+                completions = engine.generate(plan.prompt_ids, params, plan.request)
+            else:  # nothing to decode, or the groups carried complete already fill the step
+                completions = [Completion([], [], "abort") for _ in plan.prompt_ids]
+            pool.absorb(plan, completions, step)
+        n = -int(D.all_reduce_max(torch.tensor([-pool.complete_count()], dtype=torch.int64)).item())
+        taken = pool.take(n)
+        rows, prompt_ids = [g.row for g in taken], [g.prompt_ids for g in taken]
+        trained = [s for g in taken for s in g.samples]
+        completions = [s.completion() for s in trained]
+        with timer("reward"):
+            rewards_N, scores_N, parts = self.score(rows, completions, model_phase)
+        groups = GroupCollector(G, False, 1, self.rewards.rule.success_threshold)
+        groups.want = pool.batch_groups
+        groups.add(rows, prompt_ids, completions, rewards_N, scores_N, parts)
+        kept, metrics = groups.finish()
+        spans = [s.versions[-1] - s.versions[0] for s in trained if s.versions]
+        totals = D.all_reduce_sum(
+            torch.tensor(
+                [pool.carried_samples(), plan.continued, dropped, dropped_groups, plan.cut, sum(spans), len(spans)],
+                dtype=torch.float64,
+            )
+        ).tolist()
+        span_max = D.all_reduce_max(torch.tensor([max(spans, default=0)], dtype=torch.int64)).item()
+        metrics.update(
+            {
+                "rollout/carried": totals[0],
+                "rollout/continued": totals[1],
+                "rollout/dropped_stale": totals[2],
+                "rollout/dropped_stale_groups": totals[3],
+                "rollout/carried_cut": totals[4],
+                "rollout/version_span_mean": totals[5] / max(1.0, totals[6]),
+                "rollout/version_span_max": float(span_max),
+            }
+        )
+        metrics.update(engine_metrics(engine, plan.prompt_ids and plan.request.groups_needed > 0))
+        return self._batch(kept, metrics, step)
+
+    def _batch(self, kept, metrics: dict, step: int) -> tuple[Optional[RolloutBatch], dict]:
+        """The kept groups as one RolloutBatch (None if none), their first completions logged."""
+        G = self.cfg.rollout.n
         self._log_rollouts(kept, step)
         if not kept.rows:
             return None, metrics
@@ -145,6 +203,18 @@ class RolloutStage:
             kept.scores_N[:n].tolist(),
             self.cfg.rollout.n,
         )
+
+
+def engine_metrics(engine, ran: bool = True) -> dict[str, float]:
+    """The engine's account of its last generate call: tokens sampled (summed over ranks) and the slowest rank's
+    seconds with fewer than half of its rows still decoding (a time: resumed runs need not repeat it). An engine
+    that does not measure the tail reports -1."""
+    tail = getattr(engine, "last_tail_s", None) if ran else 0.0
+    tokens = getattr(engine, "last_generated_tokens", None) if ran else 0
+    measured = D.all_reduce_max(torch.tensor([0 if tail is None else 1], dtype=torch.int64)).item()
+    tail_max = D.all_reduce_max(torch.tensor([tail or 0.0], dtype=torch.float64)).item()
+    total = D.all_reduce_sum(torch.tensor([tokens or 0], dtype=torch.float64)).item()
+    return {"time/rollout_tail": tail_max if measured else -1.0, "rollout/tokens_generated": total}
 
 
 def reduce_episode_metrics(acc: MeanAccumulator) -> dict[str, float]:

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -37,6 +38,7 @@ class RunState:
     reward_norm: Any = None  # rewards.combine.RunningNorm of the reward model's scores, or None
     step: int = 0  # finished steps
     ledger_rollout: int = 0  # the phase switch's rollout count at the last training rollout (memory report)
+    partial: Any = None  # loop.partial.PartialRollouts: the carried samples of rollout.partial, or None
     # This process's step metrics, what fit() returns. Not saved: a resumed run's history starts at its
     # first step (metrics.jsonl keeps the earlier ones).
     history: list[dict] = field(default_factory=list)
@@ -49,6 +51,7 @@ class RunState:
             "kl_coef": self.kl_ctl.value,
             "ledger_rollout": self.ledger_rollout,
             "reward_norm": norm.state_dict() if norm is not None else None,
+            "partial": self.partial.state_dict() if self.partial is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -66,6 +69,21 @@ class RunState:
         self.ledger_rollout = state[_renamed(state, "ledger_rollout", "ledger_step")]
         if norm is not None:
             norm.load_state_dict(state["reward_norm"])
+        self._load_partial(state.get("partial"))  # absent from checkpoints written before issue 37
+
+    def _load_partial(self, saved: dict | None) -> None:
+        """The carried samples. A resume that switched rollout.partial (allowed only through trainer.resume_ignore)
+        follows one rule: switched on, the pool starts empty; switched off, the carried samples are dropped and
+        said (their rows were drawn from the loader, which moves on)."""
+        if self.partial is not None and saved is not None:
+            self.partial.load_state_dict(saved)
+        elif saved is not None and saved["groups"]:
+            n = sum(len(g["samples"]) for g in saved["groups"])
+            warnings.warn(
+                f"resume: the checkpoint carries {n} unfinished samples ({len(saved['groups'])} groups) of partial "
+                f"rollouts and {len(saved['queue'])} prompts not started; rollout.partial is off in this run, so "
+                "they are dropped"
+            )
 
 
 def _renamed(saved: dict, key: str, old_key: str) -> str:

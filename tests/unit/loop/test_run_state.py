@@ -20,7 +20,18 @@ from hybrid_rl.types import Completion
 
 # What a rank file holds. Issue 26 renamed two keys (the phase switch counts rollouts, not steps):
 # files written before it hold "switch_step" and "ledger_step" instead, and still load.
-RANK_FILE_KEYS = {"step", "loader", "scheduler", "kl_coef", "switch_rollouts", "ledger_rollout", "reward_norm", "rng"}
+# "partial": rollout.partial's carried samples (issue 37), None when off; checkpoints without it still resume.
+RANK_FILE_KEYS = {
+    "step",
+    "loader",
+    "scheduler",
+    "kl_coef",
+    "switch_rollouts",
+    "ledger_rollout",
+    "reward_norm",
+    "rng",
+    "partial",
+}
 
 
 def _state(norm: bool) -> RunState:

@@ -1,0 +1,131 @@
+"""The partial-rollout pool (loop/partial.py): which rows start, what one engine call asks for, how results are
+appended, which groups train, which are dropped as stale, and what the checkpoint holds.
+
+Oracles: hand-written tables of tokens, budgets and versions, and a naive re-statement of the oldest-token rule."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from hybrid_rl.loop.partial import PartialRollouts
+from hybrid_rl.types import Completion
+
+
+class Loader:
+    """A prompt loader stand-in: batches of `size` rows numbered in order."""
+
+    def __init__(self, size: int):
+        self.size, self.drawn = size, 0
+
+    def next_batch(self) -> list[dict]:
+        rows = [{"i": self.drawn + j} for j in range(self.size)]
+        self.drawn += self.size
+        return rows
+
+
+def encode(row: dict) -> list[int]:
+    return [100 + row["i"], 7]
+
+
+def _pool(G=2, batch=2, over=1.5, stop=1.0, max_new=6, min_new=0) -> PartialRollouts:
+    return PartialRollouts(G, batch, over, stop, max_new, min_new)
+
+
+def test_refill_keeps_the_groups_in_flight_from_whole_loader_batches():
+    pool, loader = _pool(batch=2, over=1.5), Loader(2)  # ceil(1.5 x 2) = 3 groups in flight
+    assert pool.refill(0, loader, encode) == 3
+    assert [g.row["i"] for g in pool.groups] == [0, 1, 2] and [r["i"] for r, _ in pool.queue] == [3]
+    assert loader.drawn == 4  # two whole batches, the last row waits in the queue
+    assert [g.prompt_ids for g in pool.groups] == [[100, 7], [101, 7], [102, 7]]
+    assert all(len(g.samples) == 2 and g.started == 0 for g in pool.groups)
+
+
+def test_the_plan_continues_each_unfinished_sample_with_the_rest_of_its_budget():
+    pool = _pool(G=2, batch=2, over=1.0, max_new=6, min_new=3)
+    pool.refill(0, Loader(2), encode)
+    a, b = pool.groups
+    a.samples[0].token_ids, a.samples[0].logprobs, a.samples[0].versions = [4, 5], [-0.1, -0.2], [0, 0]
+    a.samples[1].token_ids, a.samples[1].finish_reason = [9], "stop"
+    plan = pool.plan()
+    assert plan.prompt_ids == [[100, 7, 4, 5], [101, 7], [101, 7]]
+    assert plan.request.max_new_tokens == (4, 6, 6)
+    assert plan.request.min_new_tokens == (1, 3, 3)
+    assert plan.request.group_of == (0, 1, 1)
+    assert plan.request.groups_needed == 2 and plan.continued == 1
+    b.samples[0].finish_reason = b.samples[1].finish_reason = "length"  # group b complete already: one needed
+    b.samples[0].token_ids = b.samples[1].token_ids = [3] * 6
+    assert pool.plan().request.groups_needed == 1
+
+
+def test_absorb_appends_tokens_log_probs_and_the_version_of_each():
+    pool = _pool(G=1, batch=1, over=1.0)
+    pool.refill(0, Loader(1), encode)
+    s = pool.groups[0].samples[0]
+    plan = pool.plan()
+    pool.absorb(plan, [Completion([4, 5], [-0.5, -0.25], "abort")], version=3)
+    plan = pool.plan()
+    assert plan.prompt_ids == [[100, 7, 4, 5]] and plan.request.max_new_tokens == (4,)
+    pool.absorb(plan, [Completion([6, 1], [-1.0, -2.0], "stop")], version=4)
+    assert (s.token_ids, s.logprobs, s.versions, s.finish_reason) == (
+        [4, 5, 6, 1],
+        [-0.5, -0.25, -1.0, -2.0],
+        [3, 3, 4, 4],
+        "stop",
+    )
+    with pytest.raises(RuntimeError, match="2 completions for 0 prompts"):
+        pool.absorb(pool.plan(), [Completion([], [], "abort")] * 2, version=5)
+
+
+def test_take_hands_out_the_oldest_complete_groups_and_carries_the_rest():
+    pool = _pool(G=1, batch=2, over=2.0)
+    pool.refill(0, Loader(2), encode)
+    for g, reason in zip(pool.groups, ["abort", "stop", "length", "stop"]):
+        g.samples[0].finish_reason = reason
+    assert pool.complete_count() == 2  # capped at the step's groups
+    taken = pool.take(2)
+    assert [g.row["i"] for g in taken] == [1, 2]
+    assert [g.row["i"] for g in pool.groups] == [0, 3] and pool.carried_samples() == 2
+
+
+def test_a_group_is_dropped_when_its_oldest_token_is_more_than_k_versions_behind():
+    """The split placement's rule, read at the oldest token of any sample; a group without tokens is never stale."""
+    pool = _pool(G=2, batch=4, over=1.0)
+    pool.refill(0, Loader(4), encode)
+    table = [([], []), ([5], [3, 4]), ([1], []), ([2, 2], [5])]  # versions of each sample's tokens, per group
+    for g, (v0, v1) in zip(pool.groups, table):
+        g.samples[0].versions, g.samples[1].versions = list(v0), list(v1)
+        g.samples[0].token_ids, g.samples[1].token_ids = [0] * len(v0), [0] * len(v1)
+    step, k = 5, 3
+    naive = [any(vs and step - vs[0] > k for vs in pair) for pair in table]
+    assert pool.drop_stale(step, k) == (sum(naive), 2 * sum(naive))
+    assert [g.row["i"] for g in pool.groups] == [i for i, stale in enumerate(naive) if not stale] == [0, 1, 3]
+
+
+def test_a_prefix_that_fills_the_budget_finishes_as_length():
+    """A resume with a smaller rollout.max_new_tokens: the prefix is kept whole and finished, never sent."""
+    pool = _pool(G=1, batch=1, over=1.0, max_new=3)
+    pool.refill(0, Loader(1), encode)
+    s = pool.groups[0].samples[0]
+    s.token_ids, s.logprobs, s.versions = [4, 5, 6, 7], [-1.0] * 4, [0] * 4
+    plan = pool.plan()
+    assert plan.prompt_ids == [] and plan.cut == 1 and s.finish_reason == "length" and pool.groups[0].complete
+
+
+def test_the_state_round_trips_through_a_weights_only_load():
+    pool, loader = _pool(G=2, batch=2, over=1.5), Loader(2)
+    pool.refill(0, loader, encode)
+    plan = pool.plan()
+    out = [Completion([3, 4][: i % 3], [-0.125, -0.75][: i % 3], "abort" if i % 2 else "stop") for i in range(6)]
+    pool.absorb(plan, out, version=0)
+    buf = io.BytesIO()
+    torch.save(pool.state_dict(), buf)
+    buf.seek(0)
+    again = _pool(G=2, batch=2, over=1.5)
+    again.load_state_dict(torch.load(buf, weights_only=True))
+    assert again.state_dict() == pool.state_dict()
+    assert again.plan().prompt_ids == pool.plan().prompt_ids
+    with pytest.raises(ValueError, match="rollout.n=3"):
+        _pool(G=3).load_state_dict(pool.state_dict())
