@@ -57,6 +57,29 @@ def _schema_error(err: OmegaConfBaseException) -> ValueError:
     return ValueError(f"config key '{key}': {msg}")
 
 
+# verl's names for keys this schema spells otherwise, accepted in a YAML or an override (issue 36 names
+# `algorithm.adv_estimator=gae`); the schema's name is what the saved config and the checkpoint hold.
+VERL_NAMES = {"algorithm.adv_estimator": "algorithm.advantage"}
+
+
+def _verl_names(layer: Any) -> Any:
+    """The layer with verl's key names renamed to the schema's; both names with different values are refused."""
+    for verl, ours in VERL_NAMES.items():
+        section, key = verl.split(".")
+        sub = layer.get(section) if hasattr(layer, "get") else None
+        if sub is None or key not in sub:
+            continue
+        value = sub.pop(key)
+        mine = ours.split(".")[1]
+        if mine in sub and sub[mine] != value:
+            raise ValueError(
+                f"config key '{verl}': verl's name for '{ours}', given as {value!r} beside {ours}={sub[mine]!r}; "
+                f"keep one of them"
+            )
+        sub[mine] = value
+    return layer
+
+
 def _with_preset(layer: Any) -> list:
     """A layer that names `algorithm.preset` gets the preset's keys right below it.
 
@@ -96,14 +119,14 @@ def load_config(
         if yaml_path:
             if not os.path.isfile(yaml_path):
                 raise FileNotFoundError(f"config file {yaml_path!r} does not exist")
-            layers += _with_preset(OmegaConf.load(yaml_path))
+            layers += _with_preset(_verl_names(OmegaConf.load(yaml_path)))
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise OverrideError(
                 f"command-line override {bad[0]!r} is not of the form key.sub=value (no spaces around '='; "
                 f"a flag of the recipe starts with --, see --help)"
             )
-        layers += _with_preset(OmegaConf.from_dotlist(list(overrides)))
+        layers += _with_preset(_verl_names(OmegaConf.from_dotlist(list(overrides))))
         merged = OmegaConf.merge(*layers)
         return OmegaConf.to_object(merged)  # runs every __post_init__
     except OmegaConfBaseException as err:
