@@ -27,8 +27,10 @@ def _resume_on_rank(rank: int, model_dir: str, out: str, extra: tuple):
     [
         ("data.num_prompts=16", "offload.optimizer=true"),
         ("algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=3"),
+        # Each rank carries its own unfinished samples (its rank file), and the ranks train as many groups each.
+        ("rollout.partial=true", "trainer.max_staleness=2", "rollout.max_new_tokens=40"),
     ],
-    ids=["epoch_boundary_offload", "dynamic_sampling"],
+    ids=["epoch_boundary_offload", "dynamic_sampling", "partial_rollouts"],
 )
 def test_two_rank_resume_is_bit_exact(tiny_model_dir, tmp_path, extra):
     from tests.checkpoint_helpers import assert_same_run
@@ -38,6 +40,8 @@ def test_two_rank_resume_is_bit_exact(tiny_model_dir, tmp_path, extra):
         assert_same_run(result)
         if "data.num_prompts=16" in extra:
             assert result["loader"][1]["epoch"] >= 1, "the run must cross the epoch boundary"
+        if "rollout.partial=true" in extra:
+            assert sum(m["rollout/continued"] for m in result["straight"]) > 0, "nothing carried across the resume"
     # The ranks trained different shards: a resume that loaded rank 0's shards on both would not pass above.
     w0, w1 = results[0][0]["resumed_weights"], results[1][0]["resumed_weights"]
     assert any(not torch.equal(w0[k], w1[k]) for k in w0 if w0[k].shape == w1[k].shape)
