@@ -27,6 +27,36 @@ switch, and the sync is split/sync_s where a split run measured it, else the col
 stages (switch/sync_weights_s for an engine with its own copy, switch/resume_weights_s for the native
 engine's gather). A split run records split/rollout_ranks and split/world_size; a colocated run's
 world size is given by the caller.
+
+Partial rollouts (`rollout.partial`, loop/partial.py; colocated only). A step's rollout half R splits into a body
+and a tail: the tail t = tau R is the seconds during which fewer than half of the engine's rows were still decoding
+(time/rollout_tail; its share tau is taken to hold at every rank count), the body b = R - t (rule rewards included).
+Partial rollouts keep ceil(over x batch) groups in flight (rollout.partial_over) and stop once the batch's groups are
+done; what is unfinished is carried and continued in the next step. The model, per step in steady state:
+  cut share   x = min(1, 2 - 2 / over): the share of the tail cut. Rows stand for groups (a group's samples end
+              together) and carried samples' head start is ignored: rows fall from all to half over the body and
+              from half to none over the tail, linearly, so the batch (1 / over of the rows in flight) is done
+              2 / over - 1 of the way into the tail. over = 1 cuts nothing; over >= 2 cuts the whole tail.
+  decode      each decode step costs l + c x rows: a latency share lam of it is the same whatever the rows, the
+              rest is per token. Cutting the tail saves its latency, lam x t; its tokens are carried and decoded
+              in the next step's body at the body's per-token cost, (1 - lam) x t (a step decodes, on average,
+              the tokens it trains: over-provisioning raises the rows of each decode step, not the tokens).
+              lam = 1 (--decode latency): decode steps cost the same whatever their rows; lam = 0 (throughput):
+              time is proportional to rows, the tail is no slower per token than the body and cutting it saves
+              nothing. Default: lam = rollout_fixed_s / rollout(W), the share of generation that fewer rows per
+              rank do not save, where two rank counts measured one (or --rollout-fixed-s gave it), else 0. The
+              tail's true latency share is higher than the rollout's (fewer rows), so lam under-counts the saving.
+  re-prefill  each carried row is re-prefilled (prompt + prefix) in the next step: (over - 1) x the batch's rows,
+              each with a prefix of about the body's decode steps, = rho = 4 / 3 x (over - 1) of the body's tokens
+              (rows average 3/4 of the batch over the body), at the body's per-token cost: p x (1 - lam) x rho x b.
+              Prefill runs many tokens per forward, so it pays the per-token part only, and p (--prefill-cost,
+              default 1) scales that: 1 is an upper bound (a decode row's per-token cost also reads its KV cache),
+              0 an engine whose prefix cache holds every carried prefix (vLLM, SGLang, where it hits). The prompt and
+              the prefix's tail steps are left out.
+  R_partial = R - lam x t + p x (1 - lam) x rho x b;  the training half and the switch are unchanged (same batch).
+rollout.partial_stop = 1 is assumed (every step trains a full batch). From a run that had rollout.partial on
+(rollout/carried in its records) the measured rollout is R_partial, and R = R_partial / f with f the ratio above
+(`partial_rollout_ratio`): its tail was cut, so the tail share of a rollout without partial must be given (--tail-frac).
 """
 
 from __future__ import annotations
@@ -37,6 +67,8 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 ROLLOUT_KEYS = ("time/rollout", "time/reward")
+TAIL_KEY = "time/rollout_tail"  # -1: the engine did not measure it
+PARTIAL_KEY = "rollout/carried"  # logged only by the steps of a run with rollout.partial on
 TRAIN_KEYS = ("time/score", "time/advantage", "time/train")
 SYNC_KEYS = ("split/sync_s", "switch/sync_weights_s", "switch/resume_weights_s")  # first present wins
 
@@ -152,6 +184,14 @@ def read_metrics(path: str) -> list[dict]:
     return steps
 
 
+def _steps(records: Sequence[dict], skip: int) -> list[dict]:
+    """The steps after the first `skip` (one-off costs), or all of them when there are no more."""
+    recs = list(records[skip:]) if len(records) > skip else list(records)
+    if not recs:
+        raise ValueError("no step records to read rates from")
+    return recs
+
+
 def _median(records: Iterable[dict], fn) -> float:
     return statistics.median(fn(r) for r in records)
 
@@ -164,9 +204,7 @@ def rates_from_records(records: Sequence[dict], world: Optional[int] = None, ski
     """Rates (medians over the steps after the first `skip`, which pay one-off costs) and what the run was:
     {"world", "rollout_ranks", "steps"}. world: the run's ranks, needed for a colocated run (a split run
     records split/world_size)."""
-    recs = list(records[skip:]) if len(records) > skip else list(records)
-    if not recs:
-        raise ValueError("no step records to read rates from")
+    recs = _steps(records, skip)
     R = int(recs[0].get("split/rollout_ranks", 0))
     W = int(recs[0].get("split/world_size", world or 0))
     if W < 1:
@@ -275,3 +313,154 @@ def fit_placements(runs: Sequence[tuple[Rates, dict]]) -> tuple[Rates, Optional[
     a_t, c_t = _anchored(train, base.train_comm_s, at_one=True)
     sync = statistics.median(r.sync_s for r, _ in split)
     return base, Rates(a_r, a_t, base.switch_s, sync, rollout_fixed_s=c_r, train_comm_s=c_t)
+
+
+# -- partial rollouts (module docstring) ------------------------------------------------------------------------
+DECODE_MODES = ("fit", "latency", "throughput")
+
+
+def ran_partial(records: Sequence[dict], skip: int = 1) -> bool:
+    """Whether a run's steps (after `skip`, as `rates_from_records` reads them) had rollout.partial on."""
+    flags = {PARTIAL_KEY in r for r in _steps(records, skip)}
+    if len(flags) > 1:
+        raise ValueError(
+            f"its steps mix rollout.partial on and off ({PARTIAL_KEY} in some records only): give a run's steps of "
+            "one setting"
+        )
+    return flags.pop()
+
+
+def tail_share_from_records(records: Sequence[dict], skip: int = 1) -> float:
+    """tau: the median over the steps after `skip` of time/rollout_tail / (time/rollout + time/reward), the tail's
+    share of the rollout half as `rates_from_records` measures it."""
+    shares = []
+    for r in _steps(records, skip):
+        step = r.get("step", "?")
+        tail = r.get(TAIL_KEY)
+        if tail is None or float(tail) == -1.0:
+            raise ValueError(
+                f"--partial needs the rollout's tail ({TAIL_KEY}), which step {step} lacks (an engine that does not "
+                "measure it logs -1, runs before partial rollouts log nothing): give --tail-frac or --rollout-tail-s"
+            )
+        tail, gen = float(tail), float(r.get("time/rollout", 0.0))
+        if tail < 0 or gen < 0:
+            raise ValueError(f"step {step}: {TAIL_KEY} {tail} and time/rollout {gen} must be >= 0")
+        if tail > gen:
+            raise ValueError(
+                f"step {step}: {TAIL_KEY} {tail} s is longer than time/rollout {gen} s (a tail is part of its rollout)"
+            )
+        half = sum(float(r.get(k, 0.0)) for k in ROLLOUT_KEYS)
+        shares.append(tail / half if half > 0 else 0.0)
+    return statistics.median(shares)
+
+
+def decode_latency_share(rates: Rates, world: int, decode: str = "fit") -> float:
+    """lam: the share of a decode step's cost that does not grow with its rows. latency: 1, throughput: 0, fit: the
+    rates' fixed generation term over the rollout half on `world` ranks (0 where none was measured)."""
+    if decode not in DECODE_MODES:
+        raise ValueError(f"--decode must be one of {', '.join(DECODE_MODES)}, got {decode!r}")
+    if decode != "fit":
+        return 1.0 if decode == "latency" else 0.0
+    total = rates.rollout(world)
+    return rates.rollout_fixed_s / total if total > 0 else 0.0
+
+
+def tail_cut_share(over: float) -> float:
+    """x: the share of the tail a partial rollout cuts with `over` x the batch's groups in flight."""
+    return min(1.0, 2.0 - 2.0 / over)
+
+
+def reprefill_ratio(over: float) -> float:
+    """rho: the carried rows' prefix tokens re-prefilled per step, over the body's decoded tokens."""
+    return 4.0 / 3.0 * (over - 1.0)
+
+
+def partial_rollout_ratio(tail_share: float, over: float, latency_share: float, prefill_cost: float = 1.0) -> float:
+    """R_partial / R: the rollout half with partial rollouts over the one without."""
+    lam, rho = latency_share, reprefill_ratio(over)
+    return 1.0 - lam * tail_cut_share(over) * tail_share + prefill_cost * (1.0 - lam) * rho * (1.0 - tail_share)
+
+
+@dataclass(frozen=True)
+class PartialPrediction:
+    """The colocated step without and with rollout.partial (seconds per step) and the terms between them: the tail,
+    the part of it cut, what cutting saves (its latency), and what the carried work costs in the next step's body
+    (decoding the cut tokens, re-prefilling the carried prefixes). measured: which side the rates were read on."""
+
+    measured: str  # "without" | "with"
+    decode: str  # DECODE_MODES
+    latency_share: float  # lam
+    tail_share: float  # tau
+    over: float
+    tail_cut_share: float  # x
+    reprefill_ratio: float  # rho
+    prefill_cost: float  # p
+    rollout_without_s: float
+    rollout_with_s: float
+    tail_s: float
+    tail_cut_s: float
+    saved_s: float  # lam x t: the cut tail's latency
+    carried_decode_s: float  # (1 - lam) x t
+    reprefill_s: float  # p (1 - lam) rho b
+    step_without_s: float
+    step_with_s: float
+    net_saving_s: float
+    speedup: float
+
+
+def predict_partial(
+    colocated: Prediction,
+    tail_share: float,
+    over: float = 1.5,
+    latency_share: float = 0.0,
+    measured: str = "without",
+    decode: str = "fit",
+    prefill_cost: float = 1.0,
+) -> PartialPrediction:
+    """The colocated step with and without partial rollouts (module docstring), from `colocated` as the rates
+    predict it: a step without partial rollouts (measured="without"), or with them (a run with rollout.partial on;
+    tail_share is then the share a rollout without partial would have)."""
+    if colocated.placement != "colocated":
+        raise ValueError("partial rollouts run in the colocated placement only")
+    if not 0 <= tail_share < 1:
+        raise ValueError(f"the tail's share of the rollout must be in [0, 1), got {tail_share}")
+    if not over >= 1:
+        raise ValueError(f"--partial-over (rollout.partial_over) must be >= 1, got {over}")
+    if not 0 <= latency_share <= 1:
+        raise ValueError(f"the decode latency share must be in [0, 1], got {latency_share}")
+    if not 0 <= prefill_cost <= 1:
+        raise ValueError(f"--prefill-cost must be in [0, 1], got {prefill_cost}")
+    if measured not in ("without", "with"):
+        raise ValueError(f"measured must be 'without' or 'with', got {measured!r}")
+    rollout = colocated.rollout_s
+    if measured == "with":
+        rollout /= partial_rollout_ratio(tail_share, over, latency_share, prefill_cost)
+    rest = colocated.step_s - colocated.rollout_s  # training half + switch: the same batch trains either way
+    tail = tail_share * rollout
+    cut, rho = tail_cut_share(over), reprefill_ratio(over)
+    tail_cut = cut * tail
+    carried = (1.0 - latency_share) * tail_cut
+    reprefill = prefill_cost * (1.0 - latency_share) * rho * (rollout - tail)
+    with_partial = rollout - tail_cut + carried + reprefill
+    step_without, step_with = rollout + rest, with_partial + rest
+    return PartialPrediction(
+        measured,
+        decode,
+        latency_share,
+        tail_share,
+        over,
+        cut,
+        rho,
+        prefill_cost,
+        rollout,
+        with_partial,
+        tail,
+        tail_cut,
+        tail_cut - carried,
+        carried,
+        reprefill,
+        step_without,
+        step_with,
+        step_without - step_with,
+        step_without / step_with if step_with > 0 else 1.0,
+    )
