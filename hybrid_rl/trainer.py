@@ -86,7 +86,7 @@ class Trainer:
         self.rewards = RewardSetup.resolve(self.cfg, reward_fn)
         train_rows, val_rows = self._build_data()  # tokenizer, stop tokens, prompts; the reward probed
         if self.is_rollout:  # split placement: an engine over its own copy of the policy, no optimizer
-            return self._build_rollout_rank(train_rows)
+            return self._build_rollout_rank(train_rows, val_rows)
         self._build_models(train_rows)  # offload plan, policy, reference, reward model
         self._build_optimizer()
         self._build_engine_and_phases(train_rows, val_rows)
@@ -397,11 +397,12 @@ class Trainer:
             cuda_graphs=r.cuda_graphs,
         )
 
-    def _build_rollout_rank(self, rows: list[dict]) -> None:
+    def _build_rollout_rank(self, rows: list[dict], val_rows: list[dict]) -> None:
         """A split rollout rank: its own copy of the policy under the configured engine, the rollout stage on
-        this rank's loader slice; no optimizer, phase switch, checkpointer or loggers (split/rollout_loop.py)."""
+        this rank's loader slice, the validator over the resident engine; no optimizer, phase switch,
+        checkpointer or loggers (split/rollout_loop.py)."""
         self.policy = split_roles.load_rollout_models(self.cfg, self.split, self.device, self.rewards, rows)
-        self.engine = self._build_engine(None, rows, [])
+        self.engine = self._build_engine(None, rows, val_rows)
         self.rollout_stage = RolloutStage(
             self.cfg,
             self.encode,
@@ -412,8 +413,19 @@ class Trainer:
             self.device,
             self.cfg.trainer.out_dir,
         )
+        self.validator = Validator(
+            self.cfg,
+            val_rows,
+            self.encode,
+            self.rewards,
+            self.tokenizer,
+            split_roles.resident_phases(self.engine),
+            self.stop_token_ids,
+            self.stop_set,
+            self.cfg.trainer.out_dir,
+        )
         self.rollout_side = split_roles.rollout_side(
-            self.cfg, self.split, self.rollout_stage, self.engine, self.state.loader, rows
+            self.cfg, self.split, self.rollout_stage, self.engine, self.state.loader, rows, self.validator, self.policy
         )
         self._closed, self.loggers, self.checkpointer = False, [], split_roles.RolloutCheckpoints()
 
@@ -596,8 +608,12 @@ class Trainer:
         total = steps if steps is not None else t.total_steps - state.step
         if self.is_rollout:  # learner rank 0 says which batches to make (split/rollout_loop.py)
             return split_roles.rollout_fit(self.rollout_side, state.history)
-        if self.split:
-            self.learner_side.start(state.step, max(total, 0), state.loader.state_dict(), self.policy)
+        validate = self.validator.run
+        if self.split:  # validation runs on the rollout ranks (split/validation.py)
+            self.learner_side.start(
+                state.step, max(total, 0), state.loader.state_dict(), self.policy, state.reward_norm
+            )
+            validate = functools.partial(self.learner_side.validate, self.policy, self.validator.write_samples)
         if total <= 0 and D.is_main():
             print(
                 f"nothing to do: the run is at step {state.step} of trainer.total_steps={t.total_steps}"
@@ -614,11 +630,11 @@ class Trainer:
         try:
             with D.failure_context(lambda: (state.step, self.phases.failed_phase or self.phases.phase)):
                 if t.val_before_train and state.step == 0:
-                    self._log({"step": 0, **self.validator.run(0)})
+                    self._log({"step": 0, **validate(0)})
                 for i in range(total):
                     m = self.step()
                     if t.val_every and (state.step % t.val_every == 0 or i == total - 1):
-                        m.update(self.validator.run(state.step))
+                        m.update(validate(state.step))
                     state.history.append(m)
                     self._log(m)
                     bar.set_postfix(reward=f"{m['reward/mean']:.3f}")

@@ -55,8 +55,9 @@ class Validator:
 
     rows: the validation prompts (checked with `check_val_set`); encode: row -> prompt ids (tokenized once);
     rewards: the run's `RewardSetup` (its rule reward scores; `rule_rewards` as in training); phases: the
-    phase switch whose ROLLOUT it enters; stop_token_ids: what every generate call stops on, and stop_ids the
-    tokens cut from a completion's end before it is scored (the trainer's own sets)."""
+    phase switch whose ROLLOUT it enters (a split rollout rank's: split.validation.ResidentEngine);
+    stop_token_ids: what every generate call stops on, and stop_ids the tokens cut from a completion's end before
+    it is scored (the trainer's own sets)."""
 
     def __init__(
         self,
@@ -77,8 +78,22 @@ class Validator:
     def run(self, step: int) -> dict[str, float]:
         """Run the validation set through the engine now (between steps, in TRAIN); returns the `val/*` metrics.
         After an exception the phase switch is back in TRAIN (`PhaseManager.recover`), as after a failed step."""
+        metrics, samples = self.measure(step)
+        self.write_samples(samples)
+        return metrics
+
+    def measure(self, step: int) -> tuple[dict[str, float], list[dict]]:
+        """`run` without writing: the metrics (reduced over ranks) and this rank's sample records (the split
+        placement's rollout ranks send them to learner rank 0, which writes them)."""
         with self.phases.recovering():
             return self._run(step)
+
+    def write_samples(self, samples: list[dict]) -> None:
+        """Append sample records to out_dir/val_samples.jsonl (global rank 0 only)."""
+        if D.is_main() and samples:
+            with open(os.path.join(self.out_dir, "val_samples.jsonl"), "a") as f:
+                for record in samples:
+                    f.write(json.dumps(record) + "\n")
 
     def _score(self, rows: list[dict], completions: list[Completion], k: int) -> tuple[list[str], torch.Tensor]:
         """(texts, rewards_N) of N = len(rows) * k completions, row-major: the rule reward, as training sees it;
@@ -101,7 +116,7 @@ class Validator:
             return engine.generate([p for p in ids for _ in range(k)], params)
         return [e.as_completion() for e in self.rewards.env.runner(engine, self.tokenizer).run(rows, k, params)]
 
-    def _run(self, step: int) -> dict[str, float]:
+    def _run(self, step: int) -> tuple[dict[str, float], list[dict]]:
         cfg, rows = self.cfg, self.rows
         r, k = cfg.rollout, cfg.trainer.val_n
         batch = cfg.data.val_batch_size or cfg.data.batch_size
@@ -171,11 +186,7 @@ class Validator:
                 "val/switch_s": sum(switch.seconds.values()),
             }
         )
-        if D.is_main() and samples:
-            with open(os.path.join(self.out_dir, "val_samples.jsonl"), "a") as f:
-                for record in samples:
-                    f.write(json.dumps(record) + "\n")
-        return metrics
+        return metrics, samples
 
 
 def _sample_record(

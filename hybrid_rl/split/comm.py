@@ -70,8 +70,15 @@ def setup_split(rollout_ranks: int, device: torch.device, timeout_s: float, rewa
     )
 
 
-def start_message(comm: SplitComm, first_batch: int, last_batch: int, loader_state: Optional[dict]) -> dict:
-    """Learner rank 0 tells the rollout ranks which batches this fit() generates and where their loaders
-    stand (a resumed run's position); every rank of the sync group returns the same dict."""
-    msg = {"first": first_batch, "last": last_batch, "loader": loader_state}
+def start_message(
+    comm: SplitComm,
+    first_batch: int,
+    last_batch: int,
+    loader_state: Optional[dict],
+    reward_norm: Optional[dict] = None,
+) -> dict:
+    """Learner rank 0 tells the rollout ranks which batches this fit() generates, where their loaders stand and
+    the reward normaliser's state (a resumed run's, as of the last trained batch); every rank of the sync group
+    returns the same dict."""
+    msg = {"first": first_batch, "last": last_batch, "loader": loader_state, "reward_norm": reward_norm}
     return D.broadcast_object_from(msg, 0, group=comm.sync_group)

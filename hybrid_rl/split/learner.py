@@ -14,6 +14,11 @@ Stopping early (a signal on any rank; rollout_loop.py): `signal` is the one a ro
 batch trained now (the same on every learner rank: it travels with the scattered metrics); after the
 checkpoint `stop` receives the batches the rollout ranks can still make with the weights they hold, so
 none is left blocked in a send, and sends STOP where they wait for the next weights.
+
+Carried with each batch's report (as the loader's position is): the reward normaliser's state after the batch
+(reward.normalize_model: it updates on the rollout ranks). `batch` loads both into the run state when it trains
+that batch, so the checkpoint of step s holds the state after batch s - 1, not after the batches generated
+ahead (k > 0), and `start` sends both back to the rollout ranks. Validation: `validate` (split/validation.py).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from hybrid_rl.split.comm import SplitComm, start_message
 from hybrid_rl.split.groups import to_rollout_batch
 from hybrid_rl.split.staleness import LearnerQueue, StalenessRule, Taken, staleness_metrics
 from hybrid_rl.split.transport import recv_groups, recv_json
+from hybrid_rl.split.validation import validation_steps, validation_syncs
 from hybrid_rl.split.weight_sync import send_stop, send_weights
 
 ROLLOUT_TIMES = ("time/rollout", "time/reward")
@@ -48,13 +54,20 @@ class LearnerSide:
         sync_dtype: torch.dtype,
         bucket_bytes: int,
         loader,
+        adapters: bool = False,
+        val_every: int = 0,
+        val_before_train: bool = False,
     ):
         """prompts_per_step: data.batch_size (the queue holds k + 1 steps of groups); rows: the dataset the
         rollout ranks draw from (a group carries its row's index); loader: the run state's PromptLoader, kept at
-        the rollout ranks' position after the batch last trained (what a checkpoint saves)."""
+        the rollout ranks' position after the batch last trained (what a checkpoint saves); adapters: LoRA, the
+        syncs send the adapters only; val_every, val_before_train: trainer.val_every / val_before_train."""
         self.comm, self.rule, self.rows, self.pad_id, self.device = comm, rule, rows, pad_id, device
-        self.loader = loader
-        self.sync_dtype, self.bucket_bytes = sync_dtype, bucket_bytes
+        self.loader, self.reward_norm = loader, None  # the run state's RunningNorm, given by start()
+        self.sync_dtype, self.bucket_bytes, self.adapters = sync_dtype, bucket_bytes, adapters
+        self.val_every, self.val_before_train = val_every, val_before_train
+        self.val_steps: list[int] = []  # this fit()'s validated steps, and the versions sent for them alone
+        self.val_syncs: list[int] = []
         self.queue = LearnerQueue(prompts_per_step * (rule.max_staleness + 1))
         self.meta: dict[int, dict] = {}  # batch index -> what the rollout ranks reported with it
         self.sizes: dict[int, int] = {}  # batch index -> groups it holds
@@ -63,14 +76,22 @@ class LearnerSide:
         self.last_batch = -1
         self.signal = 0  # a signal a rollout rank reported (the fit loop stops on it as on its own)
 
-    def start(self, first_batch: int, n_batches: int, loader_state: dict, policy: torch.nn.Module) -> None:
-        """The start of a fit(): tell the rollout ranks the batches to make and their loader position; a run that
-        does not start at batch 0 (resumed, or a second fit) first sends its weights, version `first_batch`."""
+    def start(
+        self, first_batch: int, n_batches: int, loader_state: dict, policy: torch.nn.Module, reward_norm=None
+    ) -> None:
+        """The start of a fit(): tell the rollout ranks the batches to make, their loader position and the reward
+        normaliser's state (`reward_norm`: the run state's RunningNorm, or None; batch() keeps it current); a run
+        that does not start at batch 0 (resumed, or a second fit) first sends its weights, version `first_batch`,
+        and so does a LoRA run at batch 0 (the adapters' initial draw is learner rank 0's)."""
         self.next_batch, self.last_batch = first_batch, first_batch + n_batches - 1
+        self.reward_norm = reward_norm
+        self.val_steps = validation_steps(first_batch, self.last_batch, self.val_every, self.val_before_train)
+        self.val_syncs = validation_syncs(self.val_steps, self.last_batch, self.rule.max_staleness)
         self.queue.clear()  # nothing is in flight between two fit() calls (the last batch was trained)
         if D.rank() == 0:
-            start_message(self.comm, first_batch, self.last_batch, loader_state)
-        if first_batch > 0:
+            norm = reward_norm.state_dict() if reward_norm is not None else None
+            start_message(self.comm, first_batch, self.last_batch, loader_state, norm)
+        if first_batch > 0 or self.adapters:
             self._send(policy, first_batch)
 
     def batch(self, finished_steps: int, timer: StageTimer) -> tuple[Optional[RolloutBatch], dict]:
@@ -90,6 +111,9 @@ class LearnerSide:
         groups, info = D.scatter_object_from(shares, 0)
         info = dict(info)
         self.loader.load_state_dict(info.pop("split/loader"))
+        norm = info.pop("split/reward_norm")
+        if self.reward_norm is not None:  # the state after batch b: what the checkpoint of step b + 1 holds
+            self.reward_norm.load_state_dict(norm)
         self.signal = max(self.signal, int(info.pop("split/signal")))
         for k in ROLLOUT_TIMES:
             timer.seconds[k] = info.pop(k)
@@ -118,9 +142,42 @@ class LearnerSide:
             return
         k = self.rule.max_staleness
         self._receive_through(min(step + k, self.last_batch))
-        if step + k + 1 <= self.last_batch:
+        if step + k + 1 <= self.last_batch or any(s > step for s in self.val_syncs):  # they wait for a version
             send_stop(src=0, group=self.comm.sync_group, timeout_s=self.comm.timeout_s)
         self.queue.clear()
+
+    def validate(self, policy: torch.nn.Module, write_samples, step: int) -> dict[str, float]:
+        """fit()'s validation of version `step` (after that step; 0: before training), which the rollout ranks run
+        once they hold it (split/validation.py); a version no batch of this fit() is made with is sent for it now
+        (every learner rank: the gathers are collectives). Learner rank 0 receives the val/* metrics, tagged with
+        val/weights_version, and passes the first rollout rank's sample records to `write_samples`; every learner
+        rank returns the metrics."""
+        if step not in self.val_steps:
+            raise RuntimeError(
+                f"validation after step {step} is not in this fit's schedule {self.val_steps}: fit() and the "
+                "split validation schedule disagree"
+            )
+        if step in self.val_syncs:
+            self._send(policy, step)
+        metrics = None
+        if D.rank() == 0:
+            t0, reports = time.perf_counter(), []
+            for src in self.comm.layout.rollouts:
+                peer = self.comm.layout.role(src)
+                reports.append(recv_json(src, self.comm.timeout_s, peer=peer))
+                if reports[-1]["val_step"] != step:
+                    raise RuntimeError(
+                        f"{peer} sent the validation of step {reports[-1]['val_step']}, expected step {step}: "
+                        "the ranks disagree on the validation schedule"
+                    )
+            first = reports[0]  # the metrics are reduced over the rollout pool: the same on each
+            metrics = {
+                **first["metrics"],
+                "val/weights_version": float(first["version"]),
+                "val/wait_s": time.perf_counter() - t0,
+            }
+            write_samples(first["samples"])
+        return D.broadcast_object_from(metrics, 0)
 
     def _send(self, policy: torch.nn.Module, version: int):
         return send_weights(
@@ -131,6 +188,7 @@ class LearnerSide:
             dtype=self.sync_dtype,
             bucket_bytes=self.bucket_bytes,
             timeout_s=self.comm.timeout_s,
+            adapters=self.adapters,
         )
 
     def _receive_through(self, last: int) -> float:
@@ -169,6 +227,7 @@ class LearnerSide:
                 "split/tokens_generated_per_s": meta["tokens"] / max(meta["time/rollout"], 1e-9),
                 "split/weights_version": float(meta["version"]),
                 "split/loader": meta["loader"],
+                "split/reward_norm": meta["reward_norm"],
                 "split/signal": meta["signal"],
             }
         )
@@ -181,8 +240,8 @@ class LearnerSide:
 
 
 def _merge(reports: list[dict]) -> dict:
-    """One report per batch: the first rollout rank's metrics and loader (reduced over the rollout pool, the
-    same on each), the slowest rank's seconds, the sum of the tokens."""
+    """One report per batch: the first rollout rank's metrics, loader and reward normaliser (reduced over the
+    rollout pool, the same on each), the slowest rank's seconds, the sum of the tokens."""
     out = dict(reports[0])
     for k in (*ROLLOUT_TIMES, "wait_s"):
         out[k] = max(r[k] for r in reports)
@@ -224,6 +283,6 @@ class NoEngine:
 
     def generate(self, prompt_ids, params):
         raise RuntimeError(
-            "a split learner rank does not generate (trainer.placement=split): validation and "
-            "rollouts run on the rollout ranks; set trainer.val_every=0 or use placement=colocated"
+            "a split learner rank does not generate (trainer.placement=split): validation and rollouts run on "
+            "the rollout ranks (LearnerSide.validate receives the validation's metrics)"
         )

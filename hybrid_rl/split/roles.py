@@ -13,38 +13,24 @@ from hybrid_rl.split.comm import SplitComm, setup_split
 from hybrid_rl.split.learner import LearnerSide, NoEngine
 from hybrid_rl.split.rollout_loop import RolloutSide
 from hybrid_rl.split.staleness import StalenessRule
+from hybrid_rl.split.validation import ResidentEngine
+from hybrid_rl.split.weight_sync import AdapterTarget
 
 
 def setup(cfg, device: torch.device) -> Optional[SplitComm]:
-    """The split run's groups and this rank's scope; None when colocated. Refuses what this wiring does not
-    run yet, naming the key."""
+    """The split run's groups and this rank's scope; None when colocated (the placement's refusals are
+    split/placement.py's, run by loop/preflight.py before this)."""
     t = cfg.trainer
     if t.placement != "split":
         return None
-    if cfg.reward.model_path and cfg.reward.normalize_model:
-        raise ValueError(
-            "config key 'reward.normalize_model': the running normaliser of the reward model's scores "
-            "lives on the rollout ranks in the split placement, and a checkpoint (written by the "
-            "learners) does not carry it yet, so a resumed run would restart it; set it false (weight "
-            "the model part with reward.weights.model instead) or use trainer.placement=colocated"
-        )
-    if cfg.model.lora.enabled:
-        raise ValueError(
-            "config key 'model.lora.enabled': LoRA is not wired into the split placement yet (the sync "
-            "would send the adapters only); use trainer.placement=colocated"
-        )
-    if t.val_every or t.val_before_train:
-        raise ValueError(
-            "config key 'trainer.val_every' / 'trainer.val_before_train': validation is not wired into "
-            "the split placement yet (the learners hold no engine); set both off or use colocated"
-        )
     return setup_split(t.rollout_ranks, device, cfg.process_group_timeout_s, reward_model=bool(cfg.reward.model_path))
 
 
 def learner_side(
     cfg, comm: Optional[SplitComm], loader, rows: list[dict], pad_id: int, device: torch.device, mixed: bool
 ) -> Optional[LearnerSide]:
-    """The learner's side of the loop (None when colocated); weights sync in the inference dtype."""
+    """The learner's side of the loop (None when colocated); weights sync in the inference dtype, adapters only
+    with LoRA."""
     if comm is None:
         return None
     t = cfg.trainer
@@ -58,22 +44,47 @@ def learner_side(
         torch.bfloat16 if mixed else torch.float32,
         cfg.rollout.bucket_mb << 20,
         loader,
+        adapters=cfg.model.lora.enabled,
+        val_every=t.val_every,
+        val_before_train=t.val_before_train,
     )
 
 
-def rollout_side(cfg, comm: SplitComm, stage, engine, loader, rows: list[dict]) -> RolloutSide:
-    """The loop; the stage scores with the reward model (if any) simply resident: nothing switches here."""
+def rollout_side(
+    cfg, comm: SplitComm, stage, engine, loader, rows: list[dict], validator, policy: torch.nn.Module
+) -> RolloutSide:
+    """The loop; the stage scores with the reward model (if any) simply resident: nothing switches here.
+    validator: the Validator over `engine` (its phases `resident_phases(engine)`); policy: this rank's copy
+    (load_rollout_models), whose adapters LoRA's syncs fill."""
     module = stage.rewards.module
     phase = None if module is None else (lambda: contextlib.nullcontext(module))
+    t = cfg.trainer
     return RolloutSide(
-        comm, stage, engine, loader, rows, cfg.trainer.max_staleness, cfg.trainer.seed, model_phase=phase
+        comm,
+        stage,
+        engine,
+        loader,
+        rows,
+        t.max_staleness,
+        t.seed,
+        model_phase=phase,
+        validator=validator,
+        val_every=t.val_every,
+        val_before_train=t.val_before_train,
+        adapter=AdapterTarget(policy) if cfg.model.lora.enabled else None,
     )
+
+
+def resident_phases(engine) -> ResidentEngine:
+    """What a rollout rank's Validator enters for its ROLLOUT: the resident engine (split/validation.py)."""
+    return ResidentEngine(engine)
 
 
 def load_rollout_models(cfg, comm: SplitComm, device: torch.device, rewards, rows: list[dict]) -> torch.nn.Module:
     """A rollout rank's own whole copy of the policy at version 0, as the learners load it (fp32 on CPU; the
-    inference dtype on CUDA), in eval mode (later versions arrive through the weight sync); and the run's
-    reward model, if any, loaded and probed here, before the engine sizes its cache from what is free.
+    inference dtype on CUDA), in eval mode (later versions arrive through the weight sync); with LoRA the frozen
+    base from model.path with the same peft adapters injected (the syncs then carry the adapters only); and the
+    run's reward model, if any, loaded and probed here, before the engine sizes its cache from what is free.
 
     Why the reward model lives on the rollout ranks, not the learners: a group is complete there, and the
     dynamic-sampling filter needs its rewards before the group is sent; scoring on the learners would move
@@ -84,11 +95,13 @@ def load_rollout_models(cfg, comm: SplitComm, device: torch.device, rewards, row
     no peer to shard with: one unsharded copy, whose forward is no collective at all."""
     from hybrid_rl.models.fsdp import disable_dropout
     from hybrid_rl.models.loading import load_causal_lm
+    from hybrid_rl.models.lora import apply_lora
 
     mixed = device.type == "cuda" and cfg.model.dtype in ("auto", "bfloat16")
     model = load_causal_lm(cfg.model.path, torch.bfloat16 if mixed else torch.float32, cfg.model.attn_implementation)
     rewards.build_model(rows[:2], device, mixed, mesh=comm.rollout_mesh, whole=comm.rollout_mesh is None)
-    return disable_dropout(model).to(device).eval()
+    # Dropout off before the injection, as policy_loading does; the adapters are fp32 over a bf16 base on CUDA.
+    return apply_lora(disable_dropout(model), cfg.model.lora).to(device).eval()
 
 
 def rollout_fit(side: RolloutSide, history: list) -> list:
@@ -103,7 +116,7 @@ def learner_engine(policy: torch.nn.Module) -> NoEngine:
 
 class RolloutCheckpoints:
     """A rollout rank's checkpointer: the learners write checkpoints and exports (policy, optimizer, the rollout
-    loader's position as of the last trained batch); samples in flight are dropped, not saved
+    loader's position and reward normaliser as of the last trained batch); samples in flight are dropped, not saved
     (split/__init__.py), so a rollout rank has nothing of its own to write."""
 
     def save(self) -> str:

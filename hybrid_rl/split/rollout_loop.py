@@ -5,8 +5,13 @@ max(0, b - k), whatever arrives sooner), run rollout_stage.RolloutStage (with th
 resident on these ranks: split/roles.py load_rollout_models) on this rank's own PromptLoader
 slice (the stage's sampling seeds from b, as a colocated step seeds from its finished steps), tag every
 group with the version that made it, and send the groups and a JSON report (the stage's metrics, seconds,
-tokens, the loader's position after the batch, a signal this rank received) to learner rank 0. Nothing
-switches phases here: the engine and its weights stay resident.
+tokens, the loader's position and the reward normaliser's state after the batch, a signal this rank received) to
+learner rank 0. Nothing switches phases here: the engine and its weights stay resident. The start message
+restores the loader and the normaliser (a resumed run's state as of its last trained batch).
+
+Validation (split/validation.py): a validated version is validated as soon as it is held (before the next batch),
+one sent for validation alone after the last batch; each is a JSON message to learner rank 0. LoRA: every sync
+is adapter-only (weight_sync.AdapterTarget), the first one too (learner rank 0's initial adapter draw).
 
 Signals: SIGTERM / SIGINT on a rollout rank do not stop it (the learners decide, so that their checkpoint
 is written while the batch they wait for still arrives): the signal travels in the next report, the learners
@@ -19,6 +24,7 @@ for batch b in a resumed run as in an uninterrupted one, with nothing of the rol
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 from hybrid_rl.checkpoint.sharded import seed_all
 from hybrid_rl.observability.metrics import StageTimer
@@ -28,7 +34,8 @@ from hybrid_rl.split.comm import SplitComm, start_message
 from hybrid_rl.split.schedule import syncs_before
 from hybrid_rl.split.staleness import VersionedGroup
 from hybrid_rl.split.transport import send_groups, send_json
-from hybrid_rl.split.weight_sync import SyncStopped, receive_weights
+from hybrid_rl.split.validation import validation_steps
+from hybrid_rl.split.weight_sync import AdapterTarget, SyncStopped, receive_weights
 
 
 class RolloutSide:
@@ -42,15 +49,25 @@ class RolloutSide:
         max_staleness: int,
         seed: int = 0,
         model_phase=None,
+        validator=None,
+        val_every: int = 0,
+        val_before_train: bool = False,
+        adapter: Optional[AdapterTarget] = None,
     ):
-        """stage: the RolloutStage; loader: this rank's PromptLoader (rank r - (W - R) of R); rows: the dataset
-        (a group travels with its row's index); seed: trainer.seed (the per-batch reseed); model_phase: the
-        reward model's context for the stage (None without one): it yields the resident module."""
+        """stage: the RolloutStage (its rewards' norm is the reward normaliser, or None); loader: this rank's
+        PromptLoader (rank r - (W - R) of R); rows: the dataset (a group travels with its row's index); seed:
+        trainer.seed (the per-batch reseed); model_phase: the reward model's context for the stage (None without
+        one): it yields the resident module; validator: loop/validation.Validator over the engine (its phases a
+        split.validation.ResidentEngine), with trainer.val_every / val_before_train; adapter: LoRA's target of
+        the adapter-only syncs (None: full weights)."""
         self.comm, self.stage, self.engine, self.loader, self.k = comm, stage, engine, loader, max_staleness
-        self.model_phase = model_phase
+        self.model_phase, self.norm = model_phase, stage.rewards.norm
+        self.validator, self.val_every, self.val_before_train = validator, val_every, val_before_train
+        self.adapter = adapter
         self.seed, self.signal = seed, None
         self.row_index = {id(r): i for i, r in enumerate(rows)}
         self.version = 0  # the weights the engine holds
+        self.val_due: set[int] = set()  # versions this fit() still validates
 
     def run(self) -> int:
         """One fit()'s batches, as learner rank 0's start message says; returns how many were sent (fewer when
@@ -58,13 +75,21 @@ class RolloutSide:
         start = start_message(self.comm, 0, 0, None)
         if start["loader"] is not None:
             self.loader.load_state_dict(start["loader"])
+        if start["reward_norm"] is not None:
+            self.norm.load_state_dict(start["reward_norm"])
+        steps = validation_steps(start["first"], start["last"], self.val_every, self.val_before_train)
+        self.val_due = set(steps)
         self.signal, sent = StopSignal(), 0
         try:
-            if start["first"] > 0:  # the learner sends its weights first (a resumed run, or a second fit)
+            if start["first"] > 0 or self.adapter is not None:  # a resumed run, a second fit, LoRA's first draw
                 self._receive(start["first"])
+            self._validate_held()
             for b in range(start["first"], start["last"] + 1):
                 self.batch(b)
                 sent += 1
+            for v in sorted(self.val_due):  # versions no batch is made with, sent for their validation
+                self._receive(v)
+                self._validate_held()
         except SyncStopped:
             pass  # the learners stopped (a signal) after their checkpoint: nothing more is wanted
         finally:
@@ -72,15 +97,35 @@ class RolloutSide:
         return sent
 
     def _receive(self, version: int) -> float:
-        stats = receive_weights(self.engine, version, src=0, group=self.comm.sync_group, timeout_s=self.comm.timeout_s)
+        stats = receive_weights(
+            self.engine,
+            version,
+            src=0,
+            group=self.comm.sync_group,
+            timeout_s=self.comm.timeout_s,
+            adapter=self.adapter,
+        )
         self.version = version
         return stats.seconds
 
+    def _validate_held(self) -> float:
+        """Validate the version held if this fit() validates it (its step's validation); returns the seconds."""
+        if self.version not in self.val_due:
+            return 0.0
+        t0, step = time.perf_counter(), self.version
+        self.val_due.discard(step)
+        seed_all(self.seed + 1_000_003 * (step + 1) + 7919 * D.rank() + 104_729)  # not any batch's seeds
+        metrics, samples = self.validator.measure(step)
+        msg = {"val_step": step, "version": self.version, "metrics": metrics, "samples": samples}
+        send_json(msg, 0, self.comm.timeout_s, peer="learner rank 0")
+        return time.perf_counter() - t0
+
     def batch(self, b: int) -> None:
-        t0, synced = time.perf_counter(), 0.0
+        t0, synced, validated = time.perf_counter(), 0.0, 0.0
         for v in syncs_before(b, self.version, self.k):
             synced += self._receive(v)
-        wait = time.perf_counter() - t0 - synced
+            validated += self._validate_held()
+        wait = time.perf_counter() - t0 - synced - validated
         seed_all(self.seed + 1_000_003 * (b + 1) + 7919 * D.rank())
         timer = StageTimer()
         batch, metrics = self.stage.run(self.engine, self.loader, b, timer, model_phase=self.model_phase)
@@ -97,6 +142,7 @@ class RolloutSide:
             "time/rollout": timer.seconds.get("time/rollout", 0.0),
             "time/reward": timer.seconds.get("time/reward", 0.0),
             "loader": self.loader.state_dict(),
+            "reward_norm": self.norm.state_dict() if self.norm is not None else None,
             "signal": self.signal.signum if self.signal else 0,
         }
         send_json(report, dst, self.comm.timeout_s, peer=peer)

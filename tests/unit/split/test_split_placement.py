@@ -54,16 +54,19 @@ def test_correct_with_a_correction_and_tp_engines_pass():
     assert lay.rollouts == [4, 5, 6, 7]
 
 
-def test_a_reward_model_is_let_through_but_its_running_normaliser_is_refused(tmp_path):
-    """Catches: split refusing a reward model again, or letting a normaliser through that a checkpoint loses
-    (split/roles.py setup; before any group or model is built, so no process group is needed here)."""
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["reward.normalize_model=true"], ["model.lora.rank=4"], ["trainer.val_every=1", "data.val_split=0.1"]],
+)
+def test_a_reward_model_its_normaliser_lora_and_validation_are_let_through(tmp_path, extra):
+    """Catches: split refusing again what it now runs (issue 37: the normaliser in the checkpoint, validation on
+    the rollout ranks, adapter-only syncs); split/roles.py setup, before any group or model is built, so no
+    process group is needed here: getting past it reaches the groups' own check."""
     import torch
 
     from hybrid_rl.config.load import load_config
     from hybrid_rl.split import roles
 
     base = ["trainer.placement=split", "trainer.rollout_ranks=1", f"reward.model_path={tmp_path}"]
-    with pytest.raises(ValueError, match=r"config key 'reward.normalize_model': .*rollout ranks"):
-        roles.setup(load_config(None, [*base, "reward.normalize_model=true"]), torch.device("cpu"))
     with pytest.raises(ValueError, match=r"config key 'trainer.placement': split needs several processes"):
-        roles.setup(load_config(None, base), torch.device("cpu"))  # past the refusals: the groups are next
+        roles.setup(load_config(None, [*base, *extra]), torch.device("cpu"))
