@@ -19,7 +19,11 @@
 #   quickstart  the README's one-GPU quickstart at its real shape for two steps (benchmarks/gpu_quickstart.py: a
 #               random Qwen2.5-1.5B-shaped model built on the GPU, vocabulary 151,936, bf16, GSM8K, 512 new tokens)
 #   rollout     decode at that shape: the lean step eager against CUDA graphs, 64 and 512 rows, 512 new tokens
-#   phase_swap  every stage of the phase switch at that shape (both native engine modes)
+#   phase_swap  every stage of the phase switch at that shape (both native engine modes), one warm-up and one
+#               measured cycle each; a line per cycle as it ends (45 s with two measured cycles was not enough)
+# The limits add up to 60 + 120 + 150 + 70 + 75 = 475 s, more than the 385 s the budget leaves after RESERVE_S:
+# each part gets min(its limit, what is left). The first H200 session (2026-11-28) took 9 + 74 + 108 + 60 s
+# before phase_swap, leaving it 134 s for its 75; a part that runs to its limit cuts the tail (phase_swap first).
 # Then benchmarks/gpu_session_report.py writes $OUT/summary.txt (its first line says what ran and what could not)
 # and $OUT/gpu_session_<date>_<device>.tar.gz (every log and result). $OUT: the device tool's, else ./gpu_out.
 # Exit status: 0 when every part passed, 3 when the pre-flight failed, 1 otherwise.
@@ -98,8 +102,11 @@ else
   # Qwen2.5-1.5B's shape (benchmarks/rollout_throughput.py MODELS["1.5b"]), built on the GPU.
   part rollout 70 "$PY" benchmarks/rollout_throughput.py --device cuda --models 1.5b --batch 64,512 \
     --new-tokens 512 --scenarios full --paths lean,new --prompt-len 128 --repeats 1
-  part phase_swap 45 "$PY" benchmarks/phase_swap.py --device cuda --hidden 1536 --layers 28 --intermediate 8960 \
-    --heads 12 --kv-heads 2 --vocab 151936 --batch 64 --prompt-len 128 --new-tokens 16 --k 2 --warmup 1
+  # ~50 s on an H200: ~10 s of imports and CUDA start, ~15 s building the model, its reference, engine copy and
+  # AdamW state (12 GB), the 12 GB pinned host buffers (optimizer offload, and the bare-copy reference), then 4
+  # cycles of ~3 s (the optimizer's 12 GB out and back each, a 64 x (128 + 16) rollout, the reference's 3 GB).
+  part phase_swap 75 "$PY" benchmarks/phase_swap.py --device cuda --hidden 1536 --layers 28 --intermediate 8960 \
+    --heads 12 --kv-heads 2 --vocab 151936 --batch 64 --prompt-len 128 --new-tokens 16 --k 1 --warmup 1
 fi
 
 STATUS=0

@@ -50,7 +50,15 @@ from hybrid_rl.types import SamplingParams
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the report module beside this script
 import vllm_bench  # noqa: E402
-from phase_swap_report import STAGES, human_table, max_over_ranks, summarize  # noqa: E402
+from phase_swap_report import (  # noqa: E402
+    SCORE,
+    STAGES,
+    TO_ROLLOUT,
+    TO_TRAIN,
+    human_table,
+    max_over_ranks,
+    summarize,
+)
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -258,6 +266,20 @@ def timed_generate(engine: NativeEngine, prompts: list[list[int]], sp: SamplingP
     }
 
 
+def cycle_line(mode: str, cycle: int, args: argparse.Namespace, secs: dict[str, float], gen: dict) -> str:
+    """One cycle's switch seconds, printed as soon as the cycle ends: a run cut short by its time limit still
+    leaves every cycle it finished (the table and the JSON line come only at the end)."""
+
+    def part(names) -> float:
+        return sum(secs.get(n, 0.0) for n in names)
+
+    tag = "warm-up" if cycle < args.warmup else "measured"
+    return (
+        f"cycle {cycle + 1}/{args.warmup + args.k} {mode} ({tag}): to_rollout {part(TO_ROLLOUT):.3f} s, "
+        f"score_ref {part(SCORE):.3f} s, to_train {part(TO_TRAIN):.3f} s; generate {gen['generate_s']:.3f} s"
+    )
+
+
 def run_engine(
     mode: str, args, dev, policy, opt, ref, engine_module, train_ids, prompts, sp, shared: dict, critic=None
 ) -> dict:
@@ -336,6 +358,8 @@ def run_engine(
         nbytes["kv_prefill"] = snaps["rollout:generated"]["kv_cache"]
         freed["zero_grad"] = grads
         freed["release_engine"] = snaps["rollout:ready"]["engine_weights"] + snaps["rollout:generated"]["kv_cache"]
+        if args.progress:
+            print(cycle_line(mode, cycle, args, secs, gen), flush=True)
         if cycle < args.warmup:
             continue
         need = max(max(nbytes.values()), 1)
@@ -434,7 +458,14 @@ def _config_dir(cfg) -> str:
 
 def run(args: argparse.Namespace, dev: torch.device) -> tuple[dict, dict[str, str]]:
     load_start = os.getloadavg()
+    t0 = time.perf_counter()
     cfg, policy, opt, ref, engine_module, prompts, train_ids, critic = build(args, dev)
+    if args.progress:
+        n = sum(p.numel() for p in policy.parameters())
+        print(
+            f"built {n:,} params (policy, optimizer, reference) in {time.perf_counter() - t0:.1f} s",
+            flush=True,
+        )
     # eos_id=-1 and no stop tokens: every row decodes exactly T tokens, the same work each cycle.
     sp = SamplingParams(max_new_tokens=args.new_tokens, seed=args.seed)
     modes = ["zero-copy", "copy"] if args.engine == "both" else [args.engine]
@@ -508,6 +539,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     dev = D.init(args.device)
     args.mixed = args.dtype == "bfloat16" or (args.dtype == "auto" and dev.type == "cuda")
     is_main = D.is_main()
+    args.progress = is_main and not args.json_only  # a line per cycle as it ends, before the table
     if args.threads is None:
         # One thread on CPU: one core already copies at memcpy speed, and on a shared machine a second
         # OpenMP thread makes every per-tensor copy wait for a descheduled peer (measured: up to ~15x slower).

@@ -20,14 +20,23 @@ I intermediate, H heads, K kv heads, d head_dim, V vocab, L layers):
                    (the lean step's fp32 scores, biased scores and softmax over S slots, one
                    layer's MLP and projections, the logits)
   graph pools      R * 2*V*b  with CUDA graphs (the step above stays reserved in the pool, and
-                   every graph size's logits output is kept: graph sizes halve, so they sum to < 2R rows)
+                   every graph size's logits output is kept: graph sizes halve, so they sum to < 2R rows;
+                   while a size is captured, its eager warm-up's logits and their difference from the
+                   replay's, both in b bytes, are live too: within the sampling term's fp32 copies, which
+                   are freed by then)
   bookkeeping      R * (K*S*d*b + 12T + S)  (a compaction's gather of one layer's rows,
                    tokens int64 + logprobs fp32, the bool attention mask)
 
 The prefill and the decode loop do not overlap, so the peak is KV + max(prefill, decode),
 where decode = sampling + step + pools + bookkeeping (summed: an upper bound, since in
-eager mode the step's temporaries are freed before sampling). `HEADROOM` of the device
-is left unplanned for the allocator's fragmentation, the CUDA context and NCCL buffers.
+eager mode the step's temporaries are freed before sampling). One batch's KV cache: the
+engine frees a batch's cache before the next one's prefill (kv_cache.py keeps the cache out of
+reference cycles for that; an H200 run measured the bill plus the previous batch's cache when it
+did not). Not billed: the rollout's uniforms, 8*T bytes per prompt of the whole call (under a
+MB for a thousand prompts of 100 tokens). `HEADROOM` of the device is left unplanned for the
+allocator's fragmentation, the CUDA context, NCCL buffers and cuBLAS's workspaces (one per stream
+that has run a matmul, kept for the process's life: 32 MiB + 1 MiB for cuBLASLt on Hopper; a
+rollout makes the default stream's and the graph capture stream's the first time they run).
 """
 
 from __future__ import annotations

@@ -87,6 +87,17 @@ def test_graphs_capture_on_the_fsdp2_policy(tiny_model_dir, mixed_precision):
         D.shutdown()
 
 
+def _warm_cublas(model, eos: int = EOS) -> None:
+    """Make torch's per-process scratch before a memory baseline: cuBLAS allocates a workspace (32 MiB on Hopper,
+    + 1 MiB for cuBLASLt) through the caching allocator the first time a stream runs a matmul, and keeps it for the
+    life of the process (torch's own CudaMemoryLeakCheck clears them before it compares). The engine runs matmuls
+    on two streams, the current one and the graphs' capture stream (decode_graph.capture_stream); a two-token
+    rollout with graphs runs both. Without this a test's baseline held them only if an earlier test had made
+    them: run alone, the first test to decode counted them as its own."""
+    NativeEngine(model, PAD, eos).generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, greedy=True))
+    torch.cuda.synchronize()
+
+
 # ---------------------------------------------------------------------------- graphs only over the lean step
 def test_no_capture_is_attempted_without_a_lean_step(model, monkeypatch):
     """A model without the lean step (here: lean_step=False) decodes with its forward on CUDA, eagerly:
@@ -107,7 +118,7 @@ def test_no_capture_is_attempted_without_a_lean_step(model, monkeypatch):
 
 
 def test_graphs_capture_the_lean_step_and_leave_the_allocator_clean(model, monkeypatch):
-    torch.cuda.synchronize()
+    _warm_cublas(model)
     base = torch.cuda.memory_allocated()
     captured = []
     real = torch.cuda.CUDAGraph.capture_begin
@@ -134,7 +145,7 @@ def test_a_failed_capture_falls_back_and_leaves_the_allocator_clean(model, monke
 
     sp = SamplingParams(max_new_tokens=8, greedy=True)
     ref = NativeEngine(model, PAD, EOS, cuda_graphs=False).generate(PROMPTS, sp)
-    torch.cuda.synchronize()
+    _warm_cublas(model)
     base = torch.cuda.memory_allocated()
     real = DecodeGraphs._forward
 
@@ -222,7 +233,7 @@ def test_measured_rollout_peak_stays_within_the_planned_bill(tmp_path):
     shape = RolloutShape.of(ModelArch.from_hf_config(model_config(m).to_dict()))
     free = 64 * 1024**2
     eng = NativeEngine(m, PAD, -1, free_memory=lambda dev: free)
-    torch.cuda.synchronize()
+    _warm_cublas(m, eos=-1)  # the bill leaves cuBLAS's workspaces to HEADROOM, as the CUDA context
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     capped = eng.generate(prompts, sp)

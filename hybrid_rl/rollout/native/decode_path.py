@@ -12,7 +12,8 @@ CUDA graphs capture only the lean step (`lean_step.py`). The generic Hugging Fac
 is never captured: under FSDP2 its module hooks make the all-gather streams wait on the
 capturing stream, so the capture fails on every batch, and a failed capture is not free
 (torch's `graph.__exit__` skips restoring the current stream when `capture_end` raises, and
-leaves the pool recorded as capturing in the allocator: `decode_graph.py` undoes both). Where the model has no
+leaves the pool recorded as capturing in both allocators: `decode_graph.py` puts the stream back, ends the
+device allocator's recording and never captures into that pool again). Where the model has no
 lean step the engine decodes eagerly and says why once; a user who asked for graphs explicitly gets an error.
 
 The forward path hands the model a ready 4-D (M, 1, 1, S) boolean mask only where the

@@ -22,6 +22,8 @@ Q query tokens of one forward.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -33,7 +35,10 @@ class _SlotLayer(CacheLayerMixin):
 
     def __init__(self, owner: "StaticKVCache"):
         super().__init__()
-        self.owner = owner
+        # A proxy, not the cache itself: cache -> layers -> cache would be a reference cycle, and a cycle's
+        # buffers (the whole KV cache) outlive their batch until Python's cyclic collector happens to run;
+        # the next batch then allocates its cache beside the last one (the rollout's memory bill counts one).
+        self.owner = weakref.proxy(owner)
         self.buf_k: torch.Tensor | None = None
         self.buf_v: torch.Tensor | None = None
 
