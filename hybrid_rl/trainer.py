@@ -169,15 +169,19 @@ class Trainer:
                 else FixedKLController(a.kl_coef)
             ),
             reward_norm=self.rewards.norm,
-            partial=self._partial_pool() if cfg.rollout.partial else None,
+            partial=self._partial_state(rows) if cfg.rollout.partial else None,
         )
         return rows, val_rows
 
-    def _partial_pool(self) -> PartialRollouts:
-        """rollout.partial's pool of carried samples for this rank (loop/partial.py)."""
+    def _partial_state(self, rows: list[dict]):
+        """rollout.partial's carried samples: this rank's pool (loop/partial.py), colocated or on a split rollout
+        rank (its share of the batch: D is scoped to the rollout pool); on a split learner, every rollout rank's
+        pool state as of the batch last trained (split/learner.py CarriedSamples: what the checkpoint holds)."""
+        if self.split and not self.split.is_rollout:
+            return split_roles.learner_carried()
         r = self.cfg.rollout
         groups = self.cfg.data.batch_size // D.world_size()
-        return PartialRollouts(r.n, groups, r.partial_over, r.partial_stop, r.max_new_tokens, r.min_new_tokens)
+        return PartialRollouts(r.n, groups, r.partial_over, r.partial_stop, r.max_new_tokens, r.min_new_tokens, rows)
 
     def _build_models(self, rows: list[dict]) -> None:
         """The offload plan, the policy and the frozen reference it starts as (only rank 0 reads the weights,
@@ -425,7 +429,15 @@ class Trainer:
             self.cfg.trainer.out_dir,
         )
         self.rollout_side = split_roles.rollout_side(
-            self.cfg, self.split, self.rollout_stage, self.engine, self.state.loader, rows, self.validator, self.policy
+            self.cfg,
+            self.split,
+            self.rollout_stage,
+            self.engine,
+            self.state.loader,
+            rows,
+            self.validator,
+            self.policy,
+            pool=self.state.partial,
         )
         self._closed, self.loggers, self.checkpointer = False, [], split_roles.RolloutCheckpoints()
 
@@ -611,7 +623,7 @@ class Trainer:
         validate = self.validator.run
         if self.split:  # validation runs on the rollout ranks (split/validation.py)
             self.learner_side.start(
-                state.step, max(total, 0), state.loader.state_dict(), self.policy, state.reward_norm
+                state.step, max(total, 0), state.loader.state_dict(), self.policy, state.reward_norm, state.partial
             )
             validate = functools.partial(self.learner_side.validate, self.policy, self.validator.write_samples)
         if total <= 0 and D.is_main():

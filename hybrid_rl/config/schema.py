@@ -695,12 +695,6 @@ class Config:
             "and algorithm.dynamic_sampling both decide which groups a step trains; set one of them false",
         )
         check(
-            self.trainer.placement == "colocated",
-            "rollout.partial",
-            "carries samples in the colocated placement; the split placement's rollout ranks do not carry them yet: "
-            "set trainer.placement=colocated or rollout.partial=false",
-        )
-        check(
             self.trainer.max_staleness >= 1,
             "trainer.max_staleness",
             "must be >= 1 with rollout.partial: a sample carried to the next step holds tokens one version old "

@@ -15,15 +15,16 @@ than k versions behind is dropped before the rollout and counted; with k = 0 eve
 config refuses `rollout.partial` with k = 0. The off-policy correction needs no change: each token's behaviour
 log-prob is the one its engine reported (`RolloutBatch.engine_logp_NT`), and SCORE recomputes the old policy's.
 
-This pool is the rank's run state: `state_dict` holds the rows drawn and not started, the groups in flight and
-every carried token, log-prob and version, so a resumed run continues them to the bit (loop/run_state.py).
+This pool is the rank's run state: `state_dict` holds the rows drawn and not started (as dataset indices), the groups
+in flight and every carried token, log-prob and version, so a resumed run continues them to the bit
+(loop/run_state.py).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from hybrid_rl.data.prompts import PromptLoader
 from hybrid_rl.split.staleness import lag
@@ -87,11 +88,20 @@ class PartialRollouts:
     """This rank's partial-rollout pool: rows drawn and not started, and groups in flight (oldest first)."""
 
     def __init__(
-        self, group_size: int, batch_groups: int, over: float, stop: float, max_new_tokens: int, min_new_tokens: int
+        self,
+        group_size: int,
+        batch_groups: int,
+        over: float,
+        stop: float,
+        max_new_tokens: int,
+        min_new_tokens: int,
+        rows: Sequence[dict],
     ):
         """batch_groups: the groups a step trains on this rank (data.batch_size / ranks); over, stop:
-        rollout.partial_over and rollout.partial_stop."""
-        self.G, self.batch_groups = group_size, batch_groups
+        rollout.partial_over and rollout.partial_stop; rows: the dataset the loader draws from (a group's row is
+        saved as its index in it, and comes back as the same object)."""
+        self.G, self.batch_groups, self.rows = group_size, batch_groups, rows
+        self._index = {id(r): i for i, r in enumerate(rows)}
         self.in_flight = max(batch_groups, math.ceil(over * batch_groups))
         self.stop_groups = max(1, math.ceil(stop * batch_groups))
         self.max_new_tokens, self.min_new_tokens = max_new_tokens, min_new_tokens
@@ -172,10 +182,10 @@ class PartialRollouts:
     def state_dict(self) -> dict:
         """Plain lists, ints, floats and strings (a checkpoint loads with weights_only=True)."""
         return {
-            "queue": [{"row": row, "prompt_ids": list(p)} for row, p in self.queue],
+            "queue": [{"row": self._index[id(row)], "prompt_ids": list(p)} for row, p in self.queue],
             "groups": [
                 {
-                    "row": g.row,
+                    "row": self._index[id(g.row)],
                     "prompt_ids": list(g.prompt_ids),
                     "started": g.started,
                     "uid": g.uid,
@@ -195,9 +205,15 @@ class PartialRollouts:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        indices = [g["row"] for g in state["groups"]] + [q["row"] for q in state["queue"]]
+        if any(not 0 <= i < len(self.rows) for i in indices):
+            raise ValueError(
+                f"the checkpoint's carried samples refer to row {max(indices)} of a dataset of {len(self.rows)} rows; "
+                "resume with the dataset the run was started with"
+            )
         groups = [
             Group(
-                g["row"],
+                self.rows[g["row"]],
                 list(g["prompt_ids"]),
                 [
                     Sample(list(s["token_ids"]), list(s["logprobs"]), list(s["versions"]), s["finish_reason"])
@@ -214,6 +230,6 @@ class PartialRollouts:
                 f"the checkpoint carries groups of {len(groups[bad[0]].samples)} samples, this run has rollout.n="
                 f"{self.G}; resume with the same rollout.n"
             )
-        self.queue = [(q["row"], list(q["prompt_ids"])) for q in state["queue"]]
+        self.queue = [(self.rows[q["row"]], list(q["prompt_ids"])) for q in state["queue"]]
         self.groups = groups
         self.next_uid = int(state["next_uid"])

@@ -49,6 +49,7 @@ class RolloutStage:
         self.cfg, self.encode, self.rewards, self.tokenizer = cfg, encode, rewards, tokenizer
         self.stop_token_ids, self.stop_set, self.device, self.out_dir = stop_token_ids, stop_set, device, out_dir
         self.env = rewards.env  # envs/setup.py's EnvSetup, or None: single-turn completions
+        self.last_token_versions: list[list[int]] = []  # run_partial's, per completion of its batch
 
     def run(
         self, engine, loader: PromptLoader, step: int, timer: StageTimer, model_phase=None
@@ -77,27 +78,38 @@ class RolloutStage:
         return self._batch(kept, metrics, step)
 
     def run_partial(
-        self, engine, pool: PartialRollouts, loader: PromptLoader, step: int, timer: StageTimer, model_phase=None
+        self,
+        engine,
+        pool: PartialRollouts,
+        loader: PromptLoader,
+        step: int,
+        timer: StageTimer,
+        model_phase=None,
+        version: Optional[int] = None,
     ) -> tuple[Optional[RolloutBatch], dict]:
         """rollout.partial (loop/partial.py): stale groups dropped, the pool refilled, one engine call that stops
         once enough groups are done; the oldest complete groups (as many on every rank) scored and batched, the
-        rest carried in `pool`."""
+        rest carried in `pool`. step: the batch's index, trained at version `step`; version: the weights the engine
+        holds (colocated: `step`; a split rollout rank's may be older). `last_token_versions` then holds the
+        version of every token of the batch's completions, in their order."""
         G = self.cfg.rollout.n
+        version = step if version is None else version
         dropped_groups, dropped = pool.drop_stale(step, self.cfg.trainer.max_staleness)
         pool.refill(step, loader, self.encode)
         plan = pool.plan()
         with timer("rollout"):
-            if plan.prompt_ids and plan.request.groups_needed > 0:
-                params = replace(self.sampling_params(step, 0), max_new_tokens=max(plan.request.max_new_tokens))
-                completions = engine.generate(plan.prompt_ids, params, plan.request)
-            else:  # nothing to decode, or the groups carried complete already fill the step
-                completions = [Completion([], [], "abort") for _ in plan.prompt_ids]
-            pool.absorb(plan, completions, step)
+            # Called even with no rows or no group needed (the engine then decodes nothing): an engine group of
+            # tp_size ranks gathers every rank's rows in its call, so each rank must make it.
+            budget = max(plan.request.max_new_tokens, default=self.cfg.rollout.max_new_tokens)
+            params = replace(self.sampling_params(step, 0), max_new_tokens=budget)
+            completions = engine.generate(plan.prompt_ids, params, plan.request)
+            pool.absorb(plan, completions, version)
         n = -int(D.all_reduce_max(torch.tensor([-pool.complete_count()], dtype=torch.int64)).item())
         taken = pool.take(n)
         rows, prompt_ids = [g.row for g in taken], [g.prompt_ids for g in taken]
         trained = [s for g in taken for s in g.samples]
         completions = [s.completion() for s in trained]
+        self.last_token_versions = [list(s.versions) for s in trained]
         with timer("reward"):
             rewards_N, scores_N, parts = self.score(rows, completions, model_phase)
         groups = GroupCollector(G, False, 1, self.rewards.rule.success_threshold)
@@ -123,7 +135,7 @@ class RolloutStage:
                 "rollout/version_span_max": float(span_max),
             }
         )
-        metrics.update(engine_metrics(engine, plan.prompt_ids and plan.request.groups_needed > 0))
+        metrics.update(engine_metrics(engine))
         return self._batch(kept, metrics, step)
 
     def _batch(self, kept, metrics: dict, step: int) -> tuple[Optional[RolloutBatch], dict]:

@@ -77,11 +77,14 @@ class RunState:
         said (their rows were drawn from the loader, which moves on)."""
         if self.partial is not None and saved is not None:
             self.partial.load_state_dict(saved)
-        elif saved is not None and saved["groups"]:
-            n = sum(len(g["samples"]) for g in saved["groups"])
+            return
+        pools = [saved] if saved is not None and "groups" in saved else (saved or {}).get("rollout_ranks") or []
+        groups = [g for pool in pools for g in pool["groups"]]  # colocated: this rank's; split: every rollout rank's
+        if groups:
+            n, queued = sum(len(g["samples"]) for g in groups), sum(len(pool["queue"]) for pool in pools)
             warnings.warn(
-                f"resume: the checkpoint carries {n} unfinished samples ({len(saved['groups'])} groups) of partial "
-                f"rollouts and {len(saved['queue'])} prompts not started; rollout.partial is off in this run, so "
+                f"resume: the checkpoint carries {n} unfinished samples ({len(groups)} groups) of partial "
+                f"rollouts and {queued} prompts not started; rollout.partial is off in this run, so "
                 "they are dropped"
             )
 

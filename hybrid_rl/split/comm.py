@@ -76,9 +76,17 @@ def start_message(
     last_batch: int,
     loader_state: Optional[dict],
     reward_norm: Optional[dict] = None,
+    partial: Optional[list] = None,
 ) -> dict:
     """Learner rank 0 tells the rollout ranks which batches this fit() generates, where their loaders stand and
-    the reward normaliser's state (a resumed run's, as of the last trained batch); every rank of the sync group
+    the reward normaliser's state (a resumed run's, as of the last trained batch) and, with rollout.partial, each
+    rollout rank's carried samples as of that batch (a list in rollout-rank order); every rank of the sync group
     returns the same dict."""
-    msg = {"first": first_batch, "last": last_batch, "loader": loader_state, "reward_norm": reward_norm}
+    msg = {
+        "first": first_batch,
+        "last": last_batch,
+        "loader": loader_state,
+        "reward_norm": reward_norm,
+        "partial": partial,
+    }
     return D.broadcast_object_from(msg, 0, group=comm.sync_group)

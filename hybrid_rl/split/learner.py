@@ -57,18 +57,23 @@ class LearnerSide:
         adapters: bool = False,
         val_every: int = 0,
         val_before_train: bool = False,
+        schedule_k: Optional[int] = None,
     ):
         """prompts_per_step: data.batch_size (the queue holds k + 1 steps of groups); rows: the dataset the
         rollout ranks draw from (a group carries its row's index); loader: the run state's PromptLoader, kept at
         the rollout ranks' position after the batch last trained (what a checkpoint saves); adapters: LoRA, the
-        syncs send the adapters only; val_every, val_before_train: trainer.val_every / val_before_train."""
+        syncs send the adapters only; val_every, val_before_train: trainer.val_every / val_before_train; schedule_k:
+        how many versions ahead the rollout ranks run (the admission schedule; default the rule's k, and k - 1
+        with rollout.partial, so that a group carried over one batch is still within k: roles.schedule_k)."""
         self.comm, self.rule, self.rows, self.pad_id, self.device = comm, rule, rows, pad_id, device
         self.loader, self.reward_norm = loader, None  # the run state's RunningNorm, given by start()
         self.sync_dtype, self.bucket_bytes, self.adapters = sync_dtype, bucket_bytes, adapters
         self.val_every, self.val_before_train = val_every, val_before_train
         self.val_steps: list[int] = []  # this fit()'s validated steps, and the versions sent for them alone
         self.val_syncs: list[int] = []
-        self.queue = LearnerQueue(prompts_per_step * (rule.max_staleness + 1))
+        self.k = rule.max_staleness if schedule_k is None else schedule_k
+        self.queue = LearnerQueue(prompts_per_step * (self.k + 1))
+        self.partial: Optional[CarriedSamples] = None  # rollout.partial: the run state's, given by start()
         self.meta: dict[int, dict] = {}  # batch index -> what the rollout ranks reported with it
         self.sizes: dict[int, int] = {}  # batch index -> groups it holds
         self.next_batch = 0  # the next batch to receive
@@ -77,20 +82,27 @@ class LearnerSide:
         self.signal = 0  # a signal a rollout rank reported (the fit loop stops on it as on its own)
 
     def start(
-        self, first_batch: int, n_batches: int, loader_state: dict, policy: torch.nn.Module, reward_norm=None
+        self,
+        first_batch: int,
+        n_batches: int,
+        loader_state: dict,
+        policy: torch.nn.Module,
+        reward_norm=None,
+        partial: Optional["CarriedSamples"] = None,
     ) -> None:
         """The start of a fit(): tell the rollout ranks the batches to make, their loader position and the reward
         normaliser's state (`reward_norm`: the run state's RunningNorm, or None; batch() keeps it current); a run
         that does not start at batch 0 (resumed, or a second fit) first sends its weights, version `first_batch`,
         and so does a LoRA run at batch 0 (the adapters' initial draw is learner rank 0's)."""
         self.next_batch, self.last_batch = first_batch, first_batch + n_batches - 1
-        self.reward_norm = reward_norm
+        self.reward_norm, self.partial = reward_norm, partial
         self.val_steps = validation_steps(first_batch, self.last_batch, self.val_every, self.val_before_train)
-        self.val_syncs = validation_syncs(self.val_steps, self.last_batch, self.rule.max_staleness)
+        self.val_syncs = validation_syncs(self.val_steps, self.last_batch, self.k)
         self.queue.clear()  # nothing is in flight between two fit() calls (the last batch was trained)
         if D.rank() == 0:
             norm = reward_norm.state_dict() if reward_norm is not None else None
-            start_message(self.comm, first_batch, self.last_batch, loader_state, norm)
+            carried = partial.states if partial is not None else None
+            start_message(self.comm, first_batch, self.last_batch, loader_state, norm, carried)
         if first_batch > 0 or self.adapters:
             self._send(policy, first_batch)
 
@@ -114,6 +126,9 @@ class LearnerSide:
         norm = info.pop("split/reward_norm")
         if self.reward_norm is not None:  # the state after batch b: what the checkpoint of step b + 1 holds
             self.reward_norm.load_state_dict(norm)
+        carried = info.pop("split/partial")
+        if self.partial is not None:  # each rollout rank's carried samples after batch b: the checkpoint's
+            self.partial.states = carried
         self.signal = max(self.signal, int(info.pop("split/signal")))
         for k in ROLLOUT_TIMES:
             timer.seconds[k] = info.pop(k)
@@ -125,11 +140,9 @@ class LearnerSide:
         learner rank calls it: the gathers are collectives of the learner mesh)."""
         tokens = torch.tensor([float(batch.resp_mask_NT.sum()) if batch is not None else 0.0], dtype=torch.float64)
         self._trained_tokens = D.all_reduce_sum(tokens).item()
-        wait = (
-            self._receive_through(min(version + self.rule.max_staleness - 1, self.last_batch)) if D.rank() == 0 else 0.0
-        )
+        wait = self._receive_through(min(version + self.k - 1, self.last_batch)) if D.rank() == 0 else 0.0
         out = {"split/learner_wait_s": wait, "split/sync_s": 0.0, "split/sync_bytes": 0.0}
-        if version + self.rule.max_staleness <= self.last_batch:  # a batch of this fit() is made with it
+        if version + self.k <= self.last_batch:  # a batch of this fit() is made with it
             stats = self._send(policy, version)
             out.update({"split/sync_s": stats.seconds, "split/sync_bytes": float(stats.bytes)})
         return out
@@ -140,7 +153,7 @@ class LearnerSide:
         then send STOP if they would wait for version step + 1."""
         if D.rank() != 0:
             return
-        k = self.rule.max_staleness
+        k = self.k
         self._receive_through(min(step + k, self.last_batch))
         if step + k + 1 <= self.last_batch or any(s > step for s in self.val_syncs):  # they wait for a version
             send_stop(src=0, group=self.comm.sync_group, timeout_s=self.comm.timeout_s)
@@ -228,6 +241,7 @@ class LearnerSide:
                 "split/weights_version": float(meta["version"]),
                 "split/loader": meta["loader"],
                 "split/reward_norm": meta["reward_norm"],
+                "split/partial": meta["partial"],
                 "split/signal": meta["signal"],
             }
         )
@@ -247,7 +261,30 @@ def _merge(reports: list[dict]) -> dict:
         out[k] = max(r[k] for r in reports)
     out["tokens"] = sum(r["tokens"] for r in reports)
     out["signal"] = max(r.get("signal", 0) for r in reports)
+    out["partial"] = [r["partial"] for r in reports] if reports[0].get("partial") is not None else None
     return out
+
+
+class CarriedSamples:
+    """rollout.partial in the split placement, on the learners: each rollout rank's carried samples (its pool's
+    state, loop/partial.py) as of the batch last trained. The run state saves it in the rank file; the start
+    message sends it back, so a resumed run's rollout ranks continue the same samples."""
+
+    def __init__(self) -> None:
+        self.states: Optional[list[dict]] = None  # in rollout-rank order; None before the first batch
+
+    def state_dict(self) -> dict:
+        return {"rollout_ranks": self.states}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "rollout_ranks" not in state:
+            raise ValueError(
+                "holds a colocated run's carried samples; this run is split (trainer.placement): resume it colocated"
+            )
+        self.states = state["rollout_ranks"]
+
+    def carried_samples(self) -> int:
+        return sum(len(g["samples"]) for st in self.states or [] for g in st["groups"])
 
 
 def finish_metrics(metrics: dict, trained_tokens: float, world: int, rollout_ranks: int) -> dict:

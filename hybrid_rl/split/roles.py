@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from hybrid_rl.split.comm import SplitComm, setup_split
-from hybrid_rl.split.learner import LearnerSide, NoEngine
+from hybrid_rl.split.learner import CarriedSamples, LearnerSide, NoEngine
 from hybrid_rl.split.rollout_loop import RolloutSide
 from hybrid_rl.split.staleness import StalenessRule
 from hybrid_rl.split.validation import ResidentEngine
@@ -47,11 +47,24 @@ def learner_side(
         adapters=cfg.model.lora.enabled,
         val_every=t.val_every,
         val_before_train=t.val_before_train,
+        schedule_k=schedule_k(cfg),
     )
 
 
+def learner_carried() -> CarriedSamples:
+    """rollout.partial on a learner: every rollout rank's carried samples as of the batch last trained."""
+    return CarriedSamples()
+
+
+def schedule_k(cfg) -> int:
+    """How many versions ahead the rollout ranks may run (staleness.py admission): trainer.max_staleness, and one
+    less with rollout.partial. Batch b then starts with version b - k + 1, so a group carried over one batch
+    reaches the loss at most k versions old (the learner's rule); one carried longer is dropped and counted."""
+    return cfg.trainer.max_staleness - (1 if cfg.rollout.partial else 0)
+
+
 def rollout_side(
-    cfg, comm: SplitComm, stage, engine, loader, rows: list[dict], validator, policy: torch.nn.Module
+    cfg, comm: SplitComm, stage, engine, loader, rows: list[dict], validator, policy: torch.nn.Module, pool=None
 ) -> RolloutSide:
     """The loop; the stage scores with the reward model (if any) simply resident: nothing switches here.
     validator: the Validator over `engine` (its phases `resident_phases(engine)`); policy: this rank's copy
@@ -65,13 +78,14 @@ def rollout_side(
         engine,
         loader,
         rows,
-        t.max_staleness,
+        schedule_k(cfg),
         t.seed,
         model_phase=phase,
         validator=validator,
         val_every=t.val_every,
         val_before_train=t.val_before_train,
         adapter=AdapterTarget(policy) if cfg.model.lora.enabled else None,
+        pool=pool,
     )
 
 

@@ -53,17 +53,19 @@ class RolloutSide:
         val_every: int = 0,
         val_before_train: bool = False,
         adapter: Optional[AdapterTarget] = None,
+        pool=None,
     ):
         """stage: the RolloutStage (its rewards' norm is the reward normaliser, or None); loader: this rank's
         PromptLoader (rank r - (W - R) of R); rows: the dataset (a group travels with its row's index); seed:
         trainer.seed (the per-batch reseed); model_phase: the reward model's context for the stage (None without
         one): it yields the resident module; validator: loop/validation.Validator over the engine (its phases a
         split.validation.ResidentEngine), with trainer.val_every / val_before_train; adapter: LoRA's target of
-        the adapter-only syncs (None: full weights)."""
+        the adapter-only syncs (None: full weights); pool: rollout.partial's loop.partial.PartialRollouts of this
+        rank (None: off), whose state travels with each report and comes back in the start message."""
         self.comm, self.stage, self.engine, self.loader, self.k = comm, stage, engine, loader, max_staleness
         self.model_phase, self.norm = model_phase, stage.rewards.norm
         self.validator, self.val_every, self.val_before_train = validator, val_every, val_before_train
-        self.adapter = adapter
+        self.adapter, self.pool = adapter, pool
         self.seed, self.signal = seed, None
         self.row_index = {id(r): i for i, r in enumerate(rows)}
         self.version = 0  # the weights the engine holds
@@ -77,6 +79,8 @@ class RolloutSide:
             self.loader.load_state_dict(start["loader"])
         if start["reward_norm"] is not None:
             self.norm.load_state_dict(start["reward_norm"])
+        if self.pool is not None and start.get("partial") is not None:  # this rank's carried samples, as trained
+            self.pool.load_state_dict(start["partial"][D.rank()])
         steps = validation_steps(start["first"], start["last"], self.val_every, self.val_before_train)
         self.val_due = set(steps)
         self.signal, sent = StopSignal(), 0
@@ -128,8 +132,14 @@ class RolloutSide:
         wait = time.perf_counter() - t0 - synced - validated
         seed_all(self.seed + 1_000_003 * (b + 1) + 7919 * D.rank())
         timer = StageTimer()
-        batch, metrics = self.stage.run(self.engine, self.loader, b, timer, model_phase=self.model_phase)
-        groups = self.versioned(batch)
+        if self.pool is None:
+            batch, metrics = self.stage.run(self.engine, self.loader, b, timer, model_phase=self.model_phase)
+            groups = self.versioned(batch)
+        else:  # carried samples continue under the weights held; each token keeps its version
+            batch, metrics = self.stage.run_partial(
+                self.engine, self.pool, self.loader, b, timer, self.model_phase, version=self.version
+            )
+            groups = self.versioned(batch, self.stage.last_token_versions)
         dst, peer = 0, "learner rank 0"
         send_groups(groups, dst, self.comm.timeout_s, peer=peer)
         report = {
@@ -143,23 +153,29 @@ class RolloutSide:
             "time/reward": timer.seconds.get("time/reward", 0.0),
             "loader": self.loader.state_dict(),
             "reward_norm": self.norm.state_dict() if self.norm is not None else None,
+            "partial": self.pool.state_dict() if self.pool is not None else None,
             "signal": self.signal.signum if self.signal else 0,
         }
         send_json(report, dst, self.comm.timeout_s, peer=peer)
 
-    def versioned(self, batch) -> list[VersionedGroup]:
-        """The batch's groups, each tagged with the version this rank holds (every token made by it)."""
+    def versioned(self, batch, token_versions: Optional[list[list[int]]] = None) -> list[VersionedGroup]:
+        """The batch's groups, each tagged with the version this rank holds (every token made by it), or with
+        partial rollouts each token's own version (`token_versions`, per completion) and the group's oldest."""
         if batch is None:
             return []
-        G = batch.group_size
-        return [
-            VersionedGroup(
-                self.row_index[id(row)],
-                batch.prompt_ids[i],
-                batch.completions[i * G : (i + 1) * G],
-                batch.rewards_N[i * G : (i + 1) * G].tolist(),
-                batch.scores_N[i * G : (i + 1) * G].tolist(),
-                self.version,
+        G, out = batch.group_size, []
+        for i, row in enumerate(batch.rows):
+            tv = None if token_versions is None else token_versions[i * G : (i + 1) * G]
+            firsts = [vs[0] for vs in tv if vs] if tv is not None else []
+            out.append(
+                VersionedGroup(
+                    self.row_index[id(row)],
+                    batch.prompt_ids[i],
+                    batch.completions[i * G : (i + 1) * G],
+                    batch.rewards_N[i * G : (i + 1) * G].tolist(),
+                    batch.scores_N[i * G : (i + 1) * G].tolist(),
+                    min(firsts) if firsts else self.version,
+                    tv,
+                )
             )
-            for i, row in enumerate(batch.rows)
-        ]
+        return out

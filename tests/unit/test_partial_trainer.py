@@ -146,7 +146,6 @@ def test_switching_partial_on_resume_is_refused_then_follows_its_rule(tiny_model
     [
         (["trainer.max_staleness=0"], "trainer.max_staleness.*>= 1 with rollout.partial"),
         (["algorithm.dynamic_sampling=true"], "rollout.partial.*dynamic_sampling"),
-        (["trainer.placement=split"], "rollout.partial.*split placement"),
         (["rollout.partial_over=0.5"], "rollout.partial_over.*>= 1"),
         (["rollout.partial_stop=0"], r"rollout.partial_stop.*\(0, 1\]"),
     ],

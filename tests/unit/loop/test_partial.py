@@ -13,15 +13,17 @@ import torch
 from hybrid_rl.loop.partial import PartialRollouts
 from hybrid_rl.types import Completion
 
+ROWS = [{"i": i} for i in range(64)]
+
 
 class Loader:
-    """A prompt loader stand-in: batches of `size` rows numbered in order."""
+    """A prompt loader stand-in: batches of `size` rows of ROWS, in order."""
 
     def __init__(self, size: int):
         self.size, self.drawn = size, 0
 
     def next_batch(self) -> list[dict]:
-        rows = [{"i": self.drawn + j} for j in range(self.size)]
+        rows = ROWS[self.drawn : self.drawn + self.size]
         self.drawn += self.size
         return rows
 
@@ -31,7 +33,7 @@ def encode(row: dict) -> list[int]:
 
 
 def _pool(G=2, batch=2, over=1.5, stop=1.0, max_new=6, min_new=0) -> PartialRollouts:
-    return PartialRollouts(G, batch, over, stop, max_new, min_new)
+    return PartialRollouts(G, batch, over, stop, max_new, min_new, ROWS)
 
 
 def test_refill_keeps_the_groups_in_flight_from_whole_loader_batches():
@@ -127,5 +129,9 @@ def test_the_state_round_trips_through_a_weights_only_load():
     again.load_state_dict(torch.load(buf, weights_only=True))
     assert again.state_dict() == pool.state_dict()
     assert again.plan().prompt_ids == pool.plan().prompt_ids
+    assert [g.row for g in again.groups] == [g.row for g in pool.groups] and again.groups[0].row is ROWS[0]
+    assert pool.state_dict()["groups"][2]["row"] == 2 and pool.state_dict()["queue"][0]["row"] == 3
+    with pytest.raises(ValueError, match="row 3 of a dataset of 2 rows"):
+        PartialRollouts(2, 2, 1.5, 1.0, 6, 0, ROWS[:2]).load_state_dict(pool.state_dict())
     with pytest.raises(ValueError, match="rollout.n=3"):
         _pool(G=3).load_state_dict(pool.state_dict())
