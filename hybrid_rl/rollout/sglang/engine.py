@@ -7,7 +7,8 @@ and the memory saver, and releases all its memory right away: the first rollout'
 other ranks reach the engine only through collectives on the group's gloo group:
 
     generate        gather prompts to the owner -> one Engine.generate -> scatter each
-                    rank's completions back, in order
+                    rank's completions back, in order; with a partial rollout's request, one
+                    streamed generate that the owner stops per rank (partial.py)
     update_weights  every rank exports its bucket as a handle (weight_transport.py);
                     the owner sends the tp_size payloads in one update_weights_from_tensor
                     inside a begin/end weight-update session; SGLang TP rank i opens
@@ -40,9 +41,10 @@ from hybrid_rl.rollout.base import check_tags
 from hybrid_rl.rollout.sglang import alloc_conf
 from hybrid_rl.rollout.sglang.calls import EngineThread, attempt, scoped_env, uninterrupted, unwrap
 from hybrid_rl.rollout.sglang.lora import MAX_LORAS_PER_BATCH, NAME, lora_spec
+from hybrid_rl.rollout.sglang.partial import GroupStops, stream_until_enough
 from hybrid_rl.rollout.sglang.weight_transport import push_bucket
 from hybrid_rl.runtime import distributed as D
-from hybrid_rl.types import Completion, SamplingParams
+from hybrid_rl.types import Completion, PartialRequest, SamplingParams
 
 SGLANG_TAGS = ("weights", "kv_cache")  # cuda_graph stays resident: released and resumed only in pairs
 _AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # set by torchrun for its workers
@@ -60,21 +62,31 @@ def check_available() -> None:
         )
 
 
-def to_completion(out: dict, index: int, stop_ids: Iterable[int] = ()) -> Completion:
+def to_completion(
+    out: dict, index: int, stop_ids: Iterable[int] = (), aborted: bool = False, budget: Optional[int] = None
+) -> Completion:
     """SGLang's output dict -> Completion, with the native engine's conventions:
     token ids include the stop token, logprob i belongs to token i, finish 'stop' | 'length'.
 
     SGLang tests the length limit before the stop tokens (Req.check_finished), so a completion whose
     last allowed token is a stop token comes back as 'length'; it stopped, and is 'stop' here (as in
-    the native engine): otherwise the overlong filter and the truncation rules would drop a finished answer."""
+    the native engine): otherwise the overlong filter and the truncation rules would drop a finished answer.
+
+    aborted: this adapter aborted the request (a partial rollout, partial.py), which then holds its tokens so far:
+    'abort', unless the token it sampled after the abort ended it anyway (a stop token: 'stop'; its `budget`
+    reached: 'length'). Any other abort is SGLang's own, and an error."""
     meta = out["meta_info"]
     reason = meta.get("finish_reason") or {}
     kind = reason.get("type")
-    if kind not in ("stop", "length"):
+    if kind not in ("stop", "length") and not (kind == "abort" and aborted):
         raise RuntimeError(f"SGLang aborted request {index}: {reason.get('message', reason)}")
     ids = list(out["output_ids"])
     if kind == "length" and ids and ids[-1] in set(stop_ids):
         kind = "stop"
+    if kind == "abort" and ids and ids[-1] in set(stop_ids):
+        kind = "stop"
+    elif kind == "abort" and budget is not None and len(ids) >= budget:
+        kind = "length"
     logprobs = [lp for lp, _tok, _text in meta["output_token_logprobs"]]
     if [tok for _lp, tok, _text in meta["output_token_logprobs"]] != ids:
         raise RuntimeError(f"request {index}: SGLang's logprobs do not follow its output ids")
@@ -87,6 +99,8 @@ class SGLangEngine:
     lora: Optional[dict] = None
     base_complete = False  # a complete base sync ended since start (set by SGLangEngine.end_weight_update)
     adapter_name: Optional[str] = None
+    last_tail_s: Optional[float] = None  # measured by a partial rollout's streamed generate only
+    last_generated_tokens: Optional[int] = None
 
     def __init__(
         self,
@@ -346,7 +360,15 @@ class SGLangEngine:
     # -- generation -----------------------------------------------------------
     @torch.no_grad()
     @uninterrupted
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def generate(
+        self, prompt_ids: list[list[int]], params: SamplingParams, partial: Optional[PartialRequest] = None
+    ) -> list[Completion]:
+        """This rank's completions, in order (the group's rows run in one engine call on the owner).
+
+        partial: per-row budgets and minimums, and the early stop: once this rank's `groups_needed` groups have
+        every row finished, its other rows are aborted and come back "abort" with their tokens so far (partial.py).
+        Sets last_generated_tokens (this rank's), and last_tail_s for a partial rollout (the group call's), else None.
+        """
         if self.released:
             raise RuntimeError(
                 f"engine memory is released ({sorted(self.released)}); resume(['weights', 'kv_cache']) first"
@@ -355,19 +377,44 @@ class SGLangEngine:
             raise RuntimeError("generate inside a weight-update session; call end_weight_update() first")
         if any(len(p) == 0 for p in prompt_ids):
             raise ValueError("every prompt needs at least one token")
-        requests = D.gather_object_to((prompt_ids, params), self.owner, self.group)
+        self.last_tail_s = self.last_generated_tokens = None
+        problem = _partial_problem(partial, len(prompt_ids), params)
+        requests = D.gather_object_to((prompt_ids, params, partial, problem), self.owner, self.group)
         replies = None
         if self.is_owner:  # a failure goes to every rank of the group, as in _owner_call
-            status, value = attempt(self._generate_for_group, requests)
+            refused = [f"rank {self.owner + k}: {r[3]}" for k, r in enumerate(requests) if r[3]]
+            if refused:
+                status, value = "error", "refused " + "; ".join(refused)
+            else:
+                status, value = attempt(self._generate_for_group, [r[:3] for r in requests])
             replies = [(status, r) for r in value] if status == "ok" else [(status, value)] * len(requests)
-        return unwrap(D.scatter_object_from(replies, self.owner, self.group), "generate")
+        outcome = D.scatter_object_from(replies, self.owner, self.group)
+        if problem:  # this rank's own mistake, as the error it is (the others hear of it from the owner)
+            raise ValueError(problem)
+        completions, self.last_tail_s = unwrap(outcome, "generate")
+        self.last_generated_tokens = sum(len(c.token_ids) for c in completions)
+        return completions
 
-    def _generate_for_group(self, requests: list[tuple[list[list[int]], SamplingParams]]) -> list[list[Completion]]:
+    def _generate_for_group(
+        self, requests: list[tuple[list[list[int]], SamplingParams, Optional[PartialRequest]]]
+    ) -> list[tuple[list[Completion], Optional[float]]]:
+        """Every rank's rows in one engine call; each rank's completions, and the call's tail (partial rollouts)."""
         ids, sampling = [], []
-        for prompts, params in requests:
+        for prompts, params, partial in requests:
             for i, p in enumerate(prompts):
                 ids.append(list(p))
-                sampling.append(self._sampling_dict(params, i))
+                sampling.append(self._sampling_dict(params, i, partial))
+        if any(partial is not None for _, _, partial in requests):
+            completions, tail_s = self._generate_partial(ids, sampling, requests)
+        else:
+            completions, tail_s = self._generate_whole(ids, sampling), None
+        replies, start = [], 0
+        for prompts, _, _ in requests:
+            replies.append((completions[start : start + len(prompts)], tail_s))
+            start += len(prompts)
+        return replies
+
+    def _generate_whole(self, ids: list[list[int]], sampling: list[dict]) -> list[Completion]:
         outs = self._calls.run(
             self.engine.generate,
             input_ids=ids,
@@ -378,14 +425,27 @@ class SGLangEngine:
         outs = [outs] if isinstance(outs, dict) else outs
         if len(outs) != len(ids):
             raise RuntimeError(f"SGLang returned {len(outs)} results for {len(ids)} prompts")
-        completions = [to_completion(o, i, sampling[i]["stop_token_ids"]) for i, o in enumerate(outs)]
-        replies, start = [], 0
-        for prompts, _ in requests:
-            replies.append(completions[start : start + len(prompts)])
-            start += len(prompts)
-        return replies
+        return [to_completion(o, i, sampling[i]["stop_token_ids"]) for i, o in enumerate(outs)]
 
-    def _sampling_dict(self, p: SamplingParams, i: int) -> dict:
+    def _generate_partial(self, ids: list[list[int]], sampling: list[dict], requests: list) -> tuple:
+        """The rows of ranks that still need groups, in one streamed generate (partial.py); the rows of a rank that
+        needs none come back unstarted ("abort", no tokens), as the native engine's unstarted batches."""
+        stops = GroupStops([r[2] for r in requests], [len(r[0]) for r in requests])
+        sent = [i for i, k in enumerate(stops.rank_of) if not stops.met(k)]
+        outs, aborted, tail_s = {}, set(), 0.0
+        if sent:
+            outs, aborted, tail_s = self._calls.run(
+                stream_until_enough, self.engine, ids, sampling, stops, sent, self.lora_paths(len(sent))
+            )
+        completions = [
+            to_completion(outs[i], i, sampling[i]["stop_token_ids"], i in aborted, sampling[i]["max_new_tokens"])
+            if i in outs
+            else Completion([], [], "abort")
+            for i in range(len(ids))
+        ]
+        return completions, tail_s
+
+    def _sampling_dict(self, p: SamplingParams, i: int, partial: Optional[PartialRequest] = None) -> dict:
         # EOS of the trainer's tokenizer stops here as it does in the native engine (SGLang
         # without a tokenizer knows only the model config's eos ids). A seed per sample: it
         # takes effect only with deterministic inference, never used for rollouts (it makes a
@@ -397,14 +457,17 @@ class SGLangEngine:
                 f"stop token ids {bad} are outside the vocabulary (0..{self.vocab_size - 1}); "
                 "SGLang rejects the request"
             )
-        if p.min_new_tokens and not self.with_tokenizer:  # 0.5.21: raise_if_tokenizer_required
+        # A partial rollout's row has its own budget and minimum (a continued sample's, less its prefix).
+        max_new = p.max_new_tokens if partial is None else partial.max_new_tokens[i]
+        min_new = p.min_new_tokens if partial is None else partial.min_new_tokens[i]
+        if min_new and not self.with_tokenizer:  # 0.5.21: raise_if_tokenizer_required
             raise ValueError(
                 "min_new_tokens needs SGLang's tokenizer (its eos ids are banned too): build "
                 "SGLangEngine(with_tokenizer=True), as the Trainer does for rollout.min_new_tokens > 0"
             )
         return {
-            "max_new_tokens": p.max_new_tokens,
-            "min_new_tokens": p.min_new_tokens,
+            "max_new_tokens": max_new,
+            "min_new_tokens": min_new,
             "top_p": p.top_p,
             "top_k": p.top_k,
             "temperature": 0.0 if p.greedy else p.temperature,
@@ -572,6 +635,18 @@ def check_payloads(payloads: list, tp_size: int) -> None:
         )
     if len(set(payloads)) != len(payloads):
         raise ValueError("two TP ranks' weight payloads are the same bytes; every rank must export its own bucket")
+
+
+def _partial_problem(partial: Optional[PartialRequest], n_prompts: int, params: SamplingParams) -> Optional[str]:
+    """Why this rank's PartialRequest cannot run (types.PartialRequest.check), or None: found before the gather, and
+    told to the group through it, so that no rank of the group waits in a collective for a rank that gave up."""
+    if partial is None:
+        return None
+    try:
+        partial.check(n_prompts, params)
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def _dtype_name(dtype: Optional[torch.dtype]) -> str:

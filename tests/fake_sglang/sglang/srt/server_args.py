@@ -38,6 +38,8 @@ _DEFAULTS: Dict[str, Any] = {
     "host": "127.0.0.1", "port": 30000, "nccl_port": None, "log_level": "error", "log_level_http": None,
     "skip_server_warmup": False, "watchdog_timeout": 300, "custom_sigquit_handler": None,
     "stream_output": False, "enable_metrics": False, "show_time_cost": False,
+    # streaming (arg_groups/fields/serving.py)
+    "stream_interval": 1, "incremental_streaming_output": False,
 }
 
 _REQUIRED = ("model_path",)

@@ -729,3 +729,110 @@ def test_wrong_adapter_shape_loads_and_kills_the_engine_at_first_use(make_engine
     with pytest.raises(EngineCrashed, match="shape"):
         engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path="bad")
     engine.shutdown()
+
+
+# -- streaming and aborts (note section 10) ---------------------------------------------------------
+LONG_GREEDY = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def stream_engine(make_engine, tiny_model_dir, h):
+    """A synced engine of its own (engine1 is crashed by then); its last test crashes it too."""
+    engine = make_engine(tp_size=1)
+    h.full_sync(engine, h.trainer_weights(tiny_model_dir), tp=1)
+    return engine
+
+
+def _final(items: list) -> dict:
+    """index -> the last item of each request in a streamed batch (the one with its finish_reason)."""
+    return {it["index"]: it for it in items if it["meta_info"]["finish_reason"] is not None}
+
+
+def test_a_streamed_batch_yields_items_as_0_5_21_does(stream_engine):
+    """generate(stream=True): nothing is sent before the first item; an item per request every stream_interval tokens
+    (at output length % k == 1 for k > 1, every token for the server's default 1) and at its finish, "index" its
+    place in the batch, finish_reason None until the last, whose output equals the unstreamed call's; rids as given
+    (a str: "<rid>_<i>"), refused when duplicated or not one per prompt."""
+    engine = stream_engine
+    params = [{"temperature": 0, "max_new_tokens": 6, "ignore_eos": True, "stream_interval": k} for k in (4, None)]
+    whole = engine.generate(input_ids=PROMPTS[:2], sampling_params=params, return_logprob=True)
+    lazy = engine.generate(input_ids=PROMPTS[:2], sampling_params=params, stream=True, rid=["a", "b"])
+    assert engine.tokenizer_manager.rid_to_state == {} and engine.flush_cache().success, "nothing sent yet"
+    items = list(
+        engine.generate(input_ids=PROMPTS[:2], sampling_params=params, return_logprob=True, stream=True, rid="r")
+    )
+    del lazy
+    lengths = {i: [len(it["output_ids"]) for it in items if it["index"] == i] for i in (0, 1)}
+    assert lengths == {0: [1, 5, 6], 1: [1, 2, 3, 4, 5, 6]}
+    assert all(it["meta_info"]["finish_reason"] is None for it in items if len(it["output_ids"]) < 6)
+    final = _final(items)
+    for i in (0, 1):
+        assert final[i]["meta_info"]["id"] == f"r_{i}" and final[i]["meta_info"]["finish_reason"]["type"] == "length"
+        assert final[i]["output_ids"] == whole[i]["output_ids"]
+        assert final[i]["meta_info"]["output_token_logprobs"] == whole[i]["meta_info"]["output_token_logprobs"]
+        assert "e2e_latency" in final[i]["meta_info"]
+    assert engine.tokenizer_manager.rid_to_state == {}
+    with pytest.raises(ValueError, match="Duplicate request IDs"):
+        next(engine.generate(input_ids=PROMPTS[:2], sampling_params=params, stream=True, rid=["x", "x"]))
+    with pytest.raises(ValueError, match="rids length mismatch"):
+        next(engine.generate(input_ids=PROMPTS[:2], sampling_params=params, stream=True, rid=["x"]))
+
+
+def test_an_aborted_running_request_keeps_its_tokens_and_one_more(stream_engine):
+    """tokenizer_manager.abort_request(rid): a running request samples one more token after the abort reaches the
+    scheduler and finishes FINISH_ABORT().to_json() with every token (the uninterrupted greedy prefix) and its
+    log-probs; the scheduler matches rids by prefix ("r_1" aborts "r_10" too); an empty or unknown rid does nothing.
+    The engine is idle afterwards."""
+    engine = stream_engine
+    prompts = [PROMPTS[i % 3] for i in range(11)]
+    whole = engine.generate(input_ids=prompts, sampling_params=LONG_GREEDY, return_logprob=True)
+    engine._debug_step_delay(0.05)
+    try:
+        engine.tokenizer_manager.abort_request(rid="")
+        engine.tokenizer_manager.abort_request(rid="r_3")  # not in flight: dropped
+        seen = {}
+        stream = engine.generate(
+            input_ids=prompts,
+            sampling_params={**LONG_GREEDY, "stream_interval": 1},
+            return_logprob=True,
+            stream=True,
+            rid="r",
+        )
+        items = []
+        for it in stream:
+            items.append(it)
+            seen[it["index"]] = len(it["output_ids"])
+            if it["index"] == 1 and len(it["output_ids"]) == 2:
+                engine.tokenizer_manager.abort_request(rid="r_1")
+    finally:
+        engine._debug_step_delay(0.0)
+    final = _final(items)
+    aborted = {i for i, it in final.items() if it["meta_info"]["finish_reason"]["type"] == "abort"}
+    assert aborted == {1, 10}
+    assert final[1]["meta_info"]["finish_reason"] == {
+        "type": "abort",
+        "message": "Aborted",
+        "status_code": None,
+        "err_type": None,
+    }
+    for i, it in final.items():
+        n = len(it["output_ids"])
+        assert n == 40 if i not in aborted else 3 <= n < 40
+        assert it["output_ids"] == whole[i]["output_ids"][:n]
+        assert it["meta_info"]["output_token_logprobs"] == whole[i]["meta_info"]["output_token_logprobs"][:n]
+    assert engine.tokenizer_manager.rid_to_state == {} and engine.flush_cache().success
+
+
+def test_a_release_while_a_streams_requests_run_kills_the_engine(stream_engine):
+    """A stream left unread keeps its requests running in the scheduler: flush_cache refuses, and a release fails
+    the scheduler's idle assertion, which kills the caller on SGLang (EngineCrashed here). Kills stream_engine."""
+    from sglang.fake_errors import EngineCrashed
+
+    engine = stream_engine
+    engine._debug_step_delay(0.05)
+    stream = engine.generate(input_ids=PROMPTS, sampling_params=LONG_GREEDY, stream=True)
+    assert next(stream)["meta_info"]["finish_reason"] is None
+    refused = engine.flush_cache()
+    assert not refused.success and "3 requests are running" in refused.message
+    with pytest.raises(EngineCrashed, match="fully idle"):
+        engine.release_memory_occupation(["kv_cache"])

@@ -27,7 +27,14 @@ Known differences from SGLang 0.5.21 (each one documented where it lives):
   caller (kill_process_tree(os.getpid(), include_parent=False)): DataLoader workers too.
 * LoRA (engine_lora.py, lora/lora_manager.py): adapters from tensors only, applied unmerged per
   request; no lora_paths, max_loaded_loras eviction, pinning or load_lora_adapter from disk.
-* Not provided: async_* methods, streaming, multimodal inputs, top_logprobs_num,
+* Streaming and aborts (note 10; managers/tokenizer_manager.py, managers/scheduler.py `_Stream`):
+  every request of a call starts at once, so an abort reaches a waiting request only when it
+  arrives before the prefill (no retraction, no max_running_requests queue); a streamed call
+  with n > 1 and incremental_streaming_output are not implemented; while a stream's requests
+  run, rank 0 serves release (whose idle assertion then fails), flush_cache (refused) and
+  queries, and crashes on any other call (the real engine would run a second generate or a
+  weight load alongside). A streamed request's cached_tokens is its hit at the call's start.
+* Not provided: async_* methods, multimodal inputs, top_logprobs_num,
   update_weights_from_distributed/disk/ipc, HTTP.
 """
 from __future__ import annotations
@@ -52,6 +59,7 @@ from sglang.srt.entrypoints.sync_api import _sync_api
 from sglang.srt.lora.lora_manager import check_lora_server_args
 from sglang.srt.managers.io_struct import FlushCacheReqOutput
 from sglang.srt.managers.scheduler_client import SchedulerClient
+from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils.common import MultiprocessingSerializer, normalize_serialized_named_tensor_payloads
@@ -114,6 +122,7 @@ class Engine(LoraEngineMixin):
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "8"
         mp.set_start_method("spawn", force=True)
         self._client = SchedulerClient(a["tp_size"], sched_args)
+        self.tokenizer_manager = TokenizerManager(self._client)
         atexit.register(self.shutdown)
         self.loop = self._ensure_event_loop()
 
@@ -148,29 +157,44 @@ class Engine(LoraEngineMixin):
             raise FileNotFoundError(f"{a['model_path']!r} is not a Hugging Face model directory (no config.json)")
 
     # -- generation -------------------------------------------------------------
-    @_sync_api
     def generate(self, prompt: Optional[Union[str, List[str]]] = None, sampling_params=None,
                  input_ids: Optional[Union[List[int], List[List[int]]]] = None, image_data=None,
                  audio_data=None, video_data=None, return_logprob: Union[bool, List[bool]] = False,
                  logprob_start_len: Optional[int] = None, top_logprobs_num=None, token_ids_logprob=None,
                  lora_path=None, custom_logit_processor=None, return_hidden_states: bool = False,
                  stream: bool = False, bootstrap_host=None, bootstrap_port=None, bootstrap_room=None,
-                 data_parallel_rank=None, rid=None) -> Union[Dict[str, Any], List[Dict[str, Any]]]:
-        """One dict for one prompt with n == 1; otherwise a list, prompt-major (i * n + j)."""
-        self._client.check_alive()
+                 data_parallel_rank=None, rid: Optional[Union[str, List[str]]] = None):
+        """One dict for one prompt with n == 1; otherwise a list, prompt-major (i * n + j).
+
+        stream=True (note 10): an iterator instead, nothing sent before its first item; each item runs the
+        Engine's loop once, as the real generator_wrapper does, and is one request's output so far (a batch's
+        items carry "index", the request's position): finish_reason None while it runs, its whole output
+        when it finishes. rid: request ids (a str is a prefix for a batch's "<rid>_<i>")."""
         unsupported = {"image_data": image_data, "audio_data": audio_data, "video_data": video_data,
                        "top_logprobs_num": top_logprobs_num, "token_ids_logprob": token_ids_logprob,
                        "custom_logit_processor": custom_logit_processor,
-                       "return_hidden_states": return_hidden_states, "stream": stream,
+                       "return_hidden_states": return_hidden_states,
                        "bootstrap_host": bootstrap_host, "bootstrap_port": bootstrap_port,
-                       "bootstrap_room": bootstrap_room, "data_parallel_rank": data_parallel_rank, "rid": rid}
+                       "bootstrap_room": bootstrap_room, "data_parallel_rank": data_parallel_rank}
         for key, value in unsupported.items():
             if value not in (None, False, 0):
                 raise NotImplementedError(f"the sglang stand-in does not implement generate({key}=...)")
+        args = (prompt, sampling_params, input_ids, return_logprob, logprob_start_len, lora_path, rid, stream)
+        if stream:
+            return self._stream_wrapper(self._stream_chunks(args))
+        return self._generate_now(args)
+
+    def _requests(self, prompt, sampling_params, input_ids, return_logprob, logprob_start_len, lora_path, rid,
+                  stream) -> tuple:
+        """(scheduler requests, single, n), everything checked before anything is sent."""
+        self._client.check_alive()
         prompts, single = self._prompts(prompt, input_ids)
         lora_ids = self._lora_ids(lora_path, len(prompts))  # names resolved before anything runs
         params = self._sampling_params(sampling_params, len(prompts), single)
         n = params[0].n
+        if stream and n > 1:
+            raise NotImplementedError("the sglang stand-in does not stream parallel samples (n > 1)")
+        rids = self._rids(rid, len(prompts), single)
         want_lp = return_logprob if isinstance(return_logprob, list) else [return_logprob] * len(prompts)
         reqs = []
         for i, ids in enumerate(prompts):
@@ -182,20 +206,91 @@ class Engine(LoraEngineMixin):
                                  f"{len(ids) + sp['max_new_tokens']} tokens: {len(ids)} tokens from the input "
                                  f"messages and {sp['max_new_tokens']} tokens for the completion.")
             for j in range(n):
-                reqs.append({"rid": uuid.uuid4().hex, "input_ids": ids, "sampling_params": sp,
+                # n > 1: each sample gets a fresh rid (TokenizerManager regenerate_rid).
+                reqs.append({"rid": rids[i] if n == 1 else uuid.uuid4().hex, "input_ids": ids, "sampling_params": sp,
                              "return_logprob": bool(want_lp[i]), "prefill_prefix": n > 1 and j == 0,
-                             "lora_id": lora_ids[i],
+                             "lora_id": lora_ids[i], "stream": bool(stream),
                              "logprob_start_len": -1 if logprob_start_len is None else logprob_start_len})
-        start = time.perf_counter()
-        per_rank = self._client.call("generate", reqs)
-        latency = time.perf_counter() - start
-        for rank in range(1, len(per_rank)):
-            if per_rank[rank]["weights_digest"] != per_rank[0]["weights_digest"]:
+        return reqs, single, n
+
+    @staticmethod
+    def _rids(rid, num: int, single: bool) -> List[str]:
+        """GenerateReqInput._normalize_rid and _validate_rid_uniqueness."""
+        if rid is None:
+            return [uuid.uuid4().hex for _ in range(num)]
+        if single:
+            return [rid]
+        if isinstance(rid, str):
+            return [f"{rid}_{i}" for i in range(num)]
+        if not isinstance(rid, list):
+            raise ValueError("The rid should be a string or a list of strings.")
+        if len(rid) != num:
+            raise ValueError("The specified rids length mismatch with the batch_size for batch processing.")
+        if len(set(rid)) != len(rid):
+            duplicates = sorted({r for r in rid if rid.count(r) > 1})
+            raise ValueError(f"Duplicate request IDs detected within the request: {duplicates}")
+        return list(rid)
+
+    @_sync_api
+    def _generate_now(self, args: tuple) -> Union[Dict[str, Any], List[Dict[str, Any]]]:
+        reqs, single, n = self._requests(*args)
+        rids = [r["rid"] for r in reqs]
+        self.tokenizer_manager.add(rids)  # in flight until the call returns
+        try:
+            start = time.perf_counter()
+            per_rank = self._client.call("generate", reqs)
+            latency = time.perf_counter() - start
+        finally:
+            self.tokenizer_manager.finish_all(rids)
+        self._check_ranks(per_rank[0]["weights_digest"], per_rank[1:])
+        outs = [self._format(req, res, latency) for req, res in zip(reqs, per_rank[0]["results"])]
+        return outs[0] if single and n == 1 else outs
+
+    @staticmethod
+    def _check_ranks(digest0: Optional[str], others: List[Dict[str, Any]]) -> None:
+        for rank, reply in enumerate(others, start=1):
+            if reply["weights_digest"] != digest0:
                 raise RankMismatchError(
                     f"TP rank {rank} holds different weights than rank 0 (a real TP engine would decode "
                     "garbage). Check that every rank's payload carries the same tensors")
-        outs = [self._format(req, res, latency) for req, res in zip(reqs, per_rank[0]["results"])]
-        return outs[0] if single and n == 1 else outs
+
+    async def _stream_chunks(self, args: tuple):
+        """TokenizerManager.generate_request for stream=True: requests go out at the first item, then each
+        chunk rank 0 streams becomes an output dict (with "index" for a batch), in the order they come."""
+        reqs, single, _ = self._requests(*args)
+        rids = [r["rid"] for r in reqs]
+        self.tokenizer_manager.add(rids)
+        try:
+            digest0, others = self._client.start_stream("generate", reqs)
+            self._check_ranks(digest0, others)
+            start = time.perf_counter()
+            while True:
+                status, value = self._client.read_stream("generate")
+                if status == "stream_end":
+                    return
+                index, res, finished = value
+                out = self._format(reqs[index], res, time.perf_counter() - start if finished else None)
+                if finished:
+                    self.tokenizer_manager.finish(rids[index])
+                if not single:
+                    out["index"] = index
+                yield out
+        finally:
+            # Abandoned: its requests still run in the scheduler; only a finished one's state goes.
+            if not self._client.stream_open:
+                self.tokenizer_manager.finish_all(rids)
+
+    def _stream_wrapper(self, chunks):
+        """Engine.generate's generator_wrapper: every item is one run of the Engine's loop."""
+        while True:
+            step = chunks.__anext__()
+            try:
+                chunk = self.loop.run_until_complete(step)
+            except StopAsyncIteration:
+                break
+            finally:
+                step.close()  # never started when the loop refused to run: no "never awaited" warning
+            yield chunk
 
     def _prompts(self, prompt, input_ids):
         if (prompt is None) == (input_ids is None):
@@ -239,20 +334,32 @@ class Engine(LoraEngineMixin):
             raise ValueError("all requests in a batch must use the same n")
         return params
 
-    def _format(self, req: Dict[str, Any], res: Dict[str, Any], latency: float) -> Dict[str, Any]:
+    def _format(self, req: Dict[str, Any], res: Dict[str, Any], latency: Optional[float]) -> Dict[str, Any]:
+        """A request's output dict; latency None: a streamed chunk of a request still running (finish_reason
+        None, no e2e_latency). A request aborted before it started gets the TokenizerManager's own reply to
+        the scheduler's abort echo (_handle_abort_req): no prompt or cache counts, nothing generated."""
         out_ids = res["output_ids"]
-        meta = {"id": req["rid"], "finish_reason": res["finish_reason"], "prompt_tokens": len(req["input_ids"]),
-                "weight_version": self._weight_version, "num_retractions": 0, "reasoning_tokens": 0,
-                "completion_tokens": len(out_ids), "cached_tokens": res["cached_tokens"], "e2e_latency": latency}
+        finish = res["finish_reason"] if latency is not None else None
+        if res.get("waiting_abort"):
+            meta = {"id": req["rid"], "finish_reason": finish, "weight_version": self._weight_version,
+                    "e2e_latency": latency}
+        else:
+            meta = {"id": req["rid"], "finish_reason": finish, "prompt_tokens": len(req["input_ids"]),
+                    "weight_version": self._weight_version, "num_retractions": 0, "reasoning_tokens": 0,
+                    "completion_tokens": len(out_ids), "cached_tokens": res["cached_tokens"]}
+            if latency is not None:
+                meta["e2e_latency"] = latency
         if req["return_logprob"]:
             meta["input_token_logprobs"] = res["input_logprobs"]
             meta["output_token_logprobs"] = [(lp, tok, None) for lp, tok in zip(res["output_logprobs"], out_ids)]
             meta["output_token_logprobs_length"] = len(out_ids)
+        if res.get("waiting_abort"):
+            meta["completion_tokens"] = len(out_ids)
         out: Dict[str, Any] = {}
         if self.tokenizer is not None:
             sp = req["sampling_params"]
             text = self.tokenizer.decode(out_ids, skip_special_tokens=sp["skip_special_tokens"])
-            matched = res["finish_reason"].get("matched")
+            matched = (finish or {}).get("matched")
             if isinstance(matched, str) and not sp["no_stop_trim"] and matched in text:
                 text = text[: text.index(matched)]
             out["text"] = text
@@ -358,6 +465,11 @@ class Engine(LoraEngineMixin):
     def _debug_pending_requests(self, n: int) -> None:
         """Pretend n requests are running (0 clears it), to exercise the idle checks."""
         self._client.call("debug_pending", n)
+
+    def _debug_step_delay(self, seconds: float) -> None:
+        """Make rank 0 sleep this long after each token of a streamed generate (0 clears it): a test can
+        then abort requests long before they would finish, however busy the machine."""
+        self._client.call("debug_step_delay", seconds)
 
 
 class Engine0517(Engine):

@@ -5,12 +5,19 @@ raises in the real scheduler kills the caller's process tree (note 0.1); here an
 exception is sent back as a "crash" and the process exits, and the Engine turns that
 into `EngineCrashed`. Only `WeightsNotLoadedError` (a stand-in-only check) is sent back
 as an ordinary error.
+
+A streamed generate (note 10) is answered by rank 0 with messages of its own, never "ok":
+("stream_start", weights digest), ("chunk", (request index, result so far, finished)) as the
+output streamer would send them, then ("stream_end", None). While it decodes, rank 0 reads
+what the Engine sends between tokens (`_Stream.poll`): aborts, and any other command, which
+then sees the running requests (release's idle assertion fails, flush_cache refuses).
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import os
+import time
 import traceback
 from typing import Any, Dict, List, Optional
 
@@ -47,6 +54,10 @@ class Scheduler:
         self.stashed_buffers: Optional[Dict[str, torch.Tensor]] = None
         self.host_copy: Optional[Dict[str, torch.Tensor]] = None
         self.pending_requests = 0  # injected by Engine._debug_pending_requests
+        self.running = 0  # requests of a streamed generate still decoding (rank 0 answers commands meanwhile)
+        self.conn = None  # the pipe to the Engine (run_scheduler_process): a streamed generate writes to it
+        self.stream_interval = args["stream_interval"]  # the server's, for requests that name none
+        self.step_delay_s = 0.0  # stand-in only (Engine._debug_step_delay): seconds slept per streamed token
         self.prefix_cache = _PrefixTrie()  # the finished sequences, each token with its weight epoch
         self.weight_epoch = 0
         self.opened_payloads: set = set()
@@ -58,8 +69,11 @@ class Scheduler:
     def handle(self, cmd: str, arg: Any) -> Any:
         return getattr(self, f"_cmd_{cmd}")(arg)
 
+    def _busy(self) -> int:
+        return self.pending_requests + self.running
+
     # -- generation -------------------------------------------------------------
-    def _cmd_generate(self, reqs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    def _cmd_generate(self, reqs: List[Dict[str, Any]]) -> Any:
         for tag in (GPU_MEMORY_TYPE_WEIGHTS, GPU_MEMORY_TYPE_KV_CACHE):
             if tag in self.offload_tags:
                 raise RuntimeError(_ILLEGAL_ACCESS.format(what="generate", tag=tag))
@@ -76,6 +90,8 @@ class Scheduler:
             # Only rank 0 decodes (its output is what the Engine returns, as in SGLang); the other
             # ranks show that they hold the same weights, which is all a second decode could show.
             return {"weights_digest": digest}
+        if reqs[0]["stream"]:
+            return self._generate_streamed(reqs, digest)
         results = self._generate_by_adapter(reqs)
         for req, res in zip(reqs, results):  # the prefix cache sees the requests in order
             # The real cache key includes the adapter's lora_id (schedule_batch.py): a leading key token here.
@@ -86,7 +102,24 @@ class Scheduler:
             self.prefix_cache.add(key + req["input_ids"] + res["output_ids"], self.weight_epoch)
         return {"weights_digest": digest, "results": results}
 
-    def _generate_by_adapter(self, reqs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    def _generate_streamed(self, reqs: List[Dict[str, Any]], digest: Optional[str]) -> Any:
+        """Rank 0's streamed generate: each request's prefix-cache hit is taken at its prefill (so
+        before this call's own outputs are cached), the results go out as chunks, the cache takes
+        every finished sequence (aborted ones too: SGLang caches what a finished request computed)."""
+        self.conn.send(("stream_start", digest))
+        key = [[("lora_id", req.get("lora_id"))] for req in reqs]
+        cached = [self._match_prefix(k + req["input_ids"]) for k, req in zip(key, reqs)]
+        stream = _Stream(self, reqs, cached)
+        try:
+            results = self._generate_by_adapter(reqs, stream)
+        finally:
+            self.running = 0
+        for k, req, res in zip(key, reqs, results):
+            self.prefix_cache.add(k + req["input_ids"] + res["output_ids"], self.weight_epoch)
+        self.conn.send(("stream_end", None))
+        return _NO_REPLY
+
+    def _generate_by_adapter(self, reqs: List[Dict[str, Any]], stream: Any = None) -> List[Dict[str, Any]]:
         """One decode per adapter (None: the base), each with only its requests; results in request order."""
         groups: Dict[Optional[str], List[int]] = {}
         for i, req in enumerate(reqs):
@@ -94,9 +127,13 @@ class Scheduler:
         results: List[Any] = [None] * len(reqs)
         for lora_id, rows in groups.items():
             with self.lora.applied(lora_id) if self.lora is not None else contextlib.nullcontext():
-                for i, res in zip(rows, self.worker.generate([reqs[i] for i in rows])):
+                for i, res in zip(rows, self.worker.generate([reqs[i] for i in rows], stream, rows)):
                     results[i] = res
         return results
+
+    def _cmd_abort(self, arg: Dict[str, Any]) -> Any:
+        """An AbortReq while nothing decodes: no request matches it; the real scheduler answers nothing."""
+        return _NO_REPLY
 
     def _weights_digest(self) -> str:
         return _digest(self.worker.params) + (self.lora.digest() if self.lora is not None else "")
@@ -111,15 +148,15 @@ class Scheduler:
         return best
 
     def _cmd_flush_cache(self, _arg=None):
-        if self.pending_requests:
-            return False, f"Cannot flush the cache: {self.pending_requests} requests are running or queued."
+        if self._busy():
+            return False, f"Cannot flush the cache: {self._busy()} requests are running or queued."
         self.prefix_cache = _PrefixTrie()
         self.stats["flushes"] += 1
         return True, ""
 
     # -- memory -----------------------------------------------------------------
     def _cmd_release(self, tags: List[str]) -> None:
-        assert self.pending_requests == 0, "release_memory_occupation requires a fully idle engine"
+        assert self._busy() == 0, "release_memory_occupation requires a fully idle engine"
         if GPU_MEMORY_TYPE_WEIGHTS in tags and GPU_MEMORY_TYPE_WEIGHTS in self.offload_tags:
             # The buffer stash would read memory that is already unmapped (judgment call: unverified).
             raise RuntimeError(_ILLEGAL_ACCESS.format(what="releasing weights again", tag=GPU_MEMORY_TYPE_WEIGHTS))
@@ -223,7 +260,7 @@ class Scheduler:
                     # The allocator settings this process inherited (torch reads the first that is set).
                     alloc_conf_env={n: os.environ.get(n) for n in _ALLOC_CONF_NAMES},
                     offload_tags=sorted(self.offload_tags), weight_epoch=self.weight_epoch,
-                    pending_requests=self.pending_requests,
+                    pending_requests=self._busy(),
                     all_params_loaded_since_release=set(params) <= self.loaded_since_release,
                     params_not_loaded_since_release=sorted(set(params) - self.loaded_since_release),
                     weights_released_ever=self.weights_released_ever,
@@ -238,11 +275,97 @@ class Scheduler:
     def _cmd_debug_pending(self, n: int) -> None:
         self.pending_requests = n
 
+    def _cmd_debug_step_delay(self, seconds: float) -> None:
+        self.step_delay_s = float(seconds)
+
     def _cmd_begin(self, _arg=None) -> None:
         pass  # the real begin restores quantized layouts and does a TP barrier; nothing to do here
 
     def _cmd_end(self, _arg=None) -> None:
         pass
+
+
+_NO_REPLY = object()  # a handler that answers by itself (a streamed generate) or not at all (an abort)
+# What rank 0 serves while a streamed generate decodes, seeing its requests running (anything else: a crash).
+_SERVED_WHILE_RUNNING = ("release", "flush_cache", "get_weights_by_name", "debug_state", "debug_get_param",
+                         "debug_pending", "debug_step_delay")
+
+
+class _Shutdown(Exception):
+    """The Engine shut down while a streamed generate was decoding."""
+
+
+class _Stream:
+    """Rank 0's side of a streamed generate (tokenizer_manager.py, note 10): aborts in, chunks out.
+
+    An AbortReq matches the requests of this call not finished yet whose rid starts with its rid (or
+    all, abort_all), as Scheduler.abort_request does; a request that has not started is answered at
+    once with no tokens ("Abort in waiting queue", the TokenizerManager's reply to the scheduler's
+    echo), a running one samples one more token and finishes "abort" (Req.to_finish). A chunk goes
+    out when a request finishes, and while it runs as the output streamer sends one: at output
+    length % stream_interval == 1 for an interval > 1, every token for 1 (the request's
+    sampling_params.stream_interval, else the server's)."""
+
+    def __init__(self, scheduler: "Scheduler", reqs: List[Dict[str, Any]], cached: List[int]):
+        self.sched, self.reqs, self.cached = scheduler, reqs, cached
+        self.unfinished = set(range(len(reqs)))
+        self.marked: set = set()  # requests an abort reached, not finished yet
+        self.default_interval = scheduler.stream_interval
+        scheduler.running = len(reqs)
+
+    # -- what the Engine sends ----------------------------------------------------
+    def poll(self) -> None:
+        conn = self.sched.conn
+        while conn.poll(0):
+            cmd, arg = conn.recv()
+            if cmd == "abort":
+                self.marked |= {i for i in self.unfinished
+                                if arg["abort_all"] or self.reqs[i]["rid"].startswith(arg["rid"])}
+            elif cmd == "shutdown":
+                conn.send(("ok", None))
+                raise _Shutdown
+            elif cmd in _SERVED_WHILE_RUNNING:
+                conn.send(("ok", self.sched.handle(cmd, arg)))
+            else:
+                raise RuntimeError(
+                    f"stand-in: {cmd!r} arrived while {len(self.unfinished)} requests of a streamed generate are "
+                    "still running (drain the stream, or abort its requests and drain it, first); the stand-in "
+                    "serves no generate, weight load or resume alongside running requests")
+
+    def abort_waiting(self, rows: List[int], results: List[Dict[str, Any]]) -> set:
+        """Before a batch's prefill: its requests an abort reached finish now, with nothing generated."""
+        self.poll()
+        waiting = set()
+        for k, row in enumerate(rows):
+            if row in self.marked:
+                results[k].update(finish_reason={"type": "abort", "message": "Abort in waiting queue"},
+                                  waiting_abort=True, input_logprobs=[])
+                self.emit(row, results[k], True)
+                waiting.add(k)
+        return waiting
+
+    def aborts(self, rows: List[int]) -> set:
+        """Before a decode step: those of `rows` an abort reached."""
+        self.poll()
+        return self.marked & set(rows)
+
+    # -- what goes out --------------------------------------------------------------
+    def emit(self, row: int, res: Dict[str, Any], finished: bool) -> None:
+        n = len(res["output_ids"])
+        interval = self.reqs[row]["sampling_params"]["stream_interval"] or self.default_interval
+        if not finished and not (n % interval == 1 if interval > 1 else n % interval == 0):
+            return
+        if finished:
+            self.unfinished.discard(row)
+            self.marked.discard(row)
+            self.sched.running = len(self.unfinished)
+        chunk = dict(res, output_ids=list(res["output_ids"]), output_logprobs=list(res["output_logprobs"]),
+                     cached_tokens=self.cached[row])
+        self.sched.conn.send(("chunk", (row, chunk, finished)))
+
+    def step_done(self) -> None:
+        if self.sched.step_delay_s:
+            time.sleep(self.sched.step_delay_s)
 
 
 class _PrefixTrie:
@@ -302,6 +425,7 @@ def run_scheduler_process(tp_rank: int, args: Dict[str, Any], conn) -> None:
     except BaseException:  # noqa: BLE001 - a failed start is reported, not raised into nothing
         conn.send(("crash", f"scheduler TP rank {tp_rank} failed to start:\n{traceback.format_exc()}"))
         return
+    scheduler.conn = conn
     conn.send(("ok", os.getpid()))
     while True:
         try:
@@ -312,9 +436,13 @@ def run_scheduler_process(tp_rank: int, args: Dict[str, Any], conn) -> None:
             conn.send(("ok", None))
             return
         try:
-            conn.send(("ok", scheduler.handle(cmd, arg)))
+            reply = scheduler.handle(cmd, arg)
+            if reply is not _NO_REPLY:
+                conn.send(("ok", reply))
         except WeightsNotLoadedError as err:
             conn.send(("error", str(err)))
+        except (_Shutdown, EOFError, BrokenPipeError):
+            return  # shut down, or the Engine's process is gone, while a streamed generate decoded
         except BaseException:  # noqa: BLE001 - every other failure is fatal, as in SGLang
             conn.send(("crash", f"scheduler TP rank {tp_rank} crashed in {cmd!r}:\n{traceback.format_exc()}"))
             return

@@ -13,6 +13,8 @@ import torch
 
 from sglang.srt.sampling.sampling_params import DEFAULT_SAMPLING_SEED
 
+# FINISH_ABORT().to_json() (managers/schedule_batch.py): what an abort of a running request reports.
+_ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 _DTYPES = {"auto": torch.float32, "float32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16}
 
@@ -92,15 +94,25 @@ class TpModelWorker:
 
     # -- decoding ---------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, reqs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    def generate(self, reqs: List[Dict[str, Any]], stream: Any = None,
+                 rows: Optional[List[int]] = None) -> List[Dict[str, Any]]:
         """Decode all requests as one left-padded batch with a KV cache.
 
         Positions count real tokens only and padding is masked, so each row computes what
         the prompt alone would (logprobs as SGLang's sampler reports them, note 1.5).
         Finished rows leave the batch; randomness is drawn over the running rows in order.
+
+        stream (a streamed generate, scheduler.py `_Stream`; None otherwise): asked for aborts before the
+        prefill (those rows never start: "Abort in waiting queue", no tokens) and before each token (a row
+        aborted then samples that token and finishes "abort", as Req.to_finish does); told of every token
+        (`emit`). rows: each request's index in the whole generate call (what the stream speaks of).
         """
+        rows = list(range(len(reqs))) if rows is None else rows
         prompts = [r["input_ids"] for r in reqs]
         sps = [r["sampling_params"] for r in reqs]
+        results = [{"output_ids": [], "output_logprobs": [], "input_logprobs": None,
+                    "finish_reason": {"type": "length", "length": sp["max_new_tokens"]}} for sp in sps]
+        waiting = set() if stream is None else stream.abort_waiting(rows, results)
         P = max(len(p) for p in prompts)
         ids_NP = torch.zeros(len(reqs), P, dtype=torch.long)
         attn_NP = torch.zeros(len(reqs), P, dtype=torch.long)
@@ -109,19 +121,15 @@ class TpModelWorker:
             attn_NP[i, P - len(prompt):] = 1
         out = self.model(input_ids=ids_NP, attention_mask=attn_NP, position_ids=position_ids(attn_NP), use_cache=True)
         cache, last_NV = out.past_key_values, out.logits[:, -1].float()
-        results = []
         logp_NPV = torch.log_softmax(out.logits.float(), dim=-1) if any(r["return_logprob"] for r in reqs) else None
         for i, req in enumerate(reqs):
-            res: Dict[str, Any] = {"output_ids": [], "output_logprobs": [], "input_logprobs": None,
-                                   "finish_reason": {"type": "length", "length": sps[i]["max_new_tokens"]}}
-            if req["return_logprob"]:
+            if req["return_logprob"] and i not in waiting:
                 logp_PV = logp_NPV[i, P - len(prompts[i]):]
-                res["input_logprobs"] = self._input_logprobs(prompts[i], logp_PV, req["logprob_start_len"])
-            results.append(res)
+                results[i]["input_logprobs"] = self._input_logprobs(prompts[i], logp_PV, req["logprob_start_len"])
         del out
         stop_ids = [set() if sp["ignore_eos"] else set(sp["stop_token_ids"]) | self.eos_ids for sp in sps]
         live = list(range(len(reqs)))  # the rows of the batch still decoding, in batch order
-        keep = [k for k, i in enumerate(live) if sps[i]["max_new_tokens"] > 0]
+        keep = [k for k, i in enumerate(live) if sps[i]["max_new_tokens"] > 0 and i not in waiting]
         step = 0
         while keep:
             if len(keep) < len(live):
@@ -136,6 +144,8 @@ class TpModelWorker:
                 out = self.model(input_ids=tok_N1, attention_mask=attn_NP, position_ids=pos_N1,
                                  past_key_values=cache, use_cache=True)
                 cache, last_NV = out.past_key_values, out.logits[:, -1].float()
+            # Aborts the scheduler received before this token: the row still samples it, then finishes.
+            to_finish = set() if stream is None else stream.aborts([rows[i] for i in live])
             logits_NV = self._ban_early_stops(last_NV, [sps[i] for i in live], step)
             tokens, logprobs = self._sample(logits_NV, [sps[i] for i in live], [len(prompts[i]) + step for i in live])
             keep = []
@@ -143,15 +153,24 @@ class TpModelWorker:
                 res = results[i]
                 res["output_ids"].append(token)
                 res["output_logprobs"].append(logprob)
+                finished = True
+                if rows[i] in to_finish:  # Req.update_finish_state: to_finish comes first
+                    res["finish_reason"] = dict(_ABORTED)
                 # As Req.check_finished: the length limit is tested before the stop tokens, so a stop
                 # token at the limit finishes as "length".
-                if len(res["output_ids"]) >= sps[i]["max_new_tokens"]:
-                    continue
-                matched = token if token in stop_ids[i] else self._matched_stop_str(res["output_ids"], sps[i])
-                if matched is not None:
-                    res["finish_reason"] = {"type": "stop", "matched": matched}
+                elif len(res["output_ids"]) >= sps[i]["max_new_tokens"]:
+                    pass
                 else:
-                    keep.append(k)
+                    matched = token if token in stop_ids[i] else self._matched_stop_str(res["output_ids"], sps[i])
+                    if matched is not None:
+                        res["finish_reason"] = {"type": "stop", "matched": matched}
+                    else:
+                        keep.append(k)
+                        finished = False
+                if stream is not None:
+                    stream.emit(rows[i], res, finished)
+            if stream is not None:
+                stream.step_done()
             step += 1
         return results
 
