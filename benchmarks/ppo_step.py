@@ -8,7 +8,10 @@ and PPO (algorithm.advantage=gae with a critic of the policy's size). Their step
 on the machine falls on both alike; the first `--warmup` steps of each are not measured. Prints, per stage (rollout,
 score, advantage, train, switch, step), the median seconds of each and the ratio PPO / GRPO, then the critic's
 share: `score` gains the critic's forward, `train` its forward + backward. The target of issue 36: the critic's
-training time (PPO train - GRPO train) at most the actor's (GRPO train), for the same model. The last line is JSON.
+training time (PPO train - GRPO train) at most the actor's (GRPO train), for the same model. SCORE's value pass
+(PPO score - GRPO score) is set beside GRPO's score, which at these settings (4 mini-batches: off-policy) is the
+actor's one old-log-prob forward over the same rows: about 1.0 when the critic's forward costs what the actor's does.
+The last line is JSON.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
         trainer.close()
     med = {name: {s: statistics.median(v) for s, v in st.items()} for name, st in seconds.items()}
     critic_train = med["ppo"]["train"] - med["grpo"]["train"]
+    critic_score = med["ppo"]["score"] - med["grpo"]["score"]
     result = {
         "benchmark": "ppo_step",
         "date": datetime.date.today().isoformat(),
@@ -81,6 +85,8 @@ def main(argv: list[str] | None = None) -> dict:
         "ratio_ppo_over_grpo": {s: med["ppo"][s] / med["grpo"][s] if med["grpo"][s] else None for s in STAGES},
         "critic_train_s": critic_train,
         "critic_train_over_actor_train": critic_train / med["grpo"]["train"] if med["grpo"]["train"] else None,
+        "critic_score_s": critic_score,
+        "critic_score_over_actor_score": critic_score / med["grpo"]["score"] if med["grpo"]["score"] else None,
     }
     print(f"{'stage':<10}{'GRPO s':>10}{'PPO s':>10}{'PPO/GRPO':>10}   (medians of {args.steps} steps each)")
     for s in STAGES:
@@ -90,6 +96,11 @@ def main(argv: list[str] | None = None) -> dict:
         f"critic's training (PPO train - GRPO train): {critic_train:.4f} s = "
         f"{result['critic_train_over_actor_train']:.2f} x the actor's (target: at most 1.0)"
     )
+    if result["critic_score_over_actor_score"] is not None:
+        print(
+            f"critic's SCORE pass (PPO score - GRPO score): {critic_score:.4f} s = "
+            f"{result['critic_score_over_actor_score']:.2f} x the actor's scoring forward (about 1.0: one forward)"
+        )
     print(json.dumps(result, sort_keys=True))
     return result
 

@@ -560,6 +560,7 @@ class Trainer:
             tc.micro_batch_size,
             tc.max_tokens_per_micro_batch,
             batch.group_size,
+            packing=tc.packing,
         )
 
     def _score(self, batch: RolloutBatch, ref: Optional[torch.nn.Module]):

@@ -7,8 +7,9 @@ SCORE runs `score_values`: V of the state before each response token (models/val
 GAE advantages and returns (algorithms/gae.py). TRAIN runs `critic_update` over the SAME mini-batches as the
 actor's `policy_update` (the same rows in the same order: `loop.update.mini_batch_rows` with the same seed),
 each an optimizer step of the clipped value loss, aggregated like the policy loss (its mode, its global
-normaliser over micro-batches and ranks). The critic runs its padded forward (response_values): packing is the
-actor's scoring path only.
+normaliser over micro-batches and ranks). The critic runs the actor's forward layout (`value_function`): with
+trainer.packing its padding-free twin (models/value.py packed_response_values: each distinct prompt once, as the
+actor's packed log-probs), else padded, and its micro-batches are cut as the actor's (the same `packed` rule).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from hybrid_rl.algorithms.gae import value_loss
 from hybrid_rl.batch import TrainBatch, micro_batches, response_ends, trimmed
 from hybrid_rl.config.schema import Config
 from hybrid_rl.loop.update import mini_batch_rows, per_token_in_micro_batches, train_mode
-from hybrid_rl.models.value import response_values
+from hybrid_rl.models.value import packed_response_values, response_values
 from hybrid_rl.observability.metrics import MeanAccumulator
 from hybrid_rl.runtime import distributed as D
 
@@ -39,6 +40,7 @@ class CriticSettings:
     mini_batch_size: int  # sequences over all ranks; 0 = the whole batch
     micro_batch_size: int
     max_tokens_per_micro_batch: int = 0
+    packing: bool = False  # trainer.packing: the actor's padding-free forward and micro-batch cut
 
     @classmethod
     def from_config(cls, cfg: Config) -> "CriticSettings":
@@ -52,7 +54,14 @@ class CriticSettings:
             mini_batch_size=a.mini_batch_size,
             micro_batch_size=t.micro_batch_size,
             max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
+            packing=t.packing,
         )
+
+
+def value_function(packing: bool):
+    """The forward that gives a micro-batch's values: padding-free (`packed_response_values`) or padded, the
+    actor's choice (`loop.update.logprob_function`)."""
+    return packed_response_values if packing else response_values
 
 
 @torch.no_grad()
@@ -64,17 +73,20 @@ def score_values(
     micro_batch_size: int,
     max_tokens: int = 0,
     group_size: int = 1,
+    packing: bool = False,
 ) -> torch.Tensor:
     """values_NT (float32, 0 on padding) of the rollout's response tokens under `critic`, in micro-batches cut
-    as the update's (rows by a row count or a token budget, each trimmed to its longest response)."""
+    as the update's (rows by a row count or a token budget, each trimmed to its longest response); packing: the
+    padding-free forward (`value_function`)."""
+    forward = value_function(packing=packing)
     return per_token_in_micro_batches(
-        lambda ids, attn: response_values(critic, ids, attn, P),
+        lambda ids, attn: forward(critic, ids, attn, P),
         ids_NL,
         attn_NL,
         P,
         micro_batch_size,
         max_tokens,
-        False,
+        packing,
         group_size,
     )
 
@@ -96,6 +108,7 @@ def critic_update(
     W = D.world_size()
     acc = MeanAccumulator()
     ends = response_ends(batch.mask_NT)
+    forward = value_function(packing=settings.packing)
     with train_mode(critic):
         for _, rows_M in mini_batch_rows(
             len(batch), batch.group_size, settings.ppo_epochs, settings.mini_batch_size, seed
@@ -110,12 +123,12 @@ def critic_update(
                 batch.P,
                 settings.micro_batch_size,
                 settings.max_tokens_per_micro_batch,
-                False,
+                settings.packing,
                 batch.group_size,
             ):
                 rows = torch.tensor(micro, device=batch.ids_NL.device)
                 ids, attn, mask, T = trimmed(batch, rows)
-                vpred_NT = response_values(critic, ids, attn, batch.P)
+                vpred_NT = forward(critic, ids, attn, batch.P)
                 loss, clipfrac = value_loss(
                     vpred_NT,
                     batch.returns_NT[rows, :T],

@@ -1,7 +1,7 @@
 """The critic: a causal LM's transformer body with a scalar value head, and its per-token values.
 
 Legend: N sequences, P prompt tokens (left-padded), T response tokens (right-padded),
-L = P + T, K kept positions, H hidden size, V vocab.
+L = P + T, K kept positions, Q scored response tokens (packed), H hidden size, V vocab.
 
 The critic is the policy's architecture without its LM head: the body reads the same
 Hugging Face directory (AutoModel takes the `model.*` weights of a *ForCausalLM
@@ -19,6 +19,13 @@ LM head is loaded, so none can run.
 Layout: response_values returns values_NT in response_logprobs' (N, T) layout: column t
 is V of the state before response token t, the head at position P-1+t (verl's critic
 takes values[:, -T-1:-1] the same way), so GAE reads values and log-probs column by column.
+
+Padding-free: packed_response_values is the critic's twin of packing.packed_response_logprobs,
+with the same layouts and the same choice between them (each distinct prompt once,
+models/shared_prefix.py, where the model supports it; else first-fit-decreasing packed
+rows; padded where neither saves MIN_SAVING of the slots). The head reads the hidden states
+at the layout's `pred_Q` slots, the ones whose logits score response token q in the
+actor's packed forward, so the values land in the same (N, T) layout, 0 on padding.
 
 Parallelism stays in models/fsdp.py: ValueModel keeps the body under `.model` as a
 *ForCausalLM does, so `decoder_layers` finds `.model.layers`, `fully_shard` wraps each
@@ -39,7 +46,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid_rl.models.logprobs import check_layout, position_ids
+from hybrid_rl.models import shared_prefix
+from hybrid_rl.models.loading import attention_implementation
+from hybrid_rl.models.logprobs import check_layout, position_ids, scatter_responses
+from hybrid_rl.models.packing import MIN_SAVING, VARLEN_ATTENTION, pack, plan_rows
 from hybrid_rl.models.saving import atomic_dir, full_state_dict, save_weights_quietly
 from hybrid_rl.runtime import distributed as D
 
@@ -54,6 +64,7 @@ __all__ = [
     "load_value_model",
     "save_value_model",
     "response_values",
+    "packed_response_values",
 ]
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -64,8 +75,9 @@ _HEAD = "value_head."
 class ValueModel(nn.Module):
     """A transformer body (`.model`, e.g. Qwen2Model) and a scalar head (`.value_head`, nn.Linear(H, 1)).
 
-    forward(input_ids, attention_mask, position_ids, values_to_keep) -> values_NK1 (float32):
-    V(s) at the last `values_to_keep` positions (all L when 0). The head runs in float32 on
+    forward(input_ids, attention_mask, position_ids, values_to_keep, value_slots) -> values_NK1 (float32):
+    V(s) at the last `values_to_keep` positions (all L when 0); with `value_slots` (Q,) instead, (Q, 1) at
+    those flat positions of the (N * L) hidden states (a packed layout's scored slots). The head runs in float32 on
     the last hidden states, so bf16 training keeps the regression target's precision at
     the output; its parameters stay in the body's dtype (FSDP2 shards them with the root's).
     """
@@ -101,16 +113,19 @@ class ValueModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         values_to_keep: int = 0,
+        value_slots: torch.Tensor | None = None,
         **kwargs,
     ) -> torch.Tensor:
         out = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **kwargs
         )
         hidden_NKH = out.last_hidden_state
-        if values_to_keep:
+        if value_slots is not None:  # only the scored slots reach the head
+            hidden_NKH = hidden_NKH.reshape(-1, hidden_NKH.shape[-1]).index_select(0, value_slots)
+        elif values_to_keep:
             hidden_NKH = hidden_NKH[:, -values_to_keep:]
         w, b = self.value_head.weight, self.value_head.bias
-        # A fresh (N, K, 1) tensor, not a view: FSDP2 hooks the root's outputs for its pre-backward.
+        # A fresh (N, K, 1) or (Q, 1) tensor, not a view: FSDP2 hooks the root's outputs for its pre-backward.
         return F.linear(hidden_NKH.float(), w.float(), b.float())
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
@@ -292,3 +307,75 @@ def response_values(model: nn.Module, ids_NL: torch.Tensor, attn_NL: torch.Tenso
     )
     assert values_NK1.shape == (N, T + 1, 1), f"the critic returned {tuple(values_NK1.shape)}, not (N, T+1, 1)"
     return values_NK1[:, :-1, 0].contiguous()
+
+
+def packed_response_values(
+    model: nn.Module,
+    ids_NL: torch.Tensor,
+    attn_NL: torch.Tensor,
+    P: int,
+    min_saving: float | None = None,
+    share_prompts: bool | None = None,
+) -> torch.Tensor:
+    """`response_values` without computing padding: values_NT (float32), 0 where attn_NL[:, P:] is 0.
+
+    The layouts of packing.packed_response_logprobs, chosen the same way: where the model supports it
+    (`shared_prefix.unsupported_reason`; share_prompts None) one row of distinct tokens, each distinct prompt
+    once; otherwise (share_prompts False, varlen attention, another model) first-fit-decreasing packed rows;
+    padded when the chosen layout would save less than `min_saving` (default MIN_SAVING) of the N x L slots
+    (0: never padded). The head reads each layout's `pred_Q` slots: the state before response token q.
+    """
+    min_saving = MIN_SAVING if min_saving is None else min_saving
+    N, T = check_layout(ids_NL, attn_NL, P)
+    limit = (1.0 - min_saving) * ids_NL.numel()
+    if share_prompts is None:
+        share_prompts = shared_prefix.unsupported_reason(model) is None
+    if share_prompts:
+        values_Q, row_Q, col_Q = _shared_prefix_values(model, ids_NL, attn_NL, P, limit)
+    else:
+        values_Q, row_Q, col_Q = _packed_row_values(model, ids_NL, attn_NL, P, limit)
+    if values_Q is None:
+        return response_values(model, ids_NL, attn_NL, P) * attn_NL[:, P:]
+    assert values_Q.shape == (row_Q.numel(), 1), f"the critic returned {tuple(values_Q.shape)}, not (Q, 1)"
+    (values_NT,) = scatter_responses((values_Q[:, 0],), row_Q, col_Q, N, T)
+    return values_NT
+
+
+def _shared_prefix_values(model, ids_NL, attn_NL, P, limit):
+    """(values_Q, row_Q, col_Q) from the distinct-token row, or Nones when it would not save the slots."""
+    layout = shared_prefix.build_layout(ids_NL, attn_NL, P)
+    if layout.tokens > limit:
+        return None, None, None
+    reason = shared_prefix.unsupported_reason(model)
+    if reason is not None:
+        raise ValueError(f"the shared-prefix layout cannot run this critic: {reason}")
+    shared_prefix.install(model)
+    # As in shared_prefix_logprobs: transformers builds no (K, K) mask, the layout carries its own.
+    token = shared_prefix._BUILDING_SHARED.set(True)
+    try:
+        values_Q1 = model(
+            input_ids=layout.ids_1K,
+            position_ids=layout.pos_1K,
+            attention_mask=None,
+            value_slots=layout.pred_Q,
+            shared_prefix=layout,
+        )
+    finally:
+        shared_prefix._BUILDING_SHARED.reset(token)
+    return values_Q1, layout.row_Q, layout.col_Q
+
+
+def _packed_row_values(model, ids_NL, attn_NL, P, limit):
+    """(values_Q, row_Q, col_Q) from first-fit-decreasing packed rows, or Nones when they would not save the
+    slots. Positions restart at 0 in each sequence and no mask is passed: transformers reads the block-diagonal
+    layout from the position ids, as in the actor's packed forward."""
+    one_row = attention_implementation(model) in VARLEN_ATTENTION
+    plan = plan_rows(attn_NL, one_row)
+    _, capacity, bins = plan
+    if len(bins) * capacity > limit:
+        return None, None, None
+    layout = pack(ids_NL, attn_NL, P, one_row, plan)
+    values_Q1 = model(
+        input_ids=layout.ids_RC, position_ids=layout.pos_RC, attention_mask=None, value_slots=layout.pred_Q
+    )
+    return values_Q1, layout.row_Q, layout.col_Q

@@ -65,27 +65,41 @@ def test_the_actor_waits_while_the_critic_warms_up(tiny_model_dir, tmp_path):
     tr.close()
 
 
-def test_the_critic_trains_on_the_actors_mini_batches(tiny_model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("packing", [True, False])
+def test_the_critic_trains_on_the_actors_mini_batches(tiny_model_dir, tmp_path, monkeypatch, packing):
     """Two mini-batches over two epochs: the rows of each critic optimizer step are exactly the rows of the actor's
-    step with the same index (read from the token ids each forward receives). Catches: a critic shuffle of its own."""
+    step with the same index (read from the token ids each forward receives), and the critic runs the forward layout
+    the actor runs (trainer.packing), in SCORE and TRAIN. Catches: a critic shuffle of its own, a critic padded while
+    the actor packs (twice the actor's forward, benchmarks/results/ppo_cpu_2026-11-28.md)."""
     from hybrid_rl.loop import critic_update as C
     from hybrid_rl.loop import update as U
 
     seen = {"actor": [], "critic": []}
-    real_forward, real_values = U.logprob_function(False), C.response_values
+    asked = {"actor": set(), "critic": set()}
+    real_forward, real_value_function = U.logprob_function(False), C.value_function
 
     def actor_forward(model, ids, attn, P, temperature):
         if torch.is_grad_enabled():  # the update's forwards, not SCORE's
             seen["actor"].append(sorted(map(tuple, ids.tolist())))
         return real_forward(model, ids, attn, P, temperature)
 
-    def critic_values(model, ids, attn, P):
-        if torch.is_grad_enabled():
-            seen["critic"].append(sorted(map(tuple, ids.tolist())))
-        return real_values(model, ids, attn, P)
+    def actor_function(packing):
+        asked["actor"].add(packing)
+        return actor_forward
 
-    monkeypatch.setattr(U, "logprob_function", lambda packing: actor_forward)
-    monkeypatch.setattr(C, "response_values", critic_values)
+    def critic_function(*, packing):
+        asked["critic"].add(packing)
+        real_values = real_value_function(packing=packing)
+
+        def critic_values(model, ids, attn, P):
+            if torch.is_grad_enabled():
+                seen["critic"].append(sorted(map(tuple, ids.tolist())))
+            return real_values(model, ids, attn, P)
+
+        return critic_values
+
+    monkeypatch.setattr(U, "logprob_function", actor_function)
+    monkeypatch.setattr(C, "value_function", critic_function)
     tr = _trainer(
         tiny_model_dir,
         str(tmp_path),
@@ -93,11 +107,13 @@ def test_the_critic_trains_on_the_actors_mini_batches(tiny_model_dir, tmp_path, 
         "algorithm.mini_batch_size=4",
         "algorithm.ppo_epochs=2",
         "trainer.micro_batch_size=8",
+        f"trainer.packing={str(packing).lower()}",
     )
     tr.step()
     assert len(seen["actor"]) == 4, "2 epochs x 2 mini-batches of 4 sequences, one micro-batch each"
     assert seen["critic"] == seen["actor"]
     assert seen["actor"][0] != seen["actor"][1], "the two mini-batches of an epoch hold different rows"
+    assert asked["critic"] == asked["actor"] == {packing}
     tr.close()
 
 

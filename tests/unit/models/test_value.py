@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import warnings
 
@@ -18,12 +19,14 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hybrid_rl.models import value as value_module
 from hybrid_rl.models.fsdp import prepare_policy
 from hybrid_rl.models.logprobs import build_sequences, response_logprobs
 from hybrid_rl.models.value import (
     VALUE_HEAD_FILE,
     ValueModel,
     load_value_model,
+    packed_response_values,
     response_values,
     save_value_model,
 )
@@ -46,14 +49,18 @@ def sharpen(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-@pytest.fixture
-def critic(tiny_model_dir) -> ValueModel:
-    model = sharpen(load_value_model(tiny_model_dir))
+def sharp_critic(tiny_model_dir, head_scale: float = 50.0, **load) -> ValueModel:
+    model = sharpen(load_value_model(tiny_model_dir, **load))
     # A fresh head is small (std 0.02): scale it so values differ by more than the tolerances.
     with torch.no_grad():
-        model.value_head.weight.mul_(50.0)
+        model.value_head.weight.mul_(head_scale)
         model.value_head.bias.fill_(0.3)
     return model
+
+
+@pytest.fixture
+def critic(tiny_model_dir) -> ValueModel:
+    return sharp_critic(tiny_model_dir)
 
 
 def naive_values(model: ValueModel, prompt: list[int], response: list[int]) -> list[float]:
@@ -122,6 +129,111 @@ def test_left_padding_does_not_change_values(critic):
     assert torch.allclose(padded[valid], values[valid], atol=1e-5)
     for i, r in enumerate(RESPONSES):
         assert torch.allclose(alone[i][0, : len(r)], values[i, : len(r)], atol=1e-5)
+
+
+# ---------------------------------------------------------------- packed / padding-free (the actor's layouts)
+# The fresh head's scale: values of a few units (std ~1.3 here), so an atol of 1e-5 is fp32's summation order at
+# most; at 50x (the fixture's) they reach ~150 and differ by ~1e-4 between layouts from rounding alone.
+PACKED_HEAD_SCALE = 1.0
+
+
+def _grouped_batch(groups: int = 5, G: int = 3, seed: int = 0):
+    """GRPO-shaped rows: `groups` prompts of 1-5 tokens, G samples each (so the shared layout shares them),
+    responses of 1-9 tokens, one empty and one at the maximum; ids 3..14."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 15) for _ in range(rng.randint(1, 5))] for _ in range(groups)]
+    responses = [[rng.randrange(3, 15) for _ in range(rng.randint(1, 9))] for _ in range(groups * G)]
+    responses[1], responses[2] = [], [7] * 9
+    ids, attn, mask, P = build_sequences([p for p in prompts for _ in range(G)], responses, pad_id=0)
+    return ids, attn, mask.float(), P
+
+
+def _padded_reference(model, ids, attn, mask, P):
+    """The padded path's values (pinned to the naive per-prefix loop by test_values_match_the_naive_per_prefix_loop)
+    and the gradients of their masked sum, then the model's grads cleared."""
+    values = response_values(model, ids, attn, P)
+    (values * mask * torch.linspace(0.5, 1.5, mask.shape[1])).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return values * mask, grads
+
+
+def _assert_same_gradients(model, want_grads: dict) -> None:
+    """Every parameter's gradient within 1e-5 relative in norm of the padded path's (CONTRIBUTING's rule)."""
+    for n, p in model.named_parameters():
+        rel = float((p.grad - want_grads[n]).norm() / want_grads[n].norm().clamp(min=1e-12))
+        assert rel <= 1e-5, f"grad {n}: relative difference {rel:.2e} in norm"
+
+
+@pytest.mark.parametrize("attn_impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("layout", ["rows", "one_row", "shared"])
+def test_packed_values_and_gradients_equal_the_padded_path(tiny_model_dir, monkeypatch, attn_impl, layout):
+    """packed_response_values (the actor's packed layouts: first-fit-decreasing rows; one_row, the layout
+    flash-attention varlen gets, run here through the block-diagonal mask; shared, each distinct prompt once) gives
+    the padded values to 1e-5 and every parameter's gradient. A comparison of two library paths: the padded one is
+    pinned by test_values_match_the_naive_per_prefix_loop and test_left_padding_does_not_change_values.
+    Catches: wrong position ids in a packed layout (sequences of a row attending to each other, or a response at
+    another distance from its prompt), the head read at the slot after (or before) the state, values scattered
+    to the wrong (row, column), padding not 0."""
+    if layout == "one_row":
+        monkeypatch.setattr(value_module, "attention_implementation", lambda model: "flash_attention_2")
+    model = sharp_critic(tiny_model_dir, PACKED_HEAD_SCALE, attn_implementation=attn_impl)
+    ids, attn, mask, P = _grouped_batch()
+    want, want_grads = _padded_reference(model, ids, attn, mask, P)
+
+    got = packed_response_values(model, ids, attn, P, min_saving=0.0, share_prompts=layout == "shared")
+    assert got.shape == mask.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert not got[mask == 0].any(), "padding reads 0"
+    assert want[mask != 0].std() > 0.05, "values barely vary: the test could not see a shifted slot"
+    (got * mask * torch.linspace(0.5, 1.5, mask.shape[1])).sum().backward()
+    _assert_same_gradients(model, want_grads)
+
+
+def test_shared_prefix_values_run_each_prompt_once_and_checkpoint(tiny_model_dir):
+    """The default layout for a supported model is the distinct-token row (what the actor's packed forward runs),
+    and under gradient checkpointing (train mode) the recomputed layers get the layout again: the gradients
+    are the padded path's. Catches: the critic falling back to packed rows or padding where the actor shares
+    prompts (twice its forward), the layout lost in the recompute."""
+    model = prepare_policy(sharp_critic(tiny_model_dir, PACKED_HEAD_SCALE), gradient_checkpointing=True).train()
+    ids, attn, mask, P = _grouped_batch()
+    want, want_grads = _padded_reference(model, ids, attn, mask, P)
+    fed = []
+    hook = model.model.register_forward_pre_hook(lambda m, a, k: fed.append(k["input_ids"].shape), with_kwargs=True)
+    got = packed_response_values(model, ids, attn, P)
+    hook.remove()
+    G = 3  # _grouped_batch's samples per prompt
+    distinct = int(attn[::G, :P].sum()) + int((attn[:, P:].sum(1) - 1).clamp(min=0).sum())
+    assert fed == [torch.Size([1, distinct])], f"fed {fed}, want one row of {distinct} distinct tokens"
+    assert distinct < int(attn.sum()) < ids.numel(), "fewer tokens than packed rows, fewer than padding"
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    (got * mask * torch.linspace(0.5, 1.5, mask.shape[1])).sum().backward()
+    _assert_same_gradients(model, want_grads)
+
+
+@pytest.mark.parametrize("share_prompts", [False, True])
+@pytest.mark.parametrize("similar", [False, True])
+def test_packed_values_fall_back_to_padded_when_packing_saves_little(
+    tiny_model_dir, monkeypatch, similar, share_prompts
+):
+    """As the actor's packed_response_logprobs: three sequences too long to share a row (15, 14, 15 tokens in rows
+    of 15), distinct prompts, so neither layout saves 10% of the slots and the padded forward runs, its padding
+    set to 0; otherwise the packed one. Catches: a layout that costs more than padding, garbage at padding."""
+    critic = sharp_critic(tiny_model_dir, PACKED_HEAD_SCALE)
+    if similar:
+        responses = [[7, 8] * 6, [10] * 11, [3, 3, 4] * 4]
+        ids, attn, mask, P = build_sequences([[5, 6, 7], [8, 9, 4], [5, 5, 5]], responses, pad_id=0)
+    else:
+        ids, attn, mask, P = _grouped_batch()
+    padded_calls = []
+    real = value_module.response_values
+    monkeypatch.setattr(value_module, "response_values", lambda *a, **k: padded_calls.append(1) or real(*a, **k))
+    with torch.no_grad():
+        got = packed_response_values(critic, ids, attn, P, share_prompts=share_prompts)
+        want = real(critic, ids, attn, P) * mask
+    assert len(padded_calls) == (1 if similar else 0)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert not got[mask == 0].any()
 
 
 def test_no_lm_head_is_loaded_or_computed(critic, tiny_model_dir):
