@@ -44,8 +44,19 @@ probed there before the engine is built, so the engine sizes its cache from what
 Staleness: batch b is generated with exactly version max(0, b - k) (staleness.py explains why not the
 freshest): k = 0 alternates and is on-policy; queue capacity = groups per step x (k + 1).
 
+Partial rollouts (rollout.partial, loop/partial.py; docs/partial_rollouts.md): each rollout rank keeps a pool of
+carried samples and runs RolloutStage.run_partial, which stops a batch once its groups are done. The schedule then
+runs one version closer (roles.schedule_k: batch b with version max(0, b - k + 1), k >= 1), so a group carried over
+one batch is still at most k versions old at the learner, whose rule reads its oldest token; one carried longer is
+dropped and counted. This is the in-flight update: a rollout rank takes the next version where its batch stops,
+without draining the batch's long samples, and continues them under that version, each new token tagged with it
+(VersionedGroup.token_versions). Without rollout.partial it drains: a batch ends when its last sample does. Each
+report carries the rank's pool; the learners keep the trained batch's (learner.CarriedSamples, in the run state), so
+the checkpoint holds it and the start message gives each rollout rank its pool back.
+
 Checkpoints: at a checkpoint after step s, samples in flight (queued groups of batches s .. s+k-1 and those
-being generated) are dropped deterministically, not saved: the learner saves as today (policy, optimizer,
+being generated) are dropped deterministically, not saved (with rollout.partial the samples carried as of batch
+s - 1 are saved, above): the learner saves as today (policy, optimizer,
 loader states, version s, and the reward normaliser (reward.normalize_model) as of batch s - 1: each batch's
 report carries the rollout ranks' loader position and normaliser state, and the learners keep the ones of the
 batch they train); on resume the rollout ranks start at batch s with version s weights (received by a first
