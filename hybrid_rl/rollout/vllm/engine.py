@@ -24,6 +24,20 @@ seed from NumPy's global stream.
 Logprobs come back as vLLM's FlatLogprobs (`flat_logprobs`: flat lists instead of a dict and a Logprob
 object per token), read without building those objects (~4% of the same rollout).
 
+Partial rollouts (issue 37, types.PartialRequest). A call with one drives vLLM's engine loop itself (drive.py), not
+the blocking `LLM.generate`: a row of a PartialRequest gets its own max_tokens / min_tokens, and once `groups_needed`
+groups have every row finished the rest are aborted in vLLM (their KV blocks freed) and returned "abort" with the
+tokens and log-probs they reached. The loop adds and steps as `LLM.generate` does: a PartialRequest that stops
+nothing samples the very tokens of the call without one, which still goes through `LLM.generate`.
+A continued row is a plain prompt (prompt + carried prefix, ids): vLLM prefills it whole, reusing what its prefix
+cache holds (rollout.enable_prefix_caching; dropped at every weight change, `_drop_prefix_cache`, so a prefix is
+never served KV of older weights). Its random stream: on CPU its new tokens are drawn from the continuing call's
+stream at the row's place in that call, on CUDA from a seed of the continuing call (setup.request_seeds); so a
+sample cut and continued is a draw from the same distribution but not the tokens an uninterrupted call with the
+same seed would have drawn (greedy continues exactly), and a call repeats exactly given its weights, prompts (with
+their prefixes), budgets and seed. The early stop reads only outputs, never a clock: every rank of a TP group stops
+at the same step (drive.py).
+
 Construction: `skip_tokenizer_init` (the trainer owns the tokenizer), `load_format="dummy"` (the
 weights come from the policy at the first sync, never from a second read of the checkpoint), the
 inference dtype (bf16 on CUDA, fp32 on CPU), `max_model_len` = longest kept prompt + max_new_tokens,
@@ -63,17 +77,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
 from hybrid_rl.rollout.base import check_tags
+from hybrid_rl.rollout.vllm import drive
 from hybrid_rl.rollout.vllm import setup as S
 from hybrid_rl.rollout.vllm.lora import AdapterPush
 from hybrid_rl.rollout.vllm.lora import engine_kwargs as lora_engine_kwargs
 from hybrid_rl.runtime import distributed as D
-from hybrid_rl.types import Completion, SamplingParams
+from hybrid_rl.types import Completion, PartialRequest, SamplingParams
 
 SLEEP_LEVEL = 2
 
@@ -86,33 +102,55 @@ def to_completion(out: Any, index: int, stop_ids: Iterable[int] = ()) -> Complet
         raise RuntimeError(f"vLLM did not finish request {index}: finish_reason={kind!r}")
     if kind == "length" and ids and ids[-1] in set(stop_ids):
         kind = "stop"  # as the native engine: a stop token at the length limit still stopped
+    return Completion(token_ids=ids, logprobs=_logprobs(out, ids, index), finish_reason=kind)
+
+
+def aborted_completion(out: Any, index: int) -> Completion:
+    """A row a partial call stopped unfinished: its tokens and log-probs so far (vLLM's latest cumulative report;
+    None: never scheduled, no token), finish_reason 'abort'."""
+    if out is None:
+        return Completion(token_ids=[], logprobs=[], finish_reason="abort")
+    ids = list(out.token_ids)
+    return Completion(token_ids=ids, logprobs=_logprobs(out, ids, index), finish_reason="abort")
+
+
+def _logprobs(out: Any, ids: list[int], index: int) -> list[float]:
     lps = out.logprobs
     if lps is None or len(lps) != len(ids):
         raise RuntimeError(f"request {index}: vLLM returned no logprob for every token")
     flat = getattr(lps, "logprobs", None)  # FlatLogprobs: one entry per token when only the sampled one is asked
     if flat is not None and len(flat) == len(ids) and list(lps.token_ids) == ids:
-        return Completion(token_ids=ids, logprobs=list(flat), finish_reason=kind)
-    logprobs = [float(lp[t].logprob) for t, lp in zip(ids, lps)]  # list of {token: Logprob} (or top-k entries)
-    return Completion(token_ids=ids, logprobs=logprobs, finish_reason=kind)
+        return list(flat)
+    return [float(lp[t].logprob) for t, lp in zip(ids, lps)]  # list of {token: Logprob} (or top-k entries)
 
 
-def build_requests(requests: list, stop_ids, device: torch.device) -> tuple[list, list, list, int]:
+def build_requests(
+    requests: list,
+    stop_ids,
+    device: torch.device,
+    partials: Optional[Sequence[Optional[PartialRequest]]] = None,
+) -> tuple[list, list, list, int]:
     """(vLLM prompts, their SamplingParams, their stop ids, the call's seed) for the group's requests, a list of
-    (prompt ids, our SamplingParams) in rank order; `stop_ids(params)` gives a request's stop ids.
+    (prompt ids, our SamplingParams) in rank order; `stop_ids(params)` gives a request's stop ids; `partials`: each
+    rank's PartialRequest or None (its rows then take the SamplingParams' budget and minimum).
 
-    On CPU one vLLM SamplingParams per rank's request, shared by its prompts (vLLM copies it per request anyway),
-    without a seed: the call's stream is seeded (module docstring, "Sampling stream"). On CUDA one per prompt, each
-    with its own seed (setup.request_seeds), the same on every rank of the group."""
+    On CPU one vLLM SamplingParams per rank's request and budget, shared by its prompts (vLLM copies it per request
+    anyway), without a seed: the call's stream is seeded (module docstring, "Sampling stream"). On CUDA one per
+    prompt, each with its own seed (setup.request_seeds), the same on every rank of the group. A row of a
+    PartialRequest gets its own max_tokens / min_tokens; the seeds do not depend on them. Output kind: FINAL_ONLY
+    (what LLM.generate asks) without a PartialRequest in the group, CUMULATIVE with one (drive.py)."""
     from vllm import SamplingParams as VSP
     from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
 
+    partials = list(partials) if partials is not None else [None] * len(requests)
+    kind = RequestOutputKind.FINAL_ONLY if all(p is None for p in partials) else RequestOutputKind.CUMULATIVE
     call_seed = S.group_seed(p.seed for _, p in requests)
     seeds = iter(S.request_seeds(call_seed, sum(len(ids) for ids, _ in requests), device))
     prompts, sampling, stops = [], [], []
-    for ids, p in requests:
+    for (ids, p), part in zip(requests, partials):
         stop = stop_ids(p)
         fields = dict(
-            max_tokens=p.max_new_tokens,
             temperature=0.0 if p.greedy else p.temperature,
             top_p=p.top_p,
             top_k=p.top_k if p.top_k > 0 else 0,
@@ -120,13 +158,21 @@ def build_requests(requests: list, stop_ids, device: torch.device) -> tuple[list
             logprobs=0,
             flat_logprobs=True,
             detokenize=False,
-            min_tokens=p.min_new_tokens,
+            output_kind=kind,
         )
-        shared = VSP(**fields)
-        for one in ids:
+        shared: dict[tuple[int, int], Any] = {}
+        budgets = None if part is None else list(zip(part.max_new_tokens, part.min_new_tokens))
+        for i, one in enumerate(ids):
             seed = next(seeds)
+            hi, lo = (p.max_new_tokens, p.min_new_tokens) if part is None else budgets[i]
+            if seed is None:
+                if (hi, lo) not in shared:
+                    shared[(hi, lo)] = VSP(**fields, max_tokens=hi, min_tokens=lo)
+                sp = shared[(hi, lo)]
+            else:
+                sp = VSP(**fields, max_tokens=hi, min_tokens=lo, seed=seed)
             prompts.append(TokensPrompt(prompt_token_ids=one))
-            sampling.append(shared if seed is None else VSP(**fields, seed=seed))
+            sampling.append(sp)
             stops.append(stop)
     return prompts, sampling, stops, call_seed
 
@@ -149,6 +195,9 @@ class VLLMEngine:
     and what the phase switch calls (switch/phases.py `_sync_weights`): `base_synced`, then `update_adapter`."""
 
     adapter: Optional[AdapterPush] = None
+    last_tail_s: Optional[float] = None  # what the last generate measured (generate's docstring)
+    last_generated_tokens: Optional[int] = None
+    last_cached_tokens: Optional[int] = None
 
     def __init__(
         self,
@@ -357,6 +406,7 @@ class VLLMEngine:
         if not self.session:
             raise RuntimeError("end_weight_update() without begin_weight_update()")
         self._finish_reload()
+        self._drop_prefix_cache()
         missing = sorted(set(self.expected) - self._sent)
         if missing:
             raise RuntimeError(
@@ -370,7 +420,19 @@ class VLLMEngine:
         device are put back; the weights are then partly updated, so generate refuses until a full sync."""
         if self.session:
             self._finish_reload()
+            self._drop_prefix_cache()
             self.synced = False
+
+    def _drop_prefix_cache(self) -> None:
+        """New weights (a sync, an adapter push): the KV blocks vLLM's prefix cache keeps were computed under the old
+        ones, and a prompt sharing their prefix (a carried sample continued from prompt + prefix, a group's prompt)
+        would attend to them. vLLM's sleep at level >= 1 drops them too (v1/engine/core.py `sleep` ->
+        `pause_scheduler(clear_cache=True)`), but a sync need not follow one (the REWARD stage's level-0 pause, a
+        sync without a release). Within one rollout the weights do not change and the cache is kept."""
+        if not self.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching:
+            return
+        if not self.llm.reset_prefix_cache():  # refused while a request holds blocks: none may, between calls
+            raise RuntimeError("vLLM refused to reset its prefix cache: a request still holds KV blocks")
 
     def _finish_reload(self) -> None:
         from vllm.config import set_current_vllm_config
@@ -385,7 +447,18 @@ class VLLMEngine:
 
     # -- generation -----------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def generate(
+        self, prompt_ids: list[list[int]], params: SamplingParams, partial: Optional[PartialRequest] = None
+    ) -> list[Completion]:
+        """This rank's completions, in order (module docstring). partial: per-row budgets and the early stop
+        ("Partial rollouts"); its unfinished rows come back "abort" with their tokens so far.
+
+        Sets `last_tail_s` (seconds of the engine's loop with fewer than half of the group's rows unfinished: the
+        engine decodes the whole TP group's rows, so every rank of a group reports the same; measured on the partial
+        path only, None without a PartialRequest: `_generate_blocking`), `last_generated_tokens`
+        (tokens sampled for this rank's rows; summed over ranks each row counts once) and `last_cached_tokens`
+        (prompt tokens of this rank's rows served from vLLM's prefix cache)."""
+        self.last_tail_s, self.last_generated_tokens, self.last_cached_tokens = None, None, None
         if self.released:
             raise RuntimeError(
                 f"engine memory is released ({sorted(self.released)}); resume(['weights', 'kv_cache']) first"
@@ -397,22 +470,50 @@ class VLLMEngine:
                 "the engine holds no synced weights (never synced, or the last sync failed); "
                 "enter the rollout phase, which sends them"
             )
-        if any(len(p) == 0 for p in prompt_ids):
-            raise ValueError("every prompt needs at least one token")
-        requests = [(list(map(list, prompt_ids)), params)]
+        request = (list(map(list, prompt_ids)), params, partial)
+        group = [request]
         if self.tp_size > 1:  # the whole group generates the same requests (external_launcher's rule)
-            requests = [None] * self.tp_size
-            torch.distributed.all_gather_object(requests, (list(map(list, prompt_ids)), params), group=self.group)
-        prompts, sampling, stops, call_seed = build_requests(requests, self._stop_ids, self.device)
+            group = [None] * self.tp_size
+            torch.distributed.all_gather_object(group, request, group=self.group)
+        for ids, p, part in group:  # every rank checks the whole group's requests: a refusal is the group's
+            if any(len(one) == 0 for one in ids):
+                raise ValueError("every prompt needs at least one token")
+            if part is not None:
+                part.check(len(ids), p)
+        requests, partials = [(ids, p) for ids, p, _ in group], [part for _, _, part in group]
+        prompts, sampling, stops, call_seed = build_requests(requests, self._stop_ids, self.device, partials)
+        start = sum(len(ids) for ids, _ in requests[: self.group_rank])
+        rows = slice(start, start + len(prompt_ids))  # this rank's
+        if all(part is None for part in partials):
+            completions, tail, cached = self._generate_blocking(prompts, sampling, stops, call_seed)
+        else:
+            stop = drive.GroupStop(partials, [len(ids) for ids, _ in requests])
+            with S.sampling_stream(call_seed, self.device):
+                run = drive.run(self.llm, prompts, sampling, self.lora_request, stop)
+            completions = [
+                to_completion(out, i, stops[i]) if done else aborted_completion(out, i)
+                for i, (out, done) in enumerate(zip(run.outputs, run.finished))
+            ]
+            tail, cached = run.tail_s, run.cached_tokens
+        own = completions[rows]
+        self.last_tail_s = tail
+        self.last_generated_tokens = sum(len(c.token_ids) for c in own)
+        self.last_cached_tokens = sum(cached[rows])
+        return own
+
+    def _generate_blocking(self, prompts, sampling, stops, call_seed) -> tuple[list[Completion], None, list[int]]:
+        """A call without a PartialRequest: vLLM's own `LLM.generate`, which returns once every request finished (so
+        the tail is not seen: None). drive.run samples the same tokens (test_vllm_partial.py) and would measure it,
+        but the LoRA tests swap the adapter request under `llm.generate` (test_vllm_lora.py's directory route)."""
         outs = []
+        drive.require_idle(self.llm)
         if prompts:
             with S.sampling_stream(call_seed, self.device):
                 outs = self.llm.generate(prompts, sampling, use_tqdm=False, lora_request=self.lora_request)
         if len(outs) != len(prompts):
             raise RuntimeError(f"vLLM returned {len(outs)} results for {len(prompts)} prompts")
         completions = [to_completion(o.outputs[0], i, stops[i]) for i, o in enumerate(outs)]
-        start = sum(len(ids) for ids, _ in requests[: self.group_rank])
-        return completions[start : start + len(prompt_ids)]
+        return completions, None, [o.num_cached_tokens or 0 for o in outs]
 
     def _stop_ids(self, p: SamplingParams) -> list[int]:
         # Without a tokenizer vLLM knows no EOS of the trainer's: it is passed as a stop id, as in SGLang.
@@ -455,6 +556,7 @@ class VLLMEngine:
         if "weights" in self.released:
             raise RuntimeError("update_adapter() while the engine's weights are released; resume(['weights']) first")
         sent = self.adapter.push(named_tensors, config)
+        self._drop_prefix_cache()
         self.sync_stats["bytes"] += sent
         return sent
 
@@ -488,10 +590,16 @@ def build_for_trainer(
     cfg, policy: torch.nn.Module, tok, longest: int, has_val: bool, weights_dtype: Optional[torch.dtype]
 ) -> VLLMEngine:
     """The engine: max_model_len = `longest` (kept prompt) + rollout.max_new_tokens, or with an environment
-    rollout.max_episode_tokens (vLLM caps a sample there); KV for the largest call a rank makes x that length."""
+    rollout.max_episode_tokens (vLLM caps a sample there); KV for the largest call a rank makes x that length.
+
+    With rollout.partial a call holds every sample of the groups in flight (loop/partial.py: ceil(partial_over x the
+    rank's data.batch_size groups), of rollout.n samples each); a continued row is prompt + carried prefix and asks
+    for at most max_new_tokens less that prefix, so max_model_len stays the same."""
     r = cfg.rollout
     W = D.world_size()
     train = cfg.data.batch_size * r.n // W
+    if getattr(r, "partial", False):
+        train = partial_rows(cfg.data.batch_size // W, getattr(r, "partial_over", 1.0), r.n)
     val = -(-(cfg.data.val_batch_size or cfg.data.batch_size) // W) * max(r.n, 1) if has_val else 0
     return VLLMEngine(
         policy,
@@ -512,6 +620,12 @@ def build_for_trainer(
             **({} if r.enforce_eager is None else {"enforce_eager": r.enforce_eager}),
         },
     )
+
+
+def partial_rows(batch_groups: int, over: float, n: int) -> int:
+    """The most rows one partial-rollout call of a rank holds: the groups in flight (loop/partial.py
+    `PartialRollouts.in_flight`, the same rule: at least a batch) x rollout.n samples."""
+    return max(batch_groups, math.ceil(over * batch_groups)) * n
 
 
 def _repack_tied_head(model: torch.nn.Module) -> None:
