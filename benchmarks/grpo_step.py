@@ -33,38 +33,21 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-PROTO = "@@"
+sys.path.insert(0, HERE)  # worker_pipe beside this script, as the other benchmarks import theirs
+from worker_pipe import WorkerProcess, proto_out, send, wait_go, worker_env  # noqa: E402
+
 # Every side, in the order the parent starts and steps them: ours (native engine), ours padded,
 # ours with vLLM, TRL (HF generate), TRL with vLLM colocated.
 SIDES = ("ours", "padded", "vllm", "trl", "trl_vllm")
 
 
 # ----------------------------------------------------------------------------- workers
-def _proto_out():
-    """The real stdout for protocol lines; everything else printed goes to stderr."""
-    fd = os.dup(1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    return os.fdopen(fd, "w", buffering=1)
-
-
-def _send(out, obj) -> None:
-    out.write(PROTO + json.dumps(obj) + "\n")
-    out.flush()
-
-
-def _wait_go() -> bool:
-    line = sys.stdin.readline()
-    return line.strip() == "go"
-
-
 def _model_dir(work: str) -> str:
     from hybrid_rl.data.digits import DIGIT_WORDS
     from hybrid_rl.models.tiny import build_tiny_model_dir
@@ -73,7 +56,7 @@ def _model_dir(work: str) -> str:
 
 
 def worker_ours(a) -> None:
-    out = _proto_out()
+    out = proto_out()
     import torch
 
     torch.set_num_threads(a.threads)
@@ -126,12 +109,12 @@ def worker_ours(a) -> None:
     distributed.init(cfg.trainer.device, timeout_s=cfg.process_group_timeout_s)
     torch.set_num_threads(a.threads)
     trainer = Trainer(cfg)
-    _send(out, {"ready": True, "threads": torch.get_num_threads()})
-    while _wait_go():
+    send(out, {"ready": True, "threads": torch.get_num_threads()})
+    while wait_go():
         t0 = time.perf_counter()
         m = trainer.step()
         dt = time.perf_counter() - t0
-        _send(
+        send(
             out,
             {
                 "step_s": dt,
@@ -144,7 +127,7 @@ def worker_ours(a) -> None:
 
 
 def worker_trl(a) -> None:
-    out = _proto_out()
+    out = proto_out()
     import torch
 
     torch.set_num_threads(a.threads)
@@ -229,7 +212,7 @@ def worker_trl(a) -> None:
             self.t0 = None
 
         def on_train_begin(self, args, state, control, **kw):
-            if not _wait_go():
+            if not wait_go():
                 raise SystemExit(0)
             self.t0 = time.perf_counter()
 
@@ -237,8 +220,8 @@ def worker_trl(a) -> None:
             dt = time.perf_counter() - self.t0
             r = sum(rewards) / max(1, len(rewards))
             rewards.clear()
-            _send(out, {"step_s": dt, "reward": r})
-            if state.global_step < args.max_steps and not _wait_go():
+            send(out, {"step_s": dt, "reward": r})
+            if state.global_step < args.max_steps and not wait_go():
                 control.should_training_stop = True
             self.t0 = time.perf_counter()
 
@@ -251,92 +234,48 @@ def worker_trl(a) -> None:
 
         vllm_bench.trl_reload_sync(trainer.vllm_generation)
     torch.set_num_threads(a.threads)
-    _send(out, {"ready": True, "threads": torch.get_num_threads()})
+    send(out, {"ready": True, "threads": torch.get_num_threads()})
     trainer.train()
 
 
 # ----------------------------------------------------------------------------- parent
-class Worker:
-    def __init__(self, kind: str, a, L: int, log_dir: str):
-        self.kind = kind
-        self.log = open(os.path.join(log_dir, f"{kind}_{L}.log"), "w")
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": str(a.threads),
-            "MKL_NUM_THREADS": str(a.threads),
-            "TOKENIZERS_PARALLELISM": "false",
-            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-            "VLLM_LOGGING_STREAM": "ext://sys.stderr",
-        }
-        if kind == "trl_vllm":
-            env["VLLM_CPU_KVCACHE_SPACE"] = (
-                "1"  # GiB; TRL passes gpu_memory_utilization=0.3, i.e. 0.3 x host RAM on CPU
-            )
-        cmd = [
-            sys.executable,
-            os.path.abspath(__file__),
-            "--worker",
-            kind,
-            "--work",
-            a.work,
-            "--max-new-tokens",
-            str(L),
-            "--steps",
-            str(a.steps),
-            "--warmup",
-            str(a.warmup),
-            "--prompts",
-            str(a.prompts),
-            "--n",
-            str(a.n),
-            "--lr",
-            str(a.lr),
-            "--threads",
-            str(a.threads),
-            "--micro-batch",
-            str(a.micro_batch),
-            "--seed",
-            str(a.seed),
-        ] + (["--vllm-compile"] if a.vllm_compile else [])
-        self.t_spawn = time.perf_counter()
-        self.p = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1, env=env, cwd=ROOT
-        )
-        self.steps: list[dict] = []
-        self.ready = self._read()
-        self.startup_s = time.perf_counter() - self.t_spawn
-
-    def _read(self) -> dict:
-        while True:
-            line = self.p.stdout.readline()
-            if not line:
-                self.log.flush()
-                tail = open(self.log.name).read()[-3000:]
-                raise RuntimeError(f"{self.kind} worker died (rc={self.p.poll()}); log tail:\n{tail}")
-            if line.startswith(PROTO):
-                return json.loads(line[len(PROTO) :])
-
-    def step(self) -> dict:
-        self.p.stdin.write("go\n")
-        self.p.stdin.flush()
-        r = self._read()
-        self.steps.append(r)
-        return r
-
-    def close(self) -> None:
-        try:
-            self.p.stdin.write("stop\n")
-            self.p.stdin.close()
-        except (BrokenPipeError, OSError):
-            pass
-        try:
-            self.p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-        self.log.close()
+def start_worker(kind: str, a, L: int, log_dir: str) -> WorkerProcess:
+    """One side's worker, started and ready (its model built, its first "ready" line read)."""
+    env = worker_env(a.threads)
+    if kind == "trl_vllm":
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB; TRL passes gpu_memory_utilization=0.3, i.e. 0.3 x host RAM on CPU
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        kind,
+        "--work",
+        a.work,
+        "--max-new-tokens",
+        str(L),
+        "--steps",
+        str(a.steps),
+        "--warmup",
+        str(a.warmup),
+        "--prompts",
+        str(a.prompts),
+        "--n",
+        str(a.n),
+        "--lr",
+        str(a.lr),
+        "--threads",
+        str(a.threads),
+        "--micro-batch",
+        str(a.micro_batch),
+        "--seed",
+        str(a.seed),
+    ] + (["--vllm-compile"] if a.vllm_compile else [])
+    w = WorkerProcess(kind, cmd, env, os.path.join(log_dir, f"{kind}_{L}.log"))
+    w.wait_ready()
+    return w
 
 
-def summarize(w: Worker, warmup: int) -> dict:
+def summarize(w: WorkerProcess, warmup: int) -> dict:
     meas = w.steps[warmup:]
     times = [s["step_s"] for s in meas]
     d = {
@@ -429,7 +368,7 @@ def main() -> None:
             workers = {}
             try:
                 for k in kinds:  # start-ups one after the other, each timed alone
-                    workers[k] = Worker(k, a, L, work)
+                    workers[k] = start_worker(k, a, L, work)
                 for i in range(a.warmup + a.steps):
                     order = kinds if i % 2 == 0 else kinds[::-1]  # alternate who goes first
                     for k in order:

@@ -47,14 +47,15 @@ import math
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-PROTO = "@@"
+sys.path.insert(0, HERE)  # worker_pipe beside this script, as the other benchmarks import theirs
+from worker_pipe import WorkerProcess, proto_out, send, wait_go, worker_env  # noqa: E402
+
 SIDES = ("off", "on")
 SETTINGS = ("longtail", "uniform")
 ENGINES = ("native", "vllm")
@@ -144,19 +145,6 @@ def build(work: str, a) -> dict:
 
 
 # ----------------------------------------------------------------------------- workers
-def _proto_out():
-    """The real stdout for protocol lines; everything else printed goes to stderr."""
-    fd = os.dup(1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    return os.fdopen(fd, "w", buffering=1)
-
-
-def _send(out, obj) -> None:
-    out.write(PROTO + json.dumps(obj) + "\n")
-    out.flush()
-
-
 def side_overrides(a, side: str, engine: str, setting: str, seed: int, out_dir: str) -> list[str]:
     """The Trainer's overrides of recipes/grpo_tiny.yaml for one side; the two sides differ in rollout.partial."""
     if setting == "longtail":
@@ -245,7 +233,7 @@ METRICS = (
 
 
 def worker(a) -> None:
-    out = _proto_out()
+    out = proto_out()
     import torch
 
     torch.set_num_threads(a.threads)
@@ -260,14 +248,14 @@ def worker(a) -> None:
     distributed.init(cfg.trainer.device, timeout_s=cfg.process_group_timeout_s)
     torch.set_num_threads(a.threads)
     trainer = Trainer(cfg)
-    _send(out, {"ready": True, "threads": torch.get_num_threads()})
+    send(out, {"ready": True, "threads": torch.get_num_threads()})
     log, offset = os.path.join(out_dir, "rollouts.jsonl"), 0
-    while sys.stdin.readline().strip() == "go":
+    while wait_go():
         t0 = time.perf_counter()
         m = trainer.step()
         dt = time.perf_counter() - t0
         rows, offset = row_stats(log, offset, a.short_len)
-        _send(
+        send(
             out,
             {
                 "step_s": dt,
@@ -281,60 +269,12 @@ def worker(a) -> None:
 
 
 # ----------------------------------------------------------------------------- parent
-class Worker:
-    def __init__(self, a, side: str, engine: str, setting: str, seed: int):
-        self.side = side
-        self.log = open(os.path.join(a.work, f"{engine}_{setting}_{seed}_{side}.log"), "w")
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": str(a.threads),
-            "MKL_NUM_THREADS": str(a.threads),
-            "TOKENIZERS_PARALLELISM": "false",
-            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-            "VLLM_LOGGING_STREAM": "ext://sys.stderr",
-        }
-        cmd = [sys.executable, os.path.abspath(__file__), *a.argv, "--worker", side, "--work", a.work]
-        cmd += ["--engine", engine, "--setting", setting, "--seed", str(seed), "--model", a.model, "--data", a.data]
-        self.t_spawn = time.perf_counter()
-        self.p = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1, env=env, cwd=ROOT
-        )
-        self.steps: list[dict] = []
-        self.ready: dict = {}
-        self.startup_s = float("nan")
-
-    def wait_ready(self) -> None:
-        self.ready = self._read()
-        self.startup_s = time.perf_counter() - self.t_spawn
-
-    def _read(self) -> dict:
-        while True:
-            line = self.p.stdout.readline()
-            if not line:
-                self.log.flush()
-                tail = open(self.log.name).read()[-3000:]
-                raise RuntimeError(f"{self.side} worker died (rc={self.p.poll()}); log tail:\n{tail}")
-            if line.startswith(PROTO):
-                return json.loads(line[len(PROTO) :])
-
-    def step(self) -> dict:
-        self.p.stdin.write("go\n")
-        self.p.stdin.flush()
-        r = self._read()
-        self.steps.append(r)
-        return r
-
-    def close(self) -> None:
-        try:
-            self.p.stdin.write("stop\n")
-            self.p.stdin.close()
-        except (BrokenPipeError, OSError):
-            pass
-        try:
-            self.p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-        self.log.close()
+def start_worker(a, side: str, engine: str, setting: str, seed: int) -> WorkerProcess:
+    """One side's worker process (wait_ready() then reads its "ready" line)."""
+    cmd = [sys.executable, os.path.abspath(__file__), *a.argv, "--worker", side, "--work", a.work]
+    cmd += ["--engine", engine, "--setting", setting, "--seed", str(seed), "--model", a.model, "--data", a.data]
+    log = os.path.join(a.work, f"{engine}_{setting}_{seed}_{side}.log")
+    return WorkerProcess(side, cmd, worker_env(a.threads), log)
 
 
 def _mean(xs) -> float | None:
@@ -355,7 +295,7 @@ def pooled(steps: list[dict], kind: str, what: str) -> float | None:
     return sum(s["rows"][f"{what}_{kind}"] * s["rows"][f"n_{kind}"] for s in steps if s["rows"].get(f"n_{kind}")) / n
 
 
-def summarize(w: Worker, warmup: int, short_len: int) -> dict:
+def summarize(w: WorkerProcess, warmup: int, short_len: int) -> dict:
     """One side: step times, phases, tokens, the partial metrics, the tail check and its reward-vs-wall-time curve."""
     meas = w.steps[warmup:]
     cum, curve = 0.0, []
@@ -399,7 +339,7 @@ def summarize(w: Worker, warmup: int, short_len: int) -> dict:
     return d
 
 
-def reward_at(w: Worker, cutoff: float, k: int, long_share: float) -> dict:
+def reward_at(w: WorkerProcess, cutoff: float, k: int, long_share: float) -> dict:
     """A side's reward at wall time `cutoff`: its last k steps that ended by then (module docstring)."""
     cum, ended = 0.0, []
     for s in w.steps:
@@ -426,10 +366,10 @@ def reward_at(w: Worker, cutoff: float, k: int, long_share: float) -> dict:
 def run_pair(a, engine: str, setting: str, seed: int, say) -> dict:
     """The two sides of one (engine, setting, seed), stepped alternately; their summaries and ratios."""
     pair: dict = {"engine": engine, "setting": setting, "seed": seed}
-    workers: dict[str, Worker] = {}
+    workers: dict[str, WorkerProcess] = {}
     try:
         for side in SIDES:  # both start at once (start-up is not what is compared)
-            workers[side] = Worker(a, side, engine, setting, seed)
+            workers[side] = start_worker(a, side, engine, setting, seed)
         for w in workers.values():
             w.wait_ready()
         for i in range(a.warmup + a.steps):
