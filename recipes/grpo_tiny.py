@@ -32,6 +32,12 @@ def parse_args(argv: list[str]):
     """(the recipe's flags, the key=value overrides)."""
     parser = RecipeParser(__doc__, "recipes/grpo_tiny.yaml")
     parser.add_argument(
+        "--config",
+        default=os.path.join(HERE, "grpo_tiny.yaml"),
+        help="the YAML the overrides apply to (default: grpo_tiny.yaml beside this file; recipes/ppo_tiny.yaml: the "
+        "same task with PPO and a critic)",
+    )
+    parser.add_argument(
         "--create-model",
         action="store_true",
         help="create a random-weight tiny Qwen2 at a model.path that holds no model (without it, only the "
@@ -55,9 +61,9 @@ def check_model_path(path: str, given: bool, create: bool) -> bool:
 
 @distributed.report_failures
 def main(argv: list[str]) -> dict:
-    # 1. Config: the YAML next to this file, then command-line overrides.
+    # 1. Config: the YAML next to this file (or --config), then command-line overrides.
     args, overrides = parse_args(argv)
-    cfg = load_config(os.path.join(HERE, "grpo_tiny.yaml"), overrides)
+    cfg = load_config(args.config, overrides)
     given = any(o.startswith("model.path=") for o in overrides)
     create = check_model_path(cfg.model.path, given, args.create_model)
 
