@@ -18,11 +18,17 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid_rl.algorithms.aggregation import masked_sum, normalizer_count
+from hybrid_rl.algorithms.aggregation import masked_sum
 from hybrid_rl.algorithms.gae import value_loss
-from hybrid_rl.batch import TrainBatch, micro_batches, response_ends, trimmed
+from hybrid_rl.batch import TrainBatch, response_ends, trimmed
 from hybrid_rl.config.schema import Config
-from hybrid_rl.loop.update import mini_batch_rows, per_token_in_micro_batches, train_mode
+from hybrid_rl.loop.update import (
+    global_normalizer,
+    mini_batch_micros,
+    mini_batch_rows,
+    per_token_in_micro_batches,
+    train_mode,
+)
 from hybrid_rl.models.value import packed_response_values, response_values
 from hybrid_rl.observability.metrics import MeanAccumulator
 from hybrid_rl.runtime import distributed as D
@@ -113,19 +119,10 @@ def critic_update(
         for _, rows_M in mini_batch_rows(
             len(batch), batch.group_size, settings.ppo_epochs, settings.mini_batch_size, seed
         ):
-            local_norm = normalizer_count(batch.mask_NT[rows_M.to(batch.ids_NL.device)], settings.loss_agg)
-            denom = D.all_reduce_sum(torch.tensor([local_norm], dtype=torch.float64)).item()
+            denom = global_normalizer(batch, rows_M, settings.loss_agg)
             optimizer.zero_grad(set_to_none=True)
             mini_loss = torch.zeros((), device=batch.ids_NL.device)
-            for micro in micro_batches(
-                rows_M.tolist(),
-                ends,
-                batch.P,
-                settings.micro_batch_size,
-                settings.max_tokens_per_micro_batch,
-                settings.packing,
-                batch.group_size,
-            ):
+            for micro in mini_batch_micros(batch, rows_M, ends, settings):
                 rows = torch.tensor(micro, device=batch.ids_NL.device)
                 ids, attn, mask, T = trimmed(batch, rows)
                 vpred_NT = forward(critic, ids, attn, batch.P)

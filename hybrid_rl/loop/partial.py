@@ -113,8 +113,11 @@ class PartialRollouts:
     def drop_stale(self, step: int, max_staleness: int) -> tuple[int, int]:
         """Drop the groups whose oldest token is more than `max_staleness` versions behind step `step`'s weights
         (the split placement's rule); returns (groups, samples) dropped."""
-        stale = [g for g in self.groups if g.oldest_version is not None and lag(step, g.oldest_version) > max_staleness]
-        self.groups = [g for g in self.groups if g not in stale]
+        kept, stale = [], []
+        for g in self.groups:
+            old = g.oldest_version is not None and lag(step, g.oldest_version) > max_staleness
+            (stale if old else kept).append(g)
+        self.groups = kept
         return len(stale), sum(len(g.samples) for g in stale)
 
     def refill(self, step: int, loader: PromptLoader, encode: Callable[[dict], list[int]]) -> int:

@@ -217,14 +217,13 @@ class RolloutStage:
         )
 
 
-def engine_metrics(engine, ran: bool = True) -> dict[str, float]:
+def engine_metrics(engine) -> dict[str, float]:
     """The engine's account of its last generate call: tokens sampled (summed over ranks) and the slowest rank's
     seconds with fewer than half of its rows still decoding (a time: resumed runs need not repeat it). An engine
     that does not measure the tail reports -1."""
-    tail = getattr(engine, "last_tail_s", None) if ran else 0.0
-    tokens = getattr(engine, "last_generated_tokens", None) if ran else 0
-    measured = D.all_reduce_max(torch.tensor([0 if tail is None else 1], dtype=torch.int64)).item()
-    tail_max = D.all_reduce_max(torch.tensor([tail or 0.0], dtype=torch.float64)).item()
+    tail, tokens = getattr(engine, "last_tail_s", None), getattr(engine, "last_generated_tokens", None)
+    flag_tail = torch.tensor([0.0 if tail is None else 1.0, tail or 0.0], dtype=torch.float64)
+    measured, tail_max = D.all_reduce_max(flag_tail).tolist()
     total = D.all_reduce_sum(torch.tensor([tokens or 0], dtype=torch.float64)).item()
     return {"time/rollout_tail": tail_max if measured else -1.0, "rollout/tokens_generated": total}
 

@@ -189,6 +189,27 @@ def policy_update(
         return acc.reduce()
 
 
+def global_normalizer(batch: TrainBatch, rows_M: torch.Tensor, loss_agg: str) -> float:
+    """The loss's normaliser of the mini-batch `rows_M` over every rank: a host round trip, since it is a count the
+    ranks sum before any micro-batch runs (algorithms/aggregation.py). The actor's and the critic's update share it."""
+    local_norm = normalizer_count(batch.mask_NT[rows_M.to(batch.ids_NL.device)], loss_agg)
+    return D.all_reduce_sum(torch.tensor([local_norm], dtype=torch.float64)).item()
+
+
+def mini_batch_micros(batch: TrainBatch, rows_M: torch.Tensor, ends: list[int], settings) -> Iterator[list[int]]:
+    """The micro-batches (row lists) of the mini-batch `rows_M`, cut by `settings`' micro_batch_size,
+    max_tokens_per_micro_batch and packing (UpdateSettings or CriticSettings: the critic cuts as the actor does)."""
+    return micro_batches(
+        rows_M.tolist(),
+        ends,
+        batch.P,
+        settings.micro_batch_size,
+        settings.max_tokens_per_micro_batch,
+        settings.packing,
+        batch.group_size,
+    )
+
+
 def mini_batch_rows(
     n: int, group_size: int, epochs: int, mini_batch_size: int, seed: int
 ) -> Iterator[tuple[int, torch.Tensor]]:
@@ -218,22 +239,12 @@ def _mini_batch(
 ) -> None:
     """One optimizer step over the mini-batch `rows_M` (gradients accumulated over its micro-batches)."""
     algo, W = settings.algo, D.world_size()
-    # Host round trip: the normaliser is a count the ranks sum before any micro-batch runs.
-    local_norm = normalizer_count(batch.mask_NT[rows_M.to(batch.ids_NL.device)], algo.loss_agg)
-    denom = D.all_reduce_sum(torch.tensor([local_norm], dtype=torch.float64)).item()
+    denom = global_normalizer(batch, rows_M, algo.loss_agg)
     # Gradients of the last mini-batch stay until the phase switch frees them on the
     # way to ROLLOUT, so the memory ledger sees them in TRAIN.
     optimizer.zero_grad(set_to_none=True)
     mini_loss = torch.zeros((), device=batch.ids_NL.device)
-    for micro in micro_batches(
-        rows_M.tolist(),
-        ends,
-        batch.P,
-        settings.micro_batch_size,
-        settings.max_tokens_per_micro_batch,
-        settings.packing,
-        batch.group_size,
-    ):
+    for micro in mini_batch_micros(batch, rows_M, ends, settings):
         loss = _micro_batch_loss(
             policy, batch, torch.tensor(micro, device=batch.ids_NL.device), settings, kl_coef, denom, first_epoch, acc
         )

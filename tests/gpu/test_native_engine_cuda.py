@@ -21,17 +21,6 @@ PROMPTS = [[5, 6, 7, 14], [8, 14], [11, 12, 13, 4, 5, 6, 14], [9, 9, 14]]
 PATHS = {"cuda_graph": {}, "lean": {"cuda_graphs": False}, "forward": {"cuda_graphs": False, "lean_step": False}}
 
 
-@pytest.fixture(scope="module")
-def model(tiny_model_dir):
-    m = load_causal_lm(tiny_model_dir, dtype=torch.float32).cuda().eval()
-    g = torch.Generator().manual_seed(1234)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() >= 2:
-                p.add_(0.15 * torch.randn(p.shape, generator=g).cuda())
-    return m
-
-
 @pytest.mark.parametrize("path", list(PATHS))
 def test_greedy_equals_full_forward_argmax_on_cuda(model, path):
     eng = NativeEngine(model, PAD, EOS, **PATHS[path])

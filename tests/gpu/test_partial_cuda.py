@@ -8,26 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_rl.models.loading import load_causal_lm
 from hybrid_rl.rollout.native.engine import NativeEngine
 from hybrid_rl.types import PartialRequest, SamplingParams
+from tests.gpu.test_native_engine_cuda import EOS, PAD, PATHS, PROMPTS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-PAD, EOS, T = 0, 1, 20
-PROMPTS = [[5, 6, 7, 14], [8, 14], [11, 12, 13, 4, 5, 6, 14], [9, 9, 14]]
-PATHS = {"cuda_graph": {}, "lean": {"cuda_graphs": False}, "forward": {"cuda_graphs": False, "lean_step": False}}
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir):
-    m = load_causal_lm(tiny_model_dir, dtype=torch.float32).cuda().eval()
-    g = torch.Generator().manual_seed(1234)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() >= 2:
-                p.add_(0.15 * torch.randn(p.shape, generator=g).cuda())
-    return m
+T = 20
 
 
 def _greedy(max_new: int = T, min_new: int = 0) -> SamplingParams:
