@@ -8,7 +8,9 @@ zero-copy limit other engines are measured against, and it runs on CPU.
 Decoding (`_generate_batch`) keeps the work proportional to the live rows:
 * the decode path (CUDA graph, lean step or the model's forward) is chosen once per rollout, and the
   token loop calls that path's step only (`decode_path.py`; a failed graph re-decodes its batch eagerly);
-* a prompt repeated in the batch (its G samples) is prefilled once and its cache rows copied;
+* a prompt repeated in the batch (its G samples) is prefilled once and its cache rows copied; rows that share
+  a stem (the carried samples of one prompt, each with its own prefix) prefill the stem once and then their own
+  tokens, in length buckets (`prefill_plan.py`);
 * the KV cache is allocated once per batch at its final size (`kv_cache.StaticKVCache`);
 * the token loop (`decode_loop.py`) never waits for the device except every `stop_check_every` tokens (on CUDA;
   on CPU there is nothing to wait for, so it checks every token), where
@@ -60,6 +62,7 @@ from hybrid_rl.rollout.native.decode_loop import (
     to_completions,
 )
 from hybrid_rl.rollout.native.decode_path import (
+    MASK_4D_IMPLEMENTATIONS,
     DecodePath,
     ForwardStep,
     GraphDecodeFailed,
@@ -72,6 +75,7 @@ from hybrid_rl.rollout.native.decode_path import (
 )
 from hybrid_rl.rollout.native.kv_cache import StaticKVCache
 from hybrid_rl.rollout.native.lean_step import LeanStep, unsupported_reason
+from hybrid_rl.rollout.native.prefill_plan import FORWARD_TOKENS, plan_prefill
 from hybrid_rl.rollout.native.sampler import _draw, filter_logits, sample_tokens  # noqa: F401  (re-exported: tests and benchmarks import them from here)
 from hybrid_rl.types import Completion, PartialRequest, SamplingParams
 
@@ -126,6 +130,8 @@ class NativeEngine:
         self._notes_logged: set[str] = set()
         self.last_batch_rows = 0  # rows of the last generate call's decode batches (its cap)
         self.last_prefill_rows = 0  # prompts per prefill forward in the last generate call
+        self.last_prefill_forwards = 0  # prefill forwards of the last generate call (buckets x chunks, both phases)
+        self._slot_cap: int | None = None  # prompt slots the memory budget was planned with (None: unplanned)
         self.last_decode_path = ""  # how the last batch decoded, all of it: "cuda_graph", "lean" or "forward"
         self._sharded = bool(fsdp_modules(model))
         self._weights_ready = not self._sharded
@@ -206,14 +212,15 @@ class NativeEngine:
 
         partial (rollout.partial): each row's own budget and minimum, and the early stop once
         `partial.groups_needed` groups have finished; a decode batch that starts after that returns its
-        rows unstarted ("abort", no tokens). A continued row is prefilled whole (prompt + its carried prefix):
-        its cache is recomputed under the current weights, as AReaL's interrupted requests are.
+        rows unstarted ("abort", no tokens). A continued row's cache (prompt + its carried prefix) is recomputed
+        under the current weights, as AReaL's interrupted requests are: the prompt once for all the rows that share
+        it, then each row's prefix (`prefill_plan.py`).
         """
         if not self._weights_ready or not self._kv_ready:
             raise RuntimeError("engine memory is released; call resume(['weights', 'kv_cache']) before generate")
         if any(len(p) == 0 for p in prompt_ids):
             raise ValueError("every prompt needs at least one token")
-        self.last_tail_s, self.last_generated_tokens = 0.0, 0
+        self.last_tail_s, self.last_generated_tokens, self.last_prefill_forwards = 0.0, 0, 0
         if not prompt_ids:  # a rank with no rows this round (an uneven validation split)
             return []
         if partial is not None:
@@ -309,11 +316,16 @@ class NativeEngine:
         N = len(prompts)
         rows = min(N, self.max_batch_size or N)
         free = self.free_memory(dev)
+        self._slot_cap = None
         if free is None:
             return rows, rows
         if self._shape is None:
             self._shape = RolloutShape.of(ModelArch.from_hf_config(model_config(self.model).to_dict()))
-        P, T = max(map(len, prompts)), sp.max_new_tokens
+        share = base_attention(attention_implementation(self.model)) in MASK_4D_IMPLEMENTATIONS
+        # The prompt slots of the shared layout (the longest row's when nothing is shared); a decode batch whose own
+        # layout would be wider prefills its rows whole (prefill_plan.plan_prefill's max_slots).
+        P, T = plan_prefill(prompts, N, 0, share).P, sp.max_new_tokens
+        self._slot_cap = P
         budget = native_budget(
             self._shape,
             self.act_bytes,
@@ -350,27 +362,26 @@ class NativeEngine:
 
         return DecodeGraphs(self.model, cache, dev, lean=lean)
 
-    def _prefill(
-        self, ids_UP: torch.Tensor, attn_UP: torch.Tensor, pos_UP: torch.Tensor, cache: StaticKVCache, chunk: int
+    def _prefill_pieces(
+        self, ids_RW: torch.Tensor, attn_RS: torch.Tensor, pos_RS: torch.Tensor, cache: StaticKVCache, pieces
     ) -> torch.Tensor:
-        """logits_UV of each prompt's next token, `chunk` prompts per forward (each writes its rows of the cache)."""
-        U, P = ids_UP.shape
+        """logits_RV of each row's next token: one forward per bucket (a, b, L) of `prefill_plan`, rows a..b-1's last
+        L tokens of ids_RW (left-padded to W) written at the slots that end at S (attn_RS: the rows' masks over those
+        S slots, pos_RS their positions), over what the cache holds before them."""
+        S, W = attn_RS.shape[1], ids_RW.shape[1]
         parts = []
-        for a in range(0, U, chunk):
-            b = min(U, a + chunk)
-            cache.prefill_window(a, b)
+        for k in pieces:
+            cache.window(k.a, k.b, S - k.L)
             parts.append(
                 self.model(
-                    input_ids=ids_UP[a:b],
-                    attention_mask=attn_UP[a:b],
-                    position_ids=pos_UP[a:b],
+                    input_ids=ids_RW[k.a : k.b, W - k.L :],
+                    attention_mask=attn_RS[k.a : k.b],
+                    position_ids=pos_RS[k.a : k.b, S - k.L :],
                     past_key_values=cache,
                     use_cache=True,
                     logits_to_keep=1,
                 ).logits[:, -1]
             )
-        cache.prefill_window(0, U)
-        cache.advance(P)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _generate_batch(
@@ -399,21 +410,35 @@ class NativeEngine:
         return to_completions(toks_NT, lps_NT, stop_K, limits)
 
     def _prefill_batch(self, prompts: list[list[int]], T: int, dev: torch.device, prefill_rows: int) -> Prefilled:
-        """The cache allocated at its final size and filled with the prompts.
+        """The cache allocated at its final size and filled with the prompts (`prefill_plan.py`).
 
-        A prompt's G samples share its prefill: the unique prompts run once, then their rows of the
-        cache, logits and masks are copied to every sample (src_N: the unique prompt of each row)."""
-        first: dict[tuple[int, ...], int] = {}
-        src = [first.setdefault(tuple(p), len(first)) for p in prompts]
-        ids_UP, attn_UP = left_pad([list(p) for p in first], self.pad_id, dev)
-        N, P = len(prompts), ids_UP.shape[1]
-        src_N = torch.tensor(src, device=dev)
+        A prompt's G samples share its prefill, and so do carried rows that continue samples of one prompt: each
+        distinct stem runs once (phase 1, in length buckets), each distinct row's tokens after it once (phase 2,
+        attending to its stem's copy), then the rows of the cache, logits and masks are copied to every sample."""
+        share = base_attention(attention_implementation(self.model)) in MASK_4D_IMPLEMENTATIONS
+        plan = plan_prefill(prompts, prefill_rows, FORWARD_TOKENS.get(dev.type, 0), share, self._slot_cap)
+        N, U, n_x, P_s, P = len(prompts), len(plan.rows), plan.n_suffix, plan.P_s, plan.P
         cache = StaticKVCache(N, P + T - 1)
-        # True = a slot the next forward may attend to: the prompt's real tokens, then each
-        # fed-back token (finished rows included: their outputs are discarded anyway).
+        ids_US, attn_US = left_pad([list(s) for s in plan.stems], self.pad_id, dev)
+        logits_V = self._prefill_pieces(ids_US, attn_US, position_ids(attn_US), cache, plan.stem_buckets)
+        cache.window(0, len(plan.stems), P_s)
+        stem_U = torch.tensor(plan.stem_of, device=dev)
+        cache.expand_rows(stem_U)  # each distinct row starts as its stem's copy
+        # True = a slot the next forward may attend to: the row's real tokens (its stem's, then its own after a
+        # masked gap), then each fed-back token (finished rows included: their outputs are discarded anyway).
+        attn_UP = torch.zeros((U, P), dtype=attn_US.dtype, device=dev)
+        attn_UP[:, :P_s] = attn_US[stem_U]
+        logits_V = logits_V[stem_U]
+        if n_x:
+            ids_XW, attn_XW = left_pad([list(plan.suffix(u)) for u in range(n_x)], self.pad_id, dev)
+            attn_UP[:n_x, P_s:] = attn_XW
+            pos_XP = position_ids(attn_UP[:n_x])  # real tokens only: a suffix continues its stem's positions
+            logits_V[:n_x] = self._prefill_pieces(ids_XW, attn_UP[:n_x], pos_XP, cache, plan.suffix_buckets)
+            cache.window(0, U, P)
+        src_N = torch.tensor(plan.src, device=dev)
+        cache.expand_rows(src_N)
         attn_NS = torch.zeros((N, P + T - 1), dtype=torch.bool, device=dev)
         attn_NS[:, :P] = attn_UP.bool()[src_N]
-        pos_UP = position_ids(attn_UP)
-        logits_UV = self._prefill(ids_UP, attn_UP, pos_UP, cache, prefill_rows)
-        cache.expand_rows(src_N)
-        return Prefilled(cache, attn_NS, pos_UP[src_N][:, -1:] + 1, logits_UV[src_N], P)
+        pos_N1 = attn_UP.sum(-1, keepdim=True)[src_N]
+        self.last_prefill_forwards += plan.forwards()
+        return Prefilled(cache, attn_NS, pos_N1, logits_V[src_N], P)

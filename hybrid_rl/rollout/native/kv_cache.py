@@ -14,7 +14,8 @@ Two read modes:
 
 Dropping rows copies the live rows to the front of the same buffers (the data
 pointers never change), and the layers then expose the first M rows only. A prefill
-may run in chunks of prompts (`prefill_window`): each chunk's forward sees its own rows.
+may run in chunks of prompts (`prefill_window`), or in pieces at any slot (`window`: length
+buckets, a row's own tokens after its shared prompt): each piece's forward sees its own rows.
 
 Legend: N rows allocated, M rows live (M <= N), H KV heads, S slots, D head dim,
 Q query tokens of one forward.
@@ -115,6 +116,14 @@ class StaticKVCache(Cache):
             self.layers.append(_SlotLayer(self))
         return self.layers[layer_idx].update(key_states, value_states)
 
+    # The cache's own length, not its first layer's: the first forward (layers not yet created) may start at a
+    # slot > 0 (`window`), and transformers reads the past length before any layer exists.
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return (self.max_len, 0) if self.full_length else (self.length + query_length, 0)
+
     def advance(self, n: int) -> None:
         """Every layer has written `n` more slots."""
         self.length += n
@@ -141,6 +150,17 @@ class StaticKVCache(Cache):
         if not 0 <= a < b <= self.max_rows or self.length:
             raise ValueError(f"prefill_window({a}, {b}) needs 0 <= a < b <= {self.max_rows} before anything is written")
         self.row0, self.rows = a, b - a
+        for layer in self.layers:
+            layer.show_rows(a, b)
+
+    def window(self, a: int, b: int, slot: int) -> None:
+        """Expose rows [a, b) as the live rows with `slot` slots written: the next forward writes its Q tokens at
+        slots slot .. slot + Q - 1 of these rows and reads slots 0 .. slot + Q - 1 (a prefill in pieces: row chunks,
+        length buckets, a row's own tokens after its shared prompt). Nothing advances: when every piece is
+        written, window(0, U, S) exposes the U rows with their S slots."""
+        if not 0 <= a < b <= self.max_rows or not 0 <= slot <= self.max_len:
+            raise ValueError(f"window({a}, {b}, {slot}) needs 0 <= a < b <= {self.max_rows}, slot <= {self.max_len}")
+        self.row0, self.rows, self.length = a, b - a, slot
         for layer in self.layers:
             layer.show_rows(a, b)
 
