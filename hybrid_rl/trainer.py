@@ -661,6 +661,8 @@ class Trainer:
                         self.close()
                         interrupted = TrainingInterrupted(signum, state.step, path)
                         raise interrupted
+                if self.split:  # trainer.inflight_update=continue: the versions still queued reach the rollout ranks
+                    self.learner_side.finish()
         finally:
             stop.restore()
             bar.close()

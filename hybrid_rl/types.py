@@ -7,7 +7,7 @@ live here and import nothing of the package.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Protocol, Sequence
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,9 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length" | "abort" (a partial rollout stopped it unfinished: tokens so far)
+    # The policy version of each token when weights changed during the call (trainer.inflight_update=continue:
+    # split/inflight.py sets it); None: every token was sampled by the weights the engine held at the call's start.
+    versions: Optional[list[int]] = None
 
     @property
     def generated_tokens(self) -> int:
@@ -98,6 +101,29 @@ class PartialRequest:
                 f"PartialRequest: a row's budget {max(self.max_new_tokens)} exceeds "
                 f"SamplingParams.max_new_tokens={params.max_new_tokens}"
             )
+
+
+class WeightUpdates(Protocol):
+    """Weight versions an engine takes between decode steps (trainer.inflight_update=continue, split/inflight.py).
+
+    An engine given one calls `poll()` between its decode steps (and before each decode batch), where no forward is
+    running; poll applies every version that has arrived through the engine's own weight-update API and returns how
+    many. After the call the engine's `last_update_marks` holds, per applied version, the tokens each row of the call
+    (in order) held when it took effect: tokens at or past a row's mark were sampled by that version or a newer one."""
+
+    def poll(self) -> int: ...
+
+
+def token_versions(
+    marks: Sequence[Sequence[int]], row: int, n_tokens: int, start: int, applied: Sequence[int]
+) -> list[int]:
+    """The version of each of a row's `n_tokens` tokens: `start` (held at the call's start) until the row's mark
+    of the first applied version, then `applied[u]` from its mark of update u on (marks: WeightUpdates)."""
+    out = [start] * n_tokens
+    for u, version in enumerate(applied):
+        for j in range(max(0, marks[u][row]), n_tokens):
+            out[j] = version
+    return out
 
 
 def groups_complete(group_of: Sequence[int], finished: Sequence[bool]) -> int:

@@ -560,6 +560,9 @@ class TrainerConfig:
     rollout_ranks: int = 1
     max_staleness: int = 0
     stale_samples: Literal["drop", "correct"] = "drop"
+    # split/inflight.py: a rollout rank takes a new version where its batch ends (drain) or between decode steps,
+    # decoding on over the cache the older weights wrote (continue), each token tagged with the version that sampled it
+    inflight_update: Literal["drain", "continue"] = "drain"
 
     def __post_init__(self) -> None:
         check_choices(self, "trainer")
@@ -669,6 +672,8 @@ class Config:
         )
         if self.rollout.partial:
             self._check_partial()
+        if self.trainer.inflight_update == "continue":
+            self._check_inflight()
         a, n = self.algorithm, self.rollout.n
         # An estimator without a group baseline (REINFORCE++ whitens over the whole batch) runs with one sample.
         from hybrid_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS
@@ -699,6 +704,46 @@ class Config:
             "trainer.max_staleness",
             "must be >= 1 with rollout.partial: a sample carried to the next step holds tokens one version old "
             "(0 would drop every carried sample); e.g. 2",
+        )
+
+    def _check_inflight(self) -> None:
+        """What trainer.inflight_update=continue cannot run with (split/inflight.py), each refused naming the key."""
+        key, r = "trainer.inflight_update", self.rollout
+        check(
+            self.trainer.placement == "split",
+            key,
+            "'continue' updates a rollout rank's weights while it decodes; colocated, a rollout and a training never "
+            "overlap, so there is nothing to update in flight: set trainer.placement=split or inflight_update=drain",
+        )
+        check(
+            r.engine in ("native", "vllm"),
+            key,
+            f"'continue' needs an engine that takes weights between decode steps (native, vllm); rollout.engine="
+            f"{r.engine!r} generates a call whole: use inflight_update=drain",
+        )
+        check(
+            r.tp_size == 1,
+            key,
+            f"'continue' needs one engine per rollout rank (rollout.tp_size=1, got {r.tp_size}): the ranks of a "
+            "tensor-parallel engine would take a version at different steps",
+        )
+        check(
+            not (r.engine == "vllm" and r.enable_prefix_caching),
+            key,
+            "'continue' with rollout.enable_prefix_caching=true: vLLM cannot drop its prefix cache while requests "
+            "run; set rollout.enable_prefix_caching=false",
+        )
+        check(
+            not (r.engine == "vllm" and self.model.lora.enabled),
+            key,
+            "'continue' with LoRA on vLLM: a new adapter applies only to requests added after it; use "
+            "rollout.engine=native or inflight_update=drain",
+        )
+        check(
+            not self.env.enabled,
+            key,
+            "'continue' tags the tokens of single generate calls; a multi-turn episode (env.*) joins several: "
+            "use inflight_update=drain",
         )
 
     @property

@@ -159,13 +159,14 @@ class PartialRollouts:
         return Plan(prompts, request, targets, continued, cut)
 
     def absorb(self, plan: Plan, completions: list[Completion], version: int) -> None:
-        """The engine's results: each row's new tokens appended to its sample, tagged with `version`."""
+        """The engine's results: each row's new tokens appended to its sample, tagged with `version`, or with the
+        versions the completion carries (weights taken in flight: split/inflight.py)."""
         if len(completions) != len(plan.targets):
             raise RuntimeError(f"engine returned {len(completions)} completions for {len(plan.targets)} prompts")
         for s, c in zip(plan.targets, completions):
             s.token_ids += c.token_ids
             s.logprobs += c.logprobs
-            s.versions += [version] * len(c.token_ids)
+            s.versions += c.versions if c.versions is not None else [version] * len(c.token_ids)
             s.finish_reason = c.finish_reason
 
     def complete_count(self) -> int:

@@ -183,6 +183,12 @@ def all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
+def store():
+    """The launcher's key-value store (torchrun's TCPStore, prefixed by the default group): small flags between
+    ranks that must not wait for each other (split/inflight.py)."""
+    return dist.distributed_c10d._get_default_store()
+
+
 def new_group(ranks: list[int], timeout_s: int = 300, backend: str = "gloo"):
     """A group over `ranks` (gloo: host objects and control traffic; `backend_for(device)` for one that also
     reduces device tensors); every rank must call this for every group, in the same order. None when not

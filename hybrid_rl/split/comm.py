@@ -29,6 +29,7 @@ class SplitComm:
     sync_group: Any
     timeout_s: float
     rollout_mesh: Any = None  # the rollout ranks' DeviceMesh for the reward model (None: none, or R == 1, or a learner)
+    pairs: Optional[dict] = None  # trainer.inflight_update=continue: rollout rank -> its group [0, r] (inflight.py)
 
     @property
     def role(self) -> str:
@@ -39,9 +40,13 @@ class SplitComm:
         return len(self.layout.learners)
 
 
-def setup_split(rollout_ranks: int, device: torch.device, timeout_s: float, reward_model: bool = False) -> SplitComm:
+def setup_split(
+    rollout_ranks: int, device: torch.device, timeout_s: float, reward_model: bool = False, inflight: bool = False
+) -> SplitComm:
     """The groups (module docstring) and this rank's scope; call on every rank, right after distributed.init.
-    reward_model: the run has one (reward.model_path), so the rollout mesh is made (every rank, same order)."""
+    reward_model: the run has one (reward.model_path), so the rollout mesh is made (every rank, same order);
+    inflight: trainer.inflight_update=continue, so each rollout rank's pair group [0, r] is made (every rank, in
+    rank order, after the others)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if not D.is_dist():
@@ -60,13 +65,14 @@ def setup_split(rollout_ranks: int, device: torch.device, timeout_s: float, rewa
     rollout_mesh = (
         DeviceMesh(device.type, torch.tensor(layout.rollouts)) if reward_model and len(layout.rollouts) > 1 else None
     )
+    pairs = {r: D.new_group([0, r], int(timeout_s)) for r in layout.rollouts} if inflight else None
     rollout = layout.is_rollout(me)
     if rollout:
         D.use_group(rollout_group, layout.rollouts)
     else:
         D.use_group(learner_group, layout.learners)
     return SplitComm(
-        layout, rollout, None if rollout else mesh, sync_group, timeout_s, rollout_mesh if rollout else None
+        layout, rollout, None if rollout else mesh, sync_group, timeout_s, rollout_mesh if rollout else None, pairs
     )
 
 

@@ -34,6 +34,7 @@ from hybrid_rl.plan.rates import idle_fraction
 from hybrid_rl.runtime import distributed as D
 from hybrid_rl.split.comm import SplitComm, start_message
 from hybrid_rl.split.groups import to_rollout_batch
+from hybrid_rl.split.inflight import Offers
 from hybrid_rl.split.staleness import LearnerQueue, StalenessRule, Taken, staleness_metrics
 from hybrid_rl.split.transport import recv_groups, recv_json
 from hybrid_rl.split.validation import validation_steps, validation_syncs
@@ -58,13 +59,15 @@ class LearnerSide:
         val_every: int = 0,
         val_before_train: bool = False,
         schedule_k: Optional[int] = None,
+        inflight: bool = False,
     ):
         """prompts_per_step: data.batch_size (the queue holds k + 1 steps of groups); rows: the dataset the
         rollout ranks draw from (a group carries its row's index); loader: the run state's PromptLoader, kept at
         the rollout ranks' position after the batch last trained (what a checkpoint saves); adapters: LoRA, the
         syncs send the adapters only; val_every, val_before_train: trainer.val_every / val_before_train; schedule_k:
         how many versions ahead the rollout ranks run (the admission schedule; default the rule's k, and k - 1
-        with rollout.partial, so that a group carried over one batch is still within k: roles.schedule_k)."""
+        with rollout.partial, so that a group carried over one batch is still within k: roles.schedule_k); inflight:
+        trainer.inflight_update=continue, versions go out through split/inflight.py's sender threads."""
         self.comm, self.rule, self.rows, self.pad_id, self.device = comm, rule, rows, pad_id, device
         self.loader, self.reward_norm = loader, None  # the run state's RunningNorm, given by start()
         self.sync_dtype, self.bucket_bytes, self.adapters = sync_dtype, bucket_bytes, adapters
@@ -80,6 +83,7 @@ class LearnerSide:
         self._trained_tokens = 0.0
         self.last_batch = -1
         self.signal = 0  # a signal a rollout rank reported (the fit loop stops on it as on its own)
+        self.offers = Offers(comm.pairs, D.store(), comm.timeout_s) if inflight else None
 
     def start(
         self,
@@ -97,7 +101,8 @@ class LearnerSide:
         self.next_batch, self.last_batch = first_batch, first_batch + n_batches - 1
         self.reward_norm, self.partial = reward_norm, partial
         self.val_steps = validation_steps(first_batch, self.last_batch, self.val_every, self.val_before_train)
-        self.val_syncs = validation_syncs(self.val_steps, self.last_batch, self.k)
+        # Under continue every version up to the last batch is sent anyway (inflight.py): only later ones go alone.
+        self.val_syncs = validation_syncs(self.val_steps, self.last_batch, 0 if self.offers else self.k)
         self.queue.clear()  # nothing is in flight between two fit() calls (the last batch was trained)
         if D.rank() == 0:
             norm = reward_norm.state_dict() if reward_norm is not None else None
@@ -140,9 +145,13 @@ class LearnerSide:
         learner rank calls it: the gathers are collectives of the learner mesh)."""
         tokens = torch.tensor([float(batch.resp_mask_NT.sum()) if batch is not None else 0.0], dtype=torch.float64)
         self._trained_tokens = D.all_reduce_sum(tokens).item()
+        out = {"split/sync_s": 0.0, "split/sync_bytes": 0.0}
+        if self.offers is not None and version <= self.last_batch:  # continue: offered at once, taken in flight
+            stats = self._send(policy, version)
+            out.update({"split/sync_s": stats.seconds, "split/sync_bytes": float(stats.bytes)})
         wait = self._receive_through(min(version + self.k - 1, self.last_batch)) if D.rank() == 0 else 0.0
-        out = {"split/learner_wait_s": wait, "split/sync_s": 0.0, "split/sync_bytes": 0.0}
-        if version + self.k <= self.last_batch:  # a batch of this fit() is made with it
+        out["split/learner_wait_s"] = wait
+        if self.offers is None and version + self.k <= self.last_batch:  # drain: a batch of this fit() is made with it
             stats = self._send(policy, version)
             out.update({"split/sync_s": stats.seconds, "split/sync_bytes": float(stats.bytes)})
         return out
@@ -155,9 +164,20 @@ class LearnerSide:
             return
         k = self.k
         self._receive_through(min(step + k, self.last_batch))
-        if step + k + 1 <= self.last_batch or any(s > step for s in self.val_syncs):  # they wait for a version
-            send_stop(src=0, group=self.comm.sync_group, timeout_s=self.comm.timeout_s)
+        # They wait for version step + 1: before batch step + k + 1 (drain), or after their last batch (continue).
+        waits = step + (1 if self.offers is not None else k + 1) <= self.last_batch
+        if waits or any(s > step for s in self.val_syncs):
+            if self.offers is not None:
+                self.offers.stop()
+            else:
+                send_stop(src=0, group=self.comm.sync_group, timeout_s=self.comm.timeout_s)
+        self.finish()
         self.queue.clear()
+
+    def finish(self) -> None:
+        """The end of a fit(): under continue, wait until every rollout rank took the versions queued for it."""
+        if self.offers is not None and D.rank() == 0:
+            self.offers.finish()
 
     def validate(self, policy: torch.nn.Module, write_samples, step: int) -> dict[str, float]:
         """fit()'s validation of version `step` (after that step; 0: before training), which the rollout ranks run
@@ -193,6 +213,8 @@ class LearnerSide:
         return D.broadcast_object_from(metrics, 0)
 
     def _send(self, policy: torch.nn.Module, version: int):
+        if self.offers is not None:
+            return self.offers.send(policy, version, self.sync_dtype, self.bucket_bytes, self.adapters)
         return send_weights(
             policy,
             version,
@@ -239,6 +261,8 @@ class LearnerSide:
                 "split/generated_tokens": float(meta["tokens"]),
                 "split/tokens_generated_per_s": meta["tokens"] / max(meta["time/rollout"], 1e-9),
                 "split/weights_version": float(meta["version"]),
+                "split/inflight_updates": float(meta["inflight_updates"]),
+                "split/inflight_sync_s": meta["inflight_sync_s"],
                 "split/loader": meta["loader"],
                 "split/reward_norm": meta["reward_norm"],
                 "split/partial": meta["partial"],
@@ -260,6 +284,8 @@ def _merge(reports: list[dict]) -> dict:
     for k in (*ROLLOUT_TIMES, "wait_s"):
         out[k] = max(r[k] for r in reports)
     out["tokens"] = sum(r["tokens"] for r in reports)
+    out["inflight_updates"] = sum(r.get("inflight_updates", 0) for r in reports)
+    out["inflight_sync_s"] = max(r.get("inflight_sync_s", 0.0) for r in reports)
     out["signal"] = max(r.get("signal", 0) for r in reports)
     out["partial"] = [r["partial"] for r in reports] if reports[0].get("partial") is not None else None
     return out

@@ -23,7 +23,13 @@ def setup(cfg, device: torch.device) -> Optional[SplitComm]:
     t = cfg.trainer
     if t.placement != "split":
         return None
-    return setup_split(t.rollout_ranks, device, cfg.process_group_timeout_s, reward_model=bool(cfg.reward.model_path))
+    return setup_split(
+        t.rollout_ranks,
+        device,
+        cfg.process_group_timeout_s,
+        reward_model=bool(cfg.reward.model_path),
+        inflight=t.inflight_update == "continue",
+    )
 
 
 def learner_side(
@@ -48,6 +54,7 @@ def learner_side(
         val_every=t.val_every,
         val_before_train=t.val_before_train,
         schedule_k=schedule_k(cfg),
+        inflight=t.inflight_update == "continue",
     )
 
 
@@ -86,6 +93,7 @@ def rollout_side(
         val_before_train=t.val_before_train,
         adapter=AdapterTarget(policy) if cfg.model.lora.enabled else None,
         pool=pool,
+        inflight=t.inflight_update == "continue",
     )
 
 

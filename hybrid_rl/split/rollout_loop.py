@@ -26,11 +26,14 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+import torch
+
 from hybrid_rl.checkpoint.sharded import seed_all
 from hybrid_rl.observability.metrics import StageTimer
 from hybrid_rl.runtime import distributed as D
 from hybrid_rl.runtime.stop import StopSignal
 from hybrid_rl.split.comm import SplitComm, start_message
+from hybrid_rl.split.inflight import InflightEngine, TakeOffered
 from hybrid_rl.split.schedule import syncs_before
 from hybrid_rl.split.staleness import VersionedGroup
 from hybrid_rl.split.transport import send_groups, send_json
@@ -54,6 +57,7 @@ class RolloutSide:
         val_before_train: bool = False,
         adapter: Optional[AdapterTarget] = None,
         pool=None,
+        inflight: bool = False,
     ):
         """stage: the RolloutStage (its rewards' norm is the reward normaliser, or None); loader: this rank's
         PromptLoader (rank r - (W - R) of R); rows: the dataset (a group travels with its row's index); seed:
@@ -61,7 +65,8 @@ class RolloutSide:
         one): it yields the resident module; validator: loop/validation.Validator over the engine (its phases a
         split.validation.ResidentEngine), with trainer.val_every / val_before_train; adapter: LoRA's target of
         the adapter-only syncs (None: full weights); pool: rollout.partial's loop.partial.PartialRollouts of this
-        rank (None: off), whose state travels with each report and comes back in the start message."""
+        rank (None: off), whose state travels with each report and comes back in the start message; inflight:
+        trainer.inflight_update=continue, the stage's engine takes versions between decode steps (inflight.py)."""
         self.comm, self.stage, self.engine, self.loader, self.k = comm, stage, engine, loader, max_staleness
         self.model_phase, self.norm = model_phase, stage.rewards.norm
         self.validator, self.val_every, self.val_before_train = validator, val_every, val_before_train
@@ -70,6 +75,12 @@ class RolloutSide:
         self.row_index = {id(r): i for i, r in enumerate(rows)}
         self.version = 0  # the weights the engine holds
         self.val_due: set[int] = set()  # versions this fit() still validates
+        self.updates: Optional[TakeOffered] = None
+        self.stage_engine = engine  # what the stage generates with
+        if inflight:
+            me = torch.distributed.get_rank()
+            self.updates = TakeOffered(D.store(), me, self._receive, lambda: self.version, self.val_due.__contains__)
+            self.stage_engine = InflightEngine(engine, self.updates)
 
     def run(self) -> int:
         """One fit()'s batches, as learner rank 0's start message says; returns how many were sent (fewer when
@@ -82,7 +93,8 @@ class RolloutSide:
         if self.pool is not None and start.get("partial") is not None:  # this rank's carried samples, as trained
             self.pool.load_state_dict(start["partial"][D.rank()])
         steps = validation_steps(start["first"], start["last"], self.val_every, self.val_before_train)
-        self.val_due = set(steps)
+        self.val_due.clear()  # the poller reads this set: updated in place
+        self.val_due.update(steps)
         self.signal, sent = StopSignal(), 0
         try:
             if start["first"] > 0 or self.adapter is not None:  # a resumed run, a second fit, LoRA's first draw
@@ -91,6 +103,9 @@ class RolloutSide:
             for b in range(start["first"], start["last"] + 1):
                 self.batch(b)
                 sent += 1
+            while self.updates is not None and self.version < start["last"]:  # continue: versions no batch took
+                self._receive(self.version + 1)
+                self._validate_held()
             for v in sorted(self.val_due):  # versions no batch is made with, sent for their validation
                 self._receive(v)
                 self._validate_held()
@@ -101,11 +116,13 @@ class RolloutSide:
         return sent
 
     def _receive(self, version: int) -> float:
+        """Apply `version` (from learner rank 0 over the sync group, or under continue over this rank's pair group)."""
+        pairs = self.comm.pairs
         stats = receive_weights(
             self.engine,
             version,
             src=0,
-            group=self.comm.sync_group,
+            group=self.comm.sync_group if pairs is None else pairs[torch.distributed.get_rank()],
             timeout_s=self.comm.timeout_s,
             adapter=self.adapter,
         )
@@ -131,20 +148,26 @@ class RolloutSide:
             validated += self._validate_held()
         wait = time.perf_counter() - t0 - synced - validated
         seed_all(self.seed + 1_000_003 * (b + 1) + 7919 * D.rank())
-        timer = StageTimer()
+        timer, held = StageTimer(), self.version
+        taken, taken_s = (len(self.updates.applied), self.updates.seconds) if self.updates else (0, 0.0)
         if self.pool is None:
-            batch, metrics = self.stage.run(self.engine, self.loader, b, timer, model_phase=self.model_phase)
-            groups = self.versioned(batch)
+            batch, metrics = self.stage.run(self.stage_engine, self.loader, b, timer, model_phase=self.model_phase)
+            tv = None  # under continue each completion says the version of each token (inflight.InflightEngine)
+            if self.updates is not None and batch is not None:
+                tv = [c.versions if c.versions is not None else [held] * len(c.token_ids) for c in batch.completions]
+            groups = self.versioned(batch, tv, held)
         else:  # carried samples continue under the weights held; each token keeps its version
             batch, metrics = self.stage.run_partial(
-                self.engine, self.pool, self.loader, b, timer, self.model_phase, version=self.version
+                self.stage_engine, self.pool, self.loader, b, timer, self.model_phase, version=held
             )
-            groups = self.versioned(batch, self.stage.last_token_versions)
+            groups = self.versioned(batch, self.stage.last_token_versions, held)
         dst, peer = 0, "learner rank 0"
         send_groups(groups, dst, self.comm.timeout_s, peer=peer)
         report = {
             "batch": b,
-            "version": self.version,
+            "version": held,
+            "inflight_updates": len(self.updates.applied) - taken if self.updates else 0,
+            "inflight_sync_s": self.updates.seconds - taken_s if self.updates else 0.0,
             "metrics": metrics,
             "wait_s": wait,
             "sync_s": synced,
@@ -158,9 +181,13 @@ class RolloutSide:
         }
         send_json(report, dst, self.comm.timeout_s, peer=peer)
 
-    def versioned(self, batch, token_versions: Optional[list[list[int]]] = None) -> list[VersionedGroup]:
-        """The batch's groups, each tagged with the version this rank holds (every token made by it), or with
-        partial rollouts each token's own version (`token_versions`, per completion) and the group's oldest."""
+    def versioned(
+        self, batch, token_versions: Optional[list[list[int]]] = None, held: Optional[int] = None
+    ) -> list[VersionedGroup]:
+        """The batch's groups, each tagged with the version `held` at the batch's start (default: the one held now;
+        every token made by it), or with partial rollouts or in-flight updates each token's own version
+        (`token_versions`, per completion) and the group's oldest."""
+        held = self.version if held is None else held
         if batch is None:
             return []
         G, out = batch.group_size, []
@@ -174,7 +201,7 @@ class RolloutSide:
                     batch.completions[i * G : (i + 1) * G],
                     batch.rewards_N[i * G : (i + 1) * G].tolist(),
                     batch.scores_N[i * G : (i + 1) * G].tolist(),
-                    min(firsts) if firsts else self.version,
+                    min(firsts) if firsts else held,
                     tv,
                 )
             )

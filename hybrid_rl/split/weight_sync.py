@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -87,29 +87,48 @@ def send_weights(
     """On every learner rank (the gathers are collectives of the learner group); global rank `src` broadcasts
     each gathered bucket in `dtype` to `group` (src + the rollout ranks). adapters: send the LoRA adapters only,
     under their peft names (module docstring)."""
+    t0, sent, buckets = time.perf_counter(), 0, 0
+    sender = dist.get_rank() == src
+    for manifest, flat in gathered_buckets(model, dtype, bucket_bytes, adapters, sender):
+        sent += send_bucket(manifest, flat, version, src, group, timeout_s, adapters)
+        buckets += 1
+    if sender:
+        send_end(version, dtype, src, group, timeout_s, adapters)
+    return SyncStats(version, sent, time.perf_counter() - t0, buckets)
+
+
+def gathered_buckets(
+    model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int, adapters: bool, sender: bool
+) -> Iterator[tuple[bytes, torch.Tensor]]:
+    """(manifest, flat host tensor) per bucket on the `sender` (learner rank 0), nothing on the other learner ranks,
+    which still iterate: every learner rank's shards go into each gather (a collective of the learner group)."""
     if dtype not in DTYPES:
         raise ValueError(f"inference dtype {dtype} cannot be synced; use one of {list(DTYPES)}")
-    sender = dist.get_rank() == src
-    magic = ADAPTER_MAGIC if adapters else MAGIC
     named = [(L.peft_name(n), p) for n, p in model.named_parameters() if L.peft_name(n)] if adapters else None
     if adapters and not named:
         raise RuntimeError("an adapter-only sync of a policy without LoRA adapters (apply_lora first)")
-    t0, sent, buckets = time.perf_counter(), 0, 0
     for bucket in iter_weight_buckets(model, bucket_bytes, dtype=dtype, named=named):
-        if not sender:
-            continue  # this rank's shards went into the gather; only rank `src` sends
-        manifest = json.dumps([[name, list(t.shape)] for name, t in bucket]).encode()
-        flat = torch.cat([t.reshape(-1) for _, t in bucket]).cpu()
-        what = f"broadcasting bucket {buckets} of version {version} from rank {src}"
-        _bcast(_header(version, dtype, manifest, flat.numel(), magic), src, group, timeout_s, what)
-        _bcast(torch.frombuffer(bytearray(manifest), dtype=torch.uint8), src, group, timeout_s, what)
-        _bcast(flat, src, group, timeout_s, what)
-        sent += flat.numel() * flat.element_size()
-        buckets += 1
-    if sender:
-        end = _header(version, dtype, b"", 0, magic)
-        _bcast(end, src, group, timeout_s, f"ending the sync of version {version}")
-    return SyncStats(version, sent, time.perf_counter() - t0, buckets)
+        if sender:
+            manifest = json.dumps([[name, list(t.shape)] for name, t in bucket]).encode()
+            yield manifest, torch.cat([t.reshape(-1) for _, t in bucket]).cpu()
+
+
+def send_bucket(
+    manifest: bytes, flat: torch.Tensor, version: int, src: int, group, timeout_s: float, adapters: bool = False
+) -> int:
+    """One bucket of version `version` from global rank `src` to `group`: header, manifest, flat; returns its bytes."""
+    what = f"broadcasting a bucket of version {version} from rank {src}"
+    magic = ADAPTER_MAGIC if adapters else MAGIC
+    _bcast(_header(version, flat.dtype, manifest, flat.numel(), magic), src, group, timeout_s, what)
+    _bcast(torch.frombuffer(bytearray(manifest), dtype=torch.uint8), src, group, timeout_s, what)
+    _bcast(flat, src, group, timeout_s, what)
+    return flat.numel() * flat.element_size()
+
+
+def send_end(version: int, dtype: torch.dtype, src: int, group, timeout_s: float, adapters: bool = False) -> None:
+    """The header with no manifest that ends the sync of `version`."""
+    end = _header(version, dtype, b"", 0, ADAPTER_MAGIC if adapters else MAGIC)
+    _bcast(end, src, group, timeout_s, f"ending the sync of version {version}")
 
 
 def send_stop(*, src: int, group, timeout_s: float) -> None:

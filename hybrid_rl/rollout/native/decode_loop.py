@@ -142,12 +142,14 @@ def decode(
     every: int,
     limits: RowLimits | None = None,
     stats: DecodeStats | None = None,
+    poll: Optional[Callable[[int], None]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """toks_NT, lps_NT (pad / 0 after a row's stop). Per token: sample (u_NT: the rows' uniforms, None
     for greedy), check for stops every `every` tokens (dropping finished rows), then `step`, the
     rollout's one step function: step(ids_M1, pos_M1, attn_MS, t) -> logits_MV. limits: a partial rollout's
     per-row budgets and early stop (a row that reaches its budget is done; the rows alive when `limits.stop`
-    says so are marked in `limits.aborted_N`)."""
+    says so are marked in `limits.aborted_N`). poll(held): at each stop check, before the next step, with the tokens
+    every live row holds (the in-flight weight update, types.WeightUpdates: the step after it runs the new weights)."""
     cache, attn_NS, pos_M1, P = batch.cache, batch.attn_NS, batch.pos_N1, batch.P
     logits_MV, batch.logits_NV = batch.logits_NV, None  # the (N, V) prefill logits die at the first step
     (N, _), T, dev = attn_NS.shape, sp.max_new_tokens, attn_NS.device
@@ -193,6 +195,8 @@ def decode(
                 cache.keep_rows(keep)
                 attn_NS[: keep.numel()] = attn_NS[keep]
                 rows_M, done_M, pos_M1, tok_M = rows_M[keep], done_M[keep], pos_M1[keep], tok_M[keep]
+            if poll is not None:
+                poll(t + 1)
         M = rows_M.numel()
         attn_NS[:M, P + t] = True
         logits_MV = step(tok_M[:, None], pos_M1, attn_NS[:M], t)

@@ -77,7 +77,7 @@ from hybrid_rl.rollout.native.kv_cache import StaticKVCache
 from hybrid_rl.rollout.native.lean_step import LeanStep, unsupported_reason
 from hybrid_rl.rollout.native.prefill_plan import FORWARD_TOKENS, plan_prefill
 from hybrid_rl.rollout.native.sampler import _draw, filter_logits, sample_tokens  # noqa: F401  (re-exported: tests and benchmarks import them from here)
-from hybrid_rl.types import Completion, PartialRequest, SamplingParams
+from hybrid_rl.types import Completion, PartialRequest, SamplingParams, WeightUpdates
 
 
 class NativeEngine:
@@ -203,7 +203,11 @@ class NativeEngine:
     # -- decoding -------------------------------------------------------------
     @torch.inference_mode()
     def generate(
-        self, prompt_ids: list[list[int]], params: SamplingParams, partial: PartialRequest | None = None
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams,
+        partial: PartialRequest | None = None,
+        updates: WeightUpdates | None = None,
     ) -> list[Completion]:
         """Completions of the prompts (host lists: nothing made here reaches autograd).
 
@@ -215,12 +219,17 @@ class NativeEngine:
         rows unstarted ("abort", no tokens). A continued row's cache (prompt + its carried prefix) is recomputed
         under the current weights, as AReaL's interrupted requests are: the prompt once for all the rows that share
         it, then each row's prefix (`prefill_plan.py`).
+
+        updates (trainer.inflight_update=continue, types.WeightUpdates): polled before each decode batch and at each
+        stop check; a version applied there is copied into the module in place, and the rows go on decoding with it
+        over the cache the older weights wrote (PipelineRL's in-flight update). `last_update_marks` says where.
         """
         if not self._weights_ready or not self._kv_ready:
             raise RuntimeError("engine memory is released; call resume(['weights', 'kv_cache']) before generate")
         if any(len(p) == 0 for p in prompt_ids):
             raise ValueError("every prompt needs at least one token")
         self.last_tail_s, self.last_generated_tokens, self.last_prefill_forwards = 0.0, 0, 0
+        self.last_update_marks: list[list[int]] = []
         if not prompt_ids:  # a rank with no rows this round (an uneven validation split)
             return []
         if partial is not None:
@@ -243,17 +252,34 @@ class NativeEngine:
                 out += [Completion([], [], "abort") for _ in batch]
                 continue
             limits = None if stop is None else stop.limits(start, len(batch), dev)
-            done = self._try_batch(batch, params, u, path, prefill_rows, limits, stats)
+            poll, marked = self._updates_poll(updates, start, len(batch), N), len(self.last_update_marks)
+            if poll is not None:
+                poll(0)  # versions that arrived between batches: this batch's every token is theirs
+            done = self._try_batch(batch, params, u, path, prefill_rows, limits, stats, poll)
             if done is None:  # its CUDA graphs failed: this batch again, and the rest, through the lean step
                 path = replace(path, name="lean")
                 limits = None if stop is None else stop.limits(start, len(batch), dev)
-                done = self._generate_batch(batch, params, u, path, prefill_rows, limits, stats)
+                for marks in self.last_update_marks[marked:]:  # the batch restarts under the newest weights
+                    marks[start : start + len(batch)] = [0] * len(batch)
+                done = self._generate_batch(batch, params, u, path, prefill_rows, limits, stats, poll)
             if stop is not None:
                 stop.record(start, done)
             out += done
         self.last_tail_s = stats.tail_s
         self.last_generated_tokens = sum(len(c.token_ids) for c in out)
         return out
+
+    def _updates_poll(self, updates: WeightUpdates | None, start: int, n: int, N: int) -> Callable[[int], None] | None:
+        """poll(held) for the decode batch of rows start..start+n of N: apply what `updates` has and mark each applied
+        version (rows of earlier batches are finished, every token older; later rows hold none yet)."""
+        if updates is None:
+            return None
+
+        def poll(held: int) -> None:
+            for _ in range(updates.poll()):
+                self.last_update_marks.append([1 << 30] * start + [held] * n + [0] * (N - start - n))
+
+        return poll
 
     def _try_batch(
         self,
@@ -264,11 +290,12 @@ class NativeEngine:
         prefill_rows: int,
         limits: RowLimits | None = None,
         stats: DecodeStats | None = None,
+        poll: Callable[[int], None] | None = None,
     ) -> list[Completion] | None:
         """The batch's completions, or None when its CUDA graphs failed (said once; graphs stay off on this
         engine). Returning, not retrying here, frees the failed batch's cache (the error's frames hold it)."""
         try:
-            return self._generate_batch(prompts, sp, u_NT, path, prefill_rows, limits, stats)
+            return self._generate_batch(prompts, sp, u_NT, path, prefill_rows, limits, stats, poll)
         except GraphDecodeFailed as err:
             self.last_graph_error, self._graphs_failed = str(err), True
             warnings.warn(
@@ -393,6 +420,7 @@ class NativeEngine:
         prefill_rows: int,
         limits: RowLimits | None = None,
         stats: DecodeStats | None = None,
+        poll: Callable[[int], None] | None = None,
     ) -> list[Completion]:
         """Completions of one decode batch: prefill, build `path`'s step, run the token loop with it."""
         dev = self._device()
@@ -401,7 +429,7 @@ class NativeEngine:
         step = self._decode_step(path, batch.cache, dev, batch.P)
         every = check_every(self.stop_check_every, dev.type)
         try:
-            toks_NT, lps_NT = decode(batch, step, sp, u_NT, stop_K, self.pad_id, every, limits, stats)
+            toks_NT, lps_NT = decode(batch, step, sp, u_NT, stop_K, self.pad_id, every, limits, stats, poll)
         finally:
             self.last_capture_s += step.capture_s
         self.last_kv_bytes = max(self.last_kv_bytes, batch.cache.nbytes())

@@ -25,6 +25,11 @@ persistent batch at the next step's schedule, before the next call's rows are pl
 the call aborts its unfinished requests the same way before it propagates, so the next call finds an empty engine
 (and refuses to start on one that is not).
 
+In-flight weight updates (trainer.inflight_update=continue, types.WeightUpdates): `updates.poll()` before the first
+step and after every step, where no forward runs; a version it applies goes into the model in place (engine.py's
+weight-update API) and the running requests go on over the KV blocks the older weights wrote. Each applied version's
+marks are the tokens every row held then (its latest report's length; 0 before its first).
+
 Tensor parallel (engine.py, "Placement"): every rank of a group runs the group's rows through its own engine, SPMD,
 and samples the same tokens; the rule reads only those outputs (never a clock), so every rank takes the same stop
 decision at the same step and the ranks' collectives stay paired.
@@ -33,10 +38,10 @@ decision at the same step and the ranks' collectives stay paired.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from hybrid_rl.types import PartialRequest
+from hybrid_rl.types import PartialRequest, WeightUpdates
 
 
 class GroupStop:
@@ -76,12 +81,14 @@ class Run:
     """What one call returned: per row vLLM's latest CompletionOutput (None: never scheduled) and whether it
     finished, and what the loop measured. tail_s: wall seconds from the end of the first step after which fewer
     than half of the rows were unfinished to the end of the last step (0 if none, or if that was the last);
-    cached_tokens: per row, prompt tokens vLLM's prefix cache served."""
+    cached_tokens: per row, prompt tokens vLLM's prefix cache served; update_marks: per version `updates` applied,
+    the tokens each row held when it took effect (types.WeightUpdates)."""
 
     outputs: list[Any]
     finished: list[bool]
     tail_s: float
     cached_tokens: list[int]
+    update_marks: list[list[int]] = field(default_factory=list)
 
 
 def require_idle(llm: Any) -> None:
@@ -96,9 +103,17 @@ def require_idle(llm: Any) -> None:
         )
 
 
-def run(llm: Any, prompts: list, sampling: list, lora_request: Any, stop: Optional[GroupStop]) -> Run:
+def run(
+    llm: Any,
+    prompts: list,
+    sampling: list,
+    lora_request: Any,
+    stop: Optional[GroupStop],
+    updates: Optional[WeightUpdates] = None,
+) -> Run:
     """Add `prompts` (vLLM TokensPrompts) with their vLLM SamplingParams, step until every request finished or `stop`
-    says enough, abort the rest. Seeding is the caller's (setup.sampling_stream around this call)."""
+    says enough, abort the rest; with `updates`, take weight versions between steps (module docstring). Seeding is
+    the caller's (setup.sampling_stream around this call)."""
     engine = llm.llm_engine
     require_idle(llm)
     n = len(prompts)
@@ -110,7 +125,14 @@ def run(llm: Any, prompts: list, sampling: list, lora_request: Any, stop: Option
     tail_from: Optional[float] = None
     last_step = 0.0
     left = n
+    marks: list[list[int]] = []
+
+    def take_updates() -> None:
+        for _ in range(updates.poll() if updates is not None else 0):
+            marks.append([len(o.token_ids) if o is not None else 0 for o in outputs])
+
     try:
+        take_updates()
         for i, (prompt, sp) in enumerate(zip(llm.renderer.render_cmpl(prompts), sampling)):
             rid = str(next(llm.request_counter))
             row_of[rid] = i
@@ -132,8 +154,10 @@ def run(llm: Any, prompts: list, sampling: list, lora_request: Any, stop: Option
             if tail_from is None and 2 * left < n:
                 tail_from = last_step
             done = newly and stop is not None and stop.enough()
+            if not done:
+                take_updates()
     finally:
         unfinished = [rid for i, rid in enumerate(internal) if not finished[i]]
         if unfinished:  # the early stop, or an error: free their KV and leave no request behind
             engine.abort_request(unfinished, internal=True)
-    return Run(outputs, finished, 0.0 if tail_from is None else last_step - tail_from, cached)
+    return Run(outputs, finished, 0.0 if tail_from is None else last_step - tail_from, cached, marks)

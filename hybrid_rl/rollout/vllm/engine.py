@@ -89,7 +89,7 @@ from hybrid_rl.rollout.vllm import setup as S
 from hybrid_rl.rollout.vllm.lora import AdapterPush
 from hybrid_rl.rollout.vllm.lora import engine_kwargs as lora_engine_kwargs
 from hybrid_rl.runtime import distributed as D
-from hybrid_rl.types import Completion, PartialRequest, SamplingParams
+from hybrid_rl.types import Completion, PartialRequest, SamplingParams, WeightUpdates
 
 SLEEP_LEVEL = 2
 
@@ -448,7 +448,11 @@ class VLLMEngine:
     # -- generation -----------------------------------------------------------
     @torch.no_grad()
     def generate(
-        self, prompt_ids: list[list[int]], params: SamplingParams, partial: Optional[PartialRequest] = None
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams,
+        partial: Optional[PartialRequest] = None,
+        updates: Optional[WeightUpdates] = None,
     ) -> list[Completion]:
         """This rank's completions, in order (module docstring). partial: per-row budgets and the early stop
         ("Partial rollouts"); its unfinished rows come back "abort" with their tokens so far.
@@ -457,8 +461,16 @@ class VLLMEngine:
         engine decodes the whole TP group's rows, so every rank of a group reports the same; measured on the partial
         path only, None without a PartialRequest: `_generate_blocking`), `last_generated_tokens`
         (tokens sampled for this rank's rows; summed over ranks each row counts once) and `last_cached_tokens`
-        (prompt tokens of this rank's rows served from vLLM's prefix cache)."""
+        (prompt tokens of this rank's rows served from vLLM's prefix cache).
+
+        updates (trainer.inflight_update=continue): weight versions taken between engine steps (drive.py), the call
+        then runs through drive.run even without a PartialRequest; `last_update_marks` says where (types.WeightUpdates).
+        One engine per rank only (tp_size 1: the ranks of a group would poll apart), refused before this by the
+        config (config/schema.py)."""
         self.last_tail_s, self.last_generated_tokens, self.last_cached_tokens = None, None, None
+        self.last_update_marks: list[list[int]] = []
+        if updates is not None and self.tp_size > 1:
+            raise ValueError("in-flight weight updates need one engine per rank (rollout.tp_size=1)")
         if self.released:
             raise RuntimeError(
                 f"engine memory is released ({sorted(self.released)}); resume(['weights', 'kv_cache']) first"
@@ -484,12 +496,17 @@ class VLLMEngine:
         prompts, sampling, stops, call_seed = build_requests(requests, self._stop_ids, self.device, partials)
         start = sum(len(ids) for ids, _ in requests[: self.group_rank])
         rows = slice(start, start + len(prompt_ids))  # this rank's
-        if all(part is None for part in partials):
+        if all(part is None for part in partials) and updates is None:
             completions, tail, cached = self._generate_blocking(prompts, sampling, stops, call_seed)
         else:
-            stop = drive.GroupStop(partials, [len(ids) for ids, _ in requests])
+            stop = (
+                None
+                if all(part is None for part in partials)
+                else drive.GroupStop(partials, [len(ids) for ids, _ in requests])
+            )
             with S.sampling_stream(call_seed, self.device):
-                run = drive.run(self.llm, prompts, sampling, self.lora_request, stop)
+                run = drive.run(self.llm, prompts, sampling, self.lora_request, stop, updates)
+            self.last_update_marks = run.update_marks
             completions = [
                 to_completion(out, i, stops[i]) if done else aborted_completion(out, i)
                 for i, (out, done) in enumerate(zip(run.outputs, run.finished))

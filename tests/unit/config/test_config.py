@@ -418,7 +418,8 @@ def test_every_value_of_the_annotation_is_accepted(section, name, choices, is_li
     for choice in choices:
         value = f"['{choice}']" if is_list else f"'{choice}'"  # quoted: preset '' is none, a bare `key=` is null
         ppo = ["algorithm.advantage=gae"] if section == "critic" else []  # critic.* is PPO's
-        cfg = load_config(None, [f"{section}.{name}={value}", "data.path=rows.jsonl", *ppo])
+        split = ["trainer.placement=split"] if name == "inflight_update" else []  # a split placement's key
+        cfg = load_config(None, [f"{section}.{name}={value}", "data.path=rows.jsonl", *ppo, *split])
         assert getattr(getattr(cfg, section), name) == ([choice] if is_list else choice)
 
 

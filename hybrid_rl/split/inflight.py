@@ -1,0 +1,182 @@
+"""In-flight weight updates of the split placement (`trainer.inflight_update`).
+
+drain (the default): a rollout rank takes a new version only where a batch ends (rollout_loop.py `syncs_before`, the
+schedule that makes a run reproducible), or with rollout.partial where its batch stops. continue: a version the
+learners made is taken as soon as it exists, between two decode steps of the batch being generated, and the rows go
+on decoding with it over the KV cache the older weights wrote (PipelineRL's in-flight update; SkyRL and NeMo-RL do the
+same); every token is tagged with the version that sampled it (Completion.versions, then VersionedGroup's per-token
+versions), so the learner's staleness rule reads a group's oldest token and the off-policy correction weighs each
+token by the behaviour log-prob it was sampled with. Timing decides where a version lands, so a continue run is
+not reproducible; drain is.
+
+Why the protocol differs from drain's. A drain sync is one broadcast over the sync group (learner rank 0 + every
+rollout rank): a collective, so learner rank 0 waits in it until every rollout rank reaches its receive, which the
+learner can afford because it first receives every batch made before that version is needed. A version taken in
+flight cannot be a collective of all the rollout ranks: one rank would wait in it mid-batch for another that is
+blocked sending a batch to learner rank 0, which is itself blocked in the broadcast. So under continue:
+  * each rollout rank r has its own pair group [0, r] (comm.py), and learner rank 0 one sender thread per rollout
+    rank (`Offers`): after each optimizer step every learner rank gathers the weights (a collective of the learner
+    mesh), learner rank 0 keeps the buckets on the host and queues them for every thread, and goes on; a thread
+    writes the version under `offer_key(r)` in the launcher's store, then sends the buckets over [0, r]. The learner's
+    own loop never waits for a rollout rank to take weights, so it always receives the batches they send;
+  * a rollout rank's engine calls `TakeOffered.poll()` between decode steps (native: at its stop checks; vLLM: between
+    engine steps): one store read, and for each version offered beyond the one held, the receive over [0, r] and the
+    engine's weight-update API. At a batch's start the blocking receives of `syncs_before` come through the same pair
+    group, in the same order (every thread sends versions in order).
+  * a version the fit validates is not taken in flight: it is taken before batch s + k as under drain, so each
+    rollout rank validates it where the learners expect the validation (split/validation.py), and versions after it
+    wait behind it.
+Every version s <= the fit's last batch is sent (under drain only those a batch is made with); after its last batch
+a rollout rank receives the ones it did not take. STOP (a signal) is queued like a version.
+Memory: learner rank 0 holds each queued version's buckets on the host until every rollout rank took it (the gather
+itself already made that copy; under drain it is freed bucket by bucket).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from hybrid_rl.split.weight_sync import SyncStats, gathered_buckets, send_bucket, send_end, send_stop
+from hybrid_rl.types import Completion, PartialRequest, SamplingParams, token_versions
+
+STOP_OFFER = 1 << 62  # the store value that says the next message is STOP
+
+
+def offer_key(rank: int) -> str:
+    return f"hybrid_rl/split/offer/{rank}"
+
+
+@dataclass
+class _Version:
+    version: int
+    buckets: list[tuple[bytes, torch.Tensor]]
+    dtype: torch.dtype
+    adapters: bool
+
+
+class Offers:
+    """Learner rank 0's senders under continue: one thread per rollout rank, each sending the queued versions in order
+    over that rank's pair group. An error in a thread is raised by the next `offer` / `stop` / `finish`."""
+
+    def __init__(self, pairs: dict[int, Any], store, timeout_s: float):
+        self.pairs, self.store, self.timeout_s = pairs, store, timeout_s
+        self.queues: dict[int, queue.Queue] = {}
+        self.threads: list[threading.Thread] = []
+        self.errors: list[BaseException] = []
+
+    def _put(self, item) -> None:
+        self._raise()
+        if not self.threads:  # started by a fit's first version, ended by its finish()
+            self.queues = {r: queue.Queue() for r in self.pairs}
+            self.threads = [threading.Thread(target=self._serve, args=(r,), daemon=True) for r in self.pairs]
+            for t in self.threads:
+                t.start()
+        for q in self.queues.values():
+            q.put(item)
+
+    def send(self, model: torch.nn.Module, version: int, dtype: torch.dtype, bucket_bytes: int, adapters: bool):
+        """Every learner rank (the gathers are collectives); learner rank 0 queues version `version` for every rollout
+        rank and returns at once: the seconds are the gather's."""
+        t0 = time.perf_counter()
+        sender = torch.distributed.get_rank() == 0
+        buckets = list(gathered_buckets(model, dtype, bucket_bytes, adapters, sender))
+        if sender:
+            self._put(_Version(version, buckets, dtype, adapters))
+        sent = sum(flat.numel() * flat.element_size() for _, flat in buckets)
+        return SyncStats(version, sent, time.perf_counter() - t0, len(buckets))
+
+    def stop(self) -> None:
+        """STOP to every rollout rank, after the versions queued before it."""
+        self._put("stop")
+
+    def finish(self) -> None:
+        """Wait until every rollout rank took every queued version (the end of a fit); raise a thread's error."""
+        for q in self.queues.values():
+            q.put(None)
+        for t in self.threads:
+            t.join()
+        self.threads = []
+        self._raise()
+
+    def _raise(self) -> None:
+        if self.errors:
+            raise self.errors[0]
+
+    def _serve(self, rank: int) -> None:
+        group, q = self.pairs[rank], self.queues[rank]
+        while (item := q.get()) is not None:
+            if self.errors:
+                continue  # the run is failing: drain the queue, send nothing more
+            try:
+                if item == "stop":
+                    self.store.set(offer_key(rank), str(STOP_OFFER))
+                    send_stop(src=0, group=group, timeout_s=self.timeout_s)
+                    continue
+                self.store.set(offer_key(rank), str(item.version))
+                for manifest, flat in item.buckets:
+                    send_bucket(manifest, flat, item.version, 0, group, self.timeout_s, item.adapters)
+                send_end(item.version, item.dtype, 0, group, self.timeout_s, item.adapters)
+            except BaseException as err:  # noqa: BLE001 - raised on the learner's own thread by the next call
+                self.errors.append(err)
+
+
+class TakeOffered:
+    """A rollout rank's types.WeightUpdates under continue: `poll` takes every version learner rank 0 has offered to
+    this rank beyond the one held, in order, except one due for validation (taken before its batch, as under drain).
+    receive(v) applies version v to the engine and returns its seconds (rollout_loop.RolloutSide._receive); held() is
+    the version held;
+    due(v): v is validated by this fit and not yet."""
+
+    def __init__(self, store, rank: int, receive: Callable[[int], Any], held: Callable[[], int], due):
+        self.store, self.key = store, offer_key(rank)
+        self.receive, self.held, self.due = receive, held, due
+        self.applied: list[int] = []  # every version taken by poll, in order
+        self.seconds = 0.0  # spent receiving them
+        self.polls = 0
+
+    def offered(self) -> int:
+        """The newest version offered to this rank (-1: none yet); one read of the store."""
+        return int(self.store.get(self.key)) if self.store.check([self.key]) else -1
+
+    def poll(self) -> int:
+        self.polls += 1
+        n, newest = 0, self.offered()
+        while newest > self.held() and not self.due(self.held() + 1):
+            version = self.held() + 1
+            self.seconds += self.receive(version)  # STOP offered: raises SyncStopped (weight_sync), ends the loop
+            self.applied.append(version)
+            n += 1
+        return n
+
+
+class InflightEngine:
+    """A rollout rank's engine for its RolloutStage under continue: every generate call polls `updates` between decode
+    steps, and each completion comes back with the version of each of its tokens (Completion.versions). The rest of
+    the engine (its metrics, memory) is the engine's own."""
+
+    def __init__(self, engine, updates: TakeOffered):
+        self.engine, self.updates = engine, updates
+
+    def generate(
+        self, prompt_ids: list[list[int]], params: SamplingParams, partial: Optional[PartialRequest] = None
+    ) -> list[Completion]:
+        start, before = self.updates.held(), len(self.updates.applied)
+        out = self.engine.generate(prompt_ids, params, partial, updates=self.updates)
+        applied = self.updates.applied[before:]
+        marks = getattr(self.engine, "last_update_marks", [])
+        if len(marks) != len(applied):
+            raise RuntimeError(
+                f"the engine marked {len(marks)} weight updates, {len(applied)} were applied in its generate call"
+            )
+        for i, c in enumerate(out):
+            c.versions = token_versions(marks, i, len(c.token_ids), start, applied)
+        return out
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
