@@ -129,6 +129,7 @@ def build_requests(
     stop_ids,
     device: torch.device,
     partials: Optional[Sequence[Optional[PartialRequest]]] = None,
+    stepwise: bool = False,
 ) -> tuple[list, list, list, int]:
     """(vLLM prompts, their SamplingParams, their stop ids, the call's seed) for the group's requests, a list of
     (prompt ids, our SamplingParams) in rank order; `stop_ids(params)` gives a request's stop ids; `partials`: each
@@ -138,13 +139,15 @@ def build_requests(
     anyway), without a seed: the call's stream is seeded (module docstring, "Sampling stream"). On CUDA one per
     prompt, each with its own seed (setup.request_seeds), the same on every rank of the group. A row of a
     PartialRequest gets its own max_tokens / min_tokens; the seeds do not depend on them. Output kind: FINAL_ONLY
-    (what LLM.generate asks) without a PartialRequest in the group, CUMULATIVE with one (drive.py)."""
+    (what LLM.generate asks) without a PartialRequest in the group, CUMULATIVE with one or when `stepwise` (an
+    in-flight update reads each row's tokens so far: drive.py)."""
     from vllm import SamplingParams as VSP
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
     partials = list(partials) if partials is not None else [None] * len(requests)
-    kind = RequestOutputKind.FINAL_ONLY if all(p is None for p in partials) else RequestOutputKind.CUMULATIVE
+    final = all(p is None for p in partials) and not stepwise
+    kind = RequestOutputKind.FINAL_ONLY if final else RequestOutputKind.CUMULATIVE
     call_seed = S.group_seed(p.seed for _, p in requests)
     seeds = iter(S.request_seeds(call_seed, sum(len(ids) for ids, _ in requests), device))
     prompts, sampling, stops = [], [], []
@@ -493,7 +496,9 @@ class VLLMEngine:
             if part is not None:
                 part.check(len(ids), p)
         requests, partials = [(ids, p) for ids, p, _ in group], [part for _, _, part in group]
-        prompts, sampling, stops, call_seed = build_requests(requests, self._stop_ids, self.device, partials)
+        prompts, sampling, stops, call_seed = build_requests(
+            requests, self._stop_ids, self.device, partials, stepwise=updates is not None
+        )
         start = sum(len(ids) for ids, _ in requests[: self.group_rank])
         rows = slice(start, start + len(prompt_ids))  # this rank's
         if all(part is None for part in partials) and updates is None:

@@ -1,0 +1,146 @@
+"""The pieces of the in-flight update (issue 37, trainer.inflight_update=continue; split/inflight.py) that need no
+process group: per-token versions from an engine's marks, the rollout rank's poller, the engine wrapper, and the
+refusals naming the key. The protocol itself runs on gloo ranks in tests/distributed/test_split_inflight.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybrid_rl.split.inflight import STOP_OFFER, InflightEngine, TakeOffered, offer_key
+from hybrid_rl.types import Completion, SamplingParams, token_versions
+
+
+@pytest.mark.parametrize(
+    "marks, row, n, start, applied, expected",
+    [
+        ([], 0, 3, 4, [], [4, 4, 4]),  # no update
+        ([[2]], 0, 5, 4, [5], [4, 4, 5, 5, 5]),  # tokens from the mark on are the new version's
+        ([[0]], 0, 2, 4, [5], [5, 5]),  # before the first token: all new
+        ([[7]], 0, 3, 4, [5], [4, 4, 4]),  # the row had ended (mark past its tokens): all old
+        ([[1, 3], [2, 3]], 1, 5, 0, [1, 2], [0, 0, 0, 2, 2]),  # two versions at one mark: the newer wins
+        ([[1, 3], [2, 4]], 0, 4, 0, [1, 2], [0, 1, 2, 2]),
+    ],
+)
+def test_token_versions_against_a_hand_table(marks, row, n, start, applied, expected):
+    assert token_versions(marks, row, n, start, applied) == expected
+
+
+class FakeStore:
+    def __init__(self):
+        self.data: dict[str, bytes] = {}
+        self.reads = 0
+
+    def set(self, key, value):
+        self.data[key] = str(value).encode()
+
+    def check(self, keys):
+        self.reads += 1
+        return all(k in self.data for k in keys)
+
+    def get(self, key):
+        return self.data[key]
+
+
+class Side:
+    """A rollout rank's version and validation schedule, as RolloutSide keeps them."""
+
+    def __init__(self, version=0, due=()):
+        self.version, self.due, self.received = version, set(due), []
+
+    def receive(self, v):
+        if v == STOP_OFFER:
+            raise AssertionError("a STOP offer is received as the next version, never as STOP_OFFER itself")
+        self.received.append(v)
+        self.version = v
+        return 0.5
+
+
+def _poller(store, side, rank=3):
+    return TakeOffered(store, rank, side.receive, lambda: side.version, side.due.__contains__)
+
+
+def test_poll_takes_every_offered_version_in_order_and_nothing_unoffered():
+    store, side = FakeStore(), Side(version=2)
+    p = _poller(store, side)
+    assert p.poll() == 0 and side.received == []  # nothing offered yet: no key
+    store.set(offer_key(3), 5)
+    store.set(offer_key(4), 9)  # another rank's offer is not this rank's
+    assert p.poll() == 3 and side.received == [3, 4, 5] and p.applied == [3, 4, 5]
+    assert p.poll() == 0 and p.seconds == pytest.approx(1.5)
+
+
+def test_a_version_due_for_validation_is_left_for_its_batch_and_blocks_later_ones():
+    """Version 4 is validated by this fit: taken before its batch (syncs_before), never in flight; 5 waits behind it."""
+    store, side = FakeStore(), Side(version=2, due={4})
+    p = _poller(store, side)
+    store.set(offer_key(3), 6)
+    assert p.poll() == 1 and side.received == [3]
+    side.due.discard(4)  # validated at the batch boundary
+    side.version = 4
+    assert p.poll() == 2 and side.received == [3, 5, 6]
+
+
+def test_a_stop_offer_is_received_as_the_next_version():
+    """STOP is queued after the versions before it; the receive of the next version meets the STOP header (SyncStopped
+    in weight_sync), so poll asks for version + 1, not for STOP_OFFER."""
+    store, side = FakeStore(), Side(version=2)
+    store.set(offer_key(3), STOP_OFFER)
+    calls = []
+
+    def receive(v):
+        calls.append(v)
+        raise RuntimeError("SyncStopped")
+
+    p = TakeOffered(store, 3, receive, lambda: side.version, lambda v: False)
+    with pytest.raises(RuntimeError, match="SyncStopped"):
+        p.poll()
+    assert calls == [3]
+
+
+class FakeEngine:
+    """Two polls per call; marks as a native engine would report them; `lie` adds a mark nothing applied."""
+
+    def __init__(self, lie=False):
+        self.lie, self.last_tail_s = lie, 0.25
+
+    def generate(self, prompt_ids, params, partial=None, updates=None):
+        self.last_update_marks = []
+        for held in (0, 2):
+            for _ in range(updates.poll()):
+                self.last_update_marks.append([held] * len(prompt_ids))
+        if self.lie:
+            self.last_update_marks.append([1] * len(prompt_ids))
+        return [Completion([7, 8, 9], [0.0] * 3, "length"), Completion([7], [0.0], "stop")]
+
+
+def test_the_engine_wrapper_tags_each_token_and_refuses_marks_it_did_not_apply():
+    store, side = FakeStore(), Side(version=1)
+    p = _poller(store, side)
+    wrapped = InflightEngine(FakeEngine(), p)
+    out = wrapped.generate([[1], [2]], SamplingParams(max_new_tokens=3))
+    assert [c.versions for c in out] == [[1, 1, 1], [1]]  # nothing offered
+    store.set(offer_key(3), 2)
+    out = wrapped.generate([[1], [2]], SamplingParams(max_new_tokens=3))
+    assert [c.versions for c in out] == [[2, 2, 2], [2]]  # taken before the first token (held 0)
+    assert wrapped.last_tail_s == 0.25  # the engine's own metrics pass through
+    with pytest.raises(RuntimeError, match="marked 1 weight updates, 0 were applied"):
+        InflightEngine(FakeEngine(lie=True), p).generate([[1], [2]], SamplingParams(max_new_tokens=3))
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        ([], "trainer.placement=split"),
+        (["trainer.placement=split", "rollout.engine=sglang"], "rollout.engine='sglang'"),
+        (["trainer.placement=split", "rollout.engine=vllm", "rollout.tp_size=2"], "rollout.tp_size=1"),
+        (["trainer.placement=split", "rollout.engine=vllm", "rollout.enable_prefix_caching=true"], "prefix_caching"),
+        (["trainer.placement=split", "rollout.engine=vllm", "model.lora.rank=8"], "LoRA on vLLM"),
+        (["trainer.placement=split", "env.name=tiny_ask"], "multi-turn"),
+    ],
+)
+def test_what_continue_cannot_run_with_is_refused_naming_the_key(extra, says):
+    from hybrid_rl import load_config
+
+    with pytest.raises(ValueError, match="config key 'trainer.inflight_update'") as err:
+        load_config(None, ["data.path=rows.jsonl", "trainer.inflight_update=continue", *extra])
+    assert says in str(err.value)
