@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
 
 from hybrid_rl.rollout.native.engine import NativeEngine
 from hybrid_rl.types import SamplingParams
