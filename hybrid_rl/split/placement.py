@@ -74,6 +74,13 @@ def check_placement(
             f"{tp_size} does not divide trainer.rollout_ranks={rollout_ranks}: every "
             "inference engine needs tp_size whole rollout ranks",
         )
+    if engine == "vllm":
+        _refuse(
+            "rollout.engine",
+            "vllm cannot run on split rollout ranks yet: under torchrun vLLM builds its process groups over the whole "
+            "world (external_launcher), collectives the learner ranks never join, so its start fails; use "
+            "rollout.engine=native with trainer.placement=split, or vllm colocated",
+        )
     if stale_samples == "correct" and rollout_correction == "none":
         _refuse(
             "trainer.stale_samples",

@@ -26,6 +26,7 @@ def test_layout_puts_rollout_ranks_last():
         (dict(stale_samples="keep"), "trainer.stale_samples", "expected one of"),
         (dict(stale_samples="correct"), "trainer.stale_samples", "algorithm.rollout_correction is 'none'"),
         (dict(world_size=8, rollout_ranks=3, batch_size=16), "data.batch_size", "3 rollout engines"),
+        (dict(engine="vllm"), "rollout.engine", "learner ranks never join"),
         (dict(world_size=8, rollout_ranks=1, batch_size=5, group_size=1), "data.batch_size", "7 learner ranks"),
         (
             dict(world_size=4, rollout_ranks=1, batch_size=6, group_size=4, mini_batch_size=8),
