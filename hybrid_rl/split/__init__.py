@@ -8,6 +8,8 @@ What is here (the Trainer dispatches by role through roles.py):
   weight_sync.py send_weights (every learner rank) / receive_weights (rollout ranks), bucketed, inference dtype;
                  adapter-only with LoRA (AdapterTarget: update_adapter, or the native engine's own LoRA module)
   validation.py  which versions a fit() validates (validation_steps / validation_syncs), ResidentEngine
+  inflight.py    trainer.inflight_update=continue: versions taken between decode steps (pair groups, sender
+                 threads on learner rank 0, the store's offers; per-token versions from the engine's marks)
   groups.py      to_rollout_batch: received groups -> the RolloutBatch the colocated stages take
   placement.py   Layout (last R ranks generate) and check_placement (refusals naming the key)
   (the rate model and `python -m hybrid_rl.plan --from-run / --placement split`: plan/rates.py, plan/placement.py)
@@ -42,15 +44,17 @@ collectives add no new waiting); with R = 1 one unsharded copy (no peer to shard
 probed there before the engine is built, so the engine sizes its cache from what is left.
 
 Staleness: batch b is generated with exactly version max(0, b - k) (staleness.py explains why not the
-freshest): k = 0 alternates and is on-policy; queue capacity = groups per step x (k + 1).
+freshest): k = 0 alternates and is on-policy; queue capacity = groups per step x (k + 1). Under
+trainer.inflight_update=continue (inflight.py) it starts with that version and takes every newer one the learners
+make while it decodes, tokens tagged with theirs: versions b - k .. b, fresher and not reproducible.
 
 Partial rollouts (rollout.partial, loop/partial.py; docs/partial_rollouts.md): each rollout rank keeps a pool of
 carried samples and runs RolloutStage.run_partial, which stops a batch once its groups are done. The schedule then
 runs one version closer (roles.schedule_k: batch b with version max(0, b - k + 1), k >= 1), so a group carried over
 one batch is still at most k versions old at the learner, whose rule reads its oldest token; one carried longer is
-dropped and counted. This is the in-flight update: a rollout rank takes the next version where its batch stops,
-without draining the batch's long samples, and continues them under that version, each new token tagged with it
-(VersionedGroup.token_versions). Without rollout.partial it drains: a batch ends when its last sample does. Each
+dropped and counted. A rollout rank takes the next version where its batch stops, without draining the batch's long
+samples, and continues them under that version, each new token tagged with it (VersionedGroup.token_versions).
+Without rollout.partial a batch ends when its last sample does. Each
 report carries the rank's pool; the learners keep the trained batch's (learner.CarriedSamples, in the run state), so
 the checkpoint holds it and the start message gives each rollout rank its pool back.
 
