@@ -83,16 +83,19 @@ def start_message(
     loader_state: Optional[dict],
     reward_norm: Optional[dict] = None,
     partial: Optional[list] = None,
+    fit: str = "",
 ) -> dict:
     """Learner rank 0 tells the rollout ranks which batches this fit() generates, where their loaders stand and
     the reward normaliser's state (a resumed run's, as of the last trained batch) and, with rollout.partial, each
-    rollout rank's carried samples as of that batch (a list in rollout-rank order); every rank of the sync group
-    returns the same dict."""
+    rollout rank's carried samples as of that batch (a list in rollout-rank order), and the fit's name (under
+    trainer.inflight_update=continue the offers' keys: split/inflight.py); every rank of the sync group returns the
+    same dict."""
     msg = {
         "first": first_batch,
         "last": last_batch,
         "loader": loader_state,
         "reward_norm": reward_norm,
         "partial": partial,
+        "fit": fit,
     }
     return D.broadcast_object_from(msg, 0, group=comm.sync_group)

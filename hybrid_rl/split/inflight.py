@@ -17,7 +17,8 @@ blocked sending a batch to learner rank 0, which is itself blocked in the broadc
   * each rollout rank r has its own pair group [0, r] (comm.py), and learner rank 0 one sender thread per rollout
     rank (`Offers`): after each optimizer step every learner rank gathers the weights (a collective of the learner
     mesh), learner rank 0 keeps the buckets on the host and queues them for every thread, and goes on; a thread
-    writes the version under `offer_key(r)` in the launcher's store, then sends the buckets over [0, r]. The learner's
+    writes the version under `offer_key(fit, r)` in the launcher's store (`fit`: a name learner rank 0 gives each fit()
+    in its start message, so no fit reads an earlier one's offers), then sends the buckets over [0, r]. The learner's
     own loop never waits for a rollout rank to take weights, so it always receives the batches they send;
   * a rollout rank's engine calls `TakeOffered.poll()` between decode steps (native: at its stop checks; vLLM: between
     engine steps): one store read, and for each version offered beyond the one held, the receive over [0, r] and the
@@ -37,6 +38,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -48,8 +50,13 @@ from hybrid_rl.types import Completion, PartialRequest, SamplingParams, token_ve
 STOP_OFFER = 1 << 62  # the store value that says the next message is STOP
 
 
-def offer_key(rank: int) -> str:
-    return f"hybrid_rl/split/offer/{rank}"
+def offer_key(fit: str, rank: int) -> str:
+    return f"hybrid_rl/split/offer/{fit}/{rank}"
+
+
+def new_fit_name() -> str:
+    """A name no other fit() of the launcher's store has (its offers' keys)."""
+    return uuid.uuid4().hex
 
 
 @dataclass
@@ -69,6 +76,11 @@ class Offers:
         self.queues: dict[int, queue.Queue] = {}
         self.threads: list[threading.Thread] = []
         self.errors: list[BaseException] = []
+        self.fit = ""  # this fit()'s name (start())
+
+    def start(self, fit: str) -> None:
+        """A new fit(): its offers go under `fit`'s keys."""
+        self.fit = fit
 
     def _put(self, item) -> None:
         self._raise()
@@ -115,10 +127,10 @@ class Offers:
                 continue  # the run is failing: drain the queue, send nothing more
             try:
                 if item == "stop":
-                    self.store.set(offer_key(rank), str(STOP_OFFER))
+                    self.store.set(offer_key(self.fit, rank), str(STOP_OFFER))
                     send_stop(src=0, group=group, timeout_s=self.timeout_s)
                     continue
-                self.store.set(offer_key(rank), str(item.version))
+                self.store.set(offer_key(self.fit, rank), str(item.version))
                 for manifest, flat in item.buckets:
                     send_bucket(manifest, flat, item.version, 0, group, self.timeout_s, item.adapters)
                 send_end(item.version, item.dtype, 0, group, self.timeout_s, item.adapters)
@@ -134,11 +146,15 @@ class TakeOffered:
     due(v): v is validated by this fit and not yet."""
 
     def __init__(self, store, rank: int, receive: Callable[[int], Any], held: Callable[[], int], due):
-        self.store, self.key = store, offer_key(rank)
+        self.store, self.rank, self.key = store, rank, offer_key("", rank)
         self.receive, self.held, self.due = receive, held, due
         self.applied: list[int] = []  # every version taken by poll, in order
         self.seconds = 0.0  # spent receiving them
         self.polls = 0
+
+    def start(self, fit: str) -> None:
+        """A new fit() (its name from the start message): only its offers count."""
+        self.key = offer_key(fit, self.rank)
 
     def offered(self) -> int:
         """The newest version offered to this rank (-1: none yet); one read of the store."""

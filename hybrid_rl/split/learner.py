@@ -34,7 +34,7 @@ from hybrid_rl.plan.rates import idle_fraction
 from hybrid_rl.runtime import distributed as D
 from hybrid_rl.split.comm import SplitComm, start_message
 from hybrid_rl.split.groups import to_rollout_batch
-from hybrid_rl.split.inflight import Offers
+from hybrid_rl.split.inflight import Offers, new_fit_name
 from hybrid_rl.split.staleness import LearnerQueue, StalenessRule, Taken, staleness_metrics
 from hybrid_rl.split.transport import recv_groups, recv_json
 from hybrid_rl.split.validation import validation_steps, validation_syncs
@@ -107,7 +107,10 @@ class LearnerSide:
         if D.rank() == 0:
             norm = reward_norm.state_dict() if reward_norm is not None else None
             carried = partial.states if partial is not None else None
-            start_message(self.comm, first_batch, self.last_batch, loader_state, norm, carried)
+            fit = new_fit_name()
+            if self.offers is not None:
+                self.offers.start(fit)
+            start_message(self.comm, first_batch, self.last_batch, loader_state, norm, carried, fit)
         if first_batch > 0 or self.adapters:
             self._send(policy, first_batch)
 

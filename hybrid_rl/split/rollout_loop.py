@@ -90,6 +90,8 @@ class RolloutSide:
             self.loader.load_state_dict(start["loader"])
         if start["reward_norm"] is not None:
             self.norm.load_state_dict(start["reward_norm"])
+        if self.updates is not None:  # this fit's offers only
+            self.updates.start(start["fit"])
         if self.pool is not None and start.get("partial") is not None:  # this rank's carried samples, as trained
             self.pool.load_state_dict(start["partial"][D.rank()])
         steps = validation_steps(start["first"], start["last"], self.val_every, self.val_before_train)

@@ -121,3 +121,67 @@ def test_two_learners_validation_and_partial_rollouts(tiny_model_dir, tmp_path):
     results = run_ranks(_run, world=3, args=(tiny_model_dir, str(tmp_path), extra, 0.004), timeout=300)
     learner, _, _ = _check(results, k=2, steps=4)
     assert [m["val/weights_version"] for m in learner if "val/weights_version" in m] == [2.0, 4.0]
+
+
+def _resume_and_stop(rank: int, model_dir: str, out: str) -> dict:
+    """A run checkpointed after step 2 and resumed to step 4; then a run SIGINT-ed on the learner in step 2."""
+    import signal
+
+    from hybrid_rl import Trainer, load_config
+    from hybrid_rl.runtime.stop import TrainingInterrupted
+    from hybrid_rl.split import learner as learner_mod
+    from hybrid_rl.split import rollout_loop
+    from tests.checkpoint_helpers import ROOT, overrides
+
+    def make(out_dir: str, *more: str):
+        extra = ("trainer.rollout_ranks=1", "trainer.max_staleness=1", *more)
+        return Trainer(
+            load_config(
+                os.path.join(ROOT, "recipes", "grpo_tiny.yaml"), overrides(model_dir, out_dir, *CONTINUE, *extra)
+            )
+        )
+
+    try:
+        _slow_polls(0.004)
+        first = make(os.path.join(out, "resumed"), "trainer.total_steps=2", "trainer.save_every=2")
+        first.fit()
+        first.close()
+        second = make(os.path.join(out, "resumed"), "trainer.total_steps=4")
+        rest = second.fit()
+        second.close()
+        made, real_batch, real_after = [], rollout_loop.RolloutSide.batch, learner_mod.LearnerSide.after_update
+
+        def batch(self, b):
+            out = real_batch(self, b)
+            made.append(b)
+            return out
+
+        def after_update(self, policy, version, batch_):
+            if version == 2:
+                signal.raise_signal(signal.SIGINT)
+            return real_after(self, policy, version, batch_)
+
+        rollout_loop.RolloutSide.batch, learner_mod.LearnerSide.after_update = batch, after_update
+        interrupted = None
+        try:
+            make(os.path.join(out, "stopped"), "trainer.total_steps=6").fit()
+        except TrainingInterrupted as stop:
+            interrupted = stop.step
+        return {"rest": rest, "made": made, "interrupted": interrupted}
+    except BaseException:  # noqa: BLE001 - the other rank's traceback is the useful one
+        return {"error": traceback.format_exc()}
+
+
+def test_a_resume_and_a_signal_under_continue(tiny_model_dir, tmp_path):
+    """The resumed run's first sync (version 2) and the STOP after a signal go through the sender threads as versions
+    do: the resumed run trains steps 3 and 4 from version 2, and a SIGINT on the learner in step 2 ends the rollout
+    rank's fit normally after batch 3 (k = 1), not at its 60 s timeout.
+    Catches: a resume sync or a STOP sent over the old broadcast group (the rollout rank waits on its pair group),
+    versions left queued at the end of a fit (the learner's finish() would hang)."""
+    learner, rollout = run_ranks(_resume_and_stop, world=2, args=(tiny_model_dir, str(tmp_path)), timeout=300)
+    for r in (rollout, learner):
+        assert "error" not in r, r.get("error")
+    assert [m["step"] for m in learner["rest"]] == [3, 4]
+    assert learner["rest"][0]["split/weights_version"] == 2.0
+    assert learner["interrupted"] == 2 and rollout["interrupted"] is None
+    assert rollout["made"] == [0, 1, 2, 3], rollout["made"]

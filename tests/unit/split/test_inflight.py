@@ -56,15 +56,19 @@ class Side:
 
 
 def _poller(store, side, rank=3):
-    return TakeOffered(store, rank, side.receive, lambda: side.version, side.due.__contains__)
+    p = TakeOffered(store, rank, side.receive, lambda: side.version, side.due.__contains__)
+    p.start("fit1")
+    return p
 
 
 def test_poll_takes_every_offered_version_in_order_and_nothing_unoffered():
     store, side = FakeStore(), Side(version=2)
     p = _poller(store, side)
     assert p.poll() == 0 and side.received == []  # nothing offered yet: no key
-    store.set(offer_key(3), 5)
-    store.set(offer_key(4), 9)  # another rank's offer is not this rank's
+    store.set(offer_key("fit0", 3), 9)  # an earlier fit's offer is not this fit's
+    assert p.poll() == 0
+    store.set(offer_key("fit1", 3), 5)
+    store.set(offer_key("fit1", 4), 9)  # another rank's offer is not this rank's
     assert p.poll() == 3 and side.received == [3, 4, 5] and p.applied == [3, 4, 5]
     assert p.poll() == 0 and p.seconds == pytest.approx(1.5)
 
@@ -73,7 +77,7 @@ def test_a_version_due_for_validation_is_left_for_its_batch_and_blocks_later_one
     """Version 4 is validated by this fit: taken before its batch (syncs_before), never in flight; 5 waits behind it."""
     store, side = FakeStore(), Side(version=2, due={4})
     p = _poller(store, side)
-    store.set(offer_key(3), 6)
+    store.set(offer_key("fit1", 3), 6)
     assert p.poll() == 1 and side.received == [3]
     side.due.discard(4)  # validated at the batch boundary
     side.version = 4
@@ -84,7 +88,7 @@ def test_a_stop_offer_is_received_as_the_next_version():
     """STOP is queued after the versions before it; the receive of the next version meets the STOP header (SyncStopped
     in weight_sync), so poll asks for version + 1, not for STOP_OFFER."""
     store, side = FakeStore(), Side(version=2)
-    store.set(offer_key(3), STOP_OFFER)
+    store.set(offer_key("fit1", 3), STOP_OFFER)
     calls = []
 
     def receive(v):
@@ -92,6 +96,7 @@ def test_a_stop_offer_is_received_as_the_next_version():
         raise RuntimeError("SyncStopped")
 
     p = TakeOffered(store, 3, receive, lambda: side.version, lambda v: False)
+    p.start("fit1")
     with pytest.raises(RuntimeError, match="SyncStopped"):
         p.poll()
     assert calls == [3]
@@ -119,7 +124,7 @@ def test_the_engine_wrapper_tags_each_token_and_refuses_marks_it_did_not_apply()
     wrapped = InflightEngine(FakeEngine(), p)
     out = wrapped.generate([[1], [2]], SamplingParams(max_new_tokens=3))
     assert [c.versions for c in out] == [[1, 1, 1], [1]]  # nothing offered
-    store.set(offer_key(3), 2)
+    store.set(offer_key("fit1", 3), 2)
     out = wrapped.generate([[1], [2]], SamplingParams(max_new_tokens=3))
     assert [c.versions for c in out] == [[2, 2, 2], [2]]  # taken before the first token (held 0)
     assert wrapped.last_tail_s == 0.25  # the engine's own metrics pass through
