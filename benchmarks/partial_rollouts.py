@@ -57,8 +57,37 @@ sys.path.insert(0, HERE)  # worker_pipe beside this script, as the other benchma
 from worker_pipe import WorkerProcess, proto_out, send, wait_go, worker_env  # noqa: E402
 
 SIDES = ("off", "on")
-SETTINGS = ("longtail", "uniform")
+SETTINGS = ("longtail", "uniform", "fixedstep")
 ENGINES = ("native", "vllm")
+# A setting's own values, replacing the flags of the same names (module docstring: why these).
+PRESETS: dict[str, dict] = {
+    "longtail": {},
+    "uniform": {},
+    "fixedstep": {
+        "prompts": 4,
+        "n": 4,
+        "long_min": 24,
+        "long_max": 32,
+        "max_new_tokens": 40,
+        "max_staleness": 8,
+        "lr": 5e-4,
+        "mini_batch": 16,
+        "micro_batch": 32,
+    },
+}
+BUILD_KEYS = ("rows", "long_frac", "long_min", "long_max", "short_len", "data_seed", "sft_steps", "sft_batch", "sft_lr")
+
+
+def setting_args(a, setting: str):
+    """`a` with the setting's preset values (PRESETS) in place of the flags of the same names."""
+    out = argparse.Namespace(**vars(a))
+    for k, v in PRESETS[setting].items():
+        setattr(out, k, v)
+    return out
+
+
+def is_longtail(setting: str) -> bool:
+    return setting != "uniform"
 
 
 # ----------------------------------------------------------------------------- the task
@@ -144,10 +173,64 @@ def build(work: str, a) -> dict:
     return {"model": model, "data": path, "sft": sft, "rows": len(rows), "long_rows": n_long}
 
 
+def decode_step_ms(model_dir: str, rows: list[int], threads: int, steps: int = 12, prompt_len: int = 8) -> dict:
+    """The native engine's lean decode step (`rollout/native/lean_step.py`, the one a CPU rollout runs) on `model_dir`,
+    median ms per step at each decode batch size in `rows`, over a cache of prompt_len + steps slots; and the prefill
+    of the same rows, ms per prompt token. The regime: where the step's ms stay flat as rows grow, a step costs the
+    same whatever the rows (weights read from memory, or overhead); where they grow in proportion, decode is
+    compute-bound and a tail step with few rows is cheap."""
+    import torch
+
+    from hybrid_rl.models.loading import load_causal_lm, load_tokenizer
+    from hybrid_rl.rollout.native.decode_path import LeanDecodeStep
+    from hybrid_rl.rollout.native.engine import NativeEngine
+    from hybrid_rl.rollout.native.lean_step import LeanStep
+
+    torch.set_num_threads(threads)
+    tok = load_tokenizer(model_dir)
+    model = load_causal_lm(model_dir, dtype=torch.float32).eval()
+    eng = NativeEngine(model, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id)
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    out = {"rows": [], "step_ms": [], "step_ms_per_row": [], "prefill_ms_per_token": []}
+    with torch.inference_mode():
+        lean = LeanStep(model)
+        for M in rows:
+            prompts = torch.randint(3, vocab, (M, prompt_len), generator=g).tolist()
+            t0 = time.perf_counter()
+            batch = eng._prefill_batch(prompts, steps + 3, torch.device("cpu"), M)
+            prefill = time.perf_counter() - t0
+            step = LeanDecodeStep(lean, batch.cache, batch.P)
+            ids = torch.full((M, 1), 3, dtype=torch.long)
+            pos, attn, times = batch.pos_N1, batch.attn_NS, []
+            for t in range(steps + 2):
+                attn[:, batch.P + t] = True
+                t0 = time.perf_counter()
+                step(ids, pos, attn, t)
+                batch.cache.advance(1)
+                times.append(time.perf_counter() - t0)
+                pos = pos + 1
+            ms = 1e3 * statistics.median(times[2:])  # the first two: warm-up
+            out["rows"].append(M)
+            out["step_ms"].append(round(ms, 4))
+            out["step_ms_per_row"].append(round(ms / M, 4))
+            out["prefill_ms_per_token"].append(round(1e3 * prefill / (M * prompt_len), 4))
+    out["params"] = sum(p.numel() for p in model.parameters())
+    return out
+
+
+def decode_table(d: dict) -> str:
+    """One line: the lean decode step's ms at each row count, and how many times the 1-row step each costs."""
+    base = d["step_ms"][0]
+    cells = " ".join(f"{m}:{ms:.2f}({ms / base:.1f}x)" for m, ms in zip(d["rows"], d["step_ms"]))
+    prefill = d["prefill_ms_per_token"][-1]
+    return f"lean decode step ms at rows (x the {d['rows'][0]}-row step): {cells}; prefill ms/token {prefill:.3f}"
+
+
 # ----------------------------------------------------------------------------- workers
 def side_overrides(a, side: str, engine: str, setting: str, seed: int, out_dir: str) -> list[str]:
     """The Trainer's overrides of recipes/grpo_tiny.yaml for one side; the two sides differ in rollout.partial."""
-    if setting == "longtail":
+    if is_longtail(setting):
         data = ["data.task=jsonl", f"data.path={a.data}", "data.answer_key=answer", "data.num_prompts=null"]
     else:
         data = ["data.task=digits", f"data.num_prompts={a.rows}"]
@@ -233,6 +316,7 @@ METRICS = (
 
 
 def worker(a) -> None:
+    a = setting_args(a, a.setting)
     out = proto_out()
     import torch
 
@@ -365,6 +449,7 @@ def reward_at(w: WorkerProcess, cutoff: float, k: int, long_share: float) -> dic
 
 def run_pair(a, engine: str, setting: str, seed: int, say) -> dict:
     """The two sides of one (engine, setting, seed), stepped alternately; their summaries and ratios."""
+    a = a.per_setting[setting]  # the setting's preset values, model and data
     pair: dict = {"engine": engine, "setting": setting, "seed": seed}
     workers: dict[str, WorkerProcess] = {}
     try:
@@ -386,7 +471,7 @@ def run_pair(a, engine: str, setting: str, seed: int, say) -> dict:
     finally:
         for w in workers.values():
             w.close()
-    long_share = a.long_share if setting == "longtail" else 0.0
+    long_share = a.long_share if is_longtail(setting) else 0.0
     for side in SIDES:
         pair[side] = summarize(workers[side], a.warmup, a.short_len)
     off, on = pair["off"], pair["on"]
@@ -414,7 +499,7 @@ def aggregate(pairs: list[dict], speed_target: float, reward_margin: float) -> d
             ps = [p for p in pairs if p["engine"] == engine and p["setting"] == setting and "error" not in p]
             if not ps:
                 continue
-            key = "reward_reweighted_diff" if setting == "longtail" else "reward_diff"
+            key = "reward_reweighted_diff" if is_longtail(setting) else "reward_diff"
             clean = [p for p in ps if not (p["off"]["drifted"] or p["on"]["drifted"])]
             judged = clean or ps
             sp = [p["speedup_step"] for p in judged]
@@ -517,7 +602,9 @@ def hardware() -> dict:
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", default="native", help="comma list of native, vllm")
-    ap.add_argument("--settings", default="longtail,uniform", help="comma list of longtail, uniform")
+    ap.add_argument(
+        "--settings", default="longtail,uniform,fixedstep", help="comma list of longtail, uniform, fixedstep"
+    )
     ap.add_argument("--seeds", default="0,1,2", help="comma list; each seed is one interleaved pair per setting")
     ap.add_argument("--steps", type=int, default=27, help="measured steps per side")
     ap.add_argument("--warmup", type=int, default=3, help="steps dropped from the step-time medians")
@@ -555,6 +642,11 @@ def parse(argv=None):
     ap.add_argument(
         "--work-dir", default="", help="keep the model, data, run dirs and worker logs here (default: temp)"
     )
+    ap.add_argument(
+        "--decode-rows",
+        default="1,2,4,8,16,32,64,128,256",
+        help="decode batch sizes at which the lean decode step's ms are measured on each setting's model ('': none)",
+    )
     ap.add_argument("--json-only", action="store_true")
     ap.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
@@ -586,15 +678,36 @@ def main(argv=None) -> dict:
         work = a.work_dir or tmp
         os.makedirs(work, exist_ok=True)
         a.work = work
-        built = build(work, a)
-        a.model, a.data = built["model"], built["data"]
-        a.long_share = built["long_rows"] / built["rows"]
-        say(
-            f"warm start: {built['sft']['steps']} steps in {built['sft']['seconds']:.1f}s, loss "
-            f"{_f(built['sft']['loss_first'])} -> {_f(built['sft']['loss_last5'])}; long-tail jsonl: "
-            f"{built['long_rows']} of {built['rows']} rows long",
-            flush=True,
-        )
+        builds: dict[tuple, dict] = {}  # one warm-started model and jsonl per distinct BUILD_KEYS
+        a.per_setting, per_build = {}, {}
+        for setting in settings:
+            sa = setting_args(a, setting)
+            key = tuple(getattr(sa, k) for k in BUILD_KEYS)
+            if key not in builds:
+                sub = work if not builds else os.path.join(work, f"build{len(builds)}")
+                os.makedirs(sub, exist_ok=True)
+                builds[key] = built = build(sub, sa)
+                say(
+                    f"[{setting}] warm start: {built['sft']['steps']} steps in {built['sft']['seconds']:.1f}s, loss "
+                    f"{_f(built['sft']['loss_first'])} -> {_f(built['sft']['loss_last5'])}; long-tail jsonl: "
+                    f"{built['long_rows']} of {built['rows']} rows long",
+                    flush=True,
+                )
+                if a.decode_rows:
+                    built["decode_step"] = decode_step_ms(
+                        built["model"], [int(x) for x in a.decode_rows.split(",")], a.threads
+                    )
+                    say(f"[{setting}] {decode_table(built['decode_step'])}", flush=True)
+            built = builds[key]
+            sa.model, sa.data, sa.long_share = built["model"], built["data"], built["long_rows"] / built["rows"]
+            a.per_setting[setting] = sa
+            per_build[setting] = {
+                "preset": PRESETS[setting],
+                "warm_start": built["sft"],
+                "dataset": {"rows": built["rows"], "long_rows": built["long_rows"], "long_share": sa.long_share},
+                "decode_step": built.get("decode_step"),
+            }
+        built = next(iter(builds.values()))  # the first setting's (the top-level keys below)
         jobs = [(e, s, seed) for seed in seeds for e in engines for s in settings]
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, a.parallel)) as pool:
             pairs = list(pool.map(lambda j: run_pair(a, *j, say), jobs))
@@ -637,7 +750,12 @@ def main(argv=None) -> dict:
         "hardware": hardware(),
         "settings": settings_out,
         "warm_start": built["sft"],
-        "dataset": {"rows": built["rows"], "long_rows": built["long_rows"], "long_share": a.long_share},
+        "dataset": {
+            "rows": built["rows"],
+            "long_rows": built["long_rows"],
+            "long_share": built["long_rows"] / built["rows"],
+        },
+        "per_setting": per_build,
         "pairs": pairs,
         "aggregate": aggregate(pairs, a.speed_target, a.reward_margin),
         "loadavg_start": list(load_start),

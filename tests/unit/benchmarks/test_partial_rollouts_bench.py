@@ -96,3 +96,18 @@ def test_tiny_run_reports_both_sides_and_the_ratios() -> None:
     agg = res["aggregate"]["native/longtail"]
     assert agg["seeds"] == [0] and agg["speedup_step_mean"] == pytest.approx(pair["speedup_step"])
     assert res["dataset"]["rows"] == 40 and res["warm_start"]["steps"] == 2
+
+
+def test_the_fixedstep_setting_brings_its_own_batch_and_tail(bench) -> None:
+    """The fixedstep preset replaces the flags it names, for both sides alike; the other settings keep the flags."""
+    a = bench.parse(["--seeds", "0"])
+    sa = bench.setting_args(a, "fixedstep")
+    sa.model, sa.data = "/m", "/d.jsonl"
+    off = bench.side_overrides(sa, "off", "native", "fixedstep", 0, "/o")
+    on = bench.side_overrides(sa, "on", "native", "fixedstep", 0, "/o")
+    assert on[: len(off)] == off and on[len(off) :][0] == "rollout.partial=true"
+    for kv in ("data.task=jsonl", "data.batch_size=4", "rollout.n=4", "rollout.max_new_tokens=40"):
+        assert kv in off, kv
+    assert "trainer.max_staleness=8" in off and "algorithm.mini_batch_size=16" in off and "optim.lr=0.0005" in off
+    assert (sa.long_min, sa.long_max) == (24, 32) and bench.is_longtail("fixedstep")
+    assert bench.setting_args(a, "longtail").prompts == a.prompts == 32 and not bench.is_longtail("uniform")
