@@ -202,8 +202,17 @@ class LearnerQueue:
 def staleness_metrics(taken: Taken, queue_depth: int) -> dict[str, float]:
     """Per-step metrics of the trained samples' staleness (split/__init__.py lists the names)."""
     lags: Sequence[int] = taken.lags
+    tokens, token_lag = 0, 0  # per trained token: the learner's version less the token's own
+    for g, lag in zip(taken.kept, lags):
+        now = g.version + lag
+        for i in range(len(g.completions)):
+            vs = g.versions_of(i)
+            tokens, token_lag = tokens + len(vs), token_lag + sum(now - v for v in vs)
     return {
         "split/staleness_mean": sum(lags) / len(lags) if lags else 0.0,
+        # <= staleness_mean: tokens a rollout rank sampled after taking a newer version (partial rollouts carried over
+        # a batch, trainer.inflight_update=continue) are fresher than their group's oldest
+        "split/token_staleness_mean": token_lag / tokens if tokens else 0.0,
         "split/staleness_max": float(max(lags, default=0)),
         "split/dropped": float(len(taken.dropped)),
         "split/queue_depth": float(queue_depth),

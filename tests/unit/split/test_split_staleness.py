@@ -87,10 +87,20 @@ def test_queue_takes_in_order_drops_stale_and_is_bounded():
     m = staleness_metrics(taken, len(q))
     assert m == {
         "split/staleness_mean": 0.5,
+        "split/token_staleness_mean": 0.5,  # every token of a group its group's version: lags 1 x 4, 0 x 4
         "split/staleness_max": 1.0,
         "split/dropped": 2.0,
         "split/queue_depth": 0.0,
     }
+
+
+def test_token_staleness_reads_each_tokens_own_version():
+    """Learner version 4: a group of version 2 whose tokens are [2, 3] and [3, 4] (taken in flight, or carried) has
+    lag 2, and its tokens lags 2, 1, 1, 0: mean 1 (hand arithmetic), beside a group of version 4 (lags 0 x 4)."""
+    q = LearnerQueue(capacity=4)
+    q.put([group(2, row=0, token_versions=[[2, 3], [3, 4]]), group(4, row=1)])
+    m = staleness_metrics(q.take(2, learner_version=4, rule=StalenessRule(2)), 0)
+    assert m["split/staleness_mean"] == 1.0 and m["split/token_staleness_mean"] == 0.5
 
 
 def test_queue_stops_at_n_and_keeps_the_rest():
