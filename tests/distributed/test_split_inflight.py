@@ -95,9 +95,11 @@ def _check(results: list[dict], k: int, steps: int) -> tuple[list[dict], list]:
     return learner, sends, mixed
 
 
-@pytest.mark.parametrize("world,rollout_ranks", [(2, 1), (3, 2)])
-def test_versions_land_between_decode_steps(tiny_model_dir, tmp_path, world, rollout_ranks):
+@pytest.mark.parametrize("world,rollout_ranks,lora", [(2, 1, False), (3, 2, False), (2, 1, True)])
+def test_versions_land_between_decode_steps(tiny_model_dir, tmp_path, world, rollout_ranks, lora):
+    """lora: every version is the adapters only (weight_sync's adapter sync), taken in flight all the same."""
     extra = (f"trainer.rollout_ranks={rollout_ranks}", "trainer.max_staleness=1", "trainer.total_steps=5")
+    extra += ("model.lora.rank=4", "model.lora.alpha=8", "optim.lr=5e-2") if lora else ()
     results = run_ranks(_run, world=world, args=(tiny_model_dir, str(tmp_path), extra, 0.004), timeout=300)
     learner, sends, mixed = _check(results, k=1, steps=5)
     assert mixed > 0, "no sample holds tokens of two versions: no version landed mid-batch"
