@@ -1,6 +1,6 @@
 """Partial rollouts (issue 37, `rollout.partial`) against the plain rollout, interleaved in one run, on a long tail.
 
-    python benchmarks/partial_rollouts.py                                  # native, both settings, seeds 0-2
+    python benchmarks/partial_rollouts.py                                  # native, all three settings, seeds 0-2
     python benchmarks/partial_rollouts.py --engines native,vllm --settings longtail
     python benchmarks/partial_rollouts.py --seeds 0 --steps 10 --json-only | jq .aggregate
 
@@ -15,6 +15,25 @@ on rows of both lengths whose targets have the prompt's length and end in EOS, e
 in about 16-17 (a ~4x tail from step 0, as a pretrained model's lengths would be), and RL still has the digits
 to learn. The short, uniform setting is the plain tiny task (`data.task=digits`: every answer 3 digits + EOS) with
 the same warm-started model.
+
+The fixedstep setting (`PRESETS`: its values replace the flags of the same names) is the long tail in the regime the
+issue's premise needs, a decode step that costs about the same whatever its rows, as a GPU's bandwidth-bound decode
+does. `decode_step_ms` measures the lean decode step of the model at 1..256 rows and prints it (1 thread, 2-core CPU,
+tiny Qwen2 hidden 128 / 2 layers): 0.47 ms at 1 row, 0.72 ms at 16 (1.5x), 0.95 ms at 32, 4.9 ms at 256 (10x). The
+other settings decode 256 rows, where a tail step of a few rows costs a tenth of a full one; fixedstep decodes 8
+prompts x 2 samples (16 rows, 24 on the partial side), where it costs two thirds of one, about what a 7B model's
+decode step at a few hundred rows costs on an H100 against one row. (A wider model does not help: at hidden 512 / 4
+layers the step is 6.3 ms at 1 row, 12.9 ms at 16, 103 ms at 256, the same shape, 15x slower.) 8 x 2 rather than
+4 x 4: with 4 prompts a step holds a long prompt with chance 1 - 0.85^4 = 48%, so the median off step is a coin flip
+between a step with a tail and one without; with 8, 73% of the steps have one. Its tail is longer: 24-32-digit long
+answers (about 7x the 4 tokens of a short one), max_new_tokens 40. So that a long group carried through the partial
+side's short steps (4-6 tokens each) is trained rather than dropped, trainer.max_staleness is 8; lr 5e-4 with one
+optimizer step per batch (16 sequences), because at 1.5e-3 with mini-batches of 16 both sides' long answers drifted
+within 10 steps (to the 40-token cap off, to 4-5 tokens on) and the step times then compared two different policies.
+What it cannot emulate: on this CPU a decode step costs what 16-26 prompt tokens of prefill cost (0.47 ms against
+0.018-0.024 ms per token), on a GPU hundreds; the partial side re-prefills every carried prompt + prefix each step,
+so what is cheap on a GPU is a visible cost here, and the longer the carried prefixes, the more (40-56-digit
+answers, max_staleness 16: 0.79x and 1.06x in the probes of benchmarks/results/partial_rollouts_cpu_2026-11-28b.md).
 
 Sides: `off` (rollout.partial=false) and `on` (rollout.partial=true, `--partial-over`, `--partial-stop`,
 `--max-staleness`), at the same data.batch_size, rollout.n, steps and algorithm (GRPO, one clip, k3 KL 0.001 in the
@@ -64,8 +83,8 @@ PRESETS: dict[str, dict] = {
     "longtail": {},
     "uniform": {},
     "fixedstep": {
-        "prompts": 4,
-        "n": 4,
+        "prompts": 8,
+        "n": 2,
         "long_min": 24,
         "long_max": 32,
         "max_new_tokens": 40,

@@ -106,7 +106,7 @@ def test_the_fixedstep_setting_brings_its_own_batch_and_tail(bench) -> None:
     off = bench.side_overrides(sa, "off", "native", "fixedstep", 0, "/o")
     on = bench.side_overrides(sa, "on", "native", "fixedstep", 0, "/o")
     assert on[: len(off)] == off and on[len(off) :][0] == "rollout.partial=true"
-    for kv in ("data.task=jsonl", "data.batch_size=4", "rollout.n=4", "rollout.max_new_tokens=40"):
+    for kv in ("data.task=jsonl", "data.batch_size=8", "rollout.n=2", "rollout.max_new_tokens=40"):
         assert kv in off, kv
     assert "trainer.max_staleness=8" in off and "algorithm.mini_batch_size=16" in off and "optim.lr=0.0005" in off
     assert (sa.long_min, sa.long_max) == (24, 32) and bench.is_longtail("fixedstep")
