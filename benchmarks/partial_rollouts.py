@@ -30,7 +30,7 @@ answers (about 7x the 4 tokens of a short one), max_new_tokens 40. So that a lon
 side's short steps (4-6 tokens each) is trained rather than dropped, trainer.max_staleness is 8; lr 5e-4 with one
 optimizer step per batch (16 sequences), because at 1.5e-3 with mini-batches of 16 both sides' long answers drifted
 within 10 steps (to the 40-token cap off, to 4-5 tokens on) and the step times then compared two different policies.
-What it cannot emulate: on this CPU a decode step costs what 16-26 prompt tokens of prefill cost (0.47 ms against
+What it cannot emulate: on this CPU a decode step costs what 20-26 prompt tokens of prefill cost (0.47 ms against
 0.018-0.024 ms per token), on a GPU hundreds; the partial side re-prefills every carried prompt + prefix each step,
 so what is cheap on a GPU is a visible cost here, and the longer the carried prefixes, the more (40-56-digit
 answers, max_staleness 16: 0.79x and 1.06x in the probes of benchmarks/results/partial_rollouts_cpu_2026-11-28b.md).
