@@ -443,8 +443,11 @@ class NativeEngine:
         A prompt's G samples share its prefill, and so do carried rows that continue samples of one prompt: each
         distinct stem runs once (phase 1, in length buckets), each distinct row's tokens after it once (phase 2,
         attending to its stem's copy), then the rows of the cache, logits and masks are copied to every sample."""
+        # Stems, gaps and buckets at slot offsets need a mask the attention reads as given (sdpa, eager); any other
+        # implementation (flash-attention's varlen path) gets the left-padded whole rows, one bucket, as before.
         share = base_attention(attention_implementation(self.model)) in MASK_4D_IMPLEMENTATIONS
-        plan = plan_prefill(prompts, prefill_rows, FORWARD_TOKENS.get(dev.type, 0), share, self._slot_cap)
+        forward_tokens = FORWARD_TOKENS.get(dev.type, 0) if share else 1 << 40
+        plan = plan_prefill(prompts, prefill_rows, forward_tokens, share, self._slot_cap)
         N, U, n_x, P_s, P = len(prompts), len(plan.rows), plan.n_suffix, plan.P_s, plan.P
         cache = StaticKVCache(N, P + T - 1)
         ids_US, attn_US = left_pad([list(s) for s in plan.stems], self.pad_id, dev)

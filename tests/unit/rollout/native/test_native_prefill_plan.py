@@ -113,3 +113,17 @@ def test_buckets_cover_the_sorted_rows_in_chunks():
     assert split[0].a == 0 and split[-1].b == 7 and all(b.b - b.a <= 2 for b in split)
     assert all(x.b == y.a for x, y in zip(split, split[1:]))
     assert all(max(lengths[b.a : b.b]) <= b.L for b in split)
+
+
+def test_an_attention_without_a_given_mask_prefills_whole_rows_in_one_bucket(engine, monkeypatch):
+    """Where the attention is not sdpa or eager (flash-attention's varlen path), the plan shares no stem and makes
+    one bucket of left-padded whole rows (chunked only by memory), as the engine did before stems and buckets."""
+    rows, _ = carried_rows(engine)
+    sp = SamplingParams(max_new_tokens=4, greedy=True)
+    shared = engine.generate(rows, sp)
+    assert engine.last_prefill_forwards > 1
+    monkeypatch.setattr(native, "attention_implementation", lambda model: "flash_attention_2")
+    monkeypatch.setattr(native, "choose_decode_path", lambda *a: native.DecodePath("forward", False))
+    whole = engine.generate(rows, sp)
+    assert engine.last_prefill_forwards == 1
+    assert [c.token_ids for c in whole] == [c.token_ids for c in shared]
