@@ -27,8 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # A forward's fixed cost, in tokens of padding it is worth (a bucket boundary is placed where it saves more padded
-# tokens than this). Measured on 2 CPU cores, tiny Qwen2 (hidden 128, 2 layers): a prefill forward costs ~1.5 ms
-# beside ~0.02-0.05 ms per token; on CUDA a forward's launches cost as much as hundreds of tokens of a small model.
+# tokens than this). Measured on 2 CPU cores, 1 thread, tiny Qwen2 (hidden 128, 2 layers): a prefill forward of one
+# token costs ~1 ms, and 0.02-0.03 ms a token at 64-1000 tokens; on CUDA a forward's launches cost as much as
+# hundreds of tokens of a small model (not measured here: a guess that keeps GPU prefills in few buckets).
 FORWARD_TOKENS = {"cpu": 48, "cuda": 1024}
 MIN_STEM = 2  # tokens a shared stem needs before rows are split into stem + suffix for it
 
