@@ -236,7 +236,7 @@ class NativeEngine:
             partial.check(len(prompt_ids), params)
         dev, N, T = self._device(), len(prompt_ids), params.max_new_tokens
         path = self._decode_path(dev)  # once per rollout: the token loop never chooses
-        rows, prefill_rows = self._batch_limits(prompt_ids, params, dev, path)
+        rows, prefill_rows = self._batch_limits(prompt_ids, params, dev, path, widen=partial is not None)
         gen = torch.Generator(device=dev).manual_seed(params.seed)
         # One uniform per (sequence, step), drawn before any batching: a sequence samples the same
         # tokens whichever batch the free memory puts it in, and whichever rows were dropped.
@@ -336,14 +336,19 @@ class NativeEngine:
         return path
 
     def _batch_limits(
-        self, prompts: list[list[int]], sp: SamplingParams, dev: torch.device, path: DecodePath
+        self, prompts: list[list[int]], sp: SamplingParams, dev: torch.device, path: DecodePath, widen: bool = False
     ) -> tuple[int, int]:
         """(rows per decode batch, prompts per prefill forward): max_batch_size, then what the
-        memory that `free_memory` reports holds (`rollout_memory.native_budget`)."""
+        memory that `free_memory` reports holds (`rollout_memory.native_budget`).
+
+        widen: the shared prefill layout may hold more prompt slots than the longest row (its longest stem + its
+        longest suffix, prefill_plan.py): a partial rollout's call, whose carried rows pay for it. Any other call
+        shares stems only where the layout fits the longest row (a chat template's common prefix does), so its cache
+        is the size the planner bills (rollout_memory: the longest prompt) and the same from step to step."""
         N = len(prompts)
         rows = min(N, self.max_batch_size or N)
         free = self.free_memory(dev)
-        self._slot_cap = None
+        self._slot_cap = None if widen else max(map(len, prompts))
         if free is None:
             return rows, rows
         if self._shape is None:
@@ -351,7 +356,7 @@ class NativeEngine:
         share = base_attention(attention_implementation(self.model)) in MASK_4D_IMPLEMENTATIONS
         # The prompt slots of the shared layout (the longest row's when nothing is shared); a decode batch whose own
         # layout would be wider prefills its rows whole (prefill_plan.plan_prefill's max_slots).
-        P, T = plan_prefill(prompts, N, 0, share).P, sp.max_new_tokens
+        P, T = plan_prefill(prompts, N, 0, share, self._slot_cap).P, sp.max_new_tokens
         self._slot_cap = P
         budget = native_budget(
             self._shape,

@@ -37,6 +37,12 @@ def carried_rows(engine) -> tuple[list[list[int]], list[int]]:
     return rows, len(PROMPTS)
 
 
+def runs_whole(rows: list[list[int]], T: int) -> PartialRequest:
+    """A partial rollout's request that stops nothing (every row its full budget, every group needed): the call whose
+    layout may be wider than its longest row (NativeEngine._batch_limits)."""
+    return PartialRequest((T,) * len(rows), (0,) * len(rows), tuple(range(len(rows))), len(rows))
+
+
 @pytest.fixture
 def engine(sharp_model):
     return NativeEngine(sharp_model, pad_id=PAD, eos_id=EOS)
@@ -53,7 +59,7 @@ def test_rows_sharing_a_prompt_continue_as_each_row_alone(engine, sharp_model, m
     rows.append(rows[5])  # a duplicate row: deduplicated, then copied
     sp = SamplingParams(max_new_tokens=6, greedy=True)
     with Recorder(sharp_model) as rec:
-        got = engine.generate(rows, sp)
+        got = engine.generate(rows, sp, runs_whole(rows, 6))
     plan = plan_prefill(rows, len(rows), forward_tokens)
     assert len(plan.stems) == n_prompts and plan.n_suffix > n_prompts, "the stems must be shared"
     assert sum(s[0] for s in rec.shapes[: len(plan.stem_buckets)]) == n_prompts
@@ -104,6 +110,26 @@ def test_a_group_gives_way_to_a_longer_shared_stem():
     assert sorted(plan.stems) == [(1, 2, 3, 4, 5, 6), (1, 2, 9, 9, 9)]
 
 
+def test_a_call_without_a_partial_request_never_widens_the_cache(engine):
+    """Rows whose shared layout needs 4 + 3 prompt slots (a stem (5, 6) of three rows, a whole 4-token row, a 3-token
+    suffix) against a longest row of 5: a plain call keeps 5 slots (the cache the planner bills, the same every step:
+    tests/recipes/test_no_leak.py), a partial call may widen to 7, with the same greedy tokens. A stem that fits the
+    longest row is shared by a plain call too (a chat template's common prefix). Catches: a plain rollout whose KV
+    cache grows with how much its prompts happen to share."""
+    rows = [[5, 6, 7, 14], [5, 6, 9, 14], [8, 9, 10, 14], [5, 6, 7, 8, 14]]
+    T, sp = 3, SamplingParams(max_new_tokens=3, greedy=True)
+    assert plan_prefill(rows, 8, 0).P == 7 and plan_prefill(rows, 8, 0, max_slots=5).n_suffix == 0
+    plain = engine.generate(rows, sp)
+    kv_plain, forwards_plain = engine.last_kv_bytes, engine.last_prefill_forwards
+    widened = engine.generate(rows, sp, runs_whole(rows, T))
+    assert engine.last_kv_bytes * (5 + T - 1) == kv_plain * (7 + T - 1)  # bytes per slot alike
+    assert engine.last_prefill_forwards > forwards_plain == 1
+    assert [c.token_ids for c in widened] == [c.token_ids for c in plain]
+    fits = [[5, 6, 7, 8, 14], [5, 6, 7, 9, 14], [5, 6, 7, 14]]  # stem (5, 6, 7) + suffixes of <= 2: 5 slots
+    engine.generate(fits, sp)
+    assert engine.last_prefill_forwards == 2 and engine.last_kv_bytes * 4 == kv_plain * 3  # 3 rows of 4, 5 slots
+
+
 def test_buckets_cover_the_sorted_rows_in_chunks():
     lengths = [2, 2, 3, 9, 9, 9, 30]
     assert buckets(lengths, chunk=8, forward_tokens=10**6) == [Bucket(0, 7, 30)]
@@ -120,10 +146,10 @@ def test_an_attention_without_a_given_mask_prefills_whole_rows_in_one_bucket(eng
     one bucket of left-padded whole rows (chunked only by memory), as the engine did before stems and buckets."""
     rows, _ = carried_rows(engine)
     sp = SamplingParams(max_new_tokens=4, greedy=True)
-    shared = engine.generate(rows, sp)
+    shared = engine.generate(rows, sp, runs_whole(rows, 4))
     assert engine.last_prefill_forwards > 1
     monkeypatch.setattr(native, "attention_implementation", lambda model: "flash_attention_2")
     monkeypatch.setattr(native, "choose_decode_path", lambda *a: native.DecodePath("forward", False))
-    whole = engine.generate(rows, sp)
+    whole = engine.generate(rows, sp, runs_whole(rows, 4))
     assert engine.last_prefill_forwards == 1
     assert [c.token_ids for c in whole] == [c.token_ids for c in shared]
