@@ -48,6 +48,10 @@ from hybrid_rl.split.weight_sync import SyncStats, gathered_buckets, send_bucket
 from hybrid_rl.types import Completion, PartialRequest, SamplingParams, token_versions
 
 STOP_OFFER = 1 << 62  # the store value that says the next message is STOP
+# A rollout rank reads the store at most this often. A read is a round trip to the store's server in learner rank 0's
+# process: ~25 us on an idle node, but on the 2-core dev VM under load one per CPU decode step (1-2 ms) cost the
+# rollout 12% of its time (benchmarks/inflight_split.py); a GPU decode step is 10-50 ms, so there every step reads.
+POLL_S = 0.01
 
 
 def offer_key(fit: str, rank: int) -> str:
@@ -145,8 +149,13 @@ class TakeOffered:
     the version held;
     due(v): v is validated by this fit and not yet."""
 
-    def __init__(self, store, rank: int, receive: Callable[[int], Any], held: Callable[[], int], due):
+    def __init__(
+        self, store, rank: int, receive: Callable[[int], Any], held: Callable[[], int], due, every_s: float = POLL_S
+    ):
+        """every_s: the store is read at most this often; a poll in between takes nothing (a version waits at most
+        that long, against a training step's seconds between versions)."""
         self.store, self.rank, self.key = store, rank, offer_key("", rank)
+        self.every_s, self._read_at = every_s, -float("inf")
         self.receive, self.held, self.due = receive, held, due
         self.applied: list[int] = []  # every version taken by poll, in order
         self.seconds = 0.0  # spent receiving them
@@ -162,6 +171,10 @@ class TakeOffered:
 
     def poll(self) -> int:
         self.polls += 1
+        now = time.perf_counter()
+        if now - self._read_at < self.every_s:
+            return 0
+        self._read_at = now
         n, newest = 0, self.offered()
         while newest > self.held() and not self.due(self.held() + 1):
             version = self.held() + 1

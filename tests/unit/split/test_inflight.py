@@ -56,7 +56,7 @@ class Side:
 
 
 def _poller(store, side, rank=3):
-    p = TakeOffered(store, rank, side.receive, lambda: side.version, side.due.__contains__)
+    p = TakeOffered(store, rank, side.receive, lambda: side.version, side.due.__contains__, every_s=0.0)
     p.start("fit1")
     return p
 
@@ -95,11 +95,27 @@ def test_a_stop_offer_is_received_as_the_next_version():
         calls.append(v)
         raise RuntimeError("SyncStopped")
 
-    p = TakeOffered(store, 3, receive, lambda: side.version, lambda v: False)
+    p = TakeOffered(store, 3, receive, lambda: side.version, lambda v: False, every_s=0.0)
     p.start("fit1")
     with pytest.raises(RuntimeError, match="SyncStopped"):
         p.poll()
     assert calls == [3]
+
+
+def test_the_store_is_read_at_most_every_poll_interval(monkeypatch):
+    """Polls closer than every_s apart take nothing and read nothing; the first one after it reads and takes."""
+    from hybrid_rl.split import inflight
+
+    clock = iter([0.0, 0.004, 0.009, 0.011, 0.05])
+    monkeypatch.setattr(inflight.time, "perf_counter", lambda: next(clock))
+    store, side = FakeStore(), Side(version=0)
+    p = TakeOffered(store, 3, side.receive, lambda: side.version, side.due.__contains__, every_s=0.01)
+    p.start("fit1")
+    store.set(offer_key("fit1", 3), 1)
+    assert p.poll() == 1 and store.reads == 1  # t = 0: reads
+    store.set(offer_key("fit1", 3), 2)
+    assert p.poll() == 0 and p.poll() == 0 and store.reads == 1  # 4 and 9 ms after: nothing read
+    assert p.poll() == 1 and store.reads == 2 and side.received == [1, 2]  # 11 ms: reads again
 
 
 class FakeEngine:
