@@ -27,8 +27,9 @@ object per token), read without building those objects (~4% of the same rollout)
 Partial rollouts (issue 37, types.PartialRequest). A call with one drives vLLM's engine loop itself (drive.py), not
 the blocking `LLM.generate`: a row of a PartialRequest gets its own max_tokens / min_tokens, and once `groups_needed`
 groups have every row finished the rest are aborted in vLLM (their KV blocks freed) and returned "abort" with the
-tokens and log-probs they reached. The loop adds and steps as `LLM.generate` does: a PartialRequest that stops
-nothing samples the very tokens of the call without one, which still goes through `LLM.generate`.
+tokens and log-probs they reached. The loop adds and steps as `LLM.generate` does, and every call runs through it
+(one without a PartialRequest asks for FINAL_ONLY outputs, as `LLM.generate` does, and samples its very tokens), so
+each call measures its tail (`last_tail_s`).
 A continued row is a plain prompt (prompt + carried prefix, ids): vLLM prefills it whole, reusing what its prefix
 cache holds (rollout.enable_prefix_caching; dropped at every weight change, `_drop_prefix_cache`, so a prefix is
 never served KV of older weights). Its random stream: on CPU its new tokens are drawn from the continuing call's
@@ -461,13 +462,12 @@ class VLLMEngine:
         ("Partial rollouts"); its unfinished rows come back "abort" with their tokens so far.
 
         Sets `last_tail_s` (seconds of the engine's loop with fewer than half of the group's rows unfinished: the
-        engine decodes the whole TP group's rows, so every rank of a group reports the same; measured on the partial
-        path only, None without a PartialRequest: `_generate_blocking`), `last_generated_tokens`
+        engine decodes the whole TP group's rows, so every rank of a group reports the same), `last_generated_tokens`
         (tokens sampled for this rank's rows; summed over ranks each row counts once) and `last_cached_tokens`
         (prompt tokens of this rank's rows served from vLLM's prefix cache).
 
         updates (trainer.inflight_update=continue): weight versions taken between engine steps (drive.py), the call
-        then runs through drive.run even without a PartialRequest; `last_update_marks` says where (types.WeightUpdates).
+        asks for CUMULATIVE outputs even without a PartialRequest; `last_update_marks` says where (types.WeightUpdates).
         One engine per rank only (tp_size 1: the ranks of a group would poll apart), refused before this by the
         config (config/schema.py)."""
         self.last_tail_s, self.last_generated_tokens, self.last_cached_tokens = None, None, None
@@ -501,41 +501,26 @@ class VLLMEngine:
         )
         start = sum(len(ids) for ids, _ in requests[: self.group_rank])
         rows = slice(start, start + len(prompt_ids))  # this rank's
-        if all(part is None for part in partials) and updates is None:
-            completions, tail, cached = self._generate_blocking(prompts, sampling, stops, call_seed)
-        else:
-            stop = (
-                None
-                if all(part is None for part in partials)
-                else drive.GroupStop(partials, [len(ids) for ids, _ in requests])
-            )
-            with S.sampling_stream(call_seed, self.device):
-                run = drive.run(self.llm, prompts, sampling, self.lora_request, stop, updates)
-            self.last_update_marks = run.update_marks
-            completions = [
-                to_completion(out, i, stops[i]) if done else aborted_completion(out, i)
-                for i, (out, done) in enumerate(zip(run.outputs, run.finished))
-            ]
-            tail, cached = run.tail_s, run.cached_tokens
+        # Every call drives vLLM's engine loop itself (drive.py): the same requests and steps as `LLM.generate`, which
+        # samples the same tokens (test_vllm_partial.py), and the loop sees the rollout's tail on the way.
+        stop = (
+            None
+            if all(part is None for part in partials)
+            else drive.GroupStop(partials, [len(ids) for ids, _ in requests])
+        )
+        with S.sampling_stream(call_seed, self.device):
+            run = drive.run(self.llm, prompts, sampling, self.lora_request, stop, updates)
+        self.last_update_marks = run.update_marks
+        completions = [
+            to_completion(out, i, stops[i]) if done else aborted_completion(out, i)
+            for i, (out, done) in enumerate(zip(run.outputs, run.finished))
+        ]
+        tail, cached = run.tail_s, run.cached_tokens
         own = completions[rows]
         self.last_tail_s = tail
         self.last_generated_tokens = sum(len(c.token_ids) for c in own)
         self.last_cached_tokens = sum(cached[rows])
         return own
-
-    def _generate_blocking(self, prompts, sampling, stops, call_seed) -> tuple[list[Completion], None, list[int]]:
-        """A call without a PartialRequest: vLLM's own `LLM.generate`, which returns once every request finished (so
-        the tail is not seen: None). drive.run samples the same tokens (test_vllm_partial.py) and would measure it,
-        but the LoRA tests swap the adapter request under `llm.generate` (test_vllm_lora.py's directory route)."""
-        outs = []
-        drive.require_idle(self.llm)
-        if prompts:
-            with S.sampling_stream(call_seed, self.device):
-                outs = self.llm.generate(prompts, sampling, use_tqdm=False, lora_request=self.lora_request)
-        if len(outs) != len(prompts):
-            raise RuntimeError(f"vLLM returned {len(outs)} results for {len(prompts)} prompts")
-        completions = [to_completion(o.outputs[0], i, stops[i]) for i, o in enumerate(outs)]
-        return completions, None, [o.num_cached_tokens or 0 for o in outs]
 
     def _stop_ids(self, p: SamplingParams) -> list[int]:
         # Without a tokenizer vLLM knows no EOS of the trainer's: it is passed as a stop id, as in SGLang.

@@ -430,11 +430,12 @@ def test_trainer_runs_with_vllm_in_one_process_and_recovers_from_an_engine_error
         train_rows = [sn for sn in trainer.phases.ledger.rollout_snapshots(1) if sn.label.startswith("train")]
         assert train_rows and all(sn.roles["kv_cache"] == trainer.engine.kv_bytes for sn in train_rows)
         assert all(sn.roles["engine_weights"] > 0 for sn in train_rows)
-        real = trainer.engine.llm.generate
-        trainer.engine.llm.generate = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("engine died"))
+        core = trainer.engine.llm.llm_engine
+        real = core.step
+        core.step = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("engine died"))
         with pytest.raises(RuntimeError, match="engine died"):
             trainer.step()
-        trainer.engine.llm.generate = real
+        core.step = real
         assert trainer.phases.phase.value == "train" and trainer.engine.released == {"weights", "kv_cache"}
         m = trainer.step()
         assert m["step"] == 2 and 0 < m["rollout/logp_mismatch"] < 1e-4

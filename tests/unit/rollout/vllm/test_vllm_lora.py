@@ -4,7 +4,8 @@ One engine (rollout/vllm/engine.py's VLLMEngine, started with LoRA on) receives 
 sync; then each step pushes only the adapter, in memory. Its greedy output must equal the native engine's on
 the same adapted policy, step after step, across the engine's release and resume, and equal vLLM's own
 directory route for the same adapter. The engine's own push (VLLMEngine.adapter) is what generate serves; the
-directory-route test swaps the request under `llm.generate`. The Trainer's sync is test_lora_vllm_trainer.py."""
+directory-route test swaps the request the engine passes (its `lora_request`). The Trainer's sync is
+test_lora_vllm_trainer.py."""
 
 from __future__ import annotations
 
@@ -76,8 +77,14 @@ def _native(policy, tok):
 
 
 def _vllm(engine, plain_generate, request):
-    engine.llm.generate = lambda *a, **k: plain_generate(*a, **{**k, "lora_request": request})
-    return engine.generate(PROMPTS, _greedy())
+    """A greedy call with `request` in place of the engine's own adapter request (vLLM's directory route)."""
+    cls = type(engine)
+    own = cls.lora_request
+    cls.lora_request = property(lambda self: request)
+    try:
+        return engine.generate(PROMPTS, _greedy())
+    finally:
+        cls.lora_request = own
 
 
 def _push(policy, push, seed):

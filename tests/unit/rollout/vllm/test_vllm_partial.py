@@ -171,22 +171,31 @@ def test_groups_needed_zero_starts_nothing_and_a_refused_request_leaves_the_engi
 
 
 def test_a_partial_call_that_stops_nothing_samples_what_llm_generate_samples(setup):
-    """A call without a PartialRequest is vLLM's LLM.generate; one whose PartialRequest stops nothing (every budget
-    the call's, groups_needed = every group) runs drive.py's loop and must sample the same tokens and logprobs, bit
-    for bit, from the same seeded stream. Without a PartialRequest the tail is not measured (None).
+    """Every call drives vLLM's engine loop itself (drive.py). Oracle: vLLM's own `LLM.generate` on the same requests
+    (build_requests) from the same seeded stream. A plain call (FINAL_ONLY outputs) and a call whose PartialRequest
+    stops nothing (every budget the call's, groups_needed = every group; CUMULATIVE outputs) must both sample its
+    tokens and logprobs, bit for bit; the plain call measures its tail too.
     Catches: the loop adding rows in another order or under another id, a stream not seeded around it, an output
     read off by a step."""
+    from hybrid_rl.rollout.vllm import setup as S
+    from hybrid_rl.rollout.vllm.engine import build_requests, to_completion
+
     policy, engine, pm, tok = setup
     prompts = PROMPTS * 3
     sp = _sp(max_new_tokens=6, temperature=1.0, seed=13)
     with _rollout(pm) as e:
         plain = e.generate(prompts, sp)
-        assert e.last_tail_s is None and e.last_generated_tokens == sum(len(c.token_ids) for c in plain)
+        assert e.last_tail_s >= 0.0 and e.last_generated_tokens == sum(len(c.token_ids) for c in plain)
         part = e.generate(prompts, sp, _partial([6] * 9, [0] * 9, [i // 3 for i in range(9)], 3))
-    assert len({tuple(c.token_ids) for c in plain}) > 3, "sampled, not greedy"
-    assert [c.token_ids for c in part] == [c.token_ids for c in plain]
-    assert [c.logprobs for c in part] == [c.logprobs for c in plain]
-    assert [c.finish_reason for c in part] == [c.finish_reason for c in plain]
+        reqs, sampling, stops, seed = build_requests([(prompts, sp)], e._stop_ids, e.device)
+        with S.sampling_stream(seed, e.device):
+            outs = e.llm.generate(reqs, sampling, use_tqdm=False, lora_request=e.lora_request)
+        ref = [to_completion(o.outputs[0], i, stops[i]) for i, o in enumerate(outs)]
+    assert len({tuple(c.token_ids) for c in ref}) > 3, "sampled, not greedy"
+    for got in (plain, part):
+        assert [c.token_ids for c in got] == [c.token_ids for c in ref]
+        assert [c.logprobs for c in got] == [c.logprobs for c in ref]
+        assert [c.finish_reason for c in got] == [c.finish_reason for c in ref]
 
 
 def test_an_error_inside_a_partial_call_leaves_no_request_behind(setup):
