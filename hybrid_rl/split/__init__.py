@@ -23,8 +23,10 @@ Who runs what (W ranks, R = trainer.rollout_ranks, k = trainer.max_staleness; La
                   the colocated code unchanged: Trainer._score, the advantage stage, policy_update, on
                   to_rollout_batch(its groups). Then every learner calls send_weights(version s) (the gathers
                   are learner-group collectives; learner rank 0 broadcasts to the sync group).
-  ranks W-R..W-1  rollout ranks: an engine (native with its own copy, vLLM, SGLang), no optimizer. Loop over
-                  batches b = 0, 1, ...: receive_weights for each version in syncs_before(b, v, k); draw this
+  ranks W-R..W-1  rollout ranks: an engine (native with its own copy, or SGLang; vLLM is refused, placement.py), no
+                  optimizer. Loop over batches b = 0, 1, ...: receive_weights for each version in
+                  syncs_before(b, v, k) (and under trainer.inflight_update=continue each newer one between decode
+                  steps: inflight.py); draw this
                   rank's prompts from its own PromptLoader(rank=r-(W-R), world_size=R); generate; rewards (rule
                   and reward model: see below) and dynamic-sampling filters here;
                   tag each group with the version (per token when partial rollouts swap mid-sequence);
