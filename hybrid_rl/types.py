@@ -107,8 +107,9 @@ class WeightUpdates(Protocol):
     """Weight versions an engine takes between decode steps (trainer.inflight_update=continue, split/inflight.py).
 
     An engine given one calls `poll()` between its decode steps (and before each decode batch), where no forward is
-    running; poll applies every version that has arrived through the engine's own weight-update API and returns how
-    many. After the call the engine's `last_update_marks` holds, per applied version, the tokens each row of the call
+    running; poll applies the versions it takes now through the engine's own weight-update API and returns how many
+    (split/inflight.TakeOffered: those offered so far, but not one due for validation, the store read at most every
+    10 ms). After the call the engine's `last_update_marks` holds, per applied version, the tokens each row of the call
     (in order) held when it took effect: tokens at or past a row's mark were sampled by that version or a newer one."""
 
     def poll(self) -> int: ...

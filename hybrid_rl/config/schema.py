@@ -718,8 +718,9 @@ class Config:
         check(
             r.engine in ("native", "vllm"),
             key,
-            f"'continue' needs an engine that takes weights between decode steps (native, vllm); rollout.engine="
-            f"{r.engine!r} generates a call whole: use inflight_update=drain",
+            f"'continue' needs an engine that takes weights between decode steps (native; vLLM's engine can, and the "
+            f"split placement runs native only for now); rollout.engine={r.engine!r} generates a call whole: use "
+            "inflight_update=drain",
         )
         check(
             r.tp_size == 1,

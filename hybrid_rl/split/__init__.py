@@ -48,7 +48,8 @@ probed there before the engine is built, so the engine sizes its cache from what
 Staleness: batch b is generated with exactly version max(0, b - k) (staleness.py explains why not the
 freshest): k = 0 alternates and is on-policy; queue capacity = groups per step x (k + 1). Under
 trainer.inflight_update=continue (inflight.py) it starts with that version and takes every newer one the learners
-make while it decodes, tokens tagged with theirs: versions b - k .. b, fresher and not reproducible.
+make while it decodes (not one due for validation), tokens tagged with theirs: versions b - k .. b, fresher
+and not reproducible.
 
 Partial rollouts (rollout.partial, loop/partial.py; docs/partial_rollouts.md): each rollout rank keeps a pool of
 carried samples and runs RolloutStage.run_partial, which stops a batch once its groups are done. The schedule then

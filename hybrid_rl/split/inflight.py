@@ -18,7 +18,9 @@ blocked sending a batch to learner rank 0, which is itself blocked in the broadc
     rank (`Offers`): after each optimizer step every learner rank gathers the weights (a collective of the learner
     mesh), learner rank 0 keeps the buckets on the host and queues them for every thread, and goes on; a thread
     writes the version under `offer_key(fit, r)` in the launcher's store (`fit`: a name learner rank 0 gives each fit()
-    in its start message, so no fit reads an earlier one's offers), then sends the buckets over [0, r]. The learner's
+    in its start message, so no fit reads an earlier one's offers), waits until the rank says under `want_key` that it
+    entered the receive (a wait on the store, so no collective's timeout runs while a version due for validation
+    waits k batches for its turn), then sends the buckets over [0, r]. The learner's
     own loop never waits for a rollout rank to take weights, so it always receives the batches they send;
   * a rollout rank's engine calls `TakeOffered.poll()` between decode steps (native: at its stop checks; vLLM: between
     engine steps): one store read, and for each version offered beyond the one held, the receive over [0, r] and the
@@ -36,8 +38,10 @@ itself already made that copy; under drain it is freed bucket by bucket).
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
+import traceback
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -48,14 +52,19 @@ from hybrid_rl.split.weight_sync import SyncStats, gathered_buckets, send_bucket
 from hybrid_rl.types import Completion, PartialRequest, SamplingParams, token_versions
 
 STOP_OFFER = 1 << 62  # the store value that says the next message is STOP
-# A rollout rank reads the store at most this often. A read is a round trip to the store's server in learner rank 0's
-# process: ~25 us on an idle node, but on the 2-core dev VM under load one per CPU decode step (1-2 ms) cost the
-# rollout 12% of its time (benchmarks/inflight_split.py); a GPU decode step is 10-50 ms, so there every step reads.
+# A rollout rank reads the store at most this often. A read is a round trip to the store's server (torchrun's agent,
+# or rank 0's process): ~25 us on an idle node, but on the 2-core dev VM under load one per CPU decode step (1-2 ms)
+# cost the rollout 12% of its time (benchmarks/inflight_split.py); a GPU decode step is 10-50 ms: every step reads.
 POLL_S = 0.01
 
 
 def offer_key(fit: str, rank: int) -> str:
     return f"hybrid_rl/split/offer/{fit}/{rank}"
+
+
+def want_key(fit: str, rank: int, version: int) -> str:
+    """Set by rollout rank `rank` as it enters the receive of `version` (or of what comes in its place: STOP)."""
+    return f"hybrid_rl/split/want/{fit}/{rank}/{version}"
 
 
 def new_fit_name() -> str:
@@ -83,8 +92,9 @@ class Offers:
         self.fit = ""  # this fit()'s name (start())
 
     def start(self, fit: str) -> None:
-        """A new fit(): its offers go under `fit`'s keys."""
-        self.fit = fit
+        """A new fit(): its offers go under `fit`'s keys. Threads of an earlier fit that failed are left to their
+        timeout (daemons); their error does not carry over."""
+        self.fit, self.errors, self.threads = fit, [], []
 
     def _put(self, item) -> None:
         self._raise()
@@ -125,21 +135,30 @@ class Offers:
             raise self.errors[0]
 
     def _serve(self, rank: int) -> None:
-        group, q = self.pairs[rank], self.queues[rank]
+        """Each queued item in order: offer it, wait (on the store, not in a collective) until the rollout rank enters
+        its receive, then send it. The wait: a version due for validation is taken only before its batch, k batches
+        later, longer than the pair group's timeout, which then covers the transfer alone."""
+        group, q, fit, last = self.pairs[rank], self.queues[rank], self.fit, 0
         while (item := q.get()) is not None:
             if self.errors:
                 continue  # the run is failing: drain the queue, send nothing more
             try:
-                if item == "stop":
-                    self.store.set(offer_key(self.fit, rank), str(STOP_OFFER))
+                stop = item == "stop"
+                version = last + 1 if stop else item.version  # STOP comes where the next version would
+                self.store.set(offer_key(fit, rank), str(STOP_OFFER if stop else version))
+                while not self.store.check([want_key(fit, rank, version)]):
+                    time.sleep(0.002)
+                if stop:
                     send_stop(src=0, group=group, timeout_s=self.timeout_s)
                     continue
-                self.store.set(offer_key(self.fit, rank), str(item.version))
                 for manifest, flat in item.buckets:
-                    send_bucket(manifest, flat, item.version, 0, group, self.timeout_s, item.adapters)
-                send_end(item.version, item.dtype, 0, group, self.timeout_s, item.adapters)
+                    send_bucket(manifest, flat, version, 0, group, self.timeout_s, item.adapters)
+                send_end(version, item.dtype, 0, group, self.timeout_s, item.adapters)
+                last = version
             except BaseException as err:  # noqa: BLE001 - raised on the learner's own thread by the next call
                 self.errors.append(err)
+                # Said now as well: the learner may be blocked receiving what this rollout rank can no longer make.
+                traceback.print_exc(file=sys.stderr)
 
 
 class TakeOffered:
@@ -154,7 +173,7 @@ class TakeOffered:
     ):
         """every_s: the store is read at most this often; a poll in between takes nothing (a version waits at most
         that long, against a training step's seconds between versions)."""
-        self.store, self.rank, self.key = store, rank, offer_key("", rank)
+        self.store, self.rank, self.fit, self.key = store, rank, "", offer_key("", rank)
         self.every_s, self._read_at = every_s, -float("inf")
         self.receive, self.held, self.due = receive, held, due
         self.applied: list[int] = []  # every version taken by poll, in order
@@ -163,10 +182,14 @@ class TakeOffered:
 
     def start(self, fit: str) -> None:
         """A new fit() (its name from the start message): only its offers count."""
-        self.key = offer_key(fit, self.rank)
+        self.fit, self.key = fit, offer_key(fit, self.rank)
+
+    def want(self, version: int) -> None:
+        """This rank enters the receive of `version` (every receive under continue, blocking or in flight)."""
+        self.store.set(want_key(self.fit, self.rank, version), "1")
 
     def offered(self) -> int:
-        """The newest version offered to this rank (-1: none yet); one read of the store."""
+        """The newest version offered to this rank (-1: none yet), read from the store (two round trips)."""
         return int(self.store.get(self.key)) if self.store.check([self.key]) else -1
 
     def poll(self) -> int:

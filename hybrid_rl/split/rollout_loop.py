@@ -118,8 +118,11 @@ class RolloutSide:
         return sent
 
     def _receive(self, version: int) -> float:
-        """Apply `version` (from learner rank 0 over the sync group, or under continue over this rank's pair group)."""
+        """Apply `version` (from learner rank 0 over the sync group, or under continue over this rank's pair group, once
+        learner rank 0's sender for this rank hears that it waits: inflight.TakeOffered.want)."""
         pairs = self.comm.pairs
+        if self.updates is not None:
+            self.updates.want(version)
         stats = receive_weights(
             self.engine,
             version,

@@ -165,3 +165,42 @@ def test_what_continue_cannot_run_with_is_refused_naming_the_key(extra, says):
     with pytest.raises(ValueError, match="config key 'trainer.inflight_update'") as err:
         load_config(None, ["data.path=rows.jsonl", "trainer.inflight_update=continue", *extra])
     assert says in str(err.value)
+
+
+def test_a_sender_sends_a_version_only_once_its_rank_waits_for_it(monkeypatch):
+    """Learner rank 0's sender for rank 3: it offers version 5 at once but sends it only after rank 3 says it entered
+    the receive of 5 (want_key); STOP is offered as the next version and sent once rank 3 waits for 6. Without that
+    wait a version due for validation would sit k batches inside a broadcast's timeout.
+    Catches: sending before the rank waits, STOP sent where another version number is awaited."""
+    import time
+
+    from hybrid_rl.split import inflight
+
+    sent = []
+    monkeypatch.setattr(inflight, "send_bucket", lambda m, f, v, *a: sent.append(("bucket", v)) or 0)
+    monkeypatch.setattr(inflight, "send_end", lambda v, *a: sent.append(("end", v)))
+    monkeypatch.setattr(inflight, "send_stop", lambda **kw: sent.append(("stop",)))
+    store = FakeStore()
+    offers = inflight.Offers({3: None}, store, timeout_s=5)
+    offers.start("fitA")
+    offers._put(inflight._Version(5, [(b"[]", None)], None, False))
+    offers.stop()
+
+    def until(cond):
+        for _ in range(500):
+            if cond():
+                return True
+            time.sleep(0.002)
+        return False
+
+    assert until(lambda: store.data.get(offer_key("fitA", 3)) == b"5")
+    time.sleep(0.02)
+    assert sent == [], "sent before the rank waits for it"
+    store.set(inflight.want_key("fitA", 3, 5), 1)
+    assert until(lambda: sent == [("bucket", 5), ("end", 5)])
+    assert until(lambda: store.data.get(offer_key("fitA", 3)) == str(STOP_OFFER).encode())
+    time.sleep(0.02)
+    assert sent == [("bucket", 5), ("end", 5)]
+    store.set(inflight.want_key("fitA", 3, 6), 1)
+    offers.finish()
+    assert sent[-1] == ("stop",) and offers.threads == []
