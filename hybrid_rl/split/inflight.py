@@ -23,9 +23,9 @@ blocked sending a batch to learner rank 0, which is itself blocked in the broadc
     waits k batches for its turn), then sends the buckets over [0, r]. The learner's
     own loop never waits for a rollout rank to take weights, so it always receives the batches they send;
   * a rollout rank's engine calls `TakeOffered.poll()` between decode steps (native: at its stop checks; vLLM: between
-    engine steps): one store read, and for each version offered beyond the one held, the receive over [0, r] and the
-    engine's weight-update API. At a batch's start the blocking receives of `syncs_before` come through the same pair
-    group, in the same order (every thread sends versions in order).
+    engine steps): a store read (at most every POLL_S), and for each version offered beyond the one held, the receive
+    over [0, r] and the engine's weight-update API. At a batch's start the blocking receives of `syncs_before` come
+    through the same pair group, in the same order (every thread sends versions in order).
   * a version the fit validates is not taken in flight: it is taken before batch s + k as under drain, so each
     rollout rank validates it where the learners expect the validation (split/validation.py), and versions after it
     wait behind it.
