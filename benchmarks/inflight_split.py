@@ -28,8 +28,12 @@ import statistics
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)  # the rank function of split_vs_colocated.py beside this script
+from split_vs_colocated import _fit as fit_ranks  # noqa: E402
+
 MODES = ("drain", "continue")
 
 
@@ -52,18 +56,10 @@ def _fixed_decode_step(ms: float) -> None:
 
 
 def _fit(rank: int, overrides: list[str], steps: int, decode_ms: float = 0.0) -> list[dict]:
-    from hybrid_rl.config.load import load_config
-    from hybrid_rl.runtime import distributed as D
-    from hybrid_rl.trainer import Trainer
-
+    """split_vs_colocated.py's rank function, each decode step first made to cost at least `decode_ms` (0: as is)."""
     if decode_ms > 0:
         _fixed_decode_step(decode_ms)
-
-    D.init("cpu", timeout_s=120)
-    tr = Trainer(load_config(None, overrides))
-    history = tr.fit(steps)
-    tr.close()
-    return [{k: v for k, v in m.items() if isinstance(v, (int, float))} for m in history]
+    return fit_ranks(rank, overrides, steps)
 
 
 def summary(history: list[dict], warmup: int = 2) -> dict:

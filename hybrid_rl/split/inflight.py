@@ -178,7 +178,6 @@ class TakeOffered:
         self.receive, self.held, self.due = receive, held, due
         self.applied: list[int] = []  # every version taken by poll, in order
         self.seconds = 0.0  # spent receiving them
-        self.polls = 0
 
     def start(self, fit: str) -> None:
         """A new fit() (its name from the start message): only its offers count."""
@@ -193,7 +192,6 @@ class TakeOffered:
         return int(self.store.get(self.key)) if self.store.check([self.key]) else -1
 
     def poll(self) -> int:
-        self.polls += 1
         now = time.perf_counter()
         if now - self._read_at < self.every_s:
             return 0

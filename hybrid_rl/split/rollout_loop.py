@@ -157,15 +157,14 @@ class RolloutSide:
         taken, taken_s = (len(self.updates.applied), self.updates.seconds) if self.updates else (0, 0.0)
         if self.pool is None:
             batch, metrics = self.stage.run(self.stage_engine, self.loader, b, timer, model_phase=self.model_phase)
-            tv = None  # under continue each completion says the version of each token (inflight.InflightEngine)
-            if self.updates is not None and batch is not None:
-                tv = [c.versions if c.versions is not None else [held] * len(c.token_ids) for c in batch.completions]
-            groups = self.versioned(batch, tv, held)
+            # Under continue every completion says the version of each of its tokens (inflight.InflightEngine).
+            tv = [c.versions for c in batch.completions] if self.updates is not None and batch is not None else None
+            groups = self.versioned(batch, held, tv)
         else:  # carried samples continue under the weights held; each token keeps its version
             batch, metrics = self.stage.run_partial(
                 self.stage_engine, self.pool, self.loader, b, timer, self.model_phase, version=held
             )
-            groups = self.versioned(batch, self.stage.last_token_versions, held)
+            groups = self.versioned(batch, held, self.stage.last_token_versions)
         dst, peer = 0, "learner rank 0"
         send_groups(groups, dst, self.comm.timeout_s, peer=peer)
         report = {
@@ -186,13 +185,10 @@ class RolloutSide:
         }
         send_json(report, dst, self.comm.timeout_s, peer=peer)
 
-    def versioned(
-        self, batch, token_versions: Optional[list[list[int]]] = None, held: Optional[int] = None
-    ) -> list[VersionedGroup]:
-        """The batch's groups, each tagged with the version `held` at the batch's start (default: the one held now;
-        every token made by it), or with partial rollouts or in-flight updates each token's own version
-        (`token_versions`, per completion) and the group's oldest."""
-        held = self.version if held is None else held
+    def versioned(self, batch, held: int, token_versions: Optional[list[list[int]]] = None) -> list[VersionedGroup]:
+        """The batch's groups, each tagged with the version `held` at the batch's start (every token made by it), or
+        with partial rollouts or in-flight updates each token's own version (`token_versions`, per completion) and the
+        group's oldest."""
         if batch is None:
             return []
         G, out = batch.group_size, []
