@@ -7,7 +7,7 @@ live here and import nothing of the package.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 
 @dataclass(frozen=True)
@@ -72,19 +72,26 @@ class PartialRequest:
     as it stands: finish_reason "abort", the tokens and log-probs it sampled so far (possibly none). With
     groups_needed at least the number of groups, every row runs to its end, as without a PartialRequest.
     `SamplingParams.max_new_tokens` must be at least the largest budget (engines size their cache from it).
+
+    rollout.partial_kv=keep (the native engine): with `keep_kv` the engine returns, in its `last_kept_kv`, each
+    unfinished row's keys and values (host tensors) of every token it fed, so the next call continues the row over
+    them instead of recomputing them: `kv[i]` (empty, or one entry per row, None for a row without) is row i's, and
+    then covers all of `prompt_ids[i]` but its last token, which was sampled and never fed.
     """
 
     max_new_tokens: tuple[int, ...]
     min_new_tokens: tuple[int, ...]
     group_of: tuple[int, ...]
     groups_needed: int
+    kv: tuple[Any, ...] = ()
+    keep_kv: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.max_new_tokens)
-        if len(self.min_new_tokens) != n or len(self.group_of) != n:
+        if len(self.min_new_tokens) != n or len(self.group_of) != n or len(self.kv) not in (0, n):
             raise ValueError(
-                f"PartialRequest: max_new_tokens, min_new_tokens and group_of need one entry per row, got "
-                f"{n}, {len(self.min_new_tokens)} and {len(self.group_of)}"
+                f"PartialRequest: max_new_tokens, min_new_tokens and group_of (and kv, when given) need one entry "
+                f"per row, got {n}, {len(self.min_new_tokens)}, {len(self.group_of)} and {len(self.kv)}"
             )
         for i, (hi, lo) in enumerate(zip(self.max_new_tokens, self.min_new_tokens)):
             if hi < 1 or not 0 <= lo <= hi:

@@ -78,13 +78,17 @@ class RowLimits:
 
     max_new_N / min_new_N: each row's budget and minimum (max_new_N <= T); stop(alive): asked at each stop check
     with the original indices of the rows still decoding, True to stop now (the group rule, engine.py). After the
-    loop: aborted_N marks the rows stopped unfinished, `stopped_at` the tokens each of them holds."""
+    loop: aborted_N marks the rows stopped unfinished, `stopped_at` the tokens each of them holds; with keep_kv
+    (rollout.partial_kv=keep), `kept_kv` maps each of them (its index in the batch) to the keys and values of every
+    token it fed (StaticKVCache.rows_kv: its prompt and all its tokens but the last)."""
 
     max_new_N: torch.Tensor
     min_new_N: torch.Tensor
     stop: Callable[[torch.Tensor], bool]
     aborted_N: Optional[torch.Tensor] = None
     stopped_at: int = 0
+    keep_kv: bool = False
+    kept_kv: Optional[dict[int, torch.Tensor]] = None
 
 
 @dataclass
@@ -124,7 +128,7 @@ class GroupStop:
         self._last = (-1, False)
         max_new = torch.tensor(p.max_new_tokens[start : start + n], device=dev)
         min_new = torch.tensor(p.min_new_tokens[start : start + n], device=dev)
-        return RowLimits(max_new, min_new, stop)
+        return RowLimits(max_new, min_new, stop, keep_kv=p.keep_kv)
 
     def record(self, start: int, done: list[Completion]) -> None:
         """A batch's results: its finished rows count for the next batches' rule."""
@@ -189,6 +193,9 @@ def decode(
             if limits is not None and limits.stop(rows_M[alive_A]):
                 limits.aborted_N = torch.zeros(N, dtype=torch.bool, device=dev).index_fill(0, rows_M[alive_A], True)
                 limits.stopped_at = t + 1
+                if limits.keep_kv:  # slots 0 .. P + t - 1 are written: the prompt slots, then t fed tokens
+                    kv = cache.rows_kv(alive_A, attn_NS[alive_A, : P + t])
+                    limits.kept_kv = dict(zip(rows_M[alive_A].tolist(), kv))
                 break
             keep = rows_to_keep(alive_A, done_M, step.fixed_shape)
             if keep is not None:

@@ -230,6 +230,7 @@ class NativeEngine:
             raise ValueError("every prompt needs at least one token")
         self.last_tail_s, self.last_generated_tokens, self.last_prefill_forwards = 0.0, 0, 0
         self.last_update_marks: list[list[int]] = []
+        self.last_kept_kv: list[Optional[torch.Tensor]] = [None] * len(prompt_ids)  # PartialRequest.keep_kv
         if not prompt_ids:  # a rank with no rows this round (an uneven validation split)
             return []
         if partial is not None:
@@ -252,18 +253,21 @@ class NativeEngine:
                 out += [Completion([], [], "abort") for _ in batch]
                 continue
             limits = None if stop is None else stop.limits(start, len(batch), dev)
+            kv = partial.kv[start : start + len(batch)] if partial is not None and partial.kv else None
             poll, marked = self._updates_poll(updates, start, len(batch), N), len(self.last_update_marks)
             if poll is not None:
                 poll(0)  # versions that arrived between batches: this batch's every token is theirs
-            done = self._try_batch(batch, params, u, path, prefill_rows, limits, stats, poll)
+            done = self._try_batch(batch, params, u, path, prefill_rows, limits, stats, poll, kv)
             if done is None:  # its CUDA graphs failed: this batch again, and the rest, through the lean step
                 path = replace(path, name="lean")
                 limits = None if stop is None else stop.limits(start, len(batch), dev)
                 for marks in self.last_update_marks[marked:]:  # the batch restarts under the newest weights
                     marks[start : start + len(batch)] = [0] * len(batch)
-                done = self._generate_batch(batch, params, u, path, prefill_rows, limits, stats, poll)
+                done = self._generate_batch(batch, params, u, path, prefill_rows, limits, stats, poll, kv)
             if stop is not None:
                 stop.record(start, done)
+            for i, row_kv in (limits.kept_kv or {}).items() if limits is not None else ():
+                self.last_kept_kv[start + i] = row_kv
             out += done
         self.last_tail_s = stats.tail_s
         self.last_generated_tokens = sum(len(c.token_ids) for c in out)
@@ -291,11 +295,12 @@ class NativeEngine:
         limits: RowLimits | None = None,
         stats: DecodeStats | None = None,
         poll: Callable[[int], None] | None = None,
+        kv: Sequence[Optional[torch.Tensor]] | None = None,
     ) -> list[Completion] | None:
         """The batch's completions, or None when its CUDA graphs failed (said once; graphs stay off on this
         engine). Returning, not retrying here, frees the failed batch's cache (the error's frames hold it)."""
         try:
-            return self._generate_batch(prompts, sp, u_NT, path, prefill_rows, limits, stats, poll)
+            return self._generate_batch(prompts, sp, u_NT, path, prefill_rows, limits, stats, poll, kv)
         except GraphDecodeFailed as err:
             self.last_graph_error, self._graphs_failed = str(err), True
             warnings.warn(
@@ -426,11 +431,13 @@ class NativeEngine:
         limits: RowLimits | None = None,
         stats: DecodeStats | None = None,
         poll: Callable[[int], None] | None = None,
+        kv: Sequence[Optional[torch.Tensor]] | None = None,
     ) -> list[Completion]:
-        """Completions of one decode batch: prefill, build `path`'s step, run the token loop with it."""
+        """Completions of one decode batch: prefill, build `path`'s step, run the token loop with it. kv: the
+        rows' kept keys and values (PartialRequest.kv), None or a row's None where there are none."""
         dev = self._device()
         stop_K = torch.tensor(sorted({self.eos_id, *sp.stop_token_ids}), device=dev)
-        batch = self._prefill_batch(prompts, sp.max_new_tokens, dev, prefill_rows)
+        batch = self._prefill_batch(prompts, sp.max_new_tokens, dev, prefill_rows, kv)
         step = self._decode_step(path, batch.cache, dev, batch.P)
         every = check_every(self.stop_check_every, dev.type)
         try:
@@ -442,19 +449,58 @@ class NativeEngine:
         del batch, step  # the cache (and any graphs) before the host copies
         return to_completions(toks_NT, lps_NT, stop_K, limits)
 
-    def _prefill_batch(self, prompts: list[list[int]], T: int, dev: torch.device, prefill_rows: int) -> Prefilled:
+    def _prefill_batch(
+        self,
+        prompts: list[list[int]],
+        T: int,
+        dev: torch.device,
+        prefill_rows: int,
+        kv: Sequence[Optional[torch.Tensor]] | None = None,
+    ) -> Prefilled:
         """The cache allocated at its final size and filled with the prompts (`prefill_plan.py`).
 
         A prompt's G samples share its prefill, and so do carried rows that continue samples of one prompt: each
         distinct stem runs once (phase 1, in length buckets), each distinct row's tokens after it once (phase 2,
-        attending to its stem's copy), then the rows of the cache, logits and masks are copied to every sample."""
+        attending to its stem's copy), then the rows of the cache, logits and masks are copied to every sample.
+        A row with kept keys and values (kv, rollout.partial_kv=keep) is not recomputed: they are copied in,
+        left-padded to end where the prompt slots do less one, and one forward runs the kept rows' last tokens."""
+        kept = [i for i, x in enumerate(kv or ()) if x is not None]
+        self._check_kept(prompts, kv, kept)
+        is_kept = set(kept)
+        fresh = [i for i in range(len(prompts)) if i not in is_kept]
         # Stems, gaps and buckets at slot offsets need a mask the attention reads as given (sdpa, eager); any other
         # implementation (flash-attention's varlen path) gets the left-padded whole rows, one bucket, as before.
         share = base_attention(attention_implementation(self.model)) in MASK_4D_IMPLEMENTATIONS
         forward_tokens = FORWARD_TOKENS.get(dev.type, 0) if share else 1 << 40
-        plan = plan_prefill(prompts, prefill_rows, forward_tokens, share, self._slot_cap)
-        N, U, n_x, P_s, P = len(prompts), len(plan.rows), plan.n_suffix, plan.P_s, plan.P
+        plan = None
+        if fresh:
+            plan = plan_prefill([prompts[i] for i in fresh], prefill_rows, forward_tokens, share, self._slot_cap)
+        N, U = len(prompts), len(plan.rows) if plan else 0
+        P = max([plan.P if plan else 0] + [len(prompts[i]) for i in kept])  # a kept row: L = len - 1, its last token
         cache = StaticKVCache(N, P + T - 1)
+        attn_RP = torch.zeros((U + len(kept), P), dtype=torch.long, device=dev)  # the distinct rows, then the kept
+        parts = [self._prefill_fresh(plan, cache, attn_RP, dev)] if plan else []
+        if kept:
+            parts.append(self._prefill_kept([prompts[i] for i in kept], [kv[i] for i in kept], cache, attn_RP, U, dev))
+        logits_RV = parts[0] if len(parts) == 1 else torch.cat(parts)
+        cache.window(0, U + len(kept), P)
+        src = [0] * N  # each row's buffer row
+        for i, u in zip(fresh, plan.src if plan else ()):
+            src[i] = u
+        for j, i in enumerate(kept):
+            src[i] = U + j
+        src_N = torch.tensor(src, device=dev)
+        cache.expand_rows(src_N)
+        attn_NS = torch.zeros((N, P + T - 1), dtype=torch.bool, device=dev)
+        attn_NS[:, :P] = attn_RP.bool()[src_N]
+        pos_N1 = attn_RP.sum(-1, keepdim=True)[src_N]
+        self.last_prefill_forwards += (plan.forwards() if plan else 0) + (1 if kept else 0)
+        return Prefilled(cache, attn_NS, pos_N1, logits_RV[src_N], P)
+
+    def _prefill_fresh(self, plan, cache: StaticKVCache, attn_RP: torch.Tensor, dev: torch.device) -> torch.Tensor:
+        """`plan`'s U distinct rows prefilled into buffer rows 0..U-1 (their real tokens end at slot plan.P, the
+        cache's prompt slots after them masked); their masks written in attn_RP[:U]; logits_UV."""
+        U, n_x, P_s = len(plan.rows), plan.n_suffix, plan.P_s
         ids_US, attn_US = left_pad([list(s) for s in plan.stems], self.pad_id, dev)
         logits_V = self._prefill_pieces(ids_US, attn_US, position_ids(attn_US), cache, plan.stem_buckets)
         cache.window(0, len(plan.stems), P_s)
@@ -462,7 +508,7 @@ class NativeEngine:
         cache.expand_rows(stem_U)  # each distinct row starts as its stem's copy
         # True = a slot the next forward may attend to: the row's real tokens (its stem's, then its own after a
         # masked gap), then each fed-back token (finished rows included: their outputs are discarded anyway).
-        attn_UP = torch.zeros((U, P), dtype=attn_US.dtype, device=dev)
+        attn_UP = torch.zeros((U, plan.P), dtype=attn_US.dtype, device=dev)
         attn_UP[:, :P_s] = attn_US[stem_U]
         logits_V = logits_V[stem_U]
         if n_x:
@@ -470,11 +516,42 @@ class NativeEngine:
             attn_UP[:n_x, P_s:] = attn_XW
             pos_XP = position_ids(attn_UP[:n_x])  # real tokens only: a suffix continues its stem's positions
             logits_V[:n_x] = self._prefill_pieces(ids_XW, attn_UP[:n_x], pos_XP, cache, plan.suffix_buckets)
-            cache.window(0, U, P)
-        src_N = torch.tensor(plan.src, device=dev)
-        cache.expand_rows(src_N)
-        attn_NS = torch.zeros((N, P + T - 1), dtype=torch.bool, device=dev)
-        attn_NS[:, :P] = attn_UP.bool()[src_N]
-        pos_N1 = attn_UP.sum(-1, keepdim=True)[src_N]
-        self.last_prefill_forwards += plan.forwards()
-        return Prefilled(cache, attn_NS, pos_N1, logits_V[src_N], P)
+        attn_RP[:U, : plan.P] = attn_UP
+        return logits_V
+
+    def _prefill_kept(
+        self,
+        prompts: list[list[int]],
+        kv: list[torch.Tensor],
+        cache: StaticKVCache,
+        attn_RP: torch.Tensor,
+        U: int,
+        dev: torch.device,
+    ) -> torch.Tensor:
+        """The kept rows into buffer rows U..: their keys and values (L slots each) end at slot P - 1, and one forward
+        feeds each row's last token at slot P - 1, position L; their masks written in attn_RP[U:]; logits_KV."""
+        K, P = len(prompts), attn_RP.shape[1]
+        cache.write_rows_kv(U, kv, P - 1, dev)
+        for j, row in enumerate(kv):
+            attn_RP[U + j, P - 1 - row.shape[3] :] = 1
+        cache.window(U, U + K, P - 1)
+        return self.model(
+            input_ids=torch.tensor([[p[-1]] for p in prompts], device=dev),
+            attention_mask=attn_RP[U:],
+            position_ids=torch.tensor([[row.shape[3]] for row in kv], device=dev),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+
+    def _check_kept(self, prompts: list[list[int]], kv, kept: list[int]) -> None:
+        """Refuse kept keys and values that cannot be this row's: they cover every token of the row but its last."""
+        for i in kept:
+            row = kv[i]
+            if row.dim() != 5 or row.shape[1] != 2 or row.shape[3] != len(prompts[i]) - 1:
+                n = len(prompts[i])
+                raise ValueError(
+                    f"PartialRequest.kv[{i}]: shape {tuple(row.shape)} is not (layers, 2, heads, {n - 1}, head_dim) "
+                    f"for a row of {n} tokens; pass the engine's last_kept_kv entry of the row it continues, or None "
+                    "to recompute the row"
+                )

@@ -190,6 +190,38 @@ class StaticKVCache(Cache):
             layer.keys, layer.values = layer.buf_k[:m], layer.buf_v[:m]
         self.rows = m
 
+    def rows_kv(self, idx_A: torch.Tensor, mask_AS: torch.Tensor) -> list[torch.Tensor]:
+        """The keys and values of live rows idx_A at the slots mask_AS marks (a row's real tokens, in slot order), each
+        row as one host tensor (layers, 2, H, L, D): what a partial rollout keeps of a row it carries
+        (rollout.partial_kv=keep), off the device so that the cache's memory goes back with the rollout."""
+        out = []
+        for a, mask_S in zip(idx_A.tolist(), mask_AS):
+            slots = torch.nonzero(mask_S).squeeze(1)
+            per_layer = [
+                torch.stack((layer.keys[a].index_select(1, slots), layer.values[a].index_select(1, slots)))
+                for layer in self.layers
+            ]
+            out.append(torch.stack(per_layer).to("cpu", copy=True))
+        return out
+
+    def write_rows_kv(self, a: int, kv: list[torch.Tensor], end: int, device: torch.device) -> None:
+        """Buffer rows a, a+1, ... get the kept rows `kv` (rows_kv's tensors), each at the L slots that end before
+        `end` (left-padded: a row's real slots stay contiguous); the layers are made here, on `device`, when nothing
+        was written yet."""
+        if not kv:
+            return
+        if a + len(kv) > self.max_rows:
+            raise ValueError(f"{len(kv)} kept rows from buffer row {a} do not fit the {self.max_rows} allocated")
+        while len(self.layers) < kv[0].shape[0]:
+            layer = _SlotLayer(self)
+            layer.lazy_initialization(*(x[None].to(device) for x in kv[0][len(self.layers)]))
+            self.layers.append(layer)
+        for j, row in enumerate(kv):
+            L = row.shape[3]
+            for i, layer in enumerate(self.layers):
+                layer.buf_k[a + j, :, end - L : end].copy_(row[i, 0])
+                layer.buf_v[a + j, :, end - L : end].copy_(row[i, 1])
+
     def nbytes(self) -> int:
         """Bytes of the allocated buffers (all N rows and S slots, whatever is live)."""
         return sum(
