@@ -181,7 +181,16 @@ class Trainer:
             return split_roles.learner_carried()
         r = self.cfg.rollout
         groups = self.cfg.data.batch_size // D.world_size()
-        return PartialRollouts(r.n, groups, r.partial_over, r.partial_stop, r.max_new_tokens, r.min_new_tokens, rows)
+        return PartialRollouts(
+            r.n,
+            groups,
+            r.partial_over,
+            r.partial_stop,
+            r.max_new_tokens,
+            r.min_new_tokens,
+            rows,
+            r.partial_kv == "keep",
+        )
 
     def _build_models(self, rows: list[dict]) -> None:
         """The offload plan, the policy and the frozen reference it starts as (only rank 0 reads the weights,

@@ -181,6 +181,10 @@ class RolloutConfig:
     partial: bool = False
     partial_over: float = 1.5  # groups in flight per rank: ceil(partial_over x the rank's data.batch_size groups)
     partial_stop: float = 1.0  # stop once this fraction of the rank's data.batch_size groups have every sample done
+    # What a carried sample's next rollout starts from (native engine): its prompt and prefix recomputed under the new
+    # weights (AReaL's interrupted requests), or the keys and values the older weights wrote, held on the host between
+    # rollouts and saved with checkpoints (keep: PipelineRL's in-flight update, across steps; no re-prefill)
+    partial_kv: Literal["recompute", "keep"] = "recompute"
 
     def __post_init__(self) -> None:
         check_choices(self, "rollout")
@@ -672,6 +676,8 @@ class Config:
         )
         if self.rollout.partial:
             self._check_partial()
+        if self.rollout.partial_kv == "keep":
+            self._check_partial_kv()
         if self.trainer.inflight_update == "continue":
             self._check_inflight()
         a, n = self.algorithm, self.rollout.n
@@ -704,6 +710,23 @@ class Config:
             "trainer.max_staleness",
             "must be >= 1 with rollout.partial: a sample carried to the next step holds tokens one version old "
             "(0 would drop every carried sample); e.g. 2",
+        )
+
+    def _check_partial_kv(self) -> None:
+        """What rollout.partial_kv=keep cannot run with, each refused naming the key."""
+        key, r = "rollout.partial_kv", self.rollout
+        check(r.partial, key, "'keep' keeps carried samples' caches: set rollout.partial=true, or partial_kv=recompute")
+        check(
+            r.engine == "native",
+            key,
+            f"'keep' is the native engine's (rollout.engine={r.engine} flushes its prefix cache when weights change); "
+            "set rollout.engine=native or partial_kv=recompute",
+        )
+        check(
+            self.trainer.placement == "colocated",
+            key,
+            "'keep' runs in the colocated placement (a split rollout rank's carried samples reach the learners' "
+            "checkpoint without their caches); set trainer.placement=colocated or partial_kv=recompute",
         )
 
     def _check_inflight(self) -> None:

@@ -15,8 +15,15 @@ than k versions behind is dropped before the rollout and counted; with k = 0 eve
 config refuses `rollout.partial` with k = 0. The off-policy correction needs no change: each token's behaviour
 log-prob is the one its engine reported (`RolloutBatch.engine_logp_NT`), and SCORE recomputes the old policy's.
 
+rollout.partial_kv=keep (the native engine, colocated): a carried sample also holds the keys and values of every
+token it fed (host tensors, PartialRequest.kv), and the next rollout continues it over them instead of recomputing its
+prompt and prefix under the new weights: the tokens it samples then attend to a cache the older weights wrote, as
+PipelineRL's in-flight updates do within a rollout. Their versions and the staleness rule are unchanged (the cache is
+as old as the sample's oldest token, which the rule reads). A sample the engine did not start this time keeps its
+cache; one that finishes, is cut or dropped lets it go.
+
 This pool is the rank's run state: `state_dict` holds the rows drawn and not started (as dataset indices), the groups
-in flight and every carried token, log-prob and version, so a resumed run continues them to the bit
+in flight and every carried token, log-prob, version and kept cache, so a resumed run continues them to the bit
 (loop/run_state.py).
 """
 
@@ -24,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from hybrid_rl.data.prompts import PromptLoader
 from hybrid_rl.split.staleness import lag
@@ -36,12 +43,13 @@ UNFINISHED = "abort"
 @dataclass
 class Sample:
     """One sample of a group: its tokens so far with their log-probs and versions; finish_reason "abort" while
-    unfinished."""
+    unfinished; kv: the keys and values of every token it fed (rollout.partial_kv=keep), or None."""
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish_reason: str = UNFINISHED
+    kv: Any = None
 
     @property
     def done(self) -> bool:
@@ -96,10 +104,12 @@ class PartialRollouts:
         max_new_tokens: int,
         min_new_tokens: int,
         rows: Sequence[dict],
+        keep_kv: bool = False,
     ):
         """batch_groups: the groups a step trains on this rank (data.batch_size / ranks); over, stop:
         rollout.partial_over and rollout.partial_stop; rows: the dataset the loader draws from (a group's row is
-        saved as its index in it, and comes back as the same object)."""
+        saved as its index in it, and comes back as the same object); keep_kv: rollout.partial_kv=keep."""
+        self.keep_kv = keep_kv
         self.G, self.batch_groups, self.rows = group_size, batch_groups, rows
         self._index = {id(r): i for i, r in enumerate(rows)}
         self.in_flight = max(batch_groups, math.ceil(over * batch_groups))
@@ -136,7 +146,7 @@ class PartialRollouts:
     def plan(self) -> Plan:
         """The engine call: every unfinished sample, continued from its prefix with the rest of its budget; the stop
         once `stop_groups` groups are complete, counting those already complete."""
-        prompts, hi, lo, group_of, targets = [], [], [], [], []
+        prompts, hi, lo, group_of, targets, kv = [], [], [], [], [], []
         continued = cut = 0
         for gi, g in enumerate(self.groups):
             for s in g.samples:
@@ -144,7 +154,7 @@ class PartialRollouts:
                     continue
                 left = self.max_new_tokens - len(s.token_ids)
                 if left <= 0:  # a resume with a smaller rollout.max_new_tokens: the prefix is the whole answer
-                    s.finish_reason = "length"
+                    s.finish_reason, s.kv = "length", None
                     cut += 1
                     continue
                 prompts.append(g.prompt_ids + s.token_ids)
@@ -152,22 +162,30 @@ class PartialRollouts:
                 lo.append(max(0, self.min_new_tokens - len(s.token_ids)))
                 group_of.append(gi)
                 targets.append(s)
+                kv.append(s.kv if self.keep_kv else None)
                 continued += bool(s.token_ids)
         already = sum(g.complete for g in self.groups)
         needed = max(0, self.stop_groups - already)
-        request = PartialRequest(tuple(hi), tuple(lo), tuple(group_of), needed)
+        kept = tuple(kv) if any(x is not None for x in kv) else ()
+        request = PartialRequest(tuple(hi), tuple(lo), tuple(group_of), needed, kept, self.keep_kv)
         return Plan(prompts, request, targets, continued, cut)
 
-    def absorb(self, plan: Plan, completions: list[Completion], version: int) -> None:
+    def absorb(
+        self, plan: Plan, completions: list[Completion], version: int, kept: Sequence[Any] | None = None
+    ) -> None:
         """The engine's results: each row's new tokens appended to its sample, tagged with `version`, or with the
-        versions the completion carries (weights taken in flight: split/inflight.py)."""
+        versions the completion carries (weights taken in flight: split/inflight.py); kept: the engine's
+        `last_kept_kv` (keep_kv), each cut row's cache."""
         if len(completions) != len(plan.targets):
             raise RuntimeError(f"engine returned {len(completions)} completions for {len(plan.targets)} prompts")
-        for s, c in zip(plan.targets, completions):
+        for i, (s, c) in enumerate(zip(plan.targets, completions)):
             s.token_ids += c.token_ids
             s.logprobs += c.logprobs
             s.versions += c.versions if c.versions is not None else [version] * len(c.token_ids)
             s.finish_reason = c.finish_reason
+            new_kv = kept[i] if kept else None
+            if new_kv is not None or c.token_ids or s.done:  # a row not started keeps the cache it had
+                s.kv = new_kv if self.keep_kv and not s.done else None
 
     def complete_count(self) -> int:
         return min(self.batch_groups, sum(g.complete for g in self.groups))
@@ -184,7 +202,8 @@ class PartialRollouts:
         return sum(len(g.samples) for g in self.groups)
 
     def state_dict(self) -> dict:
-        """Plain lists, ints, floats and strings (a checkpoint loads with weights_only=True)."""
+        """Plain lists, ints, floats, strings and the kept caches' tensors (a checkpoint loads with
+        weights_only=True)."""
         return {
             "queue": [{"row": self._index[id(row)], "prompt_ids": list(p)} for row, p in self.queue],
             "groups": [
@@ -199,6 +218,7 @@ class PartialRollouts:
                             "logprobs": list(s.logprobs),
                             "versions": list(s.versions),
                             "finish_reason": s.finish_reason,
+                            "kv": s.kv,
                         }
                         for s in g.samples
                     ],
@@ -220,7 +240,13 @@ class PartialRollouts:
                 self.rows[g["row"]],
                 list(g["prompt_ids"]),
                 [
-                    Sample(list(s["token_ids"]), list(s["logprobs"]), list(s["versions"]), s["finish_reason"])
+                    Sample(
+                        list(s["token_ids"]),
+                        list(s["logprobs"]),
+                        list(s["versions"]),
+                        s["finish_reason"],
+                        s.get("kv") if self.keep_kv else None,  # partial_kv switched to recompute: recomputed
+                    )
                     for s in g["samples"]
                 ],
                 int(g["started"]),

@@ -103,7 +103,7 @@ class RolloutStage:
             budget = max(plan.request.max_new_tokens, default=self.cfg.rollout.max_new_tokens)
             params = replace(self.sampling_params(step, 0), max_new_tokens=budget)
             completions = engine.generate(plan.prompt_ids, params, plan.request)
-            pool.absorb(plan, completions, version)
+            pool.absorb(plan, completions, version, engine.last_kept_kv if pool.keep_kv else None)
         n = -int(D.all_reduce_max(torch.tensor([-pool.complete_count()], dtype=torch.int64)).item())
         taken = pool.take(n)
         rows, prompt_ids = [g.row for g in taken], [g.prompt_ids for g in taken]

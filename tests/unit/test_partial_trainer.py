@@ -166,3 +166,63 @@ def test_an_engine_without_partial_generation_is_refused(tiny_model_dir, tmp_pat
     monkeypatch.setattr(NativeEngine, "generate", lambda self, prompt_ids, params: [])
     with pytest.raises(ValueError, match="rollout.partial.*cannot stop a rollout early"):
         Trainer(_cfg(tiny_model_dir, str(tmp_path)))
+
+
+KEEP = ["rollout.partial_kv=keep"]
+
+
+def test_keep_continues_each_cut_sample_over_the_cache_it_left(tiny_model_dir, tmp_path):
+    """rollout.partial_kv=keep: every row of the next call that continues a sample cut with tokens comes with that
+    sample's kept cache (the keys and values of all its tokens but the last, the engine's `last_kept_kv` of the
+    call that cut it); a fresh row comes with none. Catches: caches not passed on, passed to the wrong sample, or
+    kept from a call before the last one that advanced the sample."""
+    tr = Trainer(_cfg(tiny_model_dir, str(tmp_path), "trainer.total_steps=3", *KEEP))
+    rec, kept = Recorder(tr.engine), []
+    real = rec.inner
+
+    def keep_too(prompt_ids, params, partial=None):
+        out = real(prompt_ids, params, partial)
+        kept.append(list(tr.engine.last_kept_kv))
+        return out
+
+    rec.inner = keep_too
+    for _ in range(3):
+        tr.step()
+    for (p1, _, out1), kv1, (p2, req2, _) in zip(rec.calls, kept, rec.calls[1:]):
+        cut = {
+            tuple(p + c.token_ids): kv for p, c, kv in zip(p1, out1, kv1) if c.token_ids and c.finish_reason == "abort"
+        }
+        assert cut, "each call must leave samples unfinished with tokens"
+        assert all(kv is not None for kv in cut.values())
+        sent = dict(enumerate(req2.kv)) if req2.kv else {}
+        for i, p in enumerate(p2):
+            if tuple(p) in cut:
+                assert sent.get(i) is cut[tuple(p)], f"row {i} continues a cut sample without its kept cache"
+            elif sent.get(i) is not None:  # a row the last call did not start keeps the cache it had
+                assert sent[i].shape[3] == len(p) - 1
+    assert sum(1 for kv in (rec.calls[1][1].kv or ()) if kv is not None) > 0
+    tr.close()
+
+
+def test_resume_with_kept_caches_is_bit_exact(tiny_model_dir, tmp_path):
+    """The checkpoint holds the carried samples' kept caches too: the resumed run continues over the same caches as
+    the straight run. The correction weighs each token by its engine log-prob, so a cache recomputed under the resumed
+    weights (other log-probs for the continued tokens) changes the weights the run ends with."""
+    result = straight_and_resumed(
+        tiny_model_dir, str(tmp_path), 3, *PARTIAL, *KEEP, "algorithm.rollout_correction=tis_token"
+    )
+    assert sum(m["rollout/continued"] for m in result["straight"]) > 0, "nothing carried across the checkpoint"
+    assert_same_run(result)
+
+
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        (["rollout.partial=false"], "rollout.partial_kv.*rollout.partial=true"),
+        (["rollout.engine=vllm"], "rollout.partial_kv.*rollout.engine=native"),
+        (["trainer.placement=split", "trainer.rollout_ranks=1"], "rollout.partial_kv.*placement=colocated"),
+    ],
+)
+def test_keep_where_it_cannot_run_is_refused_naming_the_key(tiny_model_dir, tmp_path, extra, match):
+    with pytest.raises(ValueError, match=match):
+        _cfg(tiny_model_dir, str(tmp_path), *KEEP, *extra)

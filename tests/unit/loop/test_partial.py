@@ -135,3 +135,38 @@ def test_the_state_round_trips_through_a_weights_only_load():
         PartialRollouts(2, 2, 1.5, 1.0, 6, 0, ROWS[:2]).load_state_dict(pool.state_dict())
     with pytest.raises(ValueError, match="rollout.n=3"):
         _pool(G=3).load_state_dict(pool.state_dict())
+
+
+def test_kept_caches_follow_their_samples_and_the_checkpoint():
+    """rollout.partial_kv=keep: a row cut with tokens takes the cache the engine kept; a row the engine did not start
+    keeps the one it had; a finished row lets it go; the next plan sends each cache with its row; the state carries
+    them through a weights_only load, and a run with keep off loads the samples without them."""
+    pool = PartialRollouts(1, 2, 1.5, 1.0, 6, 0, ROWS, keep_kv=True)  # 3 groups of 1
+    pool.refill(0, Loader(2), encode)
+    a, b, c = (g.samples[0] for g in pool.groups)
+    plan = pool.plan()
+    assert plan.request.keep_kv and plan.request.kv == ()  # no cache yet: none sent
+    kv = [torch.full((1, 2, 1, 3, 2), float(i)) for i in range(3)]
+    pool.absorb(plan, [Completion([4, 5], [-0.5, -0.5], "abort")] * 2 + [Completion([6], [-1.0], "stop")], 0, kv)
+    assert a.kv is kv[0] and b.kv is kv[1] and c.kv is None  # c finished: its cache goes
+    plan = pool.plan()
+    assert plan.targets == [a, b] and plan.request.kv == (kv[0], kv[1])
+    unstarted = Completion([], [], "abort")
+    pool.absorb(plan, [Completion([7], [-0.25], "abort"), unstarted], 1, [torch.zeros(1, 2, 1, 4, 2), None])
+    assert a.kv.shape[3] == 4 and b.kv is kv[1]  # a advanced: its new cache; b not started: the old one
+    buf = io.BytesIO()
+    torch.save(pool.state_dict(), buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)
+    again = PartialRollouts(1, 2, 1.5, 1.0, 6, 0, ROWS, keep_kv=True)
+    again.load_state_dict(state)
+    got = [g.samples[0].kv for g in again.groups if not g.complete]
+    assert torch.equal(got[0], a.kv) and torch.equal(got[1], kv[1])
+    off = PartialRollouts(1, 2, 1.5, 1.0, 6, 0, ROWS)
+    off.load_state_dict(state)
+    assert all(g.samples[0].kv is None for g in off.groups) and off.plan().request.kv == ()
+    plain = _pool(G=1, batch=2)
+    plain.refill(0, Loader(2), encode)
+    plan = plain.plan()
+    plain.absorb(plan, [Completion([4], [-0.5], "abort")] * 3, 0, kv)
+    assert all(g.samples[0].kv is None for g in plain.groups), "keep off: nothing kept whatever the engine returns"
