@@ -419,7 +419,8 @@ def test_every_value_of_the_annotation_is_accepted(section, name, choices, is_li
         value = f"['{choice}']" if is_list else f"'{choice}'"  # quoted: preset '' is none, a bare `key=` is null
         ppo = ["algorithm.advantage=gae"] if section == "critic" else []  # critic.* is PPO's
         split = ["trainer.placement=split"] if name == "inflight_update" else []  # a split placement's key
-        cfg = load_config(None, [f"{section}.{name}={value}", "data.path=rows.jsonl", *ppo, *split])
+        partial = ["rollout.partial=true", "trainer.max_staleness=1"] if name == "partial_kv" else []  # its key
+        cfg = load_config(None, [f"{section}.{name}={value}", "data.path=rows.jsonl", *ppo, *split, *partial])
         assert getattr(getattr(cfg, section), name) == ([choice] if is_list else choice)
 
 
