@@ -297,6 +297,7 @@ def side_overrides(a, side: str, engine: str, setting: str, seed: int, out_dir: 
             "rollout.partial=true",
             f"rollout.partial_over={a.partial_over}",
             f"rollout.partial_stop={a.partial_stop}",
+            f"rollout.partial_kv={a.partial_kv if engine == 'native' else 'recompute'}",  # keep: the native engine's
         ]
     return ov
 
@@ -639,6 +640,12 @@ def parse(argv=None):
     ap.add_argument("--partial-stop", type=float, default=1.0, help="rollout.partial_stop of the on side")
     ap.add_argument("--max-staleness", type=int, default=4, help="trainer.max_staleness (both sides)")
     ap.add_argument(
+        "--partial-kv",
+        default="recompute",
+        choices=("recompute", "keep"),
+        help="rollout.partial_kv of the native engine's on side (vLLM's always recomputes)",
+    )
+    ap.add_argument(
         "--correction",
         default="tis_token",
         help="algorithm.rollout_correction (both sides): weights a carried token by pi_old / its behaviour policy",
@@ -747,6 +754,7 @@ def main(argv=None) -> dict:
             "lr",
             "partial_over",
             "partial_stop",
+            "partial_kv",
             "max_staleness",
             "correction",
             "rows",
