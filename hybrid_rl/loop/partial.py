@@ -89,6 +89,7 @@ class Plan:
     request: PartialRequest
     targets: list[Sample]
     continued: int  # rows that continue a prefix of at least one token
+    kept: int  # of them, rows sent with their kept cache (rollout.partial_kv=keep): not re-prefilled
     cut: int  # carried samples whose prefix already fills rollout.max_new_tokens: finished "length", not sent
 
 
@@ -166,9 +167,11 @@ class PartialRollouts:
                 continued += bool(s.token_ids)
         already = sum(g.complete for g in self.groups)
         needed = max(0, self.stop_groups - already)
-        kept = tuple(kv) if any(x is not None for x in kv) else ()
-        request = PartialRequest(tuple(hi), tuple(lo), tuple(group_of), needed, kept, self.keep_kv)
-        return Plan(prompts, request, targets, continued, cut)
+        n_kept = sum(x is not None for x in kv)
+        request = PartialRequest(
+            tuple(hi), tuple(lo), tuple(group_of), needed, tuple(kv) if n_kept else (), self.keep_kv
+        )
+        return Plan(prompts, request, targets, continued, n_kept, cut)
 
     def absorb(
         self, plan: Plan, completions: list[Completion], version: int, kept: Sequence[Any] | None = None

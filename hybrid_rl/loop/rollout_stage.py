@@ -119,7 +119,16 @@ class RolloutStage:
         spans = [s.versions[-1] - s.versions[0] for s in trained if s.versions]
         totals = D.all_reduce_sum(
             torch.tensor(
-                [pool.carried_samples(), plan.continued, dropped, dropped_groups, plan.cut, sum(spans), len(spans)],
+                [
+                    pool.carried_samples(),
+                    plan.continued,
+                    dropped,
+                    dropped_groups,
+                    plan.cut,
+                    sum(spans),
+                    len(spans),
+                    plan.kept,
+                ],
                 dtype=torch.float64,
             )
         ).tolist()
@@ -128,6 +137,7 @@ class RolloutStage:
             {
                 "rollout/carried": totals[0],
                 "rollout/continued": totals[1],
+                "rollout/continued_kept": totals[7],
                 "rollout/dropped_stale": totals[2],
                 "rollout/dropped_stale_groups": totals[3],
                 "rollout/carried_cut": totals[4],

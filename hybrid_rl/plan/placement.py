@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill-cost",
         type=float,
         help="a re-prefilled token's cost as a share of a decoded token's per-token cost, in [0, 1] (default 1, an "
-        "upper bound; 0: a prefix cache holds every carried prefix)",
+        "upper bound; 0: nothing is re-prefilled, rollout.partial_kv=keep or a prefix cache that holds every carried "
+        "prefix)",
     )
     return p
 

@@ -51,8 +51,9 @@ done; what is unfinished is carried and continued in the next step. The model, p
               (rows average 3/4 of the batch over the body), at the body's per-token cost: p x (1 - lam) x rho x b.
               Prefill runs many tokens per forward, so it pays the per-token part only, and p (--prefill-cost,
               default 1) scales that: 1 is an upper bound (a decode row's per-token cost also reads its KV cache),
-              0 an engine whose prefix cache holds every carried prefix (vLLM, SGLang, where it hits). The prompt and
-              the prefix's tail steps are left out.
+              0 a run that re-prefills nothing: the native engine with rollout.partial_kv=keep (one forward of each
+              carried row's last token), or a prefix cache that holds every carried prefix. The prompt and the
+              prefix's tail steps are left out.
   R_partial = R - lam x t + p x (1 - lam) x rho x b;  the training half and the switch are unchanged (same batch).
 rollout.partial_stop = 1 is assumed (every step trains a full batch). From a run that had rollout.partial on
 (rollout/carried in its records) the measured rollout is R_partial, and R = R_partial / f with f the ratio above

@@ -57,6 +57,7 @@ def test_a_carried_sample_continues_from_its_prefix_and_trains_whole(tiny_model_
     assert cut, "the first call must leave samples unfinished with tokens (longer budgets, or more rows)"
     continued = [i for i, p in enumerate(p2) if tuple(p) in cut]
     assert continued and history[1]["rollout/continued"] == len(continued)
+    assert history[1]["rollout/continued_kept"] == 0  # partial_kv=recompute: every continued row re-prefilled
     for i in continued:
         prefix = cut[tuple(p2[i])].token_ids
         assert req2.max_new_tokens[i] == 40 - len(prefix)
@@ -186,8 +187,9 @@ def test_keep_continues_each_cut_sample_over_the_cache_it_left(tiny_model_dir, t
         return out
 
     rec.inner = keep_too
-    for _ in range(3):
-        tr.step()
+    history = [tr.step() for _ in range(3)]
+    for m, (_, req, _) in zip(history, rec.calls):
+        assert m["rollout/continued_kept"] == sum(kv is not None for kv in req.kv)
     for (p1, _, out1), kv1, (p2, req2, _) in zip(rec.calls, kept, rec.calls[1:]):
         cut = {
             tuple(p + c.token_ids): kv for p, c, kv in zip(p1, out1, kv1) if c.token_ids and c.finish_reason == "abort"
