@@ -235,6 +235,7 @@ class NativeEngine:
             return []
         if partial is not None:
             partial.check(len(prompt_ids), params)
+            self._check_kept(prompt_ids, partial.kv)
         dev, N, T = self._device(), len(prompt_ids), params.max_new_tokens
         path = self._decode_path(dev)  # once per rollout: the token loop never chooses
         rows, prefill_rows = self._batch_limits(prompt_ids, params, dev, path, widen=partial is not None)
@@ -465,7 +466,6 @@ class NativeEngine:
         A row with kept keys and values (kv, rollout.partial_kv=keep) is not recomputed: they are copied in,
         left-padded to end where the prompt slots do less one, and one forward runs the kept rows' last tokens."""
         kept = [i for i, x in enumerate(kv or ()) if x is not None]
-        self._check_kept(prompts, kv, kept)
         is_kept = set(kept)
         fresh = [i for i in range(len(prompts)) if i not in is_kept]
         # Stems, gaps and buckets at slot offsets need a mask the attention reads as given (sdpa, eager); any other
@@ -479,7 +479,7 @@ class NativeEngine:
         P = max([plan.P if plan else 0] + [len(prompts[i]) for i in kept])  # a kept row: L = len - 1, its last token
         cache = StaticKVCache(N, P + T - 1)
         attn_RP = torch.zeros((U + len(kept), P), dtype=torch.long, device=dev)  # the distinct rows, then the kept
-        parts = [self._prefill_fresh(plan, cache, attn_RP, dev)] if plan else []
+        parts = [self._prefill_fresh(plan, cache, attn_RP, dev)] if plan else []  # left-padded to end at P too
         if kept:
             parts.append(self._prefill_kept([prompts[i] for i in kept], [kv[i] for i in kept], cache, attn_RP, U, dev))
         logits_RV = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -498,17 +498,20 @@ class NativeEngine:
         return Prefilled(cache, attn_NS, pos_N1, logits_RV[src_N], P)
 
     def _prefill_fresh(self, plan, cache: StaticKVCache, attn_RP: torch.Tensor, dev: torch.device) -> torch.Tensor:
-        """`plan`'s U distinct rows prefilled into buffer rows 0..U-1 (their real tokens end at slot plan.P, the
-        cache's prompt slots after them masked); their masks written in attn_RP[:U]; logits_UV."""
-        U, n_x, P_s = len(plan.rows), plan.n_suffix, plan.P_s
+        """`plan`'s U distinct rows prefilled into buffer rows 0..U-1, their masks written in attn_RP[:U]; logits_UV.
+        Their layout is the plan's, shifted right by d = P - plan.P (a kept row longer than them widens the prompt
+        slots): more left padding, never a gap before the first fed-back token, which varlen attention cannot read."""
+        U, n_x, d = len(plan.rows), plan.n_suffix, attn_RP.shape[1] - plan.P
+        P_s = plan.P_s + d
         ids_US, attn_US = left_pad([list(s) for s in plan.stems], self.pad_id, dev)
+        attn_US = torch.nn.functional.pad(attn_US, (d, 0))
         logits_V = self._prefill_pieces(ids_US, attn_US, position_ids(attn_US), cache, plan.stem_buckets)
         cache.window(0, len(plan.stems), P_s)
         stem_U = torch.tensor(plan.stem_of, device=dev)
         cache.expand_rows(stem_U)  # each distinct row starts as its stem's copy
         # True = a slot the next forward may attend to: the row's real tokens (its stem's, then its own after a
         # masked gap), then each fed-back token (finished rows included: their outputs are discarded anyway).
-        attn_UP = torch.zeros((U, plan.P), dtype=attn_US.dtype, device=dev)
+        attn_UP = torch.zeros((U, plan.P + d), dtype=attn_US.dtype, device=dev)
         attn_UP[:, :P_s] = attn_US[stem_U]
         logits_V = logits_V[stem_U]
         if n_x:
@@ -516,7 +519,7 @@ class NativeEngine:
             attn_UP[:n_x, P_s:] = attn_XW
             pos_XP = position_ids(attn_UP[:n_x])  # real tokens only: a suffix continues its stem's positions
             logits_V[:n_x] = self._prefill_pieces(ids_XW, attn_UP[:n_x], pos_XP, cache, plan.suffix_buckets)
-        attn_RP[:U, : plan.P] = attn_UP
+        attn_RP[:U] = attn_UP
         return logits_V
 
     def _prefill_kept(
@@ -544,10 +547,11 @@ class NativeEngine:
             logits_to_keep=1,
         ).logits[:, -1]
 
-    def _check_kept(self, prompts: list[list[int]], kv, kept: list[int]) -> None:
-        """Refuse kept keys and values that cannot be this row's: they cover every token of the row but its last."""
-        for i in kept:
-            row = kv[i]
+    def _check_kept(self, prompts: list[list[int]], kv: Sequence[Optional[torch.Tensor]]) -> None:
+        """Refuse kept keys and values that cannot be their row's: they cover every token of the row but its last."""
+        for i, row in enumerate(kv):
+            if row is None:
+                continue
             if row.dim() != 5 or row.shape[1] != 2 or row.shape[3] != len(prompts[i]) - 1:
                 n = len(prompts[i])
                 raise ValueError(

@@ -118,3 +118,20 @@ def test_kept_keys_are_a_copy_on_the_host(sharp_model):
     before = kept[2].clone()
     engine.generate(PROMPTS, _greedy())  # a new call's cache: were kept a view of the old one, it could change
     assert torch.equal(kept[2], before) and kept[2].is_contiguous()
+
+
+def test_a_kept_row_longer_than_the_fresh_rows_shifts_them_right_not_apart(sharp_model):
+    """A kept row sets the prompt slots P (its cache + its last token); the fresh rows then end at slot P - 1 too
+    (more left padding), so no row has a gap before its first fed-back token: varlen attention (flash-attention,
+    which reads a 2-D mask as left padding) could not read one. Catches: fresh rows left where their own plan ends."""
+    engine = NativeEngine(copy.deepcopy(sharp_model), pad_id=PAD, eos_id=EOS)
+    first, kept = _cut_rows(engine)
+    rows = [PROMPTS[1], PROMPTS[0], PROMPTS[2] + first[2].token_ids]
+    with torch.inference_mode():
+        batch = engine._prefill_batch(rows, T, torch.device("cpu"), len(rows), [None, None, kept[2]])
+    P = batch.P
+    assert P == len(rows[2])
+    for i, row in enumerate(rows):
+        real = torch.nonzero(batch.attn_NS[i, :P]).squeeze(1).tolist()
+        assert real == list(range(P - len(row), P)), i  # contiguous, ending at the last prompt slot
+        assert int(batch.pos_N1[i]) == len(row)
