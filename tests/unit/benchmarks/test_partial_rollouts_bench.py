@@ -66,8 +66,14 @@ def test_sides_differ_in_rollout_partial_only(bench) -> None:
     off = bench.side_overrides(a, "off", "native", "longtail", 0, "/o")
     on = bench.side_overrides(a, "on", "native", "longtail", 0, "/o")
     assert on[: len(off)] == off
-    assert on[len(off) :] == ["rollout.partial=true", "rollout.partial_over=1.5", "rollout.partial_stop=1.0"]
+    partial = ["rollout.partial=true", "rollout.partial_over=1.5", "rollout.partial_stop=1.0"]
+    assert on[len(off) :] == [*partial, "rollout.partial_kv=recompute"]
     assert "data.task=jsonl" in off and "data.task=digits" in bench.side_overrides(a, "off", "vllm", "uniform", 1, "/o")
+    keep = bench.parse(["--seeds", "0", "--partial-kv", "keep"])
+    keep.model, keep.data = "/m", "/d.jsonl"
+    assert bench.side_overrides(keep, "on", "native", "longtail", 0, "/o")[-1] == "rollout.partial_kv=keep"
+    assert bench.side_overrides(keep, "on", "vllm", "longtail", 0, "/o")[-1] == "rollout.partial_kv=recompute"
+    assert "rollout.partial_kv=keep" not in bench.side_overrides(keep, "off", "native", "longtail", 0, "/o")
 
 
 def test_help_says_how_the_tail_is_made() -> None:
