@@ -140,6 +140,45 @@ def groups_complete(group_of: Sequence[int], finished: Sequence[bool]) -> int:
     return len(set(group_of) - open_groups)
 
 
+class RankGroups:
+    """The stop rule of one engine call that holds several ranks' PartialRequests (a TP group's rows, or a shared
+    SGLang engine's; rows numbered rank after rank), counted as rows finish instead of recounted (groups_complete is
+    its naive statement). `finish(row)` once per finished row; `met(k)` once rank k has its `groups_needed` groups
+    with every row finished. A rank without a PartialRequest counts its rows as one group, needed once: met when
+    all of them finished, or at once when it has none."""
+
+    def __init__(self, partials: Sequence[Optional[PartialRequest]], counts: Sequence[int]):
+        self.rank_of: list[int] = []
+        self.group_of: list[int] = []
+        self.needed: list[int] = []
+        self._open: dict[tuple[int, int], int] = {}  # unfinished rows per (rank, group)
+        for k, (p, n) in enumerate(zip(partials, counts)):
+            groups = p.group_of if p is not None else (0,) * n
+            if len(groups) != n:
+                raise ValueError(f"rank {k}: a PartialRequest of {len(groups)} rows for {n} prompts")
+            self.needed.append(p.groups_needed if p is not None else min(1, n))
+            for g in groups:
+                self.rank_of.append(k)
+                self.group_of.append(g)
+                self._open[(k, g)] = self._open.get((k, g), 0) + 1
+        self.complete = [0] * len(self.needed)  # each rank's groups with every row finished
+
+    def finish(self, row: int) -> int:
+        """Row `row` finished ("stop" or "length"); returns its rank."""
+        k = self.rank_of[row]
+        key = (k, self.group_of[row])
+        self._open[key] -= 1
+        if self._open[key] == 0:
+            self.complete[k] += 1
+        return k
+
+    def met(self, k: int) -> bool:
+        return self.complete[k] >= self.needed[k]
+
+    def all_met(self) -> bool:
+        return all(map(self.met, range(len(self.needed))))
+
+
 def response_bodies(completions: Sequence[Completion], stop_ids: set[int]) -> list[list[int]]:
     """Each completion's tokens without a final stop token: what rewards and validation read."""
     return [

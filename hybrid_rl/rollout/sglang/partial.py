@@ -22,45 +22,36 @@ from __future__ import annotations
 import time
 import uuid
 import warnings
-from collections import Counter
 from typing import Optional, Sequence
 
-from hybrid_rl.types import PartialRequest
+from hybrid_rl.types import PartialRequest, RankGroups
 
 STREAM_INTERVAL = 64
 SETTLE_S = 60.0  # how long a failed partial rollout waits for SGLang's aborted requests to end
 
 
 class GroupStops:
-    """Each rank's PartialRequest over its rows of one group call (rows numbered rank after rank): once a rank has
-    `groups_needed` groups with every row finished, its other rows are stopped. A rank without a PartialRequest
-    runs every row to its end."""
+    """Each rank's PartialRequest over its rows of one group call (rows numbered rank after rank; types.RankGroups
+    counts their groups): once a rank has `groups_needed` groups with every row finished, its other rows are stopped.
+    A rank without a PartialRequest runs every row to its end."""
 
     def __init__(self, partials: Sequence[Optional[PartialRequest]], counts: Sequence[int]):
-        self.partials = list(partials)
-        self.rank_of: list[int] = []
-        self.group_of: list[Optional[int]] = []
-        self.rows: list[list[int]] = []  # each rank's rows
-        for k, (p, n) in enumerate(zip(self.partials, counts)):
-            self.rows.append(list(range(len(self.rank_of), len(self.rank_of) + n)))
-            self.rank_of += [k] * n
-            self.group_of += [None] * n if p is None else list(p.group_of)
-        self.open_rows = [Counter(self.group_of[i] for i in rows) for rows in self.rows]  # group -> rows running
-        self.complete = [0] * len(self.rows)  # each rank's groups with every row finished
+        self.groups = RankGroups(partials, counts)
+        self.rank_of = self.groups.rank_of
+        starts = [sum(counts[:k]) for k in range(len(counts))]
+        self.rows = [list(range(a, a + n)) for a, n in zip(starts, counts)]  # each rank's rows
         self.finished = [False] * len(self.rank_of)
 
     def met(self, k: int) -> bool:
-        p = self.partials[k]
-        return p is not None and self.complete[k] >= p.groups_needed
+        return self.groups.met(k)
 
     def finish(self, row: int) -> list[int]:
         """Row `row` finished ("stop" or "length"): the rows to stop now (its rank's unfinished rows, once its groups
         are enough; none otherwise, or if they were stopped already)."""
-        k, g = self.rank_of[row], self.group_of[row]
+        k = self.rank_of[row]
         was_met = self.met(k)
         self.finished[row] = True
-        self.open_rows[k][g] -= 1
-        self.complete[k] += self.open_rows[k][g] == 0
+        self.groups.finish(row)
         if was_met or not self.met(k):
             return []
         return [i for i in self.rows[k] if not self.finished[i]]

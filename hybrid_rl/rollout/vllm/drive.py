@@ -16,7 +16,8 @@ and log-probs so far (without a tokenizer vLLM hands out its own growing lists, 
 `IncrementalDetokenizer.output_token_ids`, v1/engine/output_processor.py `_new_completion_output`), so when the
 rule stops the call each unfinished row's latest report is its prefix.
 
-The stop. After each step that finished a row, `GroupStop.enough()`; once true, the unfinished rows are aborted
+The stop. After each step that finished a row, `RankGroups.all_met()` (types.py: every rank's PartialRequest,
+a rank without one needing all its rows); once true, the unfinished rows are aborted
 with `LLMEngine.abort_request(internal_ids, internal=True)` (`add_request` returns vLLM's internal id, the given one
 plus a random suffix: v1/engine/input_processor.py `assign_request_id`; without internal=True they match no
 external id and abort nothing, silently). That
@@ -39,41 +40,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
-from hybrid_rl.types import PartialRequest, WeightUpdates
-
-
-class GroupStop:
-    """The stop rule of a TP group's PartialRequests over the group's rows (each rank's rows, in rank order).
-
-    The call may stop once, for every rank, `groups_complete(rows of that rank) >= groups_needed`
-    (types.groups_complete): a rank's group numbers are its own. A rank without a PartialRequest needs all its rows
-    finished (as if they were one group, needed once); a rank with no rows never holds the call. Counted as rows
-    finish, not re-counted per step."""
-
-    def __init__(self, partials: Sequence[Optional[PartialRequest]], counts: Sequence[int]):
-        self._key: list[tuple[int, int]] = []  # per row: (rank, group)
-        self._open: dict[tuple[int, int], int] = {}  # unfinished rows per (rank, group)
-        self.needed: list[int] = []
-        for r, (p, n) in enumerate(zip(partials, counts)):
-            groups = p.group_of if p is not None else (0,) * n
-            assert len(groups) == n, "PartialRequest.check runs before the rule is built"
-            self.needed.append(p.groups_needed if p is not None else min(1, n))
-            for g in groups:
-                self._key.append((r, g))
-                self._open[(r, g)] = self._open.get((r, g), 0) + 1
-        self.complete = [0] * len(self.needed)
-
-    def finish(self, row: int) -> None:
-        """Row `row` (of the group's rows) finished; call once per row."""
-        key = self._key[row]
-        self._open[key] -= 1
-        if self._open[key] == 0:
-            self.complete[key[0]] += 1
-
-    def enough(self) -> bool:
-        return all(done >= need for done, need in zip(self.complete, self.needed))
+from hybrid_rl.types import RankGroups, WeightUpdates
 
 
 @dataclass
@@ -108,7 +77,7 @@ def run(
     prompts: list,
     sampling: list,
     lora_request: Any,
-    stop: Optional[GroupStop],
+    stop: Optional[RankGroups],
     updates: Optional[WeightUpdates] = None,
 ) -> Run:
     """Add `prompts` (vLLM TokensPrompts) with their vLLM SamplingParams, step until every request finished or `stop`
@@ -137,7 +106,7 @@ def run(
             rid = str(next(llm.request_counter))
             row_of[rid] = i
             internal.append(engine.add_request(rid, prompt, sp, lora_request=lora_request))
-        done = stop is not None and stop.enough()
+        done = stop is not None and stop.all_met()
         while not done and engine.has_unfinished_requests():
             newly = False
             for out in engine.step():
@@ -153,7 +122,7 @@ def run(
             last_step = time.perf_counter()
             if tail_from is None and 2 * left < n:
                 tail_from = last_step
-            done = newly and stop is not None and stop.enough()
+            done = newly and stop is not None and stop.all_met()
             if not done:
                 take_updates()
     finally:

@@ -90,7 +90,7 @@ from hybrid_rl.rollout.vllm import setup as S
 from hybrid_rl.rollout.vllm.lora import AdapterPush
 from hybrid_rl.rollout.vllm.lora import engine_kwargs as lora_engine_kwargs
 from hybrid_rl.runtime import distributed as D
-from hybrid_rl.types import Completion, PartialRequest, SamplingParams, WeightUpdates
+from hybrid_rl.types import Completion, PartialRequest, RankGroups, SamplingParams, WeightUpdates
 
 SLEEP_LEVEL = 2
 
@@ -504,9 +504,7 @@ class VLLMEngine:
         # Every call drives vLLM's engine loop itself (drive.py): the same requests and steps as `LLM.generate`, which
         # samples the same tokens (test_vllm_partial.py), and the loop sees the rollout's tail on the way.
         stop = (
-            None
-            if all(part is None for part in partials)
-            else drive.GroupStop(partials, [len(ids) for ids, _ in requests])
+            None if all(part is None for part in partials) else RankGroups(partials, [len(ids) for ids, _ in requests])
         )
         with S.sampling_stream(call_seed, self.device):
             run = drive.run(self.llm, prompts, sampling, self.lora_request, stop, updates)

@@ -316,34 +316,6 @@ def test_rows_get_their_own_budget_and_minimum_and_keep_their_seeds():
     assert [(s.max_tokens, s.min_tokens) for s in seeded] == [(3, 1), (8, 0), (5, 5), (8, 2)]
 
 
-def test_the_group_stop_counts_like_groups_complete_on_every_rank():
-    """drive.GroupStop, counted as rows finish, against types.groups_complete over the rows of each rank (the naive
-    count), for rows finishing in random orders: two ranks of a TP group with their own group numbers, one without a
-    PartialRequest (all its rows must finish), one with no rows.
-    Catches: groups merged across ranks, a group counted complete before its last row, a rank's rule left out."""
-    from hybrid_rl.rollout.vllm.drive import GroupStop
-    from hybrid_rl.types import groups_complete
-
-    partials = [_partial([4] * 5, [0] * 5, [0, 1, 0, 2, 1], 2), None, _partial([4] * 3, [0] * 3, [0, 0, 1], 1), None]
-    counts = [5, 2, 3, 0]
-    rng = random.Random(0)
-    for _ in range(50):
-        stop = GroupStop(partials, counts)
-        finished = [False] * 10
-        order = list(range(10))
-        rng.shuffle(order)
-        for row in order:
-            finished[row] = True
-            stop.finish(row)
-            mine = [finished[0:5], finished[5:7], finished[7:10]]
-            want = (
-                groups_complete(partials[0].group_of, mine[0]) >= 2
-                and all(mine[1])
-                and groups_complete(partials[2].group_of, mine[2]) >= 1
-            )
-            assert stop.enough() == want
-
-
 @pytest.mark.parametrize("partial, rows", [(False, 8), (True, 12)])
 def test_the_engine_is_sized_for_the_groups_a_partial_rollout_keeps_in_flight(monkeypatch, partial, rows):
     """rollout.partial: max_num_seqs and the KV budget (both follow `sequences`) hold ceil(partial_over x the rank's
