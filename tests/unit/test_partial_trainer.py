@@ -228,3 +228,31 @@ def test_resume_with_kept_caches_is_bit_exact(tiny_model_dir, tmp_path):
 def test_keep_where_it_cannot_run_is_refused_naming_the_key(tiny_model_dir, tmp_path, extra, match):
     with pytest.raises(ValueError, match=match):
         _cfg(tiny_model_dir, str(tmp_path), *KEEP, *extra)
+
+
+def test_switching_partial_kv_on_resume_is_refused_then_follows_its_rule(tiny_model_dir, tmp_path):
+    """keep -> recompute: refused naming the key; with it in trainer.resume_ignore the saved caches are ignored (the
+    carried samples continue, re-prefilled). recompute -> keep: the carried samples come back without caches, are
+    re-prefilled once, then kept."""
+    out = str(tmp_path / "a")
+    first = Trainer(_cfg(tiny_model_dir, out, "trainer.total_steps=2", "trainer.save_every=2", *KEEP))
+    first.fit()
+    first.close()
+    with pytest.raises(Exception, match="rollout.partial_kv"):
+        Trainer(_cfg(tiny_model_dir, out, "trainer.total_steps=3"))
+    tr = Trainer(_cfg(tiny_model_dir, out, "trainer.total_steps=3", "trainer.resume_ignore=[rollout.partial_kv]"))
+    assert all(s.kv is None for g in tr.state.partial.groups for s in g.samples)
+    m = tr.step()
+    assert m["rollout/continued"] > 0 and m["rollout/continued_kept"] == 0
+    tr.close()
+    out = str(tmp_path / "b")
+    first = Trainer(_cfg(tiny_model_dir, out, "trainer.total_steps=2", "trainer.save_every=2"))
+    first.fit()
+    first.close()
+    tr = Trainer(
+        _cfg(tiny_model_dir, out, "trainer.total_steps=4", "trainer.resume_ignore=[rollout.partial_kv]", *KEEP)
+    )
+    m3, m4 = tr.step(), tr.step()
+    assert m3["rollout/continued"] > 0 and m3["rollout/continued_kept"] == 0
+    assert m4["rollout/continued_kept"] > 0
+    tr.close()
