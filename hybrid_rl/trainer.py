@@ -24,7 +24,6 @@ Legend: B prompts per step (global), G samples per prompt, N sequences, T tokens
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import os
@@ -461,7 +460,9 @@ class Trainer:
             )
         loader, loader_state = self.state.loader, self.state.loader.state_dict()
         pool = self.state.partial
-        pool_state = copy.deepcopy(pool.state_dict()) if pool is not None else None
+        # state_dict() builds new lists; the kept caches it refers to are never written in place, so no deep copy (a
+        # copy of every carried sample's cache per step, rollout.partial_kv=keep).
+        pool_state = pool.state_dict() if pool is not None else None
 
         def undo() -> None:  # the step's prompts and carried samples as they were before it
             loader.load_state_dict(loader_state)

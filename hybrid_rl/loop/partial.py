@@ -206,7 +206,7 @@ class PartialRollouts:
 
     def state_dict(self) -> dict:
         """Plain lists, ints, floats, strings and the kept caches' tensors (a checkpoint loads with
-        weights_only=True)."""
+        weights_only=True). Every list is new: a step's undo holds it while the pool changes (trainer.step)."""
         return {
             "queue": [{"row": self._index[id(row)], "prompt_ids": list(p)} for row, p in self.queue],
             "groups": [

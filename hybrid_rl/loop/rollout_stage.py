@@ -104,6 +104,9 @@ class RolloutStage:
             params = replace(self.sampling_params(step, 0), max_new_tokens=budget)
             completions = engine.generate(plan.prompt_ids, params, plan.request)
             pool.absorb(plan, completions, version, engine.last_kept_kv if pool.keep_kv else None)
+        # The plan's request holds the caches the call replaced (rollout.partial_kv=keep): only its counts outlive it.
+        continued, n_kept, cut = plan.continued, plan.kept, plan.cut
+        del plan
         n = -int(D.all_reduce_max(torch.tensor([-pool.complete_count()], dtype=torch.int64)).item())
         taken = pool.take(n)
         rows, prompt_ids = [g.row for g in taken], [g.prompt_ids for g in taken]
@@ -121,13 +124,13 @@ class RolloutStage:
             torch.tensor(
                 [
                     pool.carried_samples(),
-                    plan.continued,
+                    continued,
                     dropped,
                     dropped_groups,
-                    plan.cut,
+                    cut,
                     sum(spans),
                     len(spans),
-                    plan.kept,
+                    n_kept,
                 ],
                 dtype=torch.float64,
             )

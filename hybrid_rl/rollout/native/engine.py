@@ -548,14 +548,19 @@ class NativeEngine:
         ).logits[:, -1]
 
     def _check_kept(self, prompts: list[list[int]], kv: Sequence[Optional[torch.Tensor]]) -> None:
-        """Refuse kept keys and values that cannot be their row's: they cover every token of the row but its last."""
+        """Refuse kept keys and values that cannot be their row's: (layers, 2, KV heads, tokens, head dim) of this
+        model, covering every token of the row but its last."""
+        if not any(row is not None for row in kv):
+            return
+        arch = ModelArch.from_hf_config(model_config(self.model).to_dict())
         for i, row in enumerate(kv):
             if row is None:
                 continue
-            if row.dim() != 5 or row.shape[1] != 2 or row.shape[3] != len(prompts[i]) - 1:
-                n = len(prompts[i])
+            n = len(prompts[i])
+            want = (arch.num_hidden_layers, 2, arch.kv_heads, n - 1, arch.head_dim)
+            if tuple(row.shape) != want:
                 raise ValueError(
-                    f"PartialRequest.kv[{i}]: shape {tuple(row.shape)} is not (layers, 2, heads, {n - 1}, head_dim) "
-                    f"for a row of {n} tokens; pass the engine's last_kept_kv entry of the row it continues, or None "
-                    "to recompute the row"
+                    f"PartialRequest.kv[{i}]: shape {tuple(row.shape)}, not {want} (layers, 2, KV heads, tokens, head "
+                    f"dim) for a row of {n} tokens of this model; pass the engine's last_kept_kv entry of the row it "
+                    "continues, or None to recompute the row"
                 )

@@ -197,11 +197,13 @@ class StaticKVCache(Cache):
         out = []
         for a, mask_S in zip(idx_A.tolist(), mask_AS):
             slots = torch.nonzero(mask_S).squeeze(1)
-            per_layer = [
-                torch.stack((layer.keys[a].index_select(1, slots), layer.values[a].index_select(1, slots)))
-                for layer in self.layers
-            ]
-            out.append(torch.stack(per_layer).to("cpu", copy=True))
+            first = self.layers[0].keys
+            # One host tensor, filled a layer at a time: the device holds one layer's gather at most, not the row's.
+            row = torch.empty((len(self.layers), 2, first.shape[1], slots.numel(), first.shape[3]), dtype=first.dtype)
+            for i, layer in enumerate(self.layers):
+                row[i, 0].copy_(layer.keys[a].index_select(1, slots))
+                row[i, 1].copy_(layer.values[a].index_select(1, slots))
+            out.append(row)
         return out
 
     def write_rows_kv(self, a: int, kv: list[torch.Tensor], end: int, device: torch.device) -> None:

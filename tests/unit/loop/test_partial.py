@@ -170,3 +170,54 @@ def test_kept_caches_follow_their_samples_and_the_checkpoint():
     plan = plain.plan()
     plain.absorb(plan, [Completion([4], [-0.5], "abort")] * 3, 0, kv)
     assert all(g.samples[0].kv is None for g in plain.groups), "keep off: nothing kept whatever the engine returns"
+
+
+def test_a_budget_cut_sample_lets_its_cache_go_and_the_next_rows_keep_theirs():
+    """A resume with a smaller rollout.max_new_tokens finishes a kept sample whose prefix fills it ("length"): its
+    cache goes, and the next sample's cache stays with its own row in the request."""
+    pool = PartialRollouts(3, 1, 1.0, 1.0, 6, 0, ROWS, keep_kv=True)  # 1 group of 3
+    pool.refill(0, Loader(1), encode)
+    a, b, c = pool.groups[0].samples
+    kv = [torch.full((1, 2, 1, n, 2), float(n)) for n in (3, 4, 5)]
+    plan = pool.plan()
+    pool.absorb(
+        plan,
+        [
+            Completion([4, 5], [-0.5] * 2, "abort"),
+            Completion([4] * 3, [-0.5] * 3, "abort"),
+            Completion([4] * 4, [-0.5] * 4, "abort"),
+        ],
+        0,
+        kv,
+    )
+    assert (a.kv, b.kv, c.kv) == (kv[0], kv[1], kv[2])
+    state = pool.state_dict()
+    small = PartialRollouts(3, 1, 1.0, 1.0, 3, 0, ROWS, keep_kv=True)  # resumed with max_new_tokens 3: b is whole
+    small.load_state_dict(state)
+    a2, b2, c2 = small.groups[0].samples
+    plan = small.plan()
+    assert plan.targets == [a2] and plan.cut == 2
+    assert plan.request.kv == (a2.kv,) and torch.equal(a2.kv, kv[0])
+    assert b2.kv is None and c2.kv is None, "a sample finished by the budget cut still holds its cache"
+
+
+def test_a_dropped_stale_group_takes_its_caches_with_it():
+    """The staleness rule drops a group with its caches: nothing of it reaches the next request."""
+    pool = PartialRollouts(1, 1, 2.0, 1.0, 6, 0, ROWS, keep_kv=True)
+    pool.refill(0, Loader(1), encode)
+    plan = pool.plan()
+    kv = [torch.zeros(1, 2, 1, 3, 2), torch.ones(1, 2, 1, 3, 2)]
+    pool.absorb(plan, [Completion([4, 5], [-0.5] * 2, "abort")] * 2, 0, kv)
+    assert pool.drop_stale(5, 1) == (2, 2)
+    assert pool.groups == [] and pool.plan().request.kv == ()
+
+
+def test_a_row_that_advanced_without_a_new_cache_lets_the_old_one_go():
+    """A cut row the engine returned tokens for but no cache (an engine that keeps none): the old cache no longer
+    covers the row, so the sample holds none and is recomputed next time."""
+    pool = PartialRollouts(1, 1, 1.0, 1.0, 6, 0, ROWS, keep_kv=True)
+    pool.refill(0, Loader(1), encode)
+    (s,) = pool.groups[0].samples
+    pool.absorb(pool.plan(), [Completion([4, 5], [-0.5] * 2, "abort")], 0, [torch.zeros(1, 2, 1, 3, 2)])
+    pool.absorb(pool.plan(), [Completion([7], [-0.1], "abort")], 1, [None])
+    assert s.kv is None and pool.plan().request.kv == ()

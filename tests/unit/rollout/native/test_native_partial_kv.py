@@ -107,6 +107,9 @@ def test_kept_keys_and_values_that_do_not_fit_the_row_are_refused(sharp_model):
     row = PROMPTS[2] + first[2].token_ids[:-1]  # one token short: the kept cache covers a token the row lacks
     with pytest.raises(ValueError, match=r"kv\[0\].*last_kept_kv"):
         engine.generate([row], _greedy(), PartialRequest((T,), (0,), (0,), 1, kv=(kept[2],)))
+    row = PROMPTS[2] + first[2].token_ids
+    with pytest.raises(ValueError, match=r"kv\[0\]: shape \(1, 2,.*not \(2, 2,"):  # another model's: one layer
+        engine.generate([row], _greedy(), PartialRequest((T,), (0,), (0,), 1, kv=(kept[2][:1],)))
     with pytest.raises(ValueError, match="kv, when given"):
         PartialRequest((T, T), (0, 0), (0, 1), 2, kv=(kept[2],))
 
