@@ -49,3 +49,24 @@ def test_the_early_stop_on_cuda_keeps_each_prefix(model, path):
     for r, g in zip(ref, got):
         assert g.token_ids == r.token_ids[: len(g.token_ids)]
     assert eng.generate(PROMPTS, _greedy(min_new=T))[3].token_ids == ref[3].token_ids
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_kept_caches_continue_to_the_uninterrupted_tokens_on_cuda(model, path):
+    """rollout.partial_kv=keep on CUDA: rows 2 and 3 cut after 8 tokens (the first check) hand back host copies of
+    their caches; continued over them (copied back in, graphs captured over the kept layout) under unchanged
+    weights, prefix + continuation is the uninterrupted run."""
+    eng = NativeEngine(model, PAD, EOS, **PATHS[path])
+    ref = eng.generate(PROMPTS, _greedy(min_new=T))
+    req = PartialRequest((2, 2, T, T), (2, 2, T, T), (0, 0, 1, 1), 1, keep_kv=True)
+    got = eng.generate(PROMPTS, _greedy(), req)
+    kept = eng.last_kept_kv
+    assert kept[0] is None and kept[1] is None
+    assert all(k.device.type == "cpu" and k.shape[3] == len(p) + 7 for k, p in zip(kept[2:], PROMPTS[2:]))
+    rows = [p + g.token_ids for p, g in zip(PROMPTS[2:], got[2:])]
+    left = tuple(T - len(g.token_ids) for g in got[2:])
+    again = eng.generate(rows, _greedy(), PartialRequest(left, left, (0, 1), 2, kv=tuple(kept[2:])))
+    assert eng.last_decode_path == path, eng.last_graph_error
+    for r, g, a in zip(ref[2:], got[2:], again):
+        assert g.token_ids + a.token_ids == r.token_ids
+        assert a.logprobs == pytest.approx(r.logprobs[len(g.token_ids) :], abs=1e-4)
