@@ -722,12 +722,6 @@ class Config:
             f"'keep' is the native engine's (rollout.engine={r.engine} flushes its prefix cache when weights change); "
             "set rollout.engine=native or partial_kv=recompute",
         )
-        check(
-            self.trainer.placement == "colocated",
-            key,
-            "'keep' runs in the colocated placement (a split rollout rank's carried samples reach the learners' "
-            "checkpoint without their caches); set trainer.placement=colocated or partial_kv=recompute",
-        )
 
     def _check_inflight(self) -> None:
         """What trainer.inflight_update=continue cannot run with (split/inflight.py), each refused naming the key."""

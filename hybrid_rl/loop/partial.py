@@ -15,7 +15,7 @@ than k versions behind is dropped before the rollout and counted; with k = 0 eve
 config refuses `rollout.partial` with k = 0. The off-policy correction needs no change: each token's behaviour
 log-prob is the one its engine reported (`RolloutBatch.engine_logp_NT`), and SCORE recomputes the old policy's.
 
-rollout.partial_kv=keep (the native engine, colocated): a carried sample also holds the keys and values of every
+rollout.partial_kv=keep (the native engine): a carried sample also holds the keys and values of every
 token it fed (host tensors, PartialRequest.kv), and the next rollout continues it over them instead of recomputing its
 prompt and prefix under the new weights: the tokens it samples then attend to a cache the older weights wrote, as
 PipelineRL's in-flight updates do within a rollout. Their versions and the staleness rule are unchanged (the cache is
@@ -204,9 +204,11 @@ class PartialRollouts:
     def carried_samples(self) -> int:
         return sum(len(g.samples) for g in self.groups)
 
-    def state_dict(self) -> dict:
+    def state_dict(self, caches: bool = True) -> dict:
         """Plain lists, ints, floats, strings and the kept caches' tensors (a checkpoint loads with
-        weights_only=True). Every list is new: a step's undo holds it while the pool changes (trainer.step)."""
+        weights_only=True). Every list is new: a step's undo holds it while the pool changes (trainer.step).
+        caches=False: without the kept caches (a split rollout rank's report to the learners, which checkpoint it:
+        a resumed split run re-prefills its carried samples once)."""
         return {
             "queue": [{"row": self._index[id(row)], "prompt_ids": list(p)} for row, p in self.queue],
             "groups": [
@@ -221,7 +223,7 @@ class PartialRollouts:
                             "logprobs": list(s.logprobs),
                             "versions": list(s.versions),
                             "finish_reason": s.finish_reason,
-                            "kv": s.kv,
+                            "kv": s.kv if caches else None,
                         }
                         for s in g.samples
                     ],

@@ -180,7 +180,8 @@ class RolloutSide:
             "time/reward": timer.seconds.get("time/reward", 0.0),
             "loader": self.loader.state_dict(),
             "reward_norm": self.norm.state_dict() if self.norm is not None else None,
-            "partial": self.pool.state_dict() if self.pool is not None else None,
+            # Without the kept caches (rollout.partial_kv=keep): the report crosses to the learners every batch.
+            "partial": self.pool.state_dict(caches=False) if self.pool is not None else None,
             "signal": self.signal.signum if self.signal else 0,
         }
         send_json(report, dst, self.comm.timeout_s, peer=peer)

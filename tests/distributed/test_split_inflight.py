@@ -107,10 +107,13 @@ def test_versions_land_between_decode_steps(tiny_model_dir, tmp_path, world, rol
     assert taken > 0 and all(m["split/inflight_sync_s"] >= 0 for m in learner)
 
 
-def test_two_learners_validation_and_partial_rollouts(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("partial_kv", ["recompute", "keep"])
+def test_two_learners_validation_and_partial_rollouts(tiny_model_dir, tmp_path, partial_kv):
     """Learner ranks 0 and 1 gather every version together; validation after steps 2 and 4 takes its version before
-    its batch (as drain does); partial rollouts carry samples whose new tokens keep their in-flight versions."""
+    its batch (as drain does); partial rollouts carry samples whose new tokens keep their in-flight versions, their
+    caches too with rollout.partial_kv=keep (versions taken mid-batch over kept rows: the bounds still hold)."""
     extra = (
+        f"rollout.partial_kv={partial_kv}",
         "trainer.rollout_ranks=1",
         "trainer.max_staleness=2",
         "trainer.total_steps=4",
@@ -123,6 +126,8 @@ def test_two_learners_validation_and_partial_rollouts(tiny_model_dir, tmp_path):
     results = run_ranks(_run, world=3, args=(tiny_model_dir, str(tmp_path), extra, 0.004), timeout=300)
     learner, _, _ = _check(results, k=2, steps=4)
     assert [m["val/weights_version"] for m in learner if "val/weights_version" in m] == [2.0, 4.0]
+    kept = sum(m["rollout/continued_kept"] for m in learner if "rollout/continued_kept" in m)
+    assert (kept > 0) == (partial_kv == "keep")
 
 
 def _resume_and_stop(rank: int, model_dir: str, out: str) -> dict:

@@ -80,3 +80,47 @@ def test_carried_samples_continue_across_batches_and_a_resume(tiny_model_dir, tm
             for m in learner[key]
         ]
     assert_same_run(learner)
+
+
+def _keep(rank: int, model_dir: str, out: str) -> dict:
+    """rollout.partial_kv=keep on the rollout rank: 4 batches straight, then 2 + a resume from the checkpoint at 2."""
+    try:
+        from hybrid_rl import Trainer, load_config
+        from tests.checkpoint_helpers import ROOT, overrides
+
+        def make(out_dir: str, *more: str):
+            extra = (*PARTIAL, "rollout.partial_kv=keep", *more)
+            return Trainer(
+                load_config(os.path.join(ROOT, "recipes", "grpo_tiny.yaml"), overrides(model_dir, out_dir, *extra))
+            )
+
+        straight = make(os.path.join(out, "straight"), "trainer.total_steps=4")
+        full = straight.fit()
+        first = make(os.path.join(out, "resumed"), "trainer.total_steps=2", "trainer.save_every=2")
+        first.fit()
+        saved = None if first.is_rollout else first.state.partial.state_dict()
+        first.close()
+        second = make(os.path.join(out, "resumed"), "trainer.total_steps=4")
+        rest = second.fit()
+        return {"history": full, "rest": rest, "saved": saved, "rollout": second.is_rollout}
+    except BaseException:  # noqa: BLE001 - the other rank's traceback is the useful one
+        return {"error": traceback.format_exc()}
+
+
+def test_kept_caches_on_a_rollout_rank_stay_there_and_a_resume_re_prefills_once(tiny_model_dir, tmp_path):
+    """The rollout rank continues carried samples over their kept caches (rollout/continued_kept, reported to the
+    learner); the pool state it reports, which the learners checkpoint, holds none of them (no tensor crosses to the
+    learners); the resumed run's first batch re-prefills its carried samples (none kept), later batches keep again.
+    Catches: caches sent with every report, a resumed rollout rank waiting for caches the checkpoint never had."""
+    results = run_ranks(_keep, world=2, args=(tiny_model_dir, str(tmp_path)), timeout=600)
+    for r in reversed(results):
+        assert "error" not in r, r.get("error")
+    learner = results[0]
+    history, rest = learner["history"], learner["rest"]
+    assert sum(m["rollout/continued_kept"] for m in history) > 0, "no carried sample continued over its cache"
+    assert max(m["split/staleness_max"] for m in history) <= 1
+    pools = learner["saved"]["rollout_ranks"]
+    samples = [s for pool in pools for g in pool["groups"] for s in g["samples"]]
+    assert samples and all(s["kv"] is None for s in samples)
+    assert rest[0]["rollout/continued"] > 0 and rest[0]["rollout/continued_kept"] == 0
+    assert sum(m["rollout/continued_kept"] for m in rest[1:]) > 0

@@ -222,7 +222,6 @@ def test_resume_with_kept_caches_is_bit_exact(tiny_model_dir, tmp_path):
     [
         (["rollout.partial=false"], "rollout.partial_kv.*rollout.partial=true"),
         (["rollout.engine=vllm"], "rollout.partial_kv.*rollout.engine=native"),
-        (["trainer.placement=split", "trainer.rollout_ranks=1"], "rollout.partial_kv.*placement=colocated"),
     ],
 )
 def test_keep_where_it_cannot_run_is_refused_naming_the_key(tiny_model_dir, tmp_path, extra, match):
