@@ -673,6 +673,10 @@ class Trainer:
                         raise interrupted
                 if self.split:  # trainer.inflight_update=continue: the versions still queued reach the rollout ranks
                     self.learner_side.finish()
+        except BaseException as err:
+            if self.split and err is not interrupted:  # a failure: continue's senders end, not at a timeout
+                self.learner_side.abandon()
+            raise
         finally:
             stop.restore()
             bar.close()

@@ -90,11 +90,21 @@ class Offers:
         self.threads: list[threading.Thread] = []
         self.errors: list[BaseException] = []
         self.fit = ""  # this fit()'s name (start())
+        self.quit = threading.Event()  # this fit's threads end at their next wait (abandon())
 
     def start(self, fit: str) -> None:
-        """A new fit(): its offers go under `fit`'s keys. Threads of an earlier fit that failed are left to their
-        timeout (daemons); their error does not carry over."""
-        self.fit, self.errors, self.threads = fit, [], []
+        """A new fit(): its offers go under `fit`'s keys. Threads of an earlier fit are told to end (abandon); their
+        error does not carry over."""
+        self.abandon()
+        self.fit, self.errors, self.threads, self.quit = fit, [], [], threading.Event()
+
+    def abandon(self) -> None:
+        """A fit that failed (not a signal: that one sends STOP): its threads end at their next wait on the store or
+        their queue instead of waiting for a rollout rank that will never ask. One blocked inside a send ends at the
+        pair group's timeout."""
+        self.quit.set()
+        for q in self.queues.values():
+            q.put(None)
 
     def _put(self, item) -> None:
         self._raise()
@@ -138,8 +148,8 @@ class Offers:
         """Each queued item in order: offer it, wait (on the store, not in a collective) until the rollout rank enters
         its receive, then send it. The wait: a version due for validation is taken only before its batch, k batches
         later, longer than the pair group's timeout, which then covers the transfer alone."""
-        group, q, fit, last = self.pairs[rank], self.queues[rank], self.fit, 0
-        while (item := q.get()) is not None:
+        group, q, fit, quit, last = self.pairs[rank], self.queues[rank], self.fit, self.quit, 0
+        while (item := q.get()) is not None and not quit.is_set():
             if self.errors:
                 continue  # the run is failing: drain the queue, send nothing more
             try:
@@ -147,6 +157,8 @@ class Offers:
                 version = last + 1 if stop else item.version  # STOP comes where the next version would
                 self.store.set(offer_key(fit, rank), str(STOP_OFFER if stop else version))
                 while not self.store.check([want_key(fit, rank, version)]):
+                    if quit.is_set():
+                        return
                     time.sleep(0.002)
                 if stop:
                     send_stop(src=0, group=group, timeout_s=self.timeout_s)

@@ -182,6 +182,11 @@ class LearnerSide:
         if self.offers is not None and D.rank() == 0:
             self.offers.finish()
 
+    def abandon(self) -> None:
+        """A fit() that failed (not a signal): under continue, learner rank 0's sender threads end now."""
+        if self.offers is not None and D.rank() == 0:
+            self.offers.abandon()
+
     def validate(self, policy: torch.nn.Module, write_samples, step: int) -> dict[str, float]:
         """fit()'s validation of version `step` (after that step; 0: before training), which the rollout ranks run
         once they hold it (split/validation.py); a version no batch of this fit() is made with is sent for it now

@@ -204,3 +204,32 @@ def test_a_sender_sends_a_version_only_once_its_rank_waits_for_it(monkeypatch):
     store.set(inflight.want_key("fitA", 3, 6), 1)
     offers.finish()
     assert sent[-1] == ("stop",) and offers.threads == []
+
+
+def test_an_abandoned_fit_s_sender_ends_instead_of_waiting_for_its_rank(monkeypatch):
+    """A fit that fails while a version waits for its rank's receive (the rollout rank is gone): abandon() ends the
+    sender thread at its next wait on the store; a new fit's start() abandons the old one's too. Catches: senders left
+    waiting on the store for good (they have no timeout there: a version due for validation waits k batches)."""
+    import time
+
+    from hybrid_rl.split import inflight
+
+    monkeypatch.setattr(inflight, "send_bucket", lambda *a: 0)
+    monkeypatch.setattr(inflight, "send_end", lambda *a: None)
+    offers = inflight.Offers({3: None, 4: None}, FakeStore(), timeout_s=5)
+    offers.start("fitA")
+    offers._put(inflight._Version(5, [(b"[]", None)], None, False))
+    threads = list(offers.threads)
+    time.sleep(0.02)
+    assert all(t.is_alive() for t in threads), "the senders should wait for their ranks"
+    offers.abandon()
+    for t in threads:
+        t.join(timeout=2)
+    assert not any(t.is_alive() for t in threads)
+    offers.start("fitB")
+    offers._put(inflight._Version(1, [(b"[]", None)], None, False))
+    older = list(offers.threads)
+    offers.start("fitC")  # a new fit ends the last one's waiting senders
+    for t in older:
+        t.join(timeout=2)
+    assert not any(t.is_alive() for t in older)
