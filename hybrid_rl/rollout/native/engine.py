@@ -10,7 +10,9 @@ Decoding (`_generate_batch`) keeps the work proportional to the live rows:
   token loop calls that path's step only (`decode_path.py`; a failed graph re-decodes its batch eagerly);
 * a prompt repeated in the batch (its G samples) is prefilled once and its cache rows copied; rows that share
   a stem (the carried samples of one prompt, each with its own prefix) prefill the stem once and then their own
-  tokens, in length buckets (`prefill_plan.py`);
+  tokens, in length buckets (`prefill_plan.py`); a carried row with a kept cache (rollout.partial_kv=keep:
+  `PartialRequest.kv`, handed out at the last cut as `last_kept_kv`) is not prefilled at all: its cache is copied
+  in and one forward feeds its last token (`_prefill_kept`);
 * the KV cache is allocated once per batch at its final size (`kv_cache.StaticKVCache`);
 * the token loop (`decode_loop.py`) never waits for the device except every `stop_check_every` tokens (on CUDA;
   on CPU there is nothing to wait for, so it checks every token), where
