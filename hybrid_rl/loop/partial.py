@@ -163,7 +163,7 @@ class PartialRollouts:
                 lo.append(max(0, self.min_new_tokens - len(s.token_ids)))
                 group_of.append(gi)
                 targets.append(s)
-                kv.append(s.kv if self.keep_kv else None)
+                kv.append(s.kv)  # None unless keep_kv (absorb and load_state_dict keep none then)
                 continued += bool(s.token_ids)
         already = sum(g.complete for g in self.groups)
         needed = max(0, self.stop_groups - already)
@@ -187,8 +187,10 @@ class PartialRollouts:
             s.versions += c.versions if c.versions is not None else [version] * len(c.token_ids)
             s.finish_reason = c.finish_reason
             new_kv = kept[i] if kept else None
-            if new_kv is not None or c.token_ids or s.done:  # a row not started keeps the cache it had
-                s.kv = new_kv if self.keep_kv and not s.done else None
+            if s.done or not self.keep_kv:
+                s.kv = None
+            elif new_kv is not None or c.token_ids:  # a row not started keeps the cache it had
+                s.kv = new_kv
 
     def complete_count(self) -> int:
         return min(self.batch_groups, sum(g.complete for g in self.groups))

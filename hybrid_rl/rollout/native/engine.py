@@ -269,8 +269,9 @@ class NativeEngine:
                 done = self._generate_batch(batch, params, u, path, prefill_rows, limits, stats, poll, kv)
             if stop is not None:
                 stop.record(start, done)
-            for i, row_kv in (limits.kept_kv or {}).items() if limits is not None else ():
-                self.last_kept_kv[start + i] = row_kv
+            if limits is not None and limits.kept_kv:
+                for i, row_kv in limits.kept_kv.items():
+                    self.last_kept_kv[start + i] = row_kv
             out += done
         self.last_tail_s = stats.tail_s
         self.last_generated_tokens = sum(len(c.token_ids) for c in out)

@@ -194,10 +194,9 @@ class StaticKVCache(Cache):
         """The keys and values of live rows idx_A at the slots mask_AS marks (a row's real tokens, in slot order), each
         row as one host tensor (layers, 2, H, L, D): what a partial rollout keeps of a row it carries
         (rollout.partial_kv=keep), off the device so that the cache's memory goes back with the rollout."""
-        out = []
+        out, first = [], self.layers[0].keys
         for a, mask_S in zip(idx_A.tolist(), mask_AS):
             slots = torch.nonzero(mask_S).squeeze(1)
-            first = self.layers[0].keys
             # One host tensor, filled a layer at a time: the device holds one layer's gather at most, not the row's.
             row = torch.empty((len(self.layers), 2, first.shape[1], slots.numel(), first.shape[3]), dtype=first.dtype)
             for i, layer in enumerate(self.layers):
