@@ -40,6 +40,18 @@ from hybrid_rl.types import Completion, PartialRequest
 UNFINISHED = "abort"
 
 
+def stale_advice(samples: int, step: int, max_staleness: int) -> str:
+    """What to do when the staleness rule drops carried samples (said once per run, by the rollout stage)."""
+    return (
+        f"rollout.partial dropped {samples} carried samples at step {step}: their oldest token was more than "
+        f"trainer.max_staleness={max_staleness} versions behind. A carried sample advances about one short "
+        "completion's length per step, so a completion L times longer than the short ones needs about L steps to "
+        "finish: set trainer.max_staleness to at least L, or lower rollout.partial_over so that more steps wait for "
+        "carried groups (docs/partial_rollouts.md, 'Sizing'). Every drop is counted in rollout/dropped_stale; this "
+        "is said once per run."
+    )
+
+
 @dataclass
 class Sample:
     """One sample of a group: its tokens so far with their log-probs and versions; finish_reason "abort" while

@@ -14,6 +14,7 @@ batch's groups to the learner ranks.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import replace
 from typing import Callable, Optional
 
@@ -24,7 +25,7 @@ from hybrid_rl.config.schema import Config
 from hybrid_rl.data.prompts import PromptLoader
 from hybrid_rl.envs.episodes import EpisodeCompletion, episode_metrics
 from hybrid_rl.loop.dynamic_sampling import GroupCollector
-from hybrid_rl.loop.partial import PartialRollouts
+from hybrid_rl.loop.partial import PartialRollouts, stale_advice
 from hybrid_rl.loop.reward_setup import RewardSetup
 from hybrid_rl.observability.loggers import log_rollouts
 from hybrid_rl.observability.metrics import MeanAccumulator, StageTimer
@@ -50,6 +51,7 @@ class RolloutStage:
         self.stop_token_ids, self.stop_set, self.device, self.out_dir = stop_token_ids, stop_set, device, out_dir
         self.env = rewards.env  # envs/setup.py's EnvSetup, or None: single-turn completions
         self.last_token_versions: list[list[int]] = []  # run_partial's, per completion of its batch
+        self.said_stale = False  # run_partial warns once per run when the staleness rule drops carried samples
 
     def run(
         self, engine, loader: PromptLoader, step: int, timer: StageTimer, model_phase=None
@@ -136,6 +138,10 @@ class RolloutStage:
             )
         ).tolist()
         span_max = D.all_reduce_max(torch.tensor([max(spans, default=0)], dtype=torch.int64)).item()
+        if totals[2] and not self.said_stale:
+            self.said_stale = True
+            if D.rank() == 0:  # of the scope: a split run's first rollout rank, else global rank 0
+                warnings.warn(stale_advice(int(totals[2]), step, self.cfg.trainer.max_staleness), stacklevel=2)
         metrics.update(
             {
                 "rollout/carried": totals[0],

@@ -142,6 +142,33 @@ def test_switching_partial_on_resume_is_refused_then_follows_its_rule(tiny_model
     tr.close()
 
 
+def test_dropping_stale_samples_says_what_to_do_once(tiny_model_dir, tmp_path):
+    """k = 1 with a quarter of the batch enough to stop and twice the groups in flight: carried samples outlive k
+    by step 3. The first step that drops any warns once, naming its count and the keys to change; later drops are
+    only counted, and a run that drops nothing says nothing. Catches: a drop not said, said every step, or said
+    without the keys."""
+    import warnings
+
+    tight = ["trainer.max_staleness=1", "rollout.partial_stop=0.25", "rollout.partial_over=2", "trainer.total_steps=5"]
+    for extra, drops in ((tight, True), (["trainer.total_steps=3"], False)):
+        tr = Trainer(_cfg(tiny_model_dir, str(tmp_path / str(drops)), *extra))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            history = [tr.step() for _ in range(tr.cfg.trainer.total_steps)]
+        tr.close()
+        said = [str(w.message) for w in caught if "dropped" in str(w.message)]
+        dropping = [i for i, m in enumerate(history) if m["rollout/dropped_stale"] > 0]
+        if not drops:
+            assert not dropping and not said
+            continue
+        assert len(dropping) >= 2, "the setting must drop in two steps, so that the second is not said again"
+        first = dropping[0]
+        assert said == [said[0]], said
+        n = int(history[first]["rollout/dropped_stale"])
+        assert f"dropped {n} carried samples at step {first}" in said[0]
+        assert "trainer.max_staleness=1" in said[0] and "rollout.partial_over" in said[0]
+
+
 @pytest.mark.parametrize(
     "extra,match",
     [
