@@ -266,7 +266,7 @@ def side_overrides(a, side: str, engine: str, setting: str, seed: int, out_dir: 
         f"trainer.micro_batch_size={a.micro_batch}",
         f"trainer.total_steps={a.warmup + a.steps}",
         f"trainer.out_dir={out_dir}",
-        "trainer.device=cpu",
+        f"trainer.device={a.device}",
         "trainer.log_every=0",
         "trainer.progress_bar=false",
         f"trainer.log_rollouts={a.prompts * a.n}",  # every trained completion: the short / long split per step
@@ -664,6 +664,12 @@ def parse(argv=None):
     ap.add_argument("--speed-target", type=float, default=1.25)
     ap.add_argument("--reward-margin", type=float, default=0.02)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker (and the warm start)")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="trainer.device of both sides (the warm start and --decode-rows stay on the CPU; vLLM's CPU build only)",
+    )
     ap.add_argument("--parallel", type=int, default=1, help="pairs run at once (2 workers each, one stepping)")
     ap.add_argument(
         "--work-dir", default="", help="keep the model, data, run dirs and worker logs here (default: temp)"
@@ -768,6 +774,7 @@ def main(argv=None) -> dict:
             "reward_margin",
             "threads",
             "parallel",
+            "device",
         )
     }
     result = {

@@ -74,6 +74,13 @@ def test_sides_differ_in_rollout_partial_only(bench) -> None:
     assert bench.side_overrides(keep, "on", "native", "longtail", 0, "/o")[-1] == "rollout.partial_kv=keep"
     assert bench.side_overrides(keep, "on", "vllm", "longtail", 0, "/o")[-1] == "rollout.partial_kv=recompute"
     assert "rollout.partial_kv=keep" not in bench.side_overrides(keep, "off", "native", "longtail", 0, "/o")
+    assert "trainer.device=cpu" in off and "trainer.device=cpu" in on  # the default
+    gpu = bench.parse(["--seeds", "0", "--device", "cuda"])
+    gpu.model, gpu.data = "/m", "/d.jsonl"
+    assert all(
+        "trainer.device=cuda" in bench.side_overrides(gpu, side, "native", "longtail", 0, "/o")
+        for side in "off on".split()
+    )
 
 
 def test_help_says_how_the_tail_is_made() -> None:
