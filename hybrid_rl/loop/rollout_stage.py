@@ -62,6 +62,7 @@ class RolloutStage:
         algo, G = self.cfg.algorithm, self.cfg.rollout.n
         groups = GroupCollector(G, algo.dynamic_sampling, algo.max_sampling_rounds, self.rewards.rule.success_threshold)
         episodes = MeanAccumulator()
+        engine = CallTally(engine)  # the step's tokens and tail over every call: rounds, and an episode's turns
         while True:
             rows = loader.next_batch()
             with timer("rollout"):
@@ -236,10 +237,34 @@ class RolloutStage:
         )
 
 
+class CallTally:
+    """An engine seen through its generate calls: each call's account (`last_generated_tokens`, `last_tail_s`;
+    rollout/base.py) added up over the calls made through it, in attributes of the same names, so that
+    engine_metrics reads a step of several calls (dynamic sampling's rounds, an episode's turns) whole. A sum
+    stays None while no call measured it."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.last_generated_tokens: Optional[int] = None
+        self.last_tail_s: Optional[float] = None
+
+    def generate(self, *args, **kwargs):
+        out = self.engine.generate(*args, **kwargs)
+        self.last_generated_tokens = _plus(
+            self.last_generated_tokens, getattr(self.engine, "last_generated_tokens", None)
+        )
+        self.last_tail_s = _plus(self.last_tail_s, getattr(self.engine, "last_tail_s", None))
+        return out
+
+
+def _plus(total, x):
+    return total if x is None else x if total is None else total + x
+
+
 def engine_metrics(engine) -> dict[str, float]:
-    """The engine's account of its last generate call: tokens sampled (summed over ranks) and the slowest rank's
-    seconds with fewer than half of its rows still decoding (a time: resumed runs need not repeat it). An engine
-    that does not measure the tail reports -1."""
+    """The engine's account of its generate calls of the step (one call, or a CallTally of several): tokens sampled
+    (summed over ranks) and the slowest rank's seconds with fewer than half of a call's rows still decoding (a
+    time: resumed runs need not repeat it). An engine that does not measure the tail reports -1."""
     tail, tokens = getattr(engine, "last_tail_s", None), getattr(engine, "last_generated_tokens", None)
     flag_tail = torch.tensor([0.0 if tail is None else 1.0, tail or 0.0], dtype=torch.float64)
     measured, tail_max = D.all_reduce_max(flag_tail).tolist()

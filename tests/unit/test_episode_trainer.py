@@ -188,3 +188,27 @@ def test_ppo_over_episodes_skips_the_observation_holes(ask_dir, tmp_path, monkey
             holes += int(gen[-1] - gen[0] + 1 - gen.numel())  # observation tokens between the first and last turn
     assert holes > 0, "the episodes must hold observation tokens between their turns"
     assert "critic/vf_loss" in metrics
+
+
+def test_a_steps_engine_account_covers_every_turn(ask_dir, tmp_path):
+    """rollout/tokens_generated and time/rollout_tail add up every engine call of the step (an episode's turns), not
+    the last one. Oracle: the engine's own outputs and per-call tails, recorded at each call. Catches: the metrics
+    read from the engine after the step, which keeps only its last call's account."""
+    tr = Trainer(_cfg(ask_dir, tmp_path, "trainer.total_steps=4"))
+    calls, inner = [], tr.engine.generate
+
+    def recorded(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        calls.append((sum(len(c.token_ids) for c in out), tr.engine.last_tail_s))
+        return out
+
+    tr.engine.generate = recorded
+    turns = 0
+    for _ in range(4):
+        calls.clear()
+        metrics = tr.step()
+        assert metrics["rollout/tokens_generated"] == sum(n for n, _ in calls)
+        assert metrics["time/rollout_tail"] == pytest.approx(sum(t for _, t in calls))
+        turns = max(turns, len(calls))
+    tr.close()
+    assert turns >= 2, "no step took two turns: the test would not see the last call read alone"

@@ -139,3 +139,29 @@ def test_group_prompts_moves_differing_prompt_tokens_under_mask_zero():
     assert [c.loss_mask for c in out] == [[0, 0, 1, 1, 0, 1, 1], [0, 1, 1], [1], []]
     assert [c.logprobs for c in out] == [[0.0, 0.0, -0.1, -0.2, 0.0, -0.3, -0.4], [0.0, -0.5, -0.6], [-0.7], []]
     assert [c.finish_reason for c in out] == ["stop", "stop", "length", "length"]
+
+
+def test_call_tally_adds_up_each_calls_account():
+    """CallTally: the tokens and tails of every call through it, summed; None only while no call measured one (an
+    engine that does not measure its tail keeps engine_metrics' -1). Oracle: a hand-made list of calls."""
+    from hybrid_rl.loop.rollout_stage import CallTally
+
+    class Engine:
+        def __init__(self, accounts):
+            self.accounts = list(accounts)
+
+        def generate(self, prompt_ids, params=None):
+            self.last_generated_tokens, self.last_tail_s = self.accounts.pop(0)
+            return [prompt_ids, params]
+
+    tally = CallTally(Engine([(3, None), (5, 0.25), (None, 0.5)]))
+    assert (tally.last_generated_tokens, tally.last_tail_s) == (None, None)
+    assert tally.generate([[1]], params="p") == [[[1]], "p"]  # the engine's outputs, its arguments as given
+    assert (tally.last_generated_tokens, tally.last_tail_s) == (3, None)
+    tally.generate(prompt_ids=[[2]])
+    tally.generate([[3]])
+    assert (tally.last_generated_tokens, tally.last_tail_s) == (8, 0.75)
+    untimed = CallTally(Engine([(2, None), (4, None)]))
+    untimed.generate([[1]])
+    untimed.generate([[1]])
+    assert (untimed.last_generated_tokens, untimed.last_tail_s) == (6, None)
