@@ -34,11 +34,12 @@ and a tail: the tail t = tau R is the seconds during which fewer than half of th
 Partial rollouts keep ceil(over x batch) groups in flight (rollout.partial_over) and stop once the batch's groups are
 done; what is unfinished is carried and continued in the next step. The model, per step in steady state:
   cut share   x = min(1, 2 - 2 / over): the share of the tail cut. Rows stand for groups (a group's samples end
-              together) and carried samples' head start is ignored, and so is the room carried long groups take in
-              flight (about p x L x batch with a share p of long answers L times the short ones: pass --partial-over
-              less p x L; docs/partial_rollouts.md, "Sizing"): rows fall from all to half over the body and
+              together) and carried samples' head start is ignored: rows fall from all to half over the body and
               from half to none over the tail, linearly, so the batch (1 / over of the rows in flight) is done
-              2 / over - 1 of the way into the tail. over = 1 cuts nothing; over >= 2 cuts the whole tail.
+              2 / over - 1 of the way into the tail. over = 1 cuts nothing; over >= 2 cuts the whole tail. Also
+              ignored: the room carried long groups take in flight (about p x L x batch, with a share p of long
+              answers L times the short ones), which makes x optimistic where over - 1 is not well above p x L
+              (docs/partial_rollouts.md, "Sizing").
   decode      each decode step costs l + c x rows: a latency share lam of it is the same whatever the rows, the
               rest is per token. Cutting the tail saves its latency, lam x t; its tokens are carried and decoded
               in the next step's body at the body's per-token cost, (1 - lam) x t (a step decodes, on average,
