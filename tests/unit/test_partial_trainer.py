@@ -69,6 +69,37 @@ def test_a_carried_sample_continues_from_its_prefix_and_trains_whole(tiny_model_
     tr.close()
 
 
+def test_each_token_carries_the_version_of_the_step_that_sampled_it(tiny_model_dir, tmp_path):
+    """Colocated step s samples with version s: every carried token's version is the index of the engine call that
+    returned it, and rollout/version_span_mean is the mean over the step's trained samples of newest less oldest.
+    Oracle: the engine's calls recorded in order (call i is step i) and each sample's tokens matched to the calls
+    that returned them. Catches: tokens tagged one version ahead (the staleness rule then drops a step late), the
+    span's mean over the wrong count."""
+    tr = Trainer(_cfg(tiny_model_dir, str(tmp_path), "trainer.total_steps=4"))
+    rec = Recorder(tr.engine)
+    spans_seen = 0
+    for step in range(4):
+        m = tr.step()
+        assert len(rec.calls) == step + 1
+        # a carried sample's tokens: its prefix from earlier calls, then this call's; version = the call's index
+        made = {}  # tuple(prompt + tokens so far) -> versions so far, built from the calls alone
+        for i, (prompts, _, outs) in enumerate(rec.calls):
+            for p, c in zip(prompts, outs):
+                before = made.pop(tuple(p), [])
+                made[tuple(p + c.token_ids)] = before + [i] * len(c.token_ids)
+        for g in tr.state.partial.groups:
+            for smp in g.samples:
+                if smp.token_ids:
+                    assert smp.versions == made[tuple(g.prompt_ids + smp.token_ids)]
+        trained = [v for v in tr.rollout_stage.last_token_versions if v]
+        if trained:
+            want = sum(v[-1] - v[0] for v in trained) / len(trained)
+            assert m["rollout/version_span_mean"] == pytest.approx(want)
+            spans_seen += want > 0
+    tr.close()
+    assert spans_seen, "no trained sample spanned two versions: the span check would see nothing"
+
+
 def test_resume_with_carried_samples_is_bit_exact(tiny_model_dir, tmp_path):
     """The checkpoint at step 3 holds the rows drawn, the groups in flight and every carried token, log-prob and
     version: the resumed run continues them exactly as the straight run does."""
@@ -166,6 +197,8 @@ def test_dropping_stale_samples_says_what_to_do_once(tiny_model_dir, tmp_path):
         assert said == [said[0]], said
         n = int(history[first]["rollout/dropped_stale"])
         assert f"dropped {n} carried samples at step {first}" in said[0]
+        for m in history:  # every dropped group takes its rollout.n samples with it
+            assert m["rollout/dropped_stale"] == tr.cfg.rollout.n * m["rollout/dropped_stale_groups"]
         assert "trainer.max_staleness=1" in said[0] and "rollout.partial_over" in said[0]
 
 

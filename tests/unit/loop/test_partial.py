@@ -81,6 +81,16 @@ def test_absorb_appends_tokens_log_probs_and_the_version_of_each():
         pool.absorb(pool.plan(), [Completion([], [], "abort")] * 2, version=5)
 
 
+def test_absorb_keeps_the_versions_a_completion_carries():
+    """Weights taken in flight (split, trainer.inflight_update=continue): a completion tags each of its tokens with
+    the version that sampled it, and the pool keeps those, not the call's version. Oracle: the completion's own."""
+    pool = _pool(G=1, batch=1, over=1.0)
+    pool.refill(0, Loader(1), encode)
+    s = pool.groups[0].samples[0]
+    pool.absorb(pool.plan(), [Completion([4, 5, 6], [-0.5] * 3, "abort", versions=[3, 4, 4])], version=3)
+    assert s.versions == [3, 4, 4]
+
+
 def test_take_hands_out_the_oldest_complete_groups_and_carries_the_rest():
     pool = _pool(G=1, batch=2, over=2.0)
     pool.refill(0, Loader(2), encode)
@@ -94,9 +104,10 @@ def test_take_hands_out_the_oldest_complete_groups_and_carries_the_rest():
 
 def test_a_group_is_dropped_when_its_oldest_token_is_more_than_k_versions_behind():
     """The split placement's rule, read at the oldest token of any sample; a group without tokens is never stale."""
-    pool = _pool(G=2, batch=4, over=1.0)
-    pool.refill(0, Loader(4), encode)
-    table = [([], []), ([5], [3, 4]), ([1], []), ([2, 2], [5])]  # versions of each sample's tokens, per group
+    pool = _pool(G=2, batch=5, over=1.0)
+    pool.refill(0, Loader(5), encode)
+    # versions of each sample's tokens, per group; the last group's first token is stale, its last one fresh
+    table = [([], []), ([5], [3, 4]), ([1], []), ([2, 2], [5]), ([1, 5], [])]
     for g, (v0, v1) in zip(pool.groups, table):
         g.samples[0].versions, g.samples[1].versions = list(v0), list(v1)
         g.samples[0].token_ids, g.samples[1].token_ids = [0] * len(v0), [0] * len(v1)
@@ -221,3 +232,19 @@ def test_a_row_that_advanced_without_a_new_cache_lets_the_old_one_go():
     pool.absorb(pool.plan(), [Completion([4, 5], [-0.5] * 2, "abort")], 0, [torch.zeros(1, 2, 1, 3, 2)])
     pool.absorb(pool.plan(), [Completion([7], [-0.1], "abort")], 1, [None])
     assert s.kv is None and pool.plan().request.kv == ()
+
+
+def test_a_sample_that_finishes_lets_the_cache_it_had_go():
+    """A sample cut with a kept cache, then finished ("stop", or "length" at its budget) in the next call: it holds
+    no cache any more, neither the old one nor one the engine returned for it. Catches: a finished sample keeping its
+    cache (host memory and every checkpoint grow by it)."""
+    pool = PartialRollouts(2, 1, 1.0, 1.0, 6, 0, ROWS, keep_kv=True)  # 1 group of 2
+    pool.refill(0, Loader(1), encode)
+    a, b = pool.groups[0].samples
+    old = [torch.zeros(1, 2, 1, 3, 2), torch.ones(1, 2, 1, 3, 2)]
+    pool.absorb(pool.plan(), [Completion([4, 5], [-0.5] * 2, "abort")] * 2, 0, old)
+    assert a.kv is old[0] and b.kv is old[1]
+    new = [torch.full((1, 2, 1, 4, 2), 2.0), torch.full((1, 2, 1, 6, 2), 3.0)]
+    pool.absorb(pool.plan(), [Completion([6], [-0.1], "stop"), Completion([6] * 4, [-0.1] * 4, "length")], 1, new)
+    assert a.done and b.done and a.kv is None and b.kv is None
+    assert pool.state_dict()["groups"][0]["samples"][0].get("kv") is None

@@ -144,7 +144,7 @@ def test_group_prompts_moves_differing_prompt_tokens_under_mask_zero():
 def test_call_tally_adds_up_each_calls_account():
     """CallTally: the tokens and tails of every call through it, summed; None only while no call measured one (an
     engine that does not measure its tail keeps engine_metrics' -1). Oracle: a hand-made list of calls."""
-    from hybrid_rl.loop.rollout_stage import CallTally
+    from hybrid_rl.loop.rollout_stage import CallTally, engine_metrics
 
     class Engine:
         def __init__(self, accounts):
@@ -165,3 +165,9 @@ def test_call_tally_adds_up_each_calls_account():
     untimed.generate([[1]])
     untimed.generate([[1]])
     assert (untimed.last_generated_tokens, untimed.last_tail_s) == (6, None)
+    # engine_metrics: an unmeasured tail is -1 (the documented marker), a measured one of 0 s is 0
+    assert engine_metrics(untimed) == {"time/rollout_tail": -1.0, "rollout/tokens_generated": 6.0}
+    assert engine_metrics(Engine([]))["time/rollout_tail"] == -1.0
+    zero = Engine([(1, 0.0)])
+    zero.generate([[1]])
+    assert engine_metrics(zero) == {"time/rollout_tail": 0.0, "rollout/tokens_generated": 1.0}
