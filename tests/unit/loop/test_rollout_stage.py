@@ -171,3 +171,28 @@ def test_call_tally_adds_up_each_calls_account():
     zero = Engine([(1, 0.0)])
     zero.generate([[1]])
     assert engine_metrics(zero) == {"time/rollout_tail": 0.0, "rollout/tokens_generated": 1.0}
+
+
+def test_run_partial_tags_tokens_with_the_engines_version_not_the_batch_index(tiny_trainer_overrides, tiny_tokenizer):
+    """A split rollout rank makes batch 5 with weights of version 3 (its schedule runs k behind): every token the
+    call returns carries version 3, in the pool and in the batch's `last_token_versions`. Catches: tokens tagged with
+    the batch index, which undercounts their staleness. Oracle: the version the call was made with."""
+    from hybrid_rl.loop.partial import PartialRollouts
+
+    rows = [{"prompt": "a", "ids": [5, 6]}, {"prompt": "b", "ids": [8, 9]}]
+    stop = lambda ids: Completion(ids, [-0.5] * len(ids), "stop")  # noqa: E731
+    cut = lambda ids: Completion(ids, [-0.5] * len(ids), "abort")  # noqa: E731
+    script = {(5, 6): [stop([4, 1]), stop([7, 1])], (8, 9): [cut([4, 4]), cut([6])]}
+
+    class Engine(ScriptedEngine):
+        def generate(self, prompt_ids, params, partial=None):
+            return super().generate(prompt_ids, params)
+
+    stage = _stage(tiny_trainer_overrides, tiny_tokenizer, "rollout.partial=true", "trainer.max_staleness=4")
+    pool = PartialRollouts(2, 1, 2.0, 1.0, 8, 0, rows)
+    batch, m = stage.run_partial(Engine(script), pool, ListLoader([rows]), 5, StageTimer(), version=3)
+    assert [r["prompt"] for r in batch.rows] == ["a"]
+    assert stage.last_token_versions == [[3, 3], [3, 3]]
+    (carried,) = pool.groups
+    assert [s.versions for s in carried.samples] == [[3, 3], [3]]
+    assert m["rollout/carried"] == 2 and m["rollout/tokens_generated"] == 0  # a scripted engine measures nothing
